@@ -1,0 +1,145 @@
+"""hpcrl's command line: `hpcrl <command> --help` explains each command.
+
+hpcrl run experiments/quickstart.yaml          # GRPO end to end on this machine
+hpcrl engine serve --model DIR --port 30000    # the embedded SGLang-contract engine
+hpcrl model init-tiny DIR                      # a tiny Qwen3-architecture model for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _engine_serve(ns: argparse.Namespace) -> int:
+    from hpcrl.engine.embedded.server import ServerConfig, serve
+
+    cfg = ServerConfig(
+        model=ns.model,
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        device=ns.device,
+        dtype=ns.dtype,
+        max_running_requests=ns.max_running_requests,
+        context_length=ns.context_length,
+        max_prefill_tokens=ns.max_prefill_tokens,
+        deterministic=ns.deterministic,
+        onpolicy_logprobs=ns.onpolicy_logprobs,
+        random_seed=ns.random_seed,
+        weight_version=ns.weight_version,
+        enable_weights_cpu_backup=ns.enable_weights_cpu_backup,
+        group_timeout_s=ns.group_timeout_s,
+        num_threads=ns.num_threads,
+    )
+    serve(cfg)
+    return 0
+
+
+def _model_init_tiny(ns: argparse.Namespace) -> int:
+    from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
+
+    spec = TinyModelSpec(
+        num_layers=ns.layers,
+        hidden_size=ns.hidden,
+        intermediate_size=ns.intermediate,
+        num_heads=ns.heads,
+        num_kv_heads=ns.kv_heads,
+        head_dim=ns.head_dim,
+        max_position_embeddings=ns.max_positions,
+        seed=ns.seed,
+    )
+    path = init_tiny_model(ns.dir, spec, overwrite=ns.overwrite)
+    print(f"wrote a tiny Qwen3-architecture model to {path}")
+    return 0
+
+
+def _add_engine(sub: argparse._SubParsersAction) -> None:
+    engine = sub.add_parser("engine", help="rollout engines").add_subparsers(dest="engine_cmd", required=True)
+    p = engine.add_parser(
+        "serve",
+        help="serve a Hugging Face model with the embedded engine (SGLang's HTTP contract)",
+        description="Start the embedded rollout engine: an HTTP server that answers SGLang's RL endpoints "
+        "(/generate, /pause_generation, /update_weights_from_distributed, ...) with continuous batching.",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together (KV slots)")
+    p.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens (default: model's)")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens prefilled in one forward")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="form batches only on an idle engine, so a /generate call gives bit-identical results every time",
+    )
+    p.add_argument(
+        "--onpolicy-logprobs",
+        action="store_true",
+        help="score finished sequences with the trainer's forward, so the train/rollout log-prob gap is zero",
+    )
+    p.add_argument("--random-seed", type=int, default=0, help="seed for requests that carry no sampling_seed")
+    p.add_argument("--weight-version", default="default", help="initial weight version")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true", help="keep a host copy of released weights")
+    p.add_argument("--group-timeout-s", type=float, default=300.0, help="bound on weight-group rendezvous")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=_engine_serve)
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_cmd", required=True)
+    p = model.add_parser(
+        "init-tiny",
+        help="write a tiny random Qwen3-architecture model with a character tokenizer (HF format)",
+        description="Write a tiny Qwen3-architecture model (random weights) and a character-level tokenizer "
+        "in Hugging Face format, loadable by hpcrl, transformers and SGLang.",
+    )
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    p.set_defaults(func=_model_init_tiny)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpcrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_engine(sub)
+    _add_model(sub)
+    try:
+        from hpcrl.run_cli import add_run_commands
+    except ImportError:
+        pass
+    else:
+        add_run_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"hpcrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,684 @@
+"""HTTP client for one rollout engine speaking the SGLang contract (real SGLang or hpcrl's embedded engine).
+
+Failure model (why the retry rules differ per call):
+- A connection that could not be established means the request never left this process, so any call may be
+  re-sent; after the retries the engine is reported dead (`EngineUnreachableError`), quickly.
+- Calls that are safe to repeat (reads, health, flush, pause/continue, abort, version stamps) are also re-sent
+  when the engine answers 503 (starting, overloaded) or drops the connection mid-request.
+- `generate` is not re-sent once it may have reached the engine: a duplicate would burn engine time and
+  could return a sample the caller did not ask for twice.
+- Weight-update calls are never re-sent: each pairs with collectives on the trainer side, and a second call
+  would wait for broadcasts that never come.
+Every call is bounded by a timeout; no loop retries forever.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, cast
+
+import httpx
+
+from hpcrl.engine.protocol import (
+    DEFAULT_GROUP_NAME,
+    PAUSE_MODES,
+    AbortRequest,
+    ContinueGeneration,
+    DestroyWeightsUpdateGroup,
+    GenerateRequest,
+    GenerateResult,
+    GetWeightsByName,
+    InitWeightsUpdateGroup,
+    MemoryOccupation,
+    PauseGeneration,
+    PauseMode,
+    SamplingParams,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    UpdateWeightVersion,
+    parse_generate_response,
+)
+
+__all__ = [
+    "EngineBusyError",
+    "EngineClient",
+    "EngineError",
+    "EngineRequestError",
+    "EngineTimeoutError",
+    "EngineUnreachableError",
+]
+
+logger = logging.getLogger(__name__)
+
+# Exponential backoff doubles from retry_backoff_s; the cap keeps a long retry chain from sleeping minutes.
+_MAX_BACKOFF_S = 8.0
+# Error bodies can be whole HTML pages from a proxy; the first part is enough to name the problem.
+_MAX_ERROR_CHARS = 500
+
+
+class EngineError(RuntimeError):
+    """Base of every engine-client failure; `url` is the engine's base URL."""
+
+    def __init__(self, message: str, *, url: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status_code = status_code
+
+
+class EngineUnreachableError(EngineError):
+    """No connection to the engine (refused, DNS, connect timeout) or it closed the connection: dead or gone."""
+
+
+class EngineRequestError(EngineError):
+    """The engine answered with an error (HTTP 4xx, 5xx other than 503, or {"success": false}); not retried."""
+
+
+class EngineTimeoutError(EngineError):
+    """The engine accepted the connection but did not answer within the timeout."""
+
+
+class EngineBusyError(EngineError):
+    """The engine kept answering 503 (starting up, overloaded or unhealthy) through all retries."""
+
+
+class _Retry(enum.Enum):
+    NEVER = "never"  # weight updates: a repeat would pair with collectives that never come
+    CONNECT = "connect"  # only when the request provably never reached the engine
+    IDEMPOTENT = "idempotent"  # also on 503 and on connections dropped mid-request
+
+
+def _normalise_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("engine url is empty; pass e.g. 'http://127.0.0.1:30000'")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"engine url {url!r} must use http:// or https://")
+    return url
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own error text: {"error": {"message"}} (SGLang), {"message"}, {"detail"} (FastAPI) or raw."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:_MAX_ERROR_CHARS].strip() or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):
+            if key in body:
+                value = body[key]
+                return value if isinstance(value, str) else json.dumps(value)[:_MAX_ERROR_CHARS]
+    return json.dumps(body)[:_MAX_ERROR_CHARS]
+
+
+class EngineClient:
+    """Synchronous client of one engine, safe to share between threads (httpx pools connections).
+
+    `timeout_s` bounds each wait for the engine's bytes (for a non-streaming call, the whole answer);
+    `connect_timeout_s` bounds establishing a connection, kept short so that a dead engine shows quickly.
+    Every method takes `timeout_s=` to override the default for that call.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        max_connections: int = 256,
+    ) -> None:
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and connect_timeout_s ({connect_timeout_s}) must be > 0")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s must be >= 0, got {retry_backoff_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.url = _normalise_url(url)
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.max_retries = max_retries
+        self.retry_backoff_s = float(retry_backoff_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=self._timeout(None),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # HPC login and compute nodes often export http_proxy; engine traffic must never go through it.
+            trust_env=False,
+        )
+        # Endpoint names changed across SGLang versions (/get_model_info -> /model_info); remember what worked.
+        self._path_cache: dict[str, str] = {}
+        self._path_lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # lifecycle
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        # Never print the api key.
+        return f"EngineClient({self.url!r}, timeout_s={self.timeout_s}, max_retries={self.max_retries})"
+
+    # ----------------------------------------------------------------------------------------------------------
+    # transport
+
+    def _timeout(self, timeout_s: float | None) -> httpx.Timeout:
+        total = self.timeout_s if timeout_s is None else float(timeout_s)
+        if total <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        return httpx.Timeout(total, connect=min(self.connect_timeout_s, total))
+
+    def _backoff(self, attempt: int, why: str, method: str, path: str) -> None:
+        delay_s = min(self.retry_backoff_s * (2**attempt), _MAX_BACKOFF_S)
+        logger.warning(
+            "engine %s: %s %s failed (%s); retry %d/%d in %.2f s",
+            self.url,
+            method,
+            path,
+            why,
+            attempt + 1,
+            self.max_retries,
+            delay_s,
+        )
+        time.sleep(delay_s)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        retry: _Retry,
+        json_body: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        """Send one request with the retry policy; return a 2xx response or raise an EngineError."""
+        timeout = self._timeout(timeout_s)
+        where = f"{method} {self.url}{path}"
+        attempts = 1 + (0 if retry is _Retry.NEVER else self.max_retries)
+        for attempt in range(attempts):
+            can_retry = attempt + 1 < attempts
+            try:
+                response = self._http.request(method, path, json=json_body, params=params, timeout=timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # The request never left: re-sending is safe for every call that retries at all.
+                if can_retry:
+                    self._backoff(attempt, f"cannot connect: {exc}", method, path)
+                    continue
+                raise EngineUnreachableError(
+                    f"engine at {self.url} is unreachable ({type(exc).__name__}: {exc}) after {attempt + 1} "
+                    f"attempt(s) of {where}; check that the engine process is alive and that the address and port "
+                    "are right",
+                    url=self.url,
+                ) from exc
+            except httpx.PoolTimeout as exc:
+                raise EngineTimeoutError(
+                    f"{where}: no free connection in the client's pool within {timeout.pool} s; raise "
+                    "max_connections or lower the number of concurrent calls",
+                    url=self.url,
+                ) from exc
+            except httpx.TimeoutException as exc:
+                raise EngineTimeoutError(
+                    f"{where}: the engine did not answer within {timeout.read} s ({type(exc).__name__}); it may be "
+                    "hung or overloaded; raise timeout_s for long calls",
+                    url=self.url,
+                ) from exc
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError) as exc:
+                # The request may have reached the engine, so only repeatable calls are re-sent.
+                if retry is _Retry.IDEMPOTENT and can_retry:
+                    self._backoff(attempt, f"connection dropped: {exc}", method, path)
+                    continue
+                raise EngineUnreachableError(
+                    f"engine at {self.url} closed the connection during {where} ({type(exc).__name__}: {exc}); "
+                    "the engine process probably died or restarted",
+                    url=self.url,
+                ) from exc
+            except httpx.HTTPError as exc:
+                raise EngineError(f"{where} failed: {type(exc).__name__}: {exc}", url=self.url) from exc
+
+            status = response.status_code
+            if status == 503:
+                if retry is _Retry.IDEMPOTENT and can_retry:
+                    self._backoff(attempt, "HTTP 503", method, path)
+                    continue
+                raise EngineBusyError(
+                    f"{where} answered 503 (engine starting, overloaded or unhealthy) after {attempt + 1} "
+                    f"attempt(s): {_error_message(response)}",
+                    url=self.url,
+                    status_code=status,
+                )
+            if status >= 400:
+                hint = ""
+                if status in (401, 403):
+                    hint = "; pass the engine's --api-key as api_key="
+                raise EngineRequestError(
+                    f"{where} failed with HTTP {status}: {_error_message(response)}{hint}",
+                    url=self.url,
+                    status_code=status,
+                )
+            return response
+        raise AssertionError("unreachable: the retry loop always returns or raises")
+
+    def _json(self, response: httpx.Response, what: str) -> Any:
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineError(
+                f"{what}: the engine answered HTTP {response.status_code} with a body that is not JSON: "
+                f"{response.text[:_MAX_ERROR_CHARS]!r}",
+                url=self.url,
+                status_code=response.status_code,
+            ) from exc
+
+    def _checked(self, response: httpx.Response, what: str) -> dict[str, Any]:
+        """Body of a {"success": bool, "message": str} endpoint; success false is an error."""
+        body = self._json(response, what)
+        if not isinstance(body, dict):
+            raise EngineError(f"{what}: expected a JSON object, got {body!r}", url=self.url)
+        if body.get("success") is False:
+            raise EngineRequestError(
+                f"{what} failed on the engine: {body.get('message', '(no message)')}",
+                url=self.url,
+                status_code=response.status_code,
+            )
+        return body
+
+    def _get_with_fallback(self, paths: Sequence[str], *, timeout_s: float | None) -> Any:
+        """GET the first of `paths` that exists (404 moves on), remembering it for later calls."""
+        key = paths[0]
+        with self._path_lock:
+            known = self._path_cache.get(key)
+        candidates = [known] if known else list(paths)
+        for index, path in enumerate(candidates):
+            try:
+                response = self._request("GET", path, retry=_Retry.IDEMPOTENT, timeout_s=timeout_s)
+            except EngineRequestError as exc:
+                if exc.status_code == 404 and index + 1 < len(candidates):
+                    continue
+                raise
+            with self._path_lock:
+                self._path_cache[key] = path
+            return self._json(response, f"GET {path}")
+        raise AssertionError("unreachable: the last candidate path returns or raises")
+
+    # ----------------------------------------------------------------------------------------------------------
+    # generation
+
+    def generate(
+        self,
+        input_ids: Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | Sequence[str] | None = None,
+        return_sampling_mask: bool = False,
+        logprob_start_len: int = -1,
+        timeout_s: float | None = None,
+    ) -> GenerateResult | list[GenerateResult]:
+        """POST /generate with token ids: one prompt (`list[int]`) or a batch (`list[list[int]]`).
+
+        Returns one result for one prompt with n == 1, else a list of `batch_size * n` results, prompt-major.
+        An aborted request is a result with `finish_reason.type == "abort"`, not an exception.
+        """
+        ids: list[int] | list[list[int]]
+        if input_ids and isinstance(input_ids[0], Sequence):
+            ids = [list(cast(Sequence[int], prompt)) for prompt in input_ids]
+        else:
+            ids = list(cast(Sequence[int], input_ids))
+        params: SamplingParams | list[SamplingParams]
+        if sampling_params is None:
+            params = SamplingParams()
+        elif isinstance(sampling_params, SamplingParams):
+            params = sampling_params
+        else:
+            params = list(sampling_params)
+        request = GenerateRequest(
+            input_ids=ids,
+            sampling_params=params,
+            return_logprob=return_logprob,
+            rid=rid if rid is None or isinstance(rid, str) else list(rid),
+            return_sampling_mask=return_sampling_mask,
+            logprob_start_len=logprob_start_len,
+        )
+        return self.generate_request(request, timeout_s=timeout_s)
+
+    def generate_request(
+        self, request: GenerateRequest, *, timeout_s: float | None = None
+    ) -> GenerateResult | list[GenerateResult]:
+        """POST /generate with a prepared request (also for `text` prompts)."""
+        if request.stream:
+            raise ValueError("EngineClient does not stream; send the request with stream=False")
+        response = self._request(
+            "POST", "/generate", retry=_Retry.CONNECT, json_body=request.to_dict(), timeout_s=timeout_s
+        )
+        body = self._json(response, "POST /generate")
+        try:
+            parsed = parse_generate_response(body)
+        except ValueError as exc:
+            raise EngineError(f"POST /generate: malformed response from the engine: {exc}", url=self.url) from exc
+        if isinstance(parsed, list) != request.returns_list or (
+            isinstance(parsed, list) and len(parsed) != request.num_results
+        ):
+            got = f"a list of {len(parsed)}" if isinstance(parsed, list) else "one object"
+            want = f"a list of {request.num_results}" if request.returns_list else "one object"
+            raise EngineError(f"POST /generate: expected {want} result(s), the engine sent {got}", url=self.url)
+        return parsed
+
+    def generate_many(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        max_concurrency: int = 32,
+        timeout_s: float | None = None,
+    ) -> list[GenerateResult | list[GenerateResult]]:
+        """Send requests concurrently from a thread pool; results in request order.
+
+        The first failure cancels the requests not yet sent and is raised; requests already in flight finish.
+        """
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not requests:
+            return []
+        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(requests))) as pool:
+            futures: list[Future[GenerateResult | list[GenerateResult]]] = [
+                pool.submit(self.generate_request, request, timeout_s=timeout_s) for request in requests
+            ]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                if future in done and future.exception() is not None:
+                    for other in futures:
+                        other.cancel()
+                    raise cast(BaseException, future.exception())
+            return [future.result() for future in futures]
+
+    # ----------------------------------------------------------------------------------------------------------
+    # health and info
+
+    def health(self, *, timeout_s: float | None = None) -> bool:
+        """GET /health: True when the engine answers 200, False when it keeps answering 5xx.
+
+        Raises EngineUnreachableError when nothing answers, so that a dead engine is not mistaken for a busy one.
+        """
+        return self._probe("/health", timeout_s)
+
+    def health_generate(self, *, timeout_s: float | None = None) -> bool:
+        """GET /health_generate (runs a one-token generation). One False is not death: it has false negatives
+        during long prefills (sgl-project/sglang#22511)."""
+        return self._probe("/health_generate", timeout_s)
+
+    def _probe(self, path: str, timeout_s: float | None) -> bool:
+        try:
+            self._request("GET", path, retry=_Retry.IDEMPOTENT, timeout_s=timeout_s)
+        except EngineBusyError:
+            return False
+        except EngineRequestError as exc:
+            if exc.status_code is not None and exc.status_code >= 500:
+                return False
+            raise
+        return True
+
+    def model_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """GET /model_info (older servers: /get_model_info): model_path, weight_version, ..."""
+        body = self._get_with_fallback(("/model_info", "/get_model_info"), timeout_s=timeout_s)
+        if not isinstance(body, dict):
+            raise EngineError(f"GET /model_info: expected a JSON object, got {body!r}", url=self.url)
+        return body
+
+    def server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """GET /server_info (older servers: /get_server_info): server args, scheduler info, version."""
+        body = self._get_with_fallback(("/server_info", "/get_server_info"), timeout_s=timeout_s)
+        if not isinstance(body, dict):
+            raise EngineError(f"GET /server_info: expected a JSON object, got {body!r}", url=self.url)
+        return body
+
+    def weight_version(self, *, timeout_s: float | None = None) -> str:
+        """The engine's current weight version (model_info; older servers: /get_weight_version)."""
+        info = self.model_info(timeout_s=timeout_s)
+        if info.get("weight_version") is not None:
+            return str(info["weight_version"])
+        try:
+            body = self._get_with_fallback(("/get_weight_version",), timeout_s=timeout_s)
+        except EngineRequestError as exc:
+            if exc.status_code != 404:
+                raise
+            body = None
+        if isinstance(body, dict) and body.get("weight_version") is not None:
+            return str(body["weight_version"])
+        raise EngineError(
+            "the engine reports no weight_version in /model_info or /get_weight_version; it is too old for hpcrl",
+            url=self.url,
+        )
+
+    def wait_until_ready(self, timeout_s: float, *, poll_s: float = 0.5) -> float:
+        """Poll GET /health until it answers 200; return the seconds waited.
+
+        Raises EngineUnreachableError if nothing ever accepted a connection, EngineTimeoutError if the engine
+        answered but was not ready in time.
+        """
+        if timeout_s <= 0 or poll_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and poll_s ({poll_s}) must be > 0")
+        start = time.monotonic()
+        deadline = start + timeout_s
+        last_problem = "no probe was sent"
+        ever_connected = False
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            probe_timeout = httpx.Timeout(
+                min(self.timeout_s, remaining_s), connect=min(self.connect_timeout_s, remaining_s)
+            )
+            try:
+                response = self._http.get("/health", timeout=probe_timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last_problem = f"cannot connect ({type(exc).__name__}: {exc})"
+            except httpx.HTTPError as exc:
+                ever_connected = True
+                last_problem = f"{type(exc).__name__}: {exc}"
+            else:
+                ever_connected = True
+                if response.status_code == 200:
+                    return time.monotonic() - start
+                if response.status_code in (401, 403):
+                    raise EngineRequestError(
+                        f"GET {self.url}/health answered HTTP {response.status_code}: {_error_message(response)}; "
+                        "pass the engine's --api-key as api_key=",
+                        url=self.url,
+                        status_code=response.status_code,
+                    )
+                last_problem = f"HTTP {response.status_code}"
+            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+        elapsed_s = time.monotonic() - start
+        if not ever_connected:
+            raise EngineUnreachableError(
+                f"engine at {self.url} did not accept a connection within {elapsed_s:.1f} s (last: {last_problem}); "
+                "check the engine's log for a crash during startup and that the address and port are right",
+                url=self.url,
+            )
+        raise EngineTimeoutError(
+            f"engine at {self.url} was not ready after {elapsed_s:.1f} s (last /health: {last_problem}); "
+            "loading may be slow: raise the readiness timeout, or read the engine's log",
+            url=self.url,
+        )
+
+    # ----------------------------------------------------------------------------------------------------------
+    # cache, abort, pause
+
+    def flush_cache(self, *, wait_s: float | None = None, timeout_s: float | None = None) -> bool:
+        """POST /flush_cache: True when flushed, False when the engine refused because requests are running.
+
+        `wait_s` asks newer servers to wait that long for running requests to finish (older ones ignore it).
+        """
+        params = None if wait_s is None else {"timeout": wait_s}
+        try:
+            self._request("POST", "/flush_cache", retry=_Retry.IDEMPOTENT, params=params, timeout_s=timeout_s)
+        except EngineRequestError as exc:
+            if exc.status_code == 400:
+                return False
+            raise
+        return True
+
+    def abort_request(self, rid: str = "", abort_all: bool = False, *, timeout_s: float | None = None) -> None:
+        """POST /abort_request: abort requests whose rid starts with `rid`, or all of them.
+
+        Send it to each engine URL directly: routers have not always forwarded it (THUDM/slime#2340).
+        """
+        if not rid and not abort_all:
+            raise ValueError("abort_request(rid='') aborts nothing; pass a rid (prefix) or abort_all=True")
+        body = AbortRequest(rid=rid, abort_all=abort_all).to_dict()
+        try:
+            self._request("POST", "/abort_request", retry=_Retry.IDEMPOTENT, json_body=body, timeout_s=timeout_s)
+        except EngineRequestError as exc:
+            if exc.status_code == 404:
+                raise EngineRequestError(
+                    f"{exc} (a router in front of the engines may not forward /abort_request: send it to each "
+                    "engine's own URL)",
+                    url=self.url,
+                    status_code=404,
+                ) from exc
+            raise
+
+    def pause_generation(self, mode: PauseMode = "retract", *, timeout_s: float | None = None) -> dict[str, Any]:
+        """POST /pause_generation: 'abort' returns in-flight requests as aborted, 'retract' re-queues them
+        (KV recomputed later), 'in_place' freezes them with their KV kept (then flush_cache fails)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        response = self._request(
+            "POST",
+            "/pause_generation",
+            retry=_Retry.IDEMPOTENT,
+            json_body=PauseGeneration(mode=mode).to_dict(),
+            timeout_s=timeout_s,
+        )
+        return cast(dict[str, Any], self._json(response, "POST /pause_generation") or {})
+
+    def continue_generation(self, torch_empty_cache: bool = True, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """POST /continue_generation."""
+        response = self._request(
+            "POST",
+            "/continue_generation",
+            retry=_Retry.IDEMPOTENT,
+            json_body=ContinueGeneration(torch_empty_cache=torch_empty_cache).to_dict(),
+            timeout_s=timeout_s,
+        )
+        return cast(dict[str, Any], self._json(response, "POST /continue_generation") or {})
+
+    # ----------------------------------------------------------------------------------------------------------
+    # memory (colocated engines; the server needs --enable-memory-saver)
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
+        """POST /release_memory_occupation; `tags` among weights, kv_cache, cuda_graph (None: all)."""
+        body = MemoryOccupation(tags=None if tags is None else tuple(tags)).to_dict()
+        response = self._request(
+            "POST", "/release_memory_occupation", retry=_Retry.CONNECT, json_body=body, timeout_s=timeout_s
+        )
+        self._raise_on_failure(response, "POST /release_memory_occupation")
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
+        """POST /resume_memory_occupation; `tags` among weights, kv_cache, cuda_graph (None: all)."""
+        body = MemoryOccupation(tags=None if tags is None else tuple(tags)).to_dict()
+        response = self._request(
+            "POST", "/resume_memory_occupation", retry=_Retry.CONNECT, json_body=body, timeout_s=timeout_s
+        )
+        self._raise_on_failure(response, "POST /resume_memory_occupation")
+
+    def _raise_on_failure(self, response: httpx.Response, what: str) -> None:
+        # These endpoints answer an empty or null body on success; a {"success": false} object is a failure.
+        body = self._json(response, what)
+        if isinstance(body, dict):
+            self._checked(response, what)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # weights
+
+    def init_weights_update_group(
+        self, request: InitWeightsUpdateGroup, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """POST /init_weights_update_group. Blocks until the trainer joins the group: call it concurrently with
+        the trainer's init_process_group, and give `timeout_s` longer than that rendezvous may take."""
+        response = self._request(
+            "POST", "/init_weights_update_group", retry=_Retry.NEVER, json_body=request.to_dict(), timeout_s=timeout_s
+        )
+        return self._checked(response, "POST /init_weights_update_group")
+
+    def destroy_weights_update_group(
+        self, group_name: str = DEFAULT_GROUP_NAME, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """POST /destroy_weights_update_group."""
+        body = DestroyWeightsUpdateGroup(group_name=group_name).to_dict()
+        response = self._request(
+            "POST", "/destroy_weights_update_group", retry=_Retry.NEVER, json_body=body, timeout_s=timeout_s
+        )
+        return self._checked(response, "POST /destroy_weights_update_group")
+
+    def update_weights_from_distributed(
+        self, request: UpdateWeightsFromDistributed, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_distributed; the trainer broadcasts the tensors while this call waits."""
+        response = self._request(
+            "POST",
+            "/update_weights_from_distributed",
+            retry=_Retry.NEVER,
+            json_body=request.to_dict(),
+            timeout_s=timeout_s,
+        )
+        return self._checked(response, "POST /update_weights_from_distributed")
+
+    def update_weights_from_tensor(
+        self, request: UpdateWeightsFromTensor, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_tensor (CUDA IPC handles; same node only)."""
+        response = self._request(
+            "POST", "/update_weights_from_tensor", retry=_Retry.NEVER, json_body=request.to_dict(), timeout_s=timeout_s
+        )
+        return self._checked(response, "POST /update_weights_from_tensor")
+
+    def update_weight_version(
+        self, version: str, *, abort_all_requests: bool = False, timeout_s: float | None = None
+    ) -> str:
+        """POST /update_weight_version; returns the version the engine now reports.
+
+        `abort_all_requests` is always sent: SGLang's default is true and aborts all in-flight generation
+        (radixark/miles#2372).
+        """
+        body = UpdateWeightVersion(new_version=version, abort_all_requests=abort_all_requests).to_dict()
+        response = self._request(
+            "POST", "/update_weight_version", retry=_Retry.IDEMPOTENT, json_body=body, timeout_s=timeout_s
+        )
+        result = self._checked(response, "POST /update_weight_version")
+        return str(result.get("new_version", version))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, *, timeout_s: float | None = None) -> Any:
+        """POST /get_weights_by_name: the first `truncate_size` values of a parameter (nested lists), for tests."""
+        body = GetWeightsByName(name=name, truncate_size=truncate_size).to_dict()
+        response = self._request(
+            "POST", "/get_weights_by_name", retry=_Retry.IDEMPOTENT, json_body=body, timeout_s=timeout_s
+        )
+        return self._json(response, "POST /get_weights_by_name")

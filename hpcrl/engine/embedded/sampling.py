@@ -1,0 +1,114 @@
+"""Batched sampling whose random choices depend only on (request seed, token index).
+
+Each row's uniforms come from a counter-based hash of (seed, token index, vocab id) computed in
+tensors, so a request samples the same tokens whatever else shares its batch, on any device, and
+with no per-row generator objects. Sampling is Gumbel-max over the filtered, temperature-scaled
+logits, which draws exactly from softmax(logits / T) restricted to the support.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    # (x * m) mod 2**32 without overflowing int64: split x into 16-bit halves.
+    hi = ((x >> 16) * m) & 0xFFFF
+    return ((hi << 16) + (x & 0xFFFF) * m) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # "lowbias32" integer hash (good avalanche, cheap); x holds values in [0, 2**32).
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1), [B, V] float32, a pure function of (seed, step, vocab id)."""
+    device = seeds.device
+    lo = seeds & _MASK32
+    hi = (seeds >> 32) & _MASK32
+    s = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)
+    s = _mix32(s ^ (steps & _MASK32))
+    ids = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    x = _mix32(_mix32(s[:, None] ^ ids[None, :]) ^ 0x85EBCA6B)
+    # 24 bits are exact in float32, and the +0.5 keeps u strictly inside (0, 1).
+    return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as tensors on the model's device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 means greedy
+    top_k: torch.Tensor  # [B] int64; <= 0 means all
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the token being sampled
+
+    @property
+    def needs_filter(self) -> bool:
+        return bool(((self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0.0)).any())
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B]
+    logprobs: torch.Tensor  # [B] log-prob at temperature 1 of the chosen token
+    scaled_logprobs: torch.Tensor  # [B] log-prob under softmax(logits / T) (equals logprobs when T in {0, 1})
+    support_logprobs: torch.Tensor | None  # [B] log-prob renormalised over the support, when filtered
+    support_mask: torch.Tensor | None  # [B, V] bool, when filtered
+
+
+def support_mask(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
+    """Which ids survive top-k, top-p and min-p filtering of the scaled logits [B, V]."""
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    keep_sorted = torch.ones_like(sorted_probs, dtype=torch.bool)
+    k = torch.where(p.top_k > 0, p.top_k, scaled.shape[-1])
+    keep_sorted &= rank < k[:, None]
+    # top-p keeps the smallest prefix whose mass reaches p (the first token always stays).
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted &= mass_before < p.top_p[:, None]
+    keep_sorted &= sorted_probs >= (p.min_p[:, None] * sorted_probs[:, :1])
+    keep_sorted[:, 0] = True
+    mask = torch.zeros_like(keep_sorted)
+    mask.scatter_(-1, order, keep_sorted)
+    return mask
+
+
+def sample(logits: torch.Tensor, p: RowParams, *, want_support: bool) -> SampleOutput:
+    logits = logits.float()
+    logprobs_t1 = torch.log_softmax(logits, dim=-1)
+    greedy = p.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
+    scaled = logits / temp[:, None]
+    mask = support_mask(scaled, p) if p.needs_filter else None
+    gumbel = -torch.log(-torch.log(counter_uniform(p.seeds, p.steps, logits.shape[-1])))
+    noisy = scaled + gumbel
+    if mask is not None:
+        noisy = noisy.masked_fill(~mask, float("-inf"))
+    chosen = torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
+    idx = chosen[:, None]
+    scaled_lp = torch.log_softmax(scaled, dim=-1).gather(-1, idx)[:, 0]
+    support_lp = None
+    if want_support and mask is not None:
+        support_lp = torch.log_softmax(scaled.masked_fill(~mask, float("-inf")), dim=-1).gather(-1, idx)[:, 0]
+    elif want_support:
+        support_lp = scaled_lp
+    return SampleOutput(
+        token_ids=chosen,
+        logprobs=logprobs_t1.gather(-1, idx)[:, 0],
+        scaled_logprobs=torch.where(greedy, logprobs_t1.gather(-1, idx)[:, 0], scaled_lp),
+        support_logprobs=support_lp,
+        support_mask=mask,
+    )

@@ -1,0 +1,542 @@
+"""The embedded engine: an aiohttp server that answers SGLang's RL contract from hpcrl's own model code.
+
+    hpcrl engine serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu|cuda] [--dtype float32|bfloat16]
+
+The HTTP layer validates requests (with the same protocol types the client uses) and hands work to the
+scheduler thread; blocking control work (rendezvous, weight receive) runs in a thread pool so the event
+loop keeps answering /health while it lasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from hpcrl.engine import protocol as P
+from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
+from hpcrl.engine.embedded.weights import WeightReceiver
+from hpcrl.model.hf import load_model, parse_dtype
+
+log = logging.getLogger("hpcrl.engine")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running_requests: int = 64
+    context_length: int | None = None
+    max_prefill_tokens: int = 4096
+    deterministic: bool = False
+    onpolicy_logprobs: bool = False
+    random_seed: int = 0
+    weight_version: str = "default"
+    enable_weights_cpu_backup: bool = False
+    group_timeout_s: float = 300.0
+    num_threads: int | None = None
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
+
+
+def _ok(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": True, "status": "ok", "message": message, **extra})
+
+
+class EmbeddedEngine:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device)
+        self.dtype = parse_dtype(cfg.dtype)
+        self.model = load_model(cfg.model, dtype=self.dtype, device=self.device)
+        args = self.model.args
+        context_length = cfg.context_length or args.max_position_embeddings
+        self.scheduler = Scheduler(
+            self.model,
+            SchedulerConfig(
+                max_running_requests=cfg.max_running_requests,
+                context_length=context_length,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                deterministic=cfg.deterministic,
+                onpolicy_logprobs=cfg.onpolicy_logprobs,
+            ),
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.scheduler.weight_version = cfg.weight_version
+        self.weights = WeightReceiver(self.scheduler, group_timeout_s=cfg.group_timeout_s)
+        self.tokenizer = _load_tokenizer(cfg.model)
+        self._seed_rng = secrets.SystemRandom() if cfg.random_seed < 0 else None
+        self._request_counter = 0
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hpcrl-engine-ctl")
+        self.started_s = time.time()
+
+    # ----- helpers -----
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    def _seed_for(self, params: P.SamplingParams, sample_index: int, rid: str) -> int:
+        if params.sampling_seed is not None:
+            # Samples of one n>1 request must differ, yet stay a function of the request's seed.
+            return params.sampling_seed if sample_index == 0 else (params.sampling_seed * 1_000_003 + sample_index)
+        self._request_counter += 1
+        return (self.cfg.random_seed * 1_000_000_007 + self._request_counter) & ((1 << 62) - 1)
+
+    def _prompts(self, req: P.GenerateRequest) -> list[list[int]]:
+        if req.input_ids is not None:
+            ids = req.input_ids
+            batch = ids if req.is_batch else [ids]
+        else:
+            texts = req.text if isinstance(req.text, list) else [req.text]
+            batch = [self.tokenizer.encode(t, add_special_tokens=False) if self.tokenizer else [] for t in texts]
+        vocab = self.model.args.vocab_size
+        limit = self.scheduler.cfg.context_length
+        for i, prompt in enumerate(batch):  # type: ignore[arg-type]
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; send at least one token")
+            bad = [t for t in prompt if t >= vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
+            need = len(prompt) + req.params_for(i if req.is_batch else 0).max_new_tokens
+            if need > limit:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens and max_new_tokens asks for "
+                    f"{req.params_for(i if req.is_batch else 0).max_new_tokens} more: {need} > the context length "
+                    f"{limit}; shorten the prompt or lower max_new_tokens"
+                )
+        return batch  # type: ignore[return-value]
+
+    def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool) -> dict[str, Any]:
+        lat = (r.finished_s or time.monotonic()) - r.created_s
+        texts: list[str | None] | None = None
+        if text_in_logprobs and self.tokenizer:
+            texts = [self.tokenizer.decode([t]) for t in r.output_ids]
+        reason = r.finish_reason or {"type": "abort", "message": "no finish reason"}
+        result = P.GenerateResult(
+            text=self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            if want_text and self.tokenizer
+            else None,
+            output_ids=list(r.output_ids),
+            rid=r.rid,
+            finish_reason=P.FinishReason.from_dict(reason),
+            prompt_tokens=len(r.prompt_ids),
+            completion_tokens=len(r.output_ids),
+            weight_version=self.scheduler.weight_version,
+            output_token_logprobs=(r.scaled_logprobs if r.logprob_scaled else r.logprobs) if r.return_logprob else None,
+            weight_versions=[P.WeightVersionSpan(version=v, start=s, end=e) for v, s, e in r.version_spans],
+            sampling_mask=list(r.support_ids) if r.return_sampling_mask else None,
+            support_logprobs=list(r.support_logprobs) if r.return_sampling_mask else None,
+            num_retractions=r.num_retractions,
+            e2e_latency_s=lat,
+        )
+        return result.to_response(token_texts=texts)
+
+    # ----- handlers -----
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _error("the /generate body must be a JSON object")
+        body = dict(body)
+        logprob_scaled = bool(body.pop("return_scaled_logprob", False))
+        try:
+            req = P.GenerateRequest.from_dict(body)
+            if self.scheduler.weights_released or self.scheduler.cache is None:
+                raise ValueError(
+                    "engine memory is released (release_memory_occupation); call resume_memory_occupation "
+                    "before generating"
+                )
+            if req.stream:
+                raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
+            prompts = self._prompts(req)
+        except (ValueError, TypeError) as exc:
+            return _error(str(exc))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[SeqRequest]] = []
+        seqs: list[SeqRequest] = []
+        base_rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+        for i, prompt in enumerate(prompts):
+            params = req.params_for(i if req.is_batch else 0)
+            for j in range(req.n):
+                base = base_rids[i] or secrets.token_hex(8)
+                rid = base if req.n == 1 else f"{base}-{j}"
+                fut: asyncio.Future[SeqRequest] = loop.create_future()
+
+                def done(r: SeqRequest, fut: asyncio.Future[SeqRequest] = fut) -> None:
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+
+                seq = SeqRequest(
+                    rid=rid,
+                    prompt_ids=list(prompt),
+                    max_new_tokens=params.max_new_tokens,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    min_p=params.min_p,
+                    seed=self._seed_for(params, j, rid),
+                    stop_token_ids=frozenset(params.stop_token_ids),
+                    ignore_eos=params.ignore_eos,
+                    return_logprob=req.return_logprob,
+                    return_sampling_mask=req.return_sampling_mask,
+                    on_done=done,
+                )
+                seq.logprob_scaled = logprob_scaled  # type: ignore[attr-defined]
+                seqs.append(seq)
+                futures.append(fut)
+        self.scheduler.submit(seqs)
+        try:
+            finished = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            # The client went away: SGLang aborts a disconnected request, and so do we.
+            for s in seqs:
+                self.scheduler.call(lambda rid=s.rid: self.scheduler.abort(rid))
+            raise
+        want_text = self.tokenizer is not None
+        results = [self._result(r, want_text, req.return_text_in_logprobs) for r in finished]
+        return web.json_response(results if req.returns_list else results[0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if self.scheduler.paused or self.scheduler.weights_released:
+            return web.Response(text="")  # alive; generation is held on purpose
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[SeqRequest] = loop.create_future()
+        seq = SeqRequest(
+            rid=f"HEALTH_CHECK_{time.time()}",
+            prompt_ids=[0],
+            max_new_tokens=1,
+            temperature=0.0,
+            top_k=-1,
+            top_p=1.0,
+            min_p=0.0,
+            seed=0,
+            stop_token_ids=frozenset(),
+            ignore_eos=True,
+            return_logprob=False,
+            return_sampling_mask=False,
+            on_done=lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+        )
+        self.scheduler.submit([seq])
+        try:
+            r = await asyncio.wait_for(fut, timeout=20)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text="health check generate timed out")
+        if r.finish_reason and r.finish_reason.get("type") == "abort":
+            return web.Response(status=503, text=str(r.finish_reason.get("message")))
+        return web.Response(text="")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.cfg.model,
+                "tokenizer_path": self.cfg.model,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.scheduler.weight_version,
+                "model_type": "qwen3" if self.model.args.qk_norm else "llama",
+                "architectures": ["Qwen3ForCausalLM" if self.model.args.qk_norm else "LlamaForCausalLM"],
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k != "api_key"}
+        info["model_path"] = self.cfg.model
+        info["context_length"] = self.scheduler.cfg.context_length
+        info.update(
+            {
+                "engine": "hpcrl-embedded",
+                "version": _version(),
+                "internal_states": [
+                    {
+                        **self.scheduler.load(),
+                        "num_decode_steps": self.scheduler.num_decode_steps,
+                        "num_generated_tokens": self.scheduler.num_generated_tokens,
+                        "paused": self.scheduler.paused,
+                        "weights_released": self.scheduler.weights_released,
+                        "kv_cache_released": self.scheduler.cache is None,
+                    }
+                ],
+            }
+        )
+        return web.json_response(info)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        return web.json_response([{"dp_rank": 0, **self.scheduler.load(), "ts_tic": time.time()}])
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        try:
+            await self._on_scheduler(self.scheduler.flush_cache)
+        except EngineStateError as exc:
+            return web.Response(status=400, text=f"Cache not flushed: {exc}")
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
+        )
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            req = P.AbortRequest.from_dict(await _json_body(request))
+        except ValueError as exc:
+            return _error(str(exc))
+        await self._on_scheduler(lambda: self.scheduler.abort(req.rid, req.abort_all))
+        return web.Response(text="")
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            req = P.PauseGeneration.from_dict(await _json_body(request, default={}))
+        except ValueError as exc:
+            return _error(str(exc))
+        await self._on_scheduler(lambda: self.scheduler.pause(req.mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            P.ContinueGeneration.from_dict(await _json_body(request, default={}))
+        except ValueError as exc:
+            return _error(str(exc))
+        await self._on_scheduler(self.scheduler.resume_generation)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        try:
+            req = P.MemoryOccupation.from_dict(await _json_body(request, default={}))
+            tags = list(req.tags) if req.tags is not None else list(P.MEMORY_TAGS)
+            before = _device_bytes(self.device)
+            freed = await self._on_scheduler(
+                lambda: self.scheduler.release_memory(tags, weights_cpu_backup=self.cfg.enable_weights_cpu_backup)
+            )
+        except (ValueError, EngineStateError) as exc:
+            return _error(str(exc))
+        after = _device_bytes(self.device)
+        log.info("released %s: %s bytes (device allocated %s -> %s)", tags, freed, before, after)
+        return web.json_response(
+            {"success": True, "freed_bytes": freed, "device_allocated_before": before, "device_allocated_after": after}
+        )
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        try:
+            req = P.MemoryOccupation.from_dict(await _json_body(request, default={}))
+            tags = list(req.tags) if req.tags is not None else list(P.MEMORY_TAGS)
+            restored = await self._on_scheduler(lambda: self.scheduler.resume_memory(tags))
+        except (ValueError, EngineStateError) as exc:
+            return _error(str(exc))
+        return web.json_response({"success": True, "restored_bytes": restored})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            req = P.InitWeightsUpdateGroup.from_dict(await _json_body(request))
+            await self._run(
+                lambda: self.weights.init_group(
+                    master_address=req.master_address,
+                    master_port=req.master_port,
+                    rank_offset=req.rank_offset,
+                    world_size=req.world_size,
+                    group_name=req.group_name,
+                    backend=req.backend,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - the contract answers every failure as success=false
+            return _error(f"{type(exc).__name__}: {exc}")
+        return _ok(f"Initialized weight update group {req.group_name}.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            req = P.DestroyWeightsUpdateGroup.from_dict(await _json_body(request, default={}))
+            self.weights.destroy_group(req.group_name)
+        except (ValueError, EngineStateError) as exc:
+            return _error(str(exc))
+        return _ok(f"Destroyed weight update group {req.group_name}.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:
+            req = P.UpdateWeightsFromDistributed.from_dict(await _json_body(request))
+            if req.abort_all_requests:
+                await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
+            nbytes = await self._run(
+                lambda: self.weights.receive_distributed(
+                    names=list(req.names),
+                    dtypes=list(req.dtypes),
+                    shapes=[list(s) for s in req.shapes],
+                    group_name=req.group_name,
+                    load_format=req.load_format,
+                )
+            )
+            if req.weight_version is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+        except Exception as exc:  # noqa: BLE001
+            return _error(f"{type(exc).__name__}: {exc}")
+        return _ok(
+            f"Succeeded to update parameter online from distributed ({len(req.names)} tensors).",
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        from hpcrl.sync.handover import decode_payload
+
+        t0 = time.perf_counter()
+        try:
+            req = P.UpdateWeightsFromTensor.from_dict(await _json_body(request))
+            if len(req.serialized_named_tensors) != 1:
+                raise ValueError("the embedded engine has one rank: send exactly one serialized_named_tensors entry")
+            payload = decode_payload(req.serialized_named_tensors[0])
+            if req.abort_all_requests:
+                await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
+            nbytes = await self._run(lambda: self.weights.load_handover(payload))
+            if req.weight_version is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+        except Exception as exc:  # noqa: BLE001
+            return _error(f"{type(exc).__name__}: {exc}")
+        return _ok("Succeeded to update parameter online from tensor.", bytes=nbytes, seconds=time.perf_counter() - t0)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            req = P.UpdateWeightVersion.from_dict(await _json_body(request))
+        except ValueError as exc:
+            return _error(str(exc))
+        await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.new_version, req.abort_all_requests))
+        return _ok(f"Weight version updated to {req.new_version}", new_version=req.new_version)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        try:
+            req = P.GetWeightsByName.from_dict(await _json_body(request))
+            params = self.scheduler.named_parameters()
+            if req.name not in params:
+                raise ValueError(f"no parameter named {req.name!r}")
+            values = params[req.name].detach().float().flatten()[: req.truncate_size].cpu().tolist()
+        except ValueError as exc:
+            return _error(str(exc))
+        return web.json_response(values)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 30)
+        r = app.router
+        for method in ("POST", "PUT"):
+            r.add_route(method, "/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        r.add_get("/get_load", self.get_load)
+        r.add_get("/v1/loads", self.get_load)
+        for method in ("GET", "POST"):
+            r.add_route(method, "/flush_cache", self.flush_cache)
+            r.add_route(method, "/release_memory_occupation", self.release_memory)
+            r.add_route(method, "/resume_memory_occupation", self.resume_memory)
+            r.add_route(method, "/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post("/update_weights_from_tensor", self.update_from_tensor)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        app.on_shutdown.append(self._shutdown)
+        return app
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.cfg.api_key
+        if key:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return web.json_response(
+                    {"error": {"message": "Unauthorized: send Authorization: Bearer <api-key>"}}, status=401
+                )
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except EngineStateError as exc:
+            return _error(str(exc))
+
+    async def _shutdown(self, app: web.Application) -> None:
+        self.scheduler.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _json_body(request: web.Request, default: Any = None) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if default is not None:
+            return default
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"message": "the request body is empty; send a JSON object"}}),
+            content_type="application/json",
+        )
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"message": f"the request body is not valid JSON: {exc}"}}),
+            content_type="application/json",
+        ) from exc
+
+
+def _device_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def _load_tokenizer(model_dir: str) -> Any:
+    if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _version() -> str:
+    from hpcrl import __version__
+
+    return __version__
+
+
+def serve(cfg: ServerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    engine = EmbeddedEngine(cfg)
+    engine.scheduler.start()
+    log.info(
+        "loaded %s on %s/%s in %.1f s; serving on http://%s:%d",
+        cfg.model,
+        cfg.device,
+        cfg.dtype,
+        time.perf_counter() - t0,
+        cfg.host,
+        cfg.port,
+    )
+    web.run_app(engine.app(), host=cfg.host, port=cfg.port, print=None, access_log=None, handle_signals=True)

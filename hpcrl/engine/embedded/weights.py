@@ -1,0 +1,138 @@
+"""Weight updates for the embedded engine: from a torch.distributed group, and from same-host tensors.
+
+Receiving runs off the scheduler thread (generation goes on meanwhile when it is not paused);
+copying into the model runs on the scheduler thread, between forward passes.
+
+Same-host handover (`update_weights_from_tensor`) uses hpcrl's own JSON payload instead of SGLang's
+pickled MultiprocessingSerializer blobs, so the server never unpickles request data:
+  {"kind": "shm", "path": "/dev/shm/...", "nbytes": N, "tensors": [{name, dtype, shape, offset}]}
+  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...]}     (see hpcrl/sync/handover.py)
+each base64-encoded JSON in `serialized_named_tensors[0]`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler
+from hpcrl.sync.group import broadcast, init_weight_group
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    name = name.removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported for weights; use one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+class WeightReceiver:
+    def __init__(self, scheduler: Scheduler, *, group_timeout_s: float) -> None:
+        self.scheduler = scheduler
+        self.group_timeout_s = group_timeout_s
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self._lock = threading.Lock()
+
+    # ----- groups -----
+    def init_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        if group_name in self.groups:
+            raise EngineStateError(f"weight-update group {group_name!r} exists; destroy it first")
+        if self.scheduler.device.type == "cpu" and backend == "nccl":
+            backend = "gloo"  # NCCL needs CUDA; the same request then works on a CPU engine
+        pg = init_weight_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=self.group_timeout_s,
+        )
+        with self._lock:
+            self.groups[group_name] = pg
+
+    def destroy_group(self, group_name: str) -> None:
+        with self._lock:
+            pg = self.groups.pop(group_name, None)
+        if pg is None:
+            raise EngineStateError(f"no weight-update group named {group_name!r}")
+        del pg  # ProcessGroup objects free their resources when the last reference goes
+
+    # ----- checks shared by both paths -----
+    def check_names(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
+        params = {n: tuple(p.shape) for n, p in self.scheduler.named_parameters().items()}
+        if self.scheduler.weights_released:
+            params = {n: tuple(s) for n, (s, _) in self.scheduler._weight_shapes.items()}
+        for name, shape in zip(names, shapes, strict=True):
+            if name not in params:
+                raise ValueError(f"unknown weight {name!r}: the engine's model has no such parameter")
+            if tuple(shape) != params[name]:
+                raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model expects {params[name]}")
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy into the model (scheduler thread). Returns bytes loaded."""
+        if self.scheduler.weights_released:
+            raise EngineStateError("weights are released; resume_memory_occupation(['weights']) before an update")
+        params = self.scheduler.named_parameters()
+        total = 0
+        with torch.no_grad():
+            for name, tensor in named:
+                params[name].copy_(tensor)
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    # ----- update_weights_from_distributed -----
+    def receive_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None,
+    ) -> int:
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        self.check_names(names, shapes)
+        pg = self.groups.get(group_name)
+        if pg is None:
+            raise EngineStateError(f"no weight-update group named {group_name!r}: call init_weights_update_group first")
+        device = self.scheduler.device
+        torch_dtypes = [parse_dtype(d) for d in dtypes]
+        received: list[tuple[str, torch.Tensor]] = []
+        if load_format == "flattened_bucket":
+            if len(set(torch_dtypes)) != 1:
+                raise ValueError("a flattened_bucket must hold tensors of one dtype")
+            numels = [int(torch.Size(s).numel()) for s in shapes]
+            flat = torch.empty(sum(numels), dtype=torch_dtypes[0], device=device)
+            broadcast(pg, flat)
+            for name, shape, part in zip(names, shapes, flat.split(numels), strict=True):
+                received.append((name, part.view(shape)))
+        elif load_format in (None, "", "default"):
+            for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                broadcast(pg, buf)
+                received.append((name, buf))
+        else:
+            raise ValueError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
+        return self.scheduler.call(lambda: self._apply(received)).result()
+
+    # ----- update_weights_from_tensor -----
+    def load_handover(self, payload: dict[str, Any]) -> int:
+        from hpcrl.sync.handover import open_handover
+
+        with open_handover(payload, device=self.scheduler.device) as named:
+            self.check_names([n for n, _ in named], [list(t.shape) for _, t in named])
+            return self.scheduler.call(lambda: self._apply(named)).result()

@@ -1,0 +1,1053 @@
+"""Typed requests and responses of the SGLang HTTP contract (see docs/sglang-contract.md).
+
+One module serves both ends: `EngineClient` builds requests with `to_dict()` and parses responses with
+`GenerateResult.from_response`; the embedded engine server validates incoming JSON with `from_dict()` and
+answers with `GenerateResult.to_response()`. Every validation error is a `ValueError` whose message names
+the field, the allowed values and what was received, because the server returns it verbatim as HTTP 400.
+
+hpcrl extensions to `meta_info` (absent from upstream SGLang, so every reader treats them as optional):
+- `weight_versions`: `[{"version": str, "start": int, "end": int}, ...]` half-open spans `[start, end)` over
+  output-token indices saying which weight version produced each token (weights can change mid-request).
+- `sampling_mask`: per output token, the token ids of the sampling support after top-k/top-p/min-p.
+- `support_logprobs`: per output token, the log-prob renormalised over that support.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast, get_args
+
+__all__ = [
+    "AbortRequest",
+    "ContinueGeneration",
+    "DestroyWeightsUpdateGroup",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "GetWeightsByName",
+    "InitWeightsUpdateGroup",
+    "MemoryOccupation",
+    "PauseGeneration",
+    "SamplingParams",
+    "UpdateWeightVersion",
+    "UpdateWeightsFromDistributed",
+    "UpdateWeightsFromTensor",
+    "WeightVersionSpan",
+    "parse_generate_response",
+    "DEFAULT_GROUP_NAME",
+    "DEFAULT_WEIGHT_VERSION",
+    "LOAD_FORMATS",
+    "MEMORY_TAGS",
+    "PAUSE_MODES",
+    "WEIGHT_DTYPES",
+]
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+# SGLang's `--weight-version` default: what an engine reports before its first weight update.
+DEFAULT_WEIGHT_VERSION = "default"
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+# load_format None sends one broadcast per tensor; "flattened_bucket" one flat buffer per bucket.
+LOAD_FORMATS: tuple[str | None, ...] = (None, "flattened_bucket")
+# SGLang resolves a dtype string with getattr(torch, name), so only bare torch attribute names work.
+WEIGHT_DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
+FinishType = Literal["stop", "length", "abort"]
+FINISH_TYPES: tuple[str, ...] = get_args(FinishType)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation helpers. JSON has no int/bool distinction problem but Python does: True is an int, so every
+# integer check excludes bool explicitly.
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float))) and not isinstance(value, bool)
+
+
+def _int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    number = cast(int, value)
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}")
+    return number
+
+
+def _float(name: str, value: object) -> float:
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    number = float(cast(float, value))
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}")
+    return number
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _str(name: str, value: object, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
+    if not allow_empty and not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    return value
+
+
+def _optional_str(name: str, value: object) -> str | None:
+    return None if value is None else _str(name, value)
+
+
+def _list(name: str, value: object) -> list[Any]:
+    # A str is a Sequence too; accepting it would silently split "abc" into characters.
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a list, got {value!r} ({type(value).__name__})")
+    return list(value)
+
+
+def _token_ids(name: str, value: object, *, allow_empty: bool) -> list[int]:
+    ids = _list(name, value)
+    if not allow_empty and not ids:
+        raise ValueError(f"{name} is empty; a prompt needs at least one token id")
+    for index, token in enumerate(ids):
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"{name}[{index}] must be a non-negative integer token id, got {token!r}")
+    return ids
+
+
+def _mapping(name: str, value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a JSON object, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _reject_unknown_keys(what: str, data: Mapping[str, Any], valid: Sequence[str]) -> None:
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {what}; valid keys: {sorted(valid)}")
+
+
+def _is_default(value: object, default: object) -> bool:
+    # SGLang treats null as "use the default"; empty containers carry no request either.
+    if value is None or value == default:
+        return True
+    return isinstance(value, (Mapping, list, tuple, str)) and len(value) == 0 and default is None
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _simple_from_dict(cls: type, what: str, data: object, *, missing: Mapping[str, Any] | None = None) -> Any:
+    body = _mapping(what, data)
+    names = _field_names(cls)
+    _reject_unknown_keys(what, body, names)
+    kwargs = dict(missing or {})
+    kwargs.update(body)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        # A missing required key surfaces as TypeError from the dataclass __init__.
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        raise ValueError(f"{what} is missing required key(s); required: {required} ({exc})") from exc
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sampling parameters
+
+# Keys of SGLang's SamplingParams that the embedded engine does not implement, with SGLang's defaults: a request
+# may carry them at their default (clients such as Miles send full dicts), never with another value, because
+# silently ignoring a penalty or a grammar would return samples from a different distribution than asked.
+_UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "custom_params": None,
+    "logit_bias": None,
+}
+# Keys that only shape delivery (streaming chunk size), never the samples: safe to accept and ignore.
+_IGNORED_SAMPLING_KEYS = ("stream_interval",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """The sampling parameters hpcrl uses; names, defaults and ranges follow SGLang's SamplingParams.
+
+    `temperature=0` means greedy. `top_k=-1` means the whole vocabulary. Lists given for `stop_token_ids`
+    or `stop` are stored as tuples so that the object stays immutable and hashable.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        p = "sampling_params."
+        _int(p + "max_new_tokens", self.max_new_tokens, minimum=0)
+        temperature = _float(p + "temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"{p}temperature must be >= 0 (0 means greedy), got {temperature}")
+        top_p = _float(p + "top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"{p}top_p must be in (0, 1] (1 disables top-p), got {top_p}")
+        top_k = _int(p + "top_k", self.top_k)
+        if top_k != -1 and top_k < 1:
+            raise ValueError(f"{p}top_k must be -1 (whole vocabulary) or >= 1, got {top_k}")
+        min_p = _float(p + "min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"{p}min_p must be in [0, 1] (0 disables min-p), got {min_p}")
+        stop_ids = tuple(_token_ids(p + "stop_token_ids", self.stop_token_ids, allow_empty=True))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(_list(p + "stop", self.stop))
+        for index, text in enumerate(stop):
+            _str(f"{p}stop[{index}]", text)
+        _bool(p + "ignore_eos", self.ignore_eos)
+        _int(p + "n", self.n, minimum=1)
+        if self.sampling_seed is not None:
+            _int(p + "sampling_seed", self.sampling_seed, minimum=0)
+        _bool(p + "skip_special_tokens", self.skip_special_tokens)
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "min_p", min_p)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def truncates_support(self) -> bool:
+        """True when top-k/top-p/min-p shrink the sampling support (then the trainer needs the support mask)."""
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @classmethod
+    def from_dict(cls, data: object) -> SamplingParams:
+        """Validate a request's `sampling_params` object as SGLang would.
+
+        Null means default (SGLang's rule). SGLang keys the embedded engine does not implement are accepted at
+        their default and rejected otherwise; unknown keys are rejected with the list of valid keys.
+        """
+        body = _mapping("sampling_params", data)
+        supported = _field_names(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in body.items():
+            if key in supported:
+                if value is not None:
+                    kwargs[key] = value
+            elif key in _UNSUPPORTED_SAMPLING_DEFAULTS:
+                default = _UNSUPPORTED_SAMPLING_DEFAULTS[key]
+                if not _is_default(value, default):
+                    raise ValueError(
+                        f"sampling_params.{key}={value!r} is not supported by the embedded engine; "
+                        f"remove it (default {default!r}) or run a real SGLang server, which implements it"
+                    )
+            elif key not in _IGNORED_SAMPLING_KEYS:
+                valid = sorted([*supported, *_UNSUPPORTED_SAMPLING_DEFAULTS, *_IGNORED_SAMPLING_KEYS])
+                raise ValueError(f"unknown key {key!r} in sampling_params; valid keys: {valid}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The contract's JSON form: only non-default fields, plus `max_new_tokens` always."""
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if spec.name == "max_new_tokens" or value == spec.default:
+                continue
+            out[spec.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# /generate request
+
+# GenerateReqInput keys the embedded engine does not implement, with SGLang's defaults (same rule as sampling).
+_UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "top_logprobs_num": 0,
+    "token_ids_logprob": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_indexer_topk": False,
+    "return_prompt_token_ids": False,
+    "return_entropy": False,
+    "lora_path": None,
+    "lora_id": None,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+}
+# Routing and bookkeeping hints that cannot change the samples of a single-engine server.
+_IGNORED_GENERATE_KEYS = (
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "routing_key",
+    "priority",
+    "log_metrics",
+    "extra_key",
+    "custom_labels",
+    "modalities",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """A `/generate` request: one prompt (`input_ids: list[int]`, `text: str`) or a batch (lists of those).
+
+    Exactly one of `input_ids` and `text` is set. For a batch, `sampling_params` is one object for all items
+    or a list with one per item, and `rid` (if set) is a list with one id per item. With `n > 1` SGLang
+    answers a list of `batch_size * n` results, prompt-major (all samples of prompt 0 first).
+    """
+
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    rid: str | list[str] | None = None
+    return_sampling_mask: bool = False
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    def __post_init__(self) -> None:
+        if self.input_ids is not None and self.text is not None:
+            raise ValueError("send exactly one of text or input_ids, not both")
+        if self.input_ids is None and self.text is None:
+            raise ValueError("one of input_ids (token ids, what RL clients send) or text is required")
+        batch_size: int | None
+        if self.input_ids is not None:
+            ids = _list("input_ids", self.input_ids)
+            if ids and all(not _is_int(x) for x in ids):
+                if not all(isinstance(x, Sequence) and not isinstance(x, str) for x in ids):
+                    raise ValueError(
+                        "input_ids must be a list of token ids (one prompt) or a list of such lists (a batch)"
+                    )
+                batch = [_token_ids(f"input_ids[{i}]", x, allow_empty=False) for i, x in enumerate(ids)]
+                object.__setattr__(self, "input_ids", batch)
+                batch_size = len(batch)
+            else:
+                object.__setattr__(self, "input_ids", _token_ids("input_ids", ids, allow_empty=False))
+                batch_size = None
+        else:
+            if isinstance(self.text, str):
+                batch_size = None
+            else:
+                texts = _list("text", self.text)
+                if not texts:
+                    raise ValueError("text is an empty batch; send at least one prompt")
+                for index, item in enumerate(texts):
+                    _str(f"text[{index}]", item, allow_empty=True)
+                object.__setattr__(self, "text", texts)
+                batch_size = len(texts)
+
+        params = self.sampling_params
+        if isinstance(params, SamplingParams):
+            pass
+        elif batch_size is None:
+            raise ValueError("sampling_params must be one object for a single prompt (a list is for batches)")
+        else:
+            items = _list("sampling_params", params)
+            if len(items) != batch_size:
+                raise ValueError(f"sampling_params has {len(items)} entries but the batch has {batch_size} prompts")
+            for index, item in enumerate(items):
+                if not isinstance(item, SamplingParams):
+                    raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(item).__name__}")
+            if len({item.n for item in items}) > 1:
+                raise ValueError("sampling_params.n must be the same for every item of a batch (SGLang's rule)")
+            object.__setattr__(self, "sampling_params", items)
+
+        if self.rid is not None:
+            if batch_size is None:
+                _str("rid", self.rid)
+            else:
+                rids = [] if isinstance(self.rid, str) else _list("rid", self.rid)
+                if len(rids) != batch_size:
+                    raise ValueError(f"rid must be a list of {batch_size} ids (one per prompt), got {self.rid!r}")
+                for index, rid in enumerate(rids):
+                    _str(f"rid[{index}]", rid)
+                object.__setattr__(self, "rid", rids)
+        _bool("return_logprob", self.return_logprob)
+        _bool("return_sampling_mask", self.return_sampling_mask)
+        _int("logprob_start_len", self.logprob_start_len, minimum=-1)
+        _bool("return_text_in_logprobs", self.return_text_in_logprobs)
+        _bool("stream", self.stream)
+
+    @property
+    def is_batch(self) -> bool:
+        return self.batch_size is not None
+
+    @property
+    def batch_size(self) -> int | None:
+        """Number of prompts of a batch request; None for a single prompt."""
+        if self.input_ids is not None:
+            return len(self.input_ids) if isinstance(self.input_ids[0], list) else None
+        return None if isinstance(self.text, str) else len(cast(list, self.text))
+
+    @property
+    def n(self) -> int:
+        """Samples per prompt (validated equal across a batch)."""
+        params = self.sampling_params
+        return params.n if isinstance(params, SamplingParams) else params[0].n
+
+    @property
+    def num_results(self) -> int:
+        return (self.batch_size or 1) * self.n
+
+    @property
+    def returns_list(self) -> bool:
+        """SGLang answers a list for a batch and for n > 1, a single object otherwise."""
+        return self.is_batch or self.n > 1
+
+    def params_for(self, index: int) -> SamplingParams:
+        """Sampling parameters of prompt `index` (0 for a single prompt)."""
+        params = self.sampling_params
+        return params if isinstance(params, SamplingParams) else params[index]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.input_ids is not None:
+            out["input_ids"] = self.input_ids
+        else:
+            out["text"] = self.text
+        params = self.sampling_params
+        out["sampling_params"] = (
+            params.to_dict() if isinstance(params, SamplingParams) else [item.to_dict() for item in params]
+        )
+        out["return_logprob"] = self.return_logprob
+        if self.return_logprob:
+            # Explicit because 0 (whole prompt) defeats the prefix cache and older servers defaulted to None.
+            out["logprob_start_len"] = self.logprob_start_len
+        if self.rid is not None:
+            out["rid"] = self.rid
+        # Extensions and non-default flags only: older upstream servers may reject keys they do not know.
+        if self.return_sampling_mask:
+            out["return_sampling_mask"] = True
+        if self.return_text_in_logprobs:
+            out["return_text_in_logprobs"] = True
+        if self.stream:
+            out["stream"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> GenerateRequest:
+        """Validate a `/generate` body as the embedded server receives it."""
+        body = _mapping("the /generate body", data)
+        own = _field_names(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in body.items():
+            if key in own:
+                if value is not None:
+                    kwargs[key] = value
+            elif key in _UNSUPPORTED_GENERATE_DEFAULTS:
+                default = _UNSUPPORTED_GENERATE_DEFAULTS[key]
+                if not _is_default(value, default):
+                    raise ValueError(
+                        f"{key}={value!r} is not supported by the embedded engine; remove it (default "
+                        f"{default!r}) or run a real SGLang server, which implements it"
+                    )
+            elif key not in _IGNORED_GENERATE_KEYS:
+                valid = sorted([*own, *_UNSUPPORTED_GENERATE_DEFAULTS, *_IGNORED_GENERATE_KEYS])
+                raise ValueError(f"unknown key {key!r} in the /generate body; valid keys: {valid}")
+        if "sampling_params" in kwargs:
+            # Entries may already be SamplingParams when a caller parsed them first.
+            raw = kwargs["sampling_params"]
+            if isinstance(raw, Mapping):
+                kwargs["sampling_params"] = SamplingParams.from_dict(raw)
+            elif not isinstance(raw, SamplingParams):
+                items = _list("sampling_params", raw)
+                parsed = []
+                for index, item in enumerate(items):
+                    try:
+                        parsed.append(
+                            item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item or {})
+                        )
+                    except ValueError as exc:
+                        raise ValueError(f"sampling_params[{index}]: {exc}") from exc
+                kwargs["sampling_params"] = parsed
+        if isinstance(kwargs.get("return_logprob"), list):
+            # SGLang allows one flag per item; mixed flags would need per-item output shapes we do not build.
+            flags = {_bool("return_logprob[]", flag) for flag in kwargs["return_logprob"]}
+            if len(flags) > 1:
+                raise ValueError("per-item return_logprob values differ; the embedded engine needs one bool")
+            kwargs["return_logprob"] = flags.pop() if flags else False
+        return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# /generate response
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishReason:
+    """`meta_info.finish_reason`: stop (EOS / stop token id / stop string in `matched`), length, or abort."""
+
+    type: FinishType
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in FINISH_TYPES:
+            raise ValueError(f"finish_reason.type must be one of {list(FINISH_TYPES)}, got {self.type!r}")
+        if self.matched is not None and not (_is_int(self.matched) or isinstance(self.matched, str)):
+            raise ValueError(f"finish_reason.matched must be a token id or a string, got {self.matched!r}")
+        if self.length is not None:
+            _int("finish_reason.length", self.length, minimum=0)
+        if self.message is not None:
+            _str("finish_reason.message", self.message, allow_empty=True)
+        if self.status_code is not None:
+            _int("finish_reason.status_code", self.status_code)
+
+    @classmethod
+    def from_dict(cls, data: object) -> FinishReason | None:
+        """Parse the contract shape; None (unfinished stream chunk) stays None. Unknown extra keys are ignored."""
+        if data is None:
+            return None
+        body = _mapping("finish_reason", data)
+        return cls(
+            type=body.get("type"),  # type: ignore[arg-type]  # validated in __post_init__
+            matched=body.get("matched"),
+            length=body.get("length"),
+            message=body.get("message"),
+            status_code=body.get("status_code"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        else:
+            out["message"] = self.message or ""
+            if self.status_code is not None:
+                out["status_code"] = self.status_code
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightVersionSpan:
+    """Output tokens `[start, end)` were sampled with weight version `version` (hpcrl extension)."""
+
+    version: str
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        _str("weight_versions[].version", self.version)
+        start = _int("weight_versions[].start", self.start, minimum=0)
+        end = _int("weight_versions[].end", self.end, minimum=0)
+        if end <= start:
+            raise ValueError(f"weight_versions span must have end > start (half-open), got [{start}, {end})")
+
+    @classmethod
+    def from_dict(cls, data: object) -> WeightVersionSpan:
+        body = _mapping("weight_versions[]", data)
+        return cls(version=body.get("version"), start=body.get("start"), end=body.get("end"))  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateResult:
+    """One sample of a `/generate` response.
+
+    `output_token_logprobs` holds the log-prob of each output token (from `meta_info.output_token_logprobs`,
+    present when the request set return_logprob). `weight_versions`, `sampling_mask` and `support_logprobs` are
+    hpcrl extensions, None when the engine did not send them (upstream SGLang never does).
+    """
+
+    text: str | None
+    output_ids: list[int]
+    rid: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    output_token_logprobs: list[float] | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+    sampling_mask: list[list[int]] | None = None
+    support_logprobs: list[float] | None = None
+    num_retractions: int = 0
+    e2e_latency_s: float | None = None
+    # The raw meta_info, for fields this type does not model (routed_experts, spec-decoding counters, ...).
+    meta_info: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        num_tokens = len(self.output_ids)
+        for name in ("output_token_logprobs", "sampling_mask", "support_logprobs"):
+            values = getattr(self, name)
+            if values is not None and len(values) != num_tokens:
+                raise ValueError(f"{name} has {len(values)} entries for {num_tokens} output tokens")
+        if self.weight_versions is not None:
+            position = 0
+            for span in self.weight_versions:
+                if span.start != position:
+                    raise ValueError(
+                        f"weight_versions spans must tile the output tokens in order from 0; a span starts at "
+                        f"{span.start} where {position} was expected"
+                    )
+                position = span.end
+            if position != num_tokens:
+                raise ValueError(f"weight_versions spans cover {position} tokens, the output has {num_tokens}")
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason.type == "abort"
+
+    def token_weight_versions(self) -> list[str | None]:
+        """The weight version of every output token: expanded spans, else `weight_version` for all."""
+        if self.weight_versions is None:
+            return [self.weight_version] * len(self.output_ids)
+        out: list[str | None] = []
+        for span in self.weight_versions:
+            out.extend([span.version] * (span.end - span.start))
+        return out
+
+    @classmethod
+    def from_response(cls, data: object) -> GenerateResult:
+        """Parse one result object of a `/generate` response (see `parse_generate_response` for lists)."""
+        body = _mapping("a /generate result", data)
+        meta = dict(_mapping("meta_info of a /generate result", body.get("meta_info")))
+        raw_logprobs = meta.get("output_token_logprobs")
+        logprobs: list[float] | None = None
+        output_ids = body.get("output_ids")
+        if raw_logprobs is not None:
+            logprobs, logprob_ids = [], []
+            for index, entry in enumerate(_list("meta_info.output_token_logprobs", raw_logprobs)):
+                triple = _list(f"meta_info.output_token_logprobs[{index}]", entry)
+                if len(triple) < 2:
+                    raise ValueError(f"meta_info.output_token_logprobs[{index}] must be [logprob, token_id, text]")
+                logprobs.append(_float(f"meta_info.output_token_logprobs[{index}][0]", triple[0]))
+                logprob_ids.append(_int(f"meta_info.output_token_logprobs[{index}][1]", triple[1], minimum=0))
+            # The token ids next to the log-probs are the ones those log-probs describe, so they are what a
+            # trainer must use (Miles reads its tokens from here too); output_ids is a fallback without them.
+            output_ids = logprob_ids
+        if output_ids is None:
+            raise ValueError("a /generate result has neither output_ids nor meta_info.output_token_logprobs")
+        spans = meta.get("weight_versions")
+        mask = meta.get("sampling_mask")
+        support = meta.get("support_logprobs")
+        retractions = meta.get("num_retractions", meta.get("total_retractions"))
+        latency = meta.get("e2e_latency")
+        version = meta.get("weight_version")
+        return cls(
+            text=body.get("text"),
+            output_ids=_token_ids("output_ids", output_ids, allow_empty=True),
+            rid=str(meta.get("id", "")),
+            finish_reason=FinishReason.from_dict(meta.get("finish_reason")),
+            prompt_tokens=_int("meta_info.prompt_tokens", meta.get("prompt_tokens") or 0, minimum=0),
+            completion_tokens=_int("meta_info.completion_tokens", meta.get("completion_tokens") or 0, minimum=0),
+            cached_tokens=_int("meta_info.cached_tokens", meta.get("cached_tokens") or 0, minimum=0),
+            weight_version=None if version is None else str(version),
+            output_token_logprobs=logprobs,
+            weight_versions=None
+            if spans is None
+            else [WeightVersionSpan.from_dict(s) for s in _list("meta_info.weight_versions", spans)],
+            sampling_mask=None
+            if mask is None
+            else [
+                _token_ids(f"meta_info.sampling_mask[{i}]", m, allow_empty=True)
+                for i, m in enumerate(_list("meta_info.sampling_mask", mask))
+            ],
+            support_logprobs=None
+            if support is None
+            else [
+                _float(f"meta_info.support_logprobs[{i}]", v)
+                for i, v in enumerate(_list("meta_info.support_logprobs", support))
+            ],
+            num_retractions=_int("meta_info.num_retractions", retractions or 0, minimum=0),
+            e2e_latency_s=None if latency is None else _float("meta_info.e2e_latency", latency),
+            meta_info=meta,
+        )
+
+    def to_response(self, *, token_texts: Sequence[str | None] | None = None) -> dict[str, Any]:
+        """The contract's JSON object for this result (what the embedded server sends).
+
+        `token_texts` fills the third element of each output_token_logprobs entry (null unless the request
+        set return_text_in_logprobs).
+        """
+        meta: dict[str, Any] = dict(self.meta_info)
+        meta.update(
+            {
+                "id": self.rid,
+                "finish_reason": None if self.finish_reason is None else self.finish_reason.to_dict(),
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+                "weight_version": self.weight_version if self.weight_version is not None else DEFAULT_WEIGHT_VERSION,
+                "num_retractions": self.num_retractions,
+            }
+        )
+        if self.e2e_latency_s is not None:
+            meta["e2e_latency"] = self.e2e_latency_s
+        if self.output_token_logprobs is not None:
+            texts = list(token_texts) if token_texts is not None else [None] * len(self.output_ids)
+            if len(texts) != len(self.output_ids):
+                raise ValueError(f"token_texts has {len(texts)} entries for {len(self.output_ids)} output tokens")
+            meta["output_token_logprobs"] = [
+                [lp, tid, text]
+                for lp, tid, text in zip(self.output_token_logprobs, self.output_ids, texts, strict=True)
+            ]
+        if self.weight_versions is not None:
+            meta["weight_versions"] = [span.to_dict() for span in self.weight_versions]
+        if self.sampling_mask is not None:
+            meta["sampling_mask"] = self.sampling_mask
+        if self.support_logprobs is not None:
+            meta["support_logprobs"] = self.support_logprobs
+        out: dict[str, Any] = {"output_ids": self.output_ids, "meta_info": meta}
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+
+def parse_generate_response(data: object) -> GenerateResult | list[GenerateResult]:
+    """Parse a `/generate` body: an object for one sample, a list for a batch or n > 1."""
+    if isinstance(data, list):
+        results = []
+        for index, item in enumerate(data):
+            try:
+                results.append(GenerateResult.from_response(item))
+            except ValueError as exc:
+                raise ValueError(f"result {index}: {exc}") from exc
+        return results
+    return GenerateResult.from_response(data)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Control and weight-update requests
+
+
+@dataclass(frozen=True, kw_only=True)
+class InitWeightsUpdateGroup:
+    """POST /init_weights_update_group: the trainer is rank 0; engine ranks start at `rank_offset`."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+    def __post_init__(self) -> None:
+        _str("master_address", self.master_address)
+        _int("master_port", self.master_port, minimum=1, maximum=65535)
+        _int("rank_offset", self.rank_offset, minimum=0)
+        _int("world_size", self.world_size, minimum=1)
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset ({self.rank_offset}) must be < world_size ({self.world_size}): the engine's ranks "
+                "are rank_offset .. rank_offset + tp*dp - 1 inside the group"
+            )
+        _str("group_name", self.group_name)
+        _str("backend", self.backend)
+
+    @classmethod
+    def from_dict(cls, data: object) -> InitWeightsUpdateGroup:
+        return cast(InitWeightsUpdateGroup, _simple_from_dict(cls, "the /init_weights_update_group body", data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DestroyWeightsUpdateGroup:
+    """POST /destroy_weights_update_group."""
+
+    group_name: str = DEFAULT_GROUP_NAME
+
+    def __post_init__(self) -> None:
+        _str("group_name", self.group_name)
+
+    @classmethod
+    def from_dict(cls, data: object) -> DestroyWeightsUpdateGroup:
+        return cast(DestroyWeightsUpdateGroup, _simple_from_dict(cls, "the /destroy_weights_update_group body", data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_load_format(value: object) -> None:
+    if value not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateWeightsFromDistributed:
+    """POST /update_weights_from_distributed: the engine receives these tensors, in order, from group rank 0.
+
+    With `load_format=None` the trainer broadcasts one tensor per name; with "flattened_bucket" one flat buffer.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+    def __post_init__(self) -> None:
+        names = tuple(_str(f"names[{i}]", name) for i, name in enumerate(_list("names", self.names)))
+        dtypes = tuple(_list("dtypes", self.dtypes))
+        for index, dtype in enumerate(dtypes):
+            if dtype not in WEIGHT_DTYPES:
+                hint = ""
+                if isinstance(dtype, str) and dtype.startswith("torch."):
+                    hint = f" (send {dtype.removeprefix('torch.')!r}: SGLang resolves it with getattr(torch, name))"
+                raise ValueError(f"dtypes[{index}] must be one of {list(WEIGHT_DTYPES)}, got {dtype!r}{hint}")
+        shapes = tuple(
+            tuple(_int(f"shapes[{i}][{j}]", dim, minimum=0) for j, dim in enumerate(_list(f"shapes[{i}]", shape)))
+            for i, shape in enumerate(_list("shapes", self.shapes))
+        )
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must have one entry per tensor; got {len(names)} names, "
+                f"{len(dtypes)} dtypes, {len(shapes)} shapes"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError("names contains duplicates; each tensor must appear once per update")
+        _str("group_name", self.group_name)
+        _bool("flush_cache", self.flush_cache)
+        _bool("abort_all_requests", self.abort_all_requests)
+        _optional_str("weight_version", self.weight_version)
+        _check_load_format(self.load_format)
+        _bool("torch_empty_cache", self.torch_empty_cache)
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "dtypes", dtypes)
+        object.__setattr__(self, "shapes", shapes)
+
+    @classmethod
+    def from_dict(cls, data: object) -> UpdateWeightsFromDistributed:
+        return cast(
+            UpdateWeightsFromDistributed, _simple_from_dict(cls, "the /update_weights_from_distributed body", data)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["names"] = list(self.names)
+        out["dtypes"] = list(self.dtypes)
+        out["shapes"] = [list(shape) for shape in self.shapes]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateWeightsFromTensor:
+    """POST /update_weights_from_tensor: one serialized payload per engine TP rank (CUDA IPC, same node only)."""
+
+    serialized_named_tensors: tuple[str, ...]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+    torch_empty_cache: bool = False
+
+    def __post_init__(self) -> None:
+        payloads = tuple(
+            _str(f"serialized_named_tensors[{i}]", item)
+            for i, item in enumerate(_list("serialized_named_tensors", self.serialized_named_tensors))
+        )
+        if not payloads:
+            raise ValueError("serialized_named_tensors is empty; send one payload per engine TP rank")
+        _check_load_format(self.load_format)
+        _bool("flush_cache", self.flush_cache)
+        _bool("abort_all_requests", self.abort_all_requests)
+        _optional_str("weight_version", self.weight_version)
+        if self.disable_draft_model is not None:
+            _bool("disable_draft_model", self.disable_draft_model)
+        _bool("torch_empty_cache", self.torch_empty_cache)
+        object.__setattr__(self, "serialized_named_tensors", payloads)
+
+    @classmethod
+    def from_dict(cls, data: object) -> UpdateWeightsFromTensor:
+        return cast(UpdateWeightsFromTensor, _simple_from_dict(cls, "the /update_weights_from_tensor body", data))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["serialized_named_tensors"] = list(self.serialized_named_tensors)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateWeightVersion:
+    """POST /update_weight_version.
+
+    The dataclass default `abort_all_requests=False` is hpcrl's; SGLang's server default is True and aborted
+    nearly all in-flight generation after every sync in Miles (radixark/miles#2372), so `to_dict` always sends
+    the flag. `from_dict` applies SGLang's True when the key is missing, so the embedded server behaves like SGLang.
+    """
+
+    new_version: str
+    abort_all_requests: bool = False
+
+    def __post_init__(self) -> None:
+        _str("new_version", self.new_version)
+        _bool("abort_all_requests", self.abort_all_requests)
+
+    @classmethod
+    def from_dict(cls, data: object) -> UpdateWeightVersion:
+        return cast(
+            UpdateWeightVersion,
+            _simple_from_dict(cls, "the /update_weight_version body", data, missing={"abort_all_requests": True}),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"new_version": self.new_version, "abort_all_requests": self.abort_all_requests}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PauseGeneration:
+    """POST /pause_generation. SGLang's default mode is "abort"; hpcrl's client defaults to "retract"."""
+
+    mode: PauseMode = "abort"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {self.mode!r}")
+
+    @classmethod
+    def from_dict(cls, data: object) -> PauseGeneration:
+        # Older servers took no body at all; an empty or null body means the default mode.
+        return cast(PauseGeneration, _simple_from_dict(cls, "the /pause_generation body", data or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContinueGeneration:
+    """POST /continue_generation."""
+
+    torch_empty_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _bool("torch_empty_cache", self.torch_empty_cache)
+
+    @classmethod
+    def from_dict(cls, data: object) -> ContinueGeneration:
+        return cast(ContinueGeneration, _simple_from_dict(cls, "the /continue_generation body", data or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"torch_empty_cache": self.torch_empty_cache}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AbortRequest:
+    """POST /abort_request: `rid` matches by prefix in the scheduler; `abort_all` ignores `rid`.
+
+    SGLang accepts an empty body (rid "" without abort_all) and does nothing, so this type accepts it too.
+    """
+
+    rid: str = ""
+    abort_all: bool = False
+
+    def __post_init__(self) -> None:
+        _str("rid", self.rid, allow_empty=True)
+        _bool("abort_all", self.abort_all)
+
+    @classmethod
+    def from_dict(cls, data: object) -> AbortRequest:
+        return cast(AbortRequest, _simple_from_dict(cls, "the /abort_request body", data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rid": self.rid, "abort_all": self.abort_all}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryOccupation:
+    """POST /release_memory_occupation and /resume_memory_occupation; `tags=None` means all tags."""
+
+    tags: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tags is None:
+            return
+        tags = tuple(_list("tags", self.tags))
+        for index, tag in enumerate(tags):
+            if tag not in MEMORY_TAGS:
+                raise ValueError(f"tags[{index}] must be one of {list(MEMORY_TAGS)}, got {tag!r}")
+        object.__setattr__(self, "tags", tags)
+
+    @classmethod
+    def from_dict(cls, data: object) -> MemoryOccupation:
+        return cast(MemoryOccupation, _simple_from_dict(cls, "the memory occupation body", data or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tags": None if self.tags is None else list(self.tags)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetWeightsByName:
+    """POST /get_weights_by_name (for tests): the first `truncate_size` values of one parameter."""
+
+    name: str
+    truncate_size: int = 100
+
+    def __post_init__(self) -> None:
+        _str("name", self.name)
+        _int("truncate_size", self.truncate_size, minimum=1)
+
+    @classmethod
+    def from_dict(cls, data: object) -> GetWeightsByName:
+        return cast(GetWeightsByName, _simple_from_dict(cls, "the /get_weights_by_name body", data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "truncate_size": self.truncate_size}

@@ -1,0 +1,323 @@
+"""One causal-LM implementation shared by the embedded engine and the torch trainer.
+
+Qwen3 and Llama-family dense models (GQA, RMSNorm, SwiGLU, RoPE, optional QK-norm, tied or untied
+embeddings). Parameter names equal the Hugging Face names, so a state dict loads from and saves to an
+HF directory unchanged, and the weight push sends exactly the names an SGLang server loads.
+
+Sharing one implementation is what lets the on-policy mode make the train/rollout log-prob gap
+exactly zero: the engine scores a finished sequence with the same `forward` the trainer uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    qk_norm: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        model_type = cfg.get("model_type", "")
+        if model_type not in ("qwen3", "qwen2", "llama", "mistral"):
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; hpcrl's embedded engine and torch trainer "
+                "support dense Qwen3/Qwen2/Llama/Mistral causal LMs"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only the default RoPE)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelArgs:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found: --model must be a Hugging Face model directory "
+                "(create a tiny one with `hpcrl model init-tiny DIR`)"
+            )
+        cfg = json.loads(path.read_text())
+        args = cls.from_hf_config(cfg)
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            extra = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+            args = _replace(args, eos_token_ids=tuple(dict.fromkeys(args.eos_token_ids + extra)))
+        return args
+
+
+def _replace(args: ModelArgs, **kw: Any) -> ModelArgs:
+    from dataclasses import replace
+
+    return replace(args, **kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers (normalise in fp32, cast back, then scale) so that the two
+        # implementations agree to the last bit in fp32.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, D]; cos/sin [B, T, D]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+@dataclass
+class KVCache:
+    """Static per-layer K/V buffers [slots, kv_heads, max_len, head_dim]; a slot holds one sequence."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls, args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
+        shape = (num_slots, args.num_kv_heads, max_len, args.head_dim)
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        for t in self.k + self.v:
+            t[dst].copy_(t[src])
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, t, _ = x.shape
+        a = self.args
+        q = self.q_proj(x).view(b, t, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(b, t, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Full causal attention over right-padded sequences (padding never leaks into real tokens)."""
+        q, k, v = self._qkv(x, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def forward_cached(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+        start_pos: torch.Tensor,
+        attn_len: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention that appends this chunk's K/V to cache rows `k_rows`/`v_rows` [B, kv, L, D] at
+        `start_pos` [B]; `mask` [B, 1, T, attn_len] marks which cached positions each new token sees.
+        """
+        q, k, v = self._qkv(x, cos, sin)
+        b, t = x.shape[0], x.shape[1]
+        pos = start_pos[:, None] + torch.arange(t, device=x.device)[None, :]  # [B, T]
+        rows = torch.arange(b, device=x.device)[:, None].expand(b, t)
+        # Advanced indices around a slice put their dims first: the target is [B, T, kv, D].
+        k_rows[rows, :, pos] = k.transpose(1, 2)
+        v_rows[rows, :, pos] = v.transpose(1, 2)
+        keys, values = k_rows[:, :, :attn_len], v_rows[:, :, :attn_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @property
+    def _gqa(self) -> bool:
+        return self.args.num_heads != self.args.num_kv_heads
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names match transformers' `*ForCausalLM` (model.layers.N.self_attn.q_proj.weight, ...)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_weight)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of right-padded sequences [B, T] (positions start at 0 in every row)."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
+        for layer in self.model.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids))
+
+    def forward_cached(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        first_slot: int,
+        start_pos: torch.Tensor,
+        last_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run new tokens [B, T] of the sequences in cache slots first_slot..first_slot+B-1 and return
+        the logits at `last_index` [B] of each row (the position that predicts the next token), [B, V].
+
+        The engine keeps running sequences in contiguous slots so that the cache rows are a view,
+        not a gather. Each row's new tokens start at `start_pos[b]`; rows are right-padded to T, and
+        padded tokens write cache entries past the row's end that are overwritten before anyone reads them.
+        """
+        b, t = input_ids.shape
+        device = input_ids.device
+        positions = start_pos[:, None] + torch.arange(t, device=device)[None, :]
+        attn_len = int((start_pos + t).max().item())
+        key_pos = torch.arange(attn_len, device=device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
+        rows = slice(first_slot, first_slot + b)
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn.forward_cached(
+                layer.input_layernorm(h), cos, sin, cache.k[i][rows], cache.v[i][rows], start_pos, attn_len, mask
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = h[torch.arange(b, device=device), last_index]
+        return self.logits(self.model.norm(last))
+
+
+def token_logprobs_of_sequence(model: CausalLM, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Log-probs (temperature 1, fp32) of tokens ids[prompt_len:] given everything before them.
+
+    The on-policy scorer: the engine and the trainer both call this on one unpadded sequence, so the
+    values agree bit for bit.
+    """
+    logits = model(ids[None])[0, prompt_len - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[prompt_len:, None])[:, 0]

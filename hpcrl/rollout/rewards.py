@@ -1,0 +1,223 @@
+"""Reward functions: plain callables `fn(response: str, answer: str) -> float`, named in the config.
+
+A reward is either a built-in name (see `BUILTIN_REWARDS`) or a dotted path to any importable callable,
+`package.module.func` or `package.module:func`. `score` runs one over a batch so that a crash or a bad
+value in one sample marks that sample failed instead of killing the step; `check_failures` then decides,
+from a configured share, whether the batch is still worth training on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from typing import cast
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardError",
+    "RewardFn",
+    "ScoreResult",
+    "arithmetic_answer",
+    "check_failures",
+    "exact_match",
+    "gsm8k_final_number",
+    "load_reward",
+    "score",
+]
+
+RewardFn = Callable[[str, str], float]
+
+
+class RewardError(ValueError):
+    """A reward function could not be loaded, or failed on too many samples."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in rewards
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response equals the answer up to surrounding whitespace, else 0.0."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+# An integer not glued to a decimal point: "3.5" holds no integer, while "is 7." ends with 7.
+# The minus counts only when no digit precedes it, so "10-3" ends with 3, not -3.
+_INTEGER_RE = re.compile(r"(?<![\d.])-?\d+(?!\.?\d)")
+
+
+def arithmetic_answer(response: str, answer: str) -> float:
+    """1.0 when the last integer in the response equals the integer answer, else 0.0.
+
+    Integers are plain digits with an optional leading minus; thousands separators are not understood
+    ("1,234" ends with the integer 234), which suits the generated arithmetic tasks this is meant for.
+    """
+    try:
+        expected = int(answer.strip())
+    except ValueError:
+        raise ValueError(f"arithmetic_answer needs an integer answer, got {answer!r}") from None
+    matches = _INTEGER_RE.findall(response)
+    return 1.0 if matches and int(matches[-1]) == expected else 0.0
+
+
+# Thousands groups are tried first so that "1,234" is one number but "1,2,3" is three.
+_NUMBER_RE = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_GSM8K_TOLERANCE = 1e-6
+
+
+def _final_number(text: str) -> float | None:
+    """The number after the last '####' when there is one, else the last number in the text."""
+    _, marker, after = text.rpartition("####")
+    if marker:
+        match = _NUMBER_RE.search(after)
+        if match:
+            return float(match.group().replace(",", "").replace("$", ""))
+    numbers_found = _NUMBER_RE.findall(text)
+    if not numbers_found:
+        return None
+    return float(numbers_found[-1].replace(",", "").replace("$", ""))
+
+
+def gsm8k_final_number(response: str, answer: str) -> float:
+    """1.0 when the response's final number equals the answer's, within 1e-6, else 0.0.
+
+    The final number is the one after '####' when present, else the last number; commas and '$' are
+    ignored. The answer may be a bare number or a full GSM8K solution ending in '#### 72'.
+    """
+    expected = _final_number(answer)
+    if expected is None:
+        raise ValueError(f"gsm8k_final_number found no number in the answer {answer!r}")
+    got = _final_number(response)
+    return 1.0 if got is not None and abs(got - expected) <= _GSM8K_TOLERANCE else 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "arithmetic_answer": arithmetic_answer,
+    "gsm8k": gsm8k_final_number,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_reward(spec: str) -> RewardFn:
+    """The reward function named by `spec`: a built-in name, 'package.module.func' or 'package.module:func'."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    builtins = ", ".join(BUILTIN_REWARDS)
+    if ":" in spec:
+        module_name, _, attr = spec.rpartition(":")
+    elif "." in spec:
+        module_name, _, attr = spec.rpartition(".")
+    else:
+        raise RewardError(
+            f"unknown reward {spec!r}; use a built-in ({builtins}) or a dotted path such as 'mypkg.rewards.my_reward'"
+        )
+    if not module_name or not attr:
+        raise RewardError(
+            f"reward {spec!r} is not a valid path; expected 'package.module.func' or 'package.module:func'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise RewardError(
+                f"reward {spec!r}: no module named {module_name!r} ({exc}); check the spelling and that its package "
+                f"is installed or on PYTHONPATH; built-ins: {builtins}"
+            ) from exc
+        # The module exists but one of its own imports is missing: that is the user's dependency to install.
+        raise RewardError(f"reward {spec!r}: importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise RewardError(f"reward {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        available = sorted(name for name, value in vars(module).items() if callable(value) and not name.startswith("_"))
+        raise RewardError(
+            f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}; "
+            f"its public callables: {', '.join(available) or '(none)'}; built-ins: {builtins}"
+        )
+    fn: object = getattr(module, attr)
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r} is a {type(fn).__name__}, not callable; built-ins: {builtins}")
+    _check_signature(fn, spec)
+    return cast(RewardFn, fn)
+
+
+def _check_signature(fn: Callable[..., object], spec: str) -> None:
+    # Catch a wrong signature at load time rather than as a failure on every sample of the first step.
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some C callables have no signature to check
+    try:
+        signature.bind("response", "answer")
+    except TypeError as exc:
+        raise RewardError(
+            f"reward {spec!r} has signature {signature}, which cannot be called as fn(response, answer): {exc}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scoring
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    """Rewards of a batch; a failed sample has reward NaN and its error text, the others error None."""
+
+    rewards: list[float]
+    errors: list[str | None]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(error is not None for error in self.errors)
+
+    @property
+    def failed_share(self) -> float:
+        return self.num_failed / len(self.errors) if self.errors else 0.0
+
+
+def score(fn: RewardFn, responses: Sequence[str], answers: Sequence[str]) -> ScoreResult:
+    """Apply `fn` to each (response, answer); exceptions and non-finite or non-numeric values fail that sample."""
+    if len(responses) != len(answers):
+        raise ValueError(f"score got {len(responses)} responses but {len(answers)} answers; pass one answer each")
+    rewards: list[float] = []
+    errors: list[str | None] = []
+    for response, answer in zip(responses, answers, strict=True):
+        reward, error = _score_one(fn, response, answer)
+        rewards.append(reward)
+        errors.append(error)
+    return ScoreResult(rewards=rewards, errors=errors)
+
+
+def _score_one(fn: RewardFn, response: str, answer: str) -> tuple[float, str | None]:
+    try:
+        value: object = fn(response, answer)
+    except Exception as exc:  # a user hook may raise anything; one bad sample must not end the step
+        return math.nan, f"{type(exc).__name__}: {exc}"
+    # numbers.Real admits numpy scalars; bool is an int, so True/False count as 1.0/0.0.
+    if not isinstance(value, numbers.Real):
+        return math.nan, f"reward returned {type(value).__name__}, expected a number"
+    reward = float(value)
+    if not math.isfinite(reward):
+        return math.nan, f"reward returned {reward}, expected a finite number"
+    return reward, None
+
+
+def check_failures(result: ScoreResult, max_failed_share: float) -> None:
+    """Raise RewardError when the share of failed samples is above `max_failed_share` (0 to 1)."""
+    if not 0.0 <= max_failed_share <= 1.0:
+        raise ValueError(f"max_failed_share must be between 0 and 1, got {max_failed_share}")
+    if result.failed_share <= max_failed_share:
+        return
+    first = next(i for i, error in enumerate(result.errors) if error is not None)
+    raise RewardError(
+        f"reward failed on {result.num_failed} of {len(result.errors)} samples ({result.failed_share:.1%}), "
+        f"above max_failed_share {max_failed_share:.1%}; first error (sample {first}): {result.errors[first]}"
+    )

@@ -1,0 +1,55 @@
+"""Group-relative advantages (GRPO).
+
+A group is every sample drawn for one prompt; advantages compare a sample only with its siblings, so
+no value model is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["group_advantages", "zero_std_group_share"]
+
+
+def _check_rewards(rewards: Tensor) -> None:
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a floating tensor, got {rewards.dtype}")
+    if rewards.shape[1] == 0:
+        raise ValueError("rewards must have group_size >= 1")
+
+
+def _constant_groups(rewards: Tensor) -> Tensor:
+    # Exact equality rather than std == 0: the mean of identical floats can differ from them by an ulp,
+    # which would turn a constant group into a tiny nonzero std and a huge advantage.
+    return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def group_advantages(rewards: Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Advantages ``(r - mean_group) / (std_group + eps)`` of shape ``[num_groups, group_size]``.
+
+    The std is the population std (``unbiased=False``): the group is the whole set being compared, not a
+    sample of a larger one, and it stays defined for a group of one. With ``normalize_std=False`` the
+    advantages are only centred (Dr. GRPO style). Groups whose rewards are all equal carry no learning
+    signal and get exactly 0, never NaN or rounding noise.
+    """
+    _check_rewards(rewards)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    mean = rewards.mean(dim=1, keepdim=True)
+    adv = rewards - mean
+    if normalize_std:
+        std = rewards.std(dim=1, unbiased=False, keepdim=True)
+        # A constant group would divide 0 by eps (or by 0); it is zeroed below, so keep the divisor sane.
+        adv = adv / (std + eps).clamp_min(torch.finfo(rewards.dtype).tiny)
+    return torch.where(_constant_groups(rewards)[:, None], torch.zeros_like(adv), adv)
+
+
+def zero_std_group_share(rewards: Tensor) -> float:
+    """Share of groups whose rewards are all equal (they contribute no policy gradient)."""
+    _check_rewards(rewards)
+    if rewards.shape[0] == 0:
+        return 0.0
+    return _constant_groups(rewards).float().mean().item()

@@ -1,0 +1,489 @@
+"""Pure-torch losses for the trainer: token log-probs, PPO/GRPO policy loss, SFT loss, numerics checks.
+
+Shapes: ``B`` sequences, ``T`` positions, ``V`` vocabulary. ``mask`` marks the response tokens that
+count; every other position may hold any value (padding, prompt) and never leaks into a loss, a
+gradient or a statistic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PolicyLossConfig",
+    "logprob_mismatch",
+    "policy_loss",
+    "sft_loss",
+    "support_mask_from_ids",
+    "token_logprobs",
+]
+
+Aggregation = Literal["token", "sequence"]
+_AGGREGATIONS = ("token", "sequence")
+
+
+# --------------------------------------------------------------------------------------------------
+# Token log-probs
+# --------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 for bf16/fp16/fp32 logits; float64 stays float64 so gradcheck-style tests can run exactly.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_blocks(logits: Tensor, chunk_rows: int) -> list[tuple[int, int, Tensor]]:
+    """``(first_row, last_row, [rows, V] view)`` blocks covering ``logits`` [B, T, V] in flat row order.
+
+    Views only: ``logits[:, :-1]`` (the usual next-token shift) cannot be flattened without a full copy,
+    so such tensors are walked one sequence at a time instead.
+    """
+    b, t, v = logits.shape
+    try:
+        segments = [(0, logits.view(b * t, v))]
+    except RuntimeError:
+        segments = [(i * t, logits[i]) for i in range(b)]
+    blocks = []
+    for offset, seg in segments:
+        for start in range(0, seg.shape[0], chunk_rows):
+            stop = min(start + chunk_rows, seg.shape[0])
+            blocks.append((offset + start, offset + stop, seg[start:stop]))
+    return blocks
+
+
+def _block_logits(rows: Tensor, support: Tensor | None, temperature: float) -> Tensor:
+    """Scaled logits of one block in the compute dtype, with ids outside the support at -inf."""
+    # Always a fresh tensor: callers edit it in place, and .to() of fp32 logits would alias them.
+    if temperature != 1.0:
+        x = rows.to(_compute_dtype(rows.dtype)) / temperature
+    else:
+        x = rows.to(_compute_dtype(rows.dtype), copy=True)
+    if support is not None:
+        # A row without any recorded support (prompt, padding) is left unrestricted instead of becoming
+        # an all -inf row whose NaNs would reach the gradient through masked-out positions.
+        allowed = support | ~support.any(dim=-1, keepdim=True)
+        x.masked_fill_(~allowed, -math.inf)
+    return x
+
+
+def _finite_or_zero(logp: Tensor) -> Tensor:
+    # p * log p is 0 * -inf = NaN outside the support; its limit is 0.
+    return logp.masked_fill(logp == -math.inf, 0.0)
+
+
+def _logprobs_forward(
+    logits: Tensor,
+    targets: Tensor,
+    support: Tensor | None,
+    temperature: float,
+    with_entropy: bool,
+    chunk_rows: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Chunked forward: ``logits`` [B, T, V], ``targets`` [N], ``support`` [N, V] | None, N = B*T.
+
+    Returns (logprobs [N], logsumexp [N], entropy [N] | None).
+    """
+    n = targets.shape[0]
+    cdt = _compute_dtype(logits.dtype)
+    lp = torch.empty(n, dtype=cdt, device=logits.device)
+    lse = torch.empty(n, dtype=cdt, device=logits.device)
+    ent = torch.empty(n, dtype=cdt, device=logits.device) if with_entropy else None
+    for r0, r1, rows in _row_blocks(logits, chunk_rows):
+        x = _block_logits(rows, None if support is None else support[r0:r1], temperature)
+        block_lse = torch.logsumexp(x, dim=-1)
+        lse[r0:r1] = block_lse
+        lp[r0:r1] = x.gather(1, targets[r0:r1, None]).squeeze(1) - block_lse
+        if ent is not None:
+            logp = x.sub_(block_lse[:, None])
+            ent[r0:r1] = -(logp.exp() * _finite_or_zero(logp)).sum(dim=-1)
+    return lp, lse, ent
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Log-probs (and entropy) whose backward recomputes softmax chunk by chunk.
+
+    Plain autograd would keep every chunk's fp32 softmax alive until backward, i.e. a full fp32 copy
+    of ``[B*T, V]`` (the largest activation in LM training); here only the ``[N]`` log-sum-exp and
+    entropy are saved and the gradient is written straight into one tensor of the logits' dtype.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        support: Tensor | None,
+        temperature: float,
+        with_entropy: bool,
+        chunk_rows: int,
+    ) -> tuple[Tensor, Tensor]:
+        lp, lse, ent = _logprobs_forward(logits, targets, support, temperature, with_entropy, chunk_rows)
+        ctx.save_for_backward(logits, targets, support, lse, ent)
+        ctx.temperature = temperature
+        ctx.chunk_rows = chunk_rows
+        ctx.set_materialize_grads(False)
+        if ent is None:
+            # autograd.Function outputs must be tensors; an empty one stands for "no entropy".
+            ent = lp.new_empty(0)
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_lp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, targets, support, lse, ent = ctx.saved_tensors
+        if ent is None:
+            grad_ent = None
+        if grad_lp is None and grad_ent is None:
+            return None, None, None, None, None, None
+        temperature: float = ctx.temperature
+        # Contiguous even when logits is a strided slice, so the flat row view below always exists.
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_rows = grad_logits.view(-1, logits.shape[-1])
+        for r0, r1, rows in _row_blocks(logits, ctx.chunk_rows):
+            logp = _block_logits(rows, None if support is None else support[r0:r1], temperature)
+            logp.sub_(lse[r0:r1, None])
+            p = logp.exp()
+            g = torch.zeros_like(p)
+            if grad_lp is not None:
+                # d log p_t / d x = onehot(t) - p
+                g_lp = grad_lp[r0:r1, None]
+                g.addcmul_(p, g_lp, value=-1.0)
+                g.scatter_add_(1, targets[r0:r1, None], g_lp)
+            if grad_ent is not None:
+                # d H / d x = -p * (log p + H)
+                h = ent[r0:r1, None]
+                g.addcmul_(p * (_finite_or_zero(logp) + h), grad_ent[r0:r1, None], value=-1.0)
+            if temperature != 1.0:
+                g.div_(temperature)
+            grad_rows[r0:r1] = g
+        return grad_logits, None, None, None, None, None
+
+
+def token_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    support_mask: Tensor | None = None,
+    with_entropy: bool = False,
+    chunk_rows: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` under ``softmax(logits / temperature)``, computed in float32.
+
+    Never holds more than ``chunk_rows * V`` fp32 elements of scratch at a time, in forward and in
+    backward (which recomputes the softmax instead of storing it); the input is not copied, even when
+    it is a slice such as ``logits[:, :-1]``.
+
+    Args:
+        logits: ``[B, T, V]`` in any float dtype; ``logits[:, t]`` predicts ``targets[:, t]`` (the caller
+            does the one-position shift).
+        targets: ``[B, T]`` token ids in ``[0, V)``; padding positions still need a valid id.
+        temperature: the sampling temperature, so the log-probs match what the engine sampled from.
+        support_mask: optional ``[B, T, V]`` bool; True marks the ids the sampler could draw (top-k /
+            top-p sampling-support replay). The distribution is renormalised over them, i.e. logits
+            outside are -inf. A position whose row is all False (prompt, padding) is left unrestricted;
+            a position whose non-empty support lacks its target is a data error and raises.
+        with_entropy: also return the entropy of the (renormalised) distribution per position.
+        chunk_rows: rows of ``B*T`` processed at a time.
+
+    Returns:
+        ``(logprobs [B, T], entropy [B, T] | None)`` in float32 (float64 for float64 logits). With grad
+        enabled both are differentiable w.r.t. ``logits`` (first order only).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    b, t, v = logits.shape
+    if targets.shape != (b, t):
+        raise ValueError(f"targets must be [B, T] = {(b, t)}, got {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    flat_targets = targets.reshape(-1).long()
+    if flat_targets.numel() and (flat_targets.min() < 0 or flat_targets.max() >= v):
+        raise ValueError(f"targets must lie in [0, {v}), got range [{flat_targets.min()}, {flat_targets.max()}]")
+    flat_support: Tensor | None = None
+    if support_mask is not None:
+        if support_mask.shape != logits.shape or support_mask.dtype != torch.bool:
+            raise ValueError(
+                f"support_mask must be bool {tuple(logits.shape)}, got {support_mask.dtype} {tuple(support_mask.shape)}"
+            )
+        flat_support = support_mask.reshape(-1, v)
+        has_support = flat_support.any(dim=-1)
+        target_ok = flat_support.gather(1, flat_targets[:, None]).squeeze(1)
+        if bool((has_support & ~target_ok).any()):
+            raise ValueError("support_mask excludes the target token at a position with a non-empty support")
+
+    if torch.is_grad_enabled() and logits.requires_grad:
+        lp, ent_or_empty = _ChunkedLogprobs.apply(
+            logits, flat_targets, flat_support, float(temperature), with_entropy, chunk_rows
+        )
+        ent = ent_or_empty if with_entropy else None
+    else:
+        lp, _, ent = _logprobs_forward(
+            logits.detach(), flat_targets, flat_support, float(temperature), with_entropy, chunk_rows
+        )
+    return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
+
+
+def support_mask_from_ids(
+    ids_per_token: list[list[int]], vocab_size: int, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Bool ``[len(ids_per_token), vocab_size]`` mask, True at each token's sampling-support ids.
+
+    Engines report the support as id lists; reshape the result to ``[B, T, V]`` for ``token_logprobs``.
+    An empty list yields an all-False row, i.e. "no restriction recorded" for that position.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    counts = torch.tensor([len(ids) for ids in ids_per_token], dtype=torch.long)
+    cols = torch.tensor([i for ids in ids_per_token for i in ids], dtype=torch.long)
+    if cols.numel() and (cols.min() < 0 or cols.max() >= vocab_size):
+        raise ValueError(f"support ids must lie in [0, {vocab_size}), got range [{cols.min()}, {cols.max()}]")
+    rows = torch.repeat_interleave(torch.arange(len(ids_per_token)), counts)
+    mask = torch.zeros(len(ids_per_token), vocab_size, dtype=torch.bool)
+    mask[rows, cols] = True
+    return mask.to(device) if device is not None else mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy loss
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """PPO/GRPO loss settings.
+
+    ``eps_clip`` bounds the ratio from below (``1 - eps_clip``) and ``eps_clip_high`` from above
+    (``1 + eps_clip_high``); a wider upper bound ("clip-higher", DAPO) lets low-probability tokens grow
+    and slows entropy collapse.
+    """
+
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    aggregation: Aggregation = "token"
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.eps_clip < 1.0):
+            raise ValueError(f"eps_clip must be in (0, 1), got {self.eps_clip}")
+        if not (math.isfinite(self.eps_clip_high) and self.eps_clip_high > 0.0):
+            raise ValueError(f"eps_clip_high must be a finite number > 0, got {self.eps_clip_high}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if not (math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0):
+            raise ValueError(f"entropy_coef must be a finite number >= 0, got {self.entropy_coef}")
+        if self.aggregation not in _AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {self.aggregation!r}")
+
+
+def _check_bt(name: str, x: Tensor, shape: torch.Size) -> None:
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    # where, not multiply: padding may hold inf/NaN (e.g. -inf log-probs) and 0 * inf is NaN.
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    """k3 estimator of KL(p || q) from samples of p with ``log_ratio = log q - log p``: unbiased, >= 0."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def _aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    aggregation: str,
+    loss_scale_tokens: float | None,
+    loss_scale_sequences: float | None,
+) -> Tensor:
+    """Reduce a masked ``[B, T]`` loss to a scalar; see ``policy_loss`` for the micro-batch scales."""
+    if aggregation not in _AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "token":
+        if loss_scale_sequences is not None:
+            raise ValueError("loss_scale_sequences only applies to aggregation='sequence'")
+        total = _masked(per_token, mask).sum()
+        if loss_scale_tokens is not None:
+            if not loss_scale_tokens > 0:
+                raise ValueError(f"loss_scale_tokens must be > 0, got {loss_scale_tokens}")
+            return total / loss_scale_tokens
+        return total / mask.sum().clamp_min(1)
+    if loss_scale_tokens is not None:
+        raise ValueError("loss_scale_tokens only applies to aggregation='token'")
+    lengths = mask.sum(dim=-1)
+    per_seq = _masked(per_token, mask).sum(dim=-1) / lengths.clamp_min(1)
+    # Sequences without a single response token have no mean; they are left out of the count too.
+    if loss_scale_sequences is not None:
+        if not loss_scale_sequences > 0:
+            raise ValueError(f"loss_scale_sequences must be > 0, got {loss_scale_sequences}")
+        return per_seq.sum() / loss_scale_sequences
+    return per_seq.sum() / (lengths > 0).sum().clamp_min(1)
+
+
+def _as_bool_mask(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    loss_scale_tokens: float | None = None,
+    loss_scale_sequences: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with asymmetric clip, optional k3 KL to a reference and entropy bonus.
+
+    Per masked token: ``max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high)) + kl_coef * k3
+    - entropy_coef * H`` with ``r = exp(logprobs - old_logprobs)``. ``old_logprobs`` and
+    ``ref_logprobs`` are treated as constants.
+
+    Args:
+        logprobs: ``[B, T]`` current-policy log-probs (differentiable).
+        old_logprobs: ``[B, T]`` behaviour-policy log-probs (the rollout's or recomputed).
+        advantages: ``[B]`` per sample (broadcast over its tokens) or ``[B, T]`` per token.
+        mask: ``[B, T]`` bool (or 0/1) marking response tokens.
+        cfg: the loss settings.
+        ref_logprobs: ``[B, T]`` reference-policy log-probs; the KL term needs them and ``kl_coef > 0``.
+        entropy: ``[B, T]`` per-token entropy (differentiable for the bonus to act).
+        loss_scale_tokens: 'token' aggregation only. By default the sum is divided by this call's masked
+            token count, so micro-batches of a step each get their own mean and tokens in short
+            micro-batches weigh more. Passing the step's global masked token count instead makes the
+            micro-batch losses (and gradients) sum exactly to the full-batch token mean.
+        loss_scale_sequences: the same for 'sequence' aggregation: the step's global count of
+            sequences with at least one masked token.
+
+    Returns:
+        ``(loss, stats)``. Stats are python floats over this call's masked tokens: ``pg_loss`` (the
+        policy-gradient term under ``cfg.aggregation``, local normalisation), ``pg_clipfrac`` (share of
+        tokens where the clip is active, i.e. the gradient is cut), ``ppo_kl`` (mean of
+        ``old - new`` log-probs), ``entropy`` and ``kl`` when given, and ``num_tokens``.
+    """
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
+    _check_bt("old_logprobs", old_logprobs, shape)
+    _check_bt("mask", mask, shape)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != shape[0]:
+            raise ValueError(f"advantages must be [B] = [{shape[0]}] or [B, T], got {tuple(advantages.shape)}")
+        advantages = advantages[:, None]
+    else:
+        _check_bt("advantages", advantages, shape)
+    mask = _as_bool_mask(mask)
+    # Masked like everything else: per-token advantages may be NaN on padding, and NaN * 0 poisons grads.
+    advantages = _masked(advantages.detach().to(logprobs.dtype).expand(shape), mask)
+    old_logprobs = old_logprobs.detach()
+
+    log_ratio = _masked(logprobs - old_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = (pg_clipped > pg_unclipped) & mask
+
+    per_token = pg
+    kl: Tensor | None = None
+    if ref_logprobs is not None:
+        _check_bt("ref_logprobs", ref_logprobs, shape)
+        # k3 of KL(pi || ref) with samples from pi: log(ref / pi) = ref - lp.
+        kl = _k3(_masked(ref_logprobs.detach() - logprobs, mask))
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    if entropy is not None:
+        _check_bt("entropy", entropy, shape)
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * _masked(entropy, mask)
+
+    loss = _aggregate(per_token, mask, cfg.aggregation, loss_scale_tokens, loss_scale_sequences)
+
+    with torch.no_grad():
+        n = mask.sum()
+        denom = n.clamp_min(1).to(logprobs.dtype)
+        names = ["pg_loss", "pg_clipfrac", "ppo_kl"]
+        values = [
+            _aggregate(pg, mask, cfg.aggregation, None, None),
+            clipped.sum() / denom,
+            -_masked(log_ratio, mask).sum() / denom,
+        ]
+        if entropy is not None:
+            names.append("entropy")
+            values.append(_masked(entropy.detach(), mask).sum().to(logprobs.dtype) / denom)
+        if kl is not None:
+            names.append("kl")
+            values.append(_masked(kl, mask).sum() / denom)
+        names.append("num_tokens")
+        values.append(n.to(logprobs.dtype))
+        # One device sync for all stats instead of one per .item(); double so python floats lose nothing.
+        stats = dict(zip(names, torch.stack([v.detach().double() for v in values]).tolist(), strict=True))
+    return loss, stats
+
+
+def sft_loss(
+    logprobs: Tensor,
+    mask: Tensor,
+    *,
+    aggregation: Aggregation = "token",
+    loss_scale_tokens: float | None = None,
+    loss_scale_sequences: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Negative log-likelihood of the answer tokens (``mask``), aggregated like ``policy_loss``.
+
+    Stats: ``sft_nll`` (mean NLL per masked token in this call) and ``num_tokens``.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    _check_bt("mask", mask, logprobs.shape)
+    mask = _as_bool_mask(mask)
+    loss = _aggregate(-logprobs, mask, aggregation, loss_scale_tokens, loss_scale_sequences)
+    with torch.no_grad():
+        n = mask.sum()
+        nll = -_masked(logprobs.detach(), mask).sum() / n.clamp_min(1)
+        stats = dict(zip(["sft_nll", "num_tokens"], torch.stack([nll.double(), n.double()]).tolist(), strict=True))
+    return loss, stats
+
+
+@torch.no_grad()
+def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the trainer's log-probs are from the engine's on the same tokens (DESIGN §8).
+
+    Returns ``train_rollout_logprob_abs_diff`` (mean ``|train - rollout|``),
+    ``train_rollout_logprob_max_abs_diff`` and ``train_rollout_kl``: the k3 estimate of
+    KL(rollout || train). The tokens were sampled from the rollout policy, so k3 with
+    ``log(train / rollout)`` is unbiased for that direction and, unlike the plain mean of
+    ``rollout - train``, never negative, so a small value cannot hide cancelling errors. All are 0.0
+    when no token is masked.
+    """
+    _check_bt("rollout_logprobs", rollout_logprobs, train_logprobs.shape)
+    _check_bt("mask", mask, train_logprobs.shape)
+    mask = _as_bool_mask(mask)
+    diff = _masked(train_logprobs.detach().double() - rollout_logprobs.detach().double(), mask)
+    denom = mask.sum().clamp_min(1)
+    values = torch.stack(
+        [
+            diff.abs().sum() / denom,
+            diff.abs().max() if diff.numel() else diff.new_zeros(()),
+            _masked(_k3(diff), mask).sum() / denom,
+        ]
+    )
+    keys = ["train_rollout_logprob_abs_diff", "train_rollout_logprob_max_abs_diff", "train_rollout_kl"]
+    return dict(zip(keys, values.tolist(), strict=True))

@@ -1,0 +1,98 @@
+"""Shared fixtures: a tiny model made once per session, and real embedded engine servers on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Two shared cores: keep every process to one thread unless a test says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hpcrl.model.tiny import init_tiny_model
+
+    return init_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@dataclass
+class EngineProcess:
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_engine(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float = 60.0) -> EngineProcess:
+    port = free_port()
+    log_path = log_dir / f"engine-{port}.log"
+    cmd = [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port), *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    eng = EngineProcess(url=url, port=port, proc=proc, log_path=log_path)
+    deadline = time.monotonic() + timeout_s
+    import httpx
+
+    headers = {"Authorization": f"Bearer {extra[extra.index('--api-key') + 1]}"} if "--api-key" in extra else {}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}:\n{eng.log()}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0, headers=headers).status_code == 200:
+                return eng
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    eng.stop()
+    raise RuntimeError(f"engine did not become healthy in {timeout_s} s:\n{eng.log()}")
+
+
+@pytest.fixture
+def engine_factory(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
+    started: list[EngineProcess] = []
+
+    def make(*extra: str, model_dir: Path | None = None) -> EngineProcess:
+        eng = start_engine(model_dir or tiny_model_dir, tmp_path, *extra)
+        started.append(eng)
+        return eng
+
+    yield make
+    for eng in started:
+        eng.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """One engine for a whole test module (read-only tests: generation, shapes, bad requests)."""
+    eng = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine"), "--random-seed", "7")
+    yield eng
+    eng.stop()

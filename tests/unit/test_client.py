@@ -1,0 +1,721 @@
+"""EngineClient against a real HTTP server on loopback that answers contract-shaped bodies and misbehaves on
+purpose; protocol types' validation and (de)serialisation."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from hpcrl.engine.client import (
+    EngineBusyError,
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnreachableError,
+)
+from hpcrl.engine.protocol import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    InitWeightsUpdateGroup,
+    MemoryOccupation,
+    PauseGeneration,
+    SamplingParams,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    UpdateWeightVersion,
+    WeightVersionSpan,
+    parse_generate_response,
+)
+
+# ----------------------------------------------------------------------------------------------------------------
+# A fake engine: canned contract-shaped answers, plus a per-path script of misbehaviours consumed first.
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: Any
+
+
+# A scripted action: (status, json body) or one of the strings "close" (drop the connection) / ("sleep", s).
+Action = tuple[int, Any] | tuple[str, float] | str
+
+
+@dataclass
+class EngineState:
+    api_key: str | None = None
+    weight_version: str = "default"
+    requests: list[Recorded] = field(default_factory=list)
+    scripts: dict[str, list[Action]] = field(default_factory=dict)
+    missing_paths: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def script(self, path: str, *actions: Action) -> None:
+        with self.lock:
+            self.scripts.setdefault(path, []).extend(actions)
+
+    def bodies(self, path: str) -> list[Any]:
+        with self.lock:
+            return [r.body for r in self.requests if r.path == path]
+
+    def count(self, path: str) -> int:
+        return len(self.bodies(path))
+
+
+def _sample(prompt: list[int], index: int, params: dict[str, Any], version: str, rid: str) -> dict[str, Any]:
+    """One result, shaped as SGLang's /generate answers it, plus hpcrl's extensions when asked."""
+    n_out = int(params.get("max_new_tokens", 128))
+    out = [(prompt[-1] + 1 + index + k) % 1000 for k in range(n_out)]
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": {"type": "length", "length": n_out},
+        "prompt_tokens": len(prompt),
+        "completion_tokens": n_out,
+        "cached_tokens": 0,
+        "weight_version": version,
+        "num_retractions": 0,
+        "e2e_latency": 0.01,
+    }
+    meta["output_token_logprobs"] = [[-0.25 * (k + 1), tid, None] for k, tid in enumerate(out)]
+    if n_out:
+        meta["weight_versions"] = [{"version": version, "start": 0, "end": n_out}]
+    return {"text": " ".join(map(str, out)), "output_ids": out, "meta_info": meta}
+
+
+def _canned(state: EngineState, method: str, path: str, body: Any) -> tuple[int, Any]:
+    if path in ("/health", "/health_generate"):
+        return 200, b""
+    if path == "/model_info":
+        return 200, {
+            "model_path": "tiny",
+            "tokenizer_path": "tiny",
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": state.weight_version,
+        }
+    if path == "/get_model_info":
+        return 200, {"model_path": "tiny-old", "weight_version": state.weight_version}
+    if path in ("/server_info", "/get_server_info"):
+        return 200, {"tp_size": 1, "version": "0.0-test", "internal_states": [{}]}
+    if path == "/flush_cache":
+        return 200, b"Cache flushed.\n"
+    if path == "/abort_request":
+        return 200, b""
+    if path == "/pause_generation":
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+    if path == "/continue_generation":
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+    if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        return 200, b""
+    if path == "/update_weight_version":
+        state.weight_version = body["new_version"]
+        return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}", **body}
+    if path in ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed"):
+        return 200, {"success": True, "message": "Succeeded."}
+    if path == "/get_weights_by_name":
+        return 200, [0.5] * min(body.get("truncate_size", 100), 3)
+    if path == "/generate":
+        ids = body["input_ids"]
+        prompts = ids if isinstance(ids[0], list) else [ids]
+        params_list = body["sampling_params"]
+        results = []
+        for i, prompt in enumerate(prompts):
+            params = params_list[i] if isinstance(params_list, list) else params_list
+            rids = body.get("rid")
+            base = (rids[i] if isinstance(rids, list) else rids) or f"req{i}"
+            for j in range(params.get("n", 1)):
+                results.append(_sample(prompt, j, params, state.weight_version, base))
+        single = not isinstance(ids[0], list) and len(results) == 1
+        return 200, results[0] if single else results
+    return 404, {"detail": "Not Found"}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn, so that the client's pool is exercised
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._serve("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._serve("POST")
+
+    def _serve(self, method: str) -> None:
+        state = self.server.state
+        path, _, query = self.path.partition("?")
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        with state.lock:
+            state.requests.append(Recorded(method, path, query, dict(self.headers.items()), body))
+            script = state.scripts.get(path)
+            action: Action | None = script.pop(0) if script else None
+        if state.api_key is not None and self.headers.get("Authorization") != f"Bearer {state.api_key}":
+            self._send(401, {"error": "Unauthorized"})
+            return
+        if action == "close":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if isinstance(action, tuple) and action[0] == "sleep":
+            time.sleep(float(action[1]))
+            action = None
+        if path in state.missing_paths:
+            self._send(404, {"detail": "Not Found"})
+            return
+        status, payload = action if isinstance(action, tuple) else _canned(state, method, path, body)
+        self._send(int(status), payload)
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/octet-stream" if isinstance(payload, bytes) else "json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (a timeout test): nothing to answer
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, state: EngineState) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.state = state
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[_Server]:
+    srv = _Server(EngineState())
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def engine(server: _Server) -> EngineState:
+    server.state = EngineState()
+    return server.state
+
+
+@pytest.fixture
+def client(server: _Server, engine: EngineState) -> Iterator[EngineClient]:
+    host, port = server.server_address[:2]
+    with EngineClient(f"http://{host}:{port}", timeout_s=5.0, max_retries=3, retry_backoff_s=0.01) as c:
+        yield c
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generate
+
+
+def test_generate_single_parses_logprobs_versions_and_serialises_params(client: EngineClient, engine: EngineState):
+    params = SamplingParams(max_new_tokens=3, temperature=0.7, top_k=20, stop_token_ids=(7,), sampling_seed=11)
+    result = client.generate([5, 6], params, rid="abc")
+    assert isinstance(result, GenerateResult)
+    assert result.output_ids == [7, 8, 9]
+    assert result.output_token_logprobs == [-0.25, -0.5, -0.75]
+    assert result.rid == "abc"
+    assert result.finish_reason == FinishReason(type="length", length=3)
+    assert result.prompt_tokens == 2 and result.completion_tokens == 3
+    assert result.weight_version == "default"
+    assert result.weight_versions == [WeightVersionSpan(version="default", start=0, end=3)]
+    assert result.token_weight_versions() == ["default"] * 3
+    assert result.e2e_latency_s == pytest.approx(0.01)
+    (sent,) = engine.bodies("/generate")
+    assert sent == {
+        "input_ids": [5, 6],
+        "sampling_params": {
+            "max_new_tokens": 3,
+            "temperature": 0.7,
+            "top_k": 20,
+            "stop_token_ids": [7],
+            "sampling_seed": 11,
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "rid": "abc",
+    }
+
+
+def test_generate_batch_with_n_returns_prompt_major_list(client: EngineClient, engine: EngineState):
+    results = client.generate(
+        [[1], [100, 101]], SamplingParams(max_new_tokens=2, n=2), rid=["a", "b"], return_sampling_mask=True
+    )
+    assert isinstance(results, list) and len(results) == 4
+    assert [r.rid for r in results] == ["a", "a", "b", "b"]
+    assert results[2].output_ids == [102, 103]
+    sent = engine.bodies("/generate")[0]
+    assert sent["input_ids"] == [[1], [100, 101]]
+    assert sent["return_sampling_mask"] is True
+    assert sent["sampling_params"] == {"max_new_tokens": 2, "n": 2}
+
+
+def test_generate_count_mismatch_is_an_engine_error(client: EngineClient, engine: EngineState):
+    engine.script("/generate", (200, [_sample([1], 0, {"max_new_tokens": 1}, "v", "x")]))
+    with pytest.raises(EngineError, match="expected a list of 2"):
+        client.generate([[1], [2]], SamplingParams(max_new_tokens=1))
+
+
+def test_generate_rejects_invalid_request_before_sending(client: EngineClient, engine: EngineState):
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        client.generate([])
+    with pytest.raises(ValueError, match=r"input_ids\[1\] must be a non-negative integer"):
+        client.generate([1, -2])
+    assert engine.count("/generate") == 0
+
+
+def test_generate_is_not_retried_on_503(client: EngineClient, engine: EngineState):
+    engine.script("/generate", (503, {"error": {"message": "overloaded"}}))
+    with pytest.raises(EngineBusyError, match="overloaded"):
+        client.generate([1], SamplingParams(max_new_tokens=1))
+    assert engine.count("/generate") == 1
+
+
+def test_generate_is_not_retried_when_the_connection_drops(client: EngineClient, engine: EngineState):
+    engine.script("/generate", "close")
+    with pytest.raises(EngineUnreachableError, match="closed the connection"):
+        client.generate([1], SamplingParams(max_new_tokens=1))
+    assert engine.count("/generate") == 1
+
+
+def test_generate_read_timeout(client: EngineClient, engine: EngineState):
+    engine.script("/generate", ("sleep", 1.5))
+    start = time.monotonic()
+    with pytest.raises(EngineTimeoutError, match="did not answer within 0.3 s"):
+        client.generate([1], SamplingParams(max_new_tokens=1), timeout_s=0.3)
+    assert time.monotonic() - start < 1.2
+    assert engine.count("/generate") == 1
+    # The client is still usable after a timed-out call.
+    assert client.generate([1], SamplingParams(max_new_tokens=1)).output_ids == [2]  # type: ignore[union-attr]
+
+
+def test_generate_400_carries_the_servers_message(client: EngineClient, engine: EngineState):
+    engine.script("/generate", (400, {"error": {"message": "sampling_params.top_p must be in (0, 1]"}}))
+    with pytest.raises(EngineRequestError, match=r"HTTP 400: sampling_params.top_p must be in \(0, 1\]") as info:
+        client.generate([1])
+    assert info.value.status_code == 400
+    assert engine.count("/generate") == 1
+
+
+def test_generate_many_keeps_order_across_threads(client: EngineClient, engine: EngineState):
+    requests = [
+        GenerateRequest(input_ids=[i], sampling_params=SamplingParams(max_new_tokens=1), return_logprob=True)
+        for i in range(40)
+    ]
+    results = client.generate_many(requests, max_concurrency=8)
+    assert [r.output_ids for r in results] == [[i + 1] for i in range(40)]  # type: ignore[union-attr]
+    assert engine.count("/generate") == 40
+
+
+def test_generate_many_raises_the_first_failure(client: EngineClient, engine: EngineState):
+    engine.script("/generate", (400, {"error": {"message": "bad prompt"}}))
+    requests = [GenerateRequest(input_ids=[i], sampling_params=SamplingParams(max_new_tokens=1)) for i in range(3)]
+    with pytest.raises(EngineRequestError, match="bad prompt"):
+        client.generate_many(requests, max_concurrency=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# retries, dead engines, auth
+
+
+def test_model_info_retries_503_then_succeeds(client: EngineClient, engine: EngineState):
+    engine.script("/model_info", (503, {"error": {"message": "starting"}}), (503, {"error": {"message": "starting"}}))
+    assert client.model_info()["model_path"] == "tiny"
+    assert engine.count("/model_info") == 3
+
+
+def test_503_after_all_retries_is_busy(client: EngineClient, engine: EngineState):
+    engine.script("/server_info", *[(503, {"error": {"message": "warming up"}})] * 4)
+    with pytest.raises(EngineBusyError, match="after 4 attempt"):
+        client.server_info()
+    assert engine.count("/server_info") == 4
+
+
+def test_safe_call_is_retried_after_a_dropped_connection(client: EngineClient, engine: EngineState):
+    engine.script("/flush_cache", "close")
+    assert client.flush_cache() is True
+    assert engine.count("/flush_cache") == 2
+
+
+def test_model_info_falls_back_to_the_old_path(client: EngineClient, engine: EngineState):
+    engine.missing_paths.add("/model_info")
+    assert client.model_info()["model_path"] == "tiny-old"
+    assert client.weight_version() == "default"
+    # The working path is remembered: the new one is not asked again.
+    assert engine.count("/model_info") == 1
+
+
+def test_dead_engine_is_unreachable_quickly():
+    port = _free_port()
+    with EngineClient(f"127.0.0.1:{port}", timeout_s=30.0, max_retries=2, retry_backoff_s=0.01) as dead:
+        start = time.monotonic()
+        with pytest.raises(EngineUnreachableError, match=f"127.0.0.1:{port} is unreachable") as info:
+            dead.generate([1, 2, 3])
+        assert time.monotonic() - start < 2.0
+        assert "after 3 attempt" in str(info.value)
+        with pytest.raises(EngineUnreachableError):
+            dead.health()
+        with pytest.raises(EngineUnreachableError, match="did not accept a connection within"):
+            dead.wait_until_ready(0.3, poll_s=0.05)
+
+
+def test_api_key_is_sent_and_missing_key_is_explained(server: _Server, engine: EngineState):
+    engine.api_key = "s3cret"
+    host, port = server.server_address[:2]
+    with EngineClient(f"http://{host}:{port}", api_key="s3cret") as authed:
+        assert authed.health() is True
+        assert authed.model_info()["weight_version"] == "default"
+    assert {r.headers["Authorization"] for r in engine.requests} == {"Bearer s3cret"}
+    with EngineClient(f"http://{host}:{port}", max_retries=0) as anonymous:
+        with pytest.raises(EngineRequestError, match="HTTP 401: Unauthorized; pass the engine's --api-key"):
+            anonymous.model_info()
+        assert "s3cret" not in repr(anonymous)
+
+
+def test_health_false_on_persistent_503(client: EngineClient, engine: EngineState):
+    assert client.health() is True
+    engine.script("/health_generate", *[(503, b"")] * 4)
+    assert client.health_generate() is False
+
+
+def test_wait_until_ready_polls_until_200(client: EngineClient, engine: EngineState):
+    engine.script("/health", (503, b""), (503, b""), (503, b""))
+    waited_s = client.wait_until_ready(5.0, poll_s=0.02)
+    assert 0.0 < waited_s < 5.0
+    assert engine.count("/health") == 4
+
+
+def test_wait_until_ready_times_out_when_never_ready(client: EngineClient, engine: EngineState):
+    engine.script("/health", *[(503, b"")] * 1000)
+    with pytest.raises(EngineTimeoutError, match=r"not ready after 0\.\d s \(last /health: HTTP 503\)"):
+        client.wait_until_ready(0.3, poll_s=0.02)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# control and weight-update endpoints
+
+
+def test_update_weight_version_always_sends_abort_false(client: EngineClient, engine: EngineState):
+    assert client.update_weight_version("3") == "3"
+    assert engine.bodies("/update_weight_version") == [{"new_version": "3", "abort_all_requests": False}]
+    assert client.weight_version() == "3"
+    client.update_weight_version("4", abort_all_requests=True)
+    assert engine.bodies("/update_weight_version")[-1] == {"new_version": "4", "abort_all_requests": True}
+
+
+def test_success_false_is_a_request_error(client: EngineClient, engine: EngineState):
+    engine.script("/update_weight_version", (200, {"success": False, "message": "version must be new"}))
+    with pytest.raises(EngineRequestError, match="version must be new"):
+        client.update_weight_version("5")
+
+
+def test_weight_update_calls_are_never_retried(client: EngineClient, engine: EngineState):
+    request = UpdateWeightsFromDistributed(
+        names=("w",), dtypes=("bfloat16",), shapes=((2, 3),), flush_cache=False, weight_version="7"
+    )
+    engine.script("/update_weights_from_distributed", (503, {"error": {"message": "busy"}}))
+    with pytest.raises(EngineBusyError):
+        client.update_weights_from_distributed(request)
+    engine.script(
+        "/update_weights_from_distributed", (400, {"success": False, "message": "shape mismatch for w: (3, 2)"})
+    )
+    with pytest.raises(EngineRequestError, match="shape mismatch for w"):
+        client.update_weights_from_distributed(request)
+    assert client.update_weights_from_distributed(request)["success"] is True
+    bodies = engine.bodies("/update_weights_from_distributed")
+    assert len(bodies) == 3
+    assert bodies[0] == {
+        "names": ["w"],
+        "dtypes": ["bfloat16"],
+        "shapes": [[2, 3]],
+        "group_name": "weight_update_group",
+        "flush_cache": False,
+        "abort_all_requests": False,
+        "weight_version": "7",
+        "load_format": None,
+        "torch_empty_cache": False,
+    }
+
+
+def test_group_lifecycle_bodies(client: EngineClient, engine: EngineState):
+    init = InitWeightsUpdateGroup(master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=2)
+    assert client.init_weights_update_group(init)["success"] is True
+    client.destroy_weights_update_group()
+    assert engine.bodies("/init_weights_update_group") == [
+        {
+            "master_address": "10.0.0.1",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "weight_update_group",
+            "backend": "nccl",
+        }
+    ]
+    assert engine.bodies("/destroy_weights_update_group") == [{"group_name": "weight_update_group"}]
+
+
+def test_pause_continue_abort_memory_and_flush(client: EngineClient, engine: EngineState):
+    assert client.pause_generation()["status"] == "ok"
+    client.continue_generation(torch_empty_cache=False)
+    client.abort_request("grp-3")
+    client.abort_request(abort_all=True)
+    client.release_memory_occupation()
+    client.resume_memory_occupation(["weights"])
+    assert engine.bodies("/pause_generation") == [{"mode": "retract"}]
+    assert engine.bodies("/continue_generation") == [{"torch_empty_cache": False}]
+    assert engine.bodies("/abort_request") == [{"rid": "grp-3", "abort_all": False}, {"rid": "", "abort_all": True}]
+    assert engine.bodies("/release_memory_occupation") == [{"tags": None}]
+    assert engine.bodies("/resume_memory_occupation") == [{"tags": ["weights"]}]
+    with pytest.raises(ValueError, match="aborts nothing"):
+        client.abort_request()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        client.pause_generation("freeze")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tags\[0\] must be one of"):
+        client.release_memory_occupation(["kv"])
+
+    engine.script("/flush_cache", (400, b"Cache not flushed: requests are running"))
+    assert client.flush_cache(wait_s=2.0) is False
+    assert client.flush_cache() is True
+    assert [r.query for r in engine.requests if r.path == "/flush_cache"] == ["timeout=2.0", ""]
+
+
+def test_abort_404_hints_at_routers(client: EngineClient, engine: EngineState):
+    engine.missing_paths.add("/abort_request")
+    with pytest.raises(EngineRequestError, match="router"):
+        client.abort_request(abort_all=True)
+
+
+def test_get_weights_by_name(client: EngineClient, engine: EngineState):
+    assert client.get_weights_by_name("lm_head.weight", truncate_size=2) == [0.5, 0.5]
+    assert engine.bodies("/get_weights_by_name") == [{"name": "lm_head.weight", "truncate_size": 2}]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# protocol types
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, r"temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": 0}, r"top_k must be -1 \(whole vocabulary\) or >= 1"),
+        ({"min_p": 2.0}, r"min_p must be in \[0, 1\]"),
+        ({"max_new_tokens": -1}, r"max_new_tokens must be >= 0"),
+        ({"n": 0}, r"n must be >= 1"),
+        ({"n": True}, r"n must be an integer, got True \(bool\)"),
+        ({"max_new_tokens": 1.5}, r"max_new_tokens must be an integer"),
+        ({"temperature": "hot"}, r"temperature must be a number"),
+        ({"temperature": float("nan")}, r"temperature must be finite"),
+        ({"ignore_eos": 1}, r"ignore_eos must be true or false"),
+        ({"stop_token_ids": [1, -1]}, r"stop_token_ids\[1\] must be a non-negative integer"),
+        ({"sampling_seed": -3}, r"sampling_seed must be >= 0"),
+    ],
+)
+def test_sampling_params_validation(kwargs: dict[str, Any], message: str):
+    with pytest.raises(ValueError, match="sampling_params." + message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_from_dict_and_to_dict():
+    params = SamplingParams.from_dict(
+        {
+            "max_new_tokens": 16,
+            "temperature": 0,
+            "top_p": None,  # null means default, as in SGLang
+            "stop": "</s>",
+            "frequency_penalty": 0.0,  # unsupported keys at their default are fine
+            "repetition_penalty": 1,
+            "json_schema": None,
+            "stream_interval": 8,
+        }
+    )
+    assert params == SamplingParams(max_new_tokens=16, temperature=0.0, stop=("</s>",))
+    assert params.is_greedy and not params.truncates_support
+    assert params.to_dict() == {"max_new_tokens": 16, "temperature": 0.0, "stop": ["</s>"]}
+    assert SamplingParams().to_dict() == {"max_new_tokens": 128}
+    assert SamplingParams(top_p=0.9).truncates_support
+    assert SamplingParams.from_dict(SamplingParams(top_k=5, stop_token_ids=(1, 2)).to_dict()) == SamplingParams(
+        top_k=5, stop_token_ids=(1, 2)
+    )
+    with pytest.raises(ValueError, match="frequency_penalty=0.5 is not supported by the embedded engine"):
+        SamplingParams.from_dict({"frequency_penalty": 0.5})
+    with pytest.raises(ValueError, match=r"regex='\[a-z\]\+' is not supported"):
+        SamplingParams.from_dict({"regex": "[a-z]+"})
+    with pytest.raises(ValueError, match=r"unknown key 'temprature' in sampling_params; valid keys: \[.*'temperature'"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    with pytest.raises(ValueError, match="sampling_params must be a JSON object"):
+        SamplingParams.from_dict([1])
+
+
+def test_generate_request_from_dict_validation():
+    request = GenerateRequest.from_dict(
+        {
+            "input_ids": [[1, 2], [3]],
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}],
+            "return_logprob": [True, True],
+            "rid": ["a", "b"],
+            "log_metrics": True,
+            "top_logprobs_num": 0,
+        }
+    )
+    assert request.is_batch and request.batch_size == 2 and request.num_results == 2
+    assert request.params_for(1).max_new_tokens == 2 and request.return_logprob is True
+    assert GenerateRequest.from_dict(request.to_dict()) == request
+    text_request = GenerateRequest.from_dict({"text": "hello"})
+    assert not text_request.is_batch and text_request.to_dict()["text"] == "hello"
+    # Callers may pass already-parsed sampling params.
+    parsed = GenerateRequest.from_dict({"input_ids": [1], "sampling_params": SamplingParams(n=3)})
+    assert parsed.returns_list and parsed.num_results == 3
+
+    errors = {
+        "send exactly one of text or input_ids": {"text": "a", "input_ids": [1]},
+        "one of input_ids": {"sampling_params": {}},
+        "input_ids is empty": {"input_ids": []},
+        r"input_ids\[0\]\[1\] must be a non-negative integer": {"input_ids": [[1, "x"]]},
+        r"input_ids\[1\] must be a non-negative integer token id, got \[2\]": {"input_ids": [1, [2]]},
+        "sampling_params has 1 entries but the batch has 2": {"input_ids": [[1], [2]], "sampling_params": [{}]},
+        "sampling_params must be one object for a single prompt": {"input_ids": [1], "sampling_params": [{}]},
+        r"sampling_params\[1\]: sampling_params.top_k": {
+            "input_ids": [[1], [2]],
+            "sampling_params": [{}, {"top_k": 0}],
+        },
+        "n must be the same for every item": {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
+        "rid must be a list of 2 ids": {"input_ids": [[1], [2]], "rid": "x"},
+        "per-item return_logprob values differ": {"input_ids": [[1], [2]], "return_logprob": [True, False]},
+        "top_logprobs_num=5 is not supported by the embedded engine": {"input_ids": [1], "top_logprobs_num": 5},
+        "unknown key 'prompt' in the /generate body; valid keys": {"input_ids": [1], "prompt": "x"},
+        "logprob_start_len must be >= -1": {"input_ids": [1], "logprob_start_len": -2},
+    }
+    for message, body in errors.items():
+        with pytest.raises(ValueError, match=message):
+            GenerateRequest.from_dict(body)
+
+
+def test_generate_result_round_trip_and_extensions():
+    result = GenerateResult(
+        text="ab",
+        output_ids=[4, 5, 6],
+        rid="r1",
+        finish_reason=FinishReason(type="stop", matched=6),
+        prompt_tokens=2,
+        completion_tokens=3,
+        weight_version="2",
+        output_token_logprobs=[-0.1, -0.2, -0.3],
+        weight_versions=[
+            WeightVersionSpan(version="1", start=0, end=2),
+            WeightVersionSpan(version="2", start=2, end=3),
+        ],
+        sampling_mask=[[4, 9], [5], [6, 1]],
+        support_logprobs=[-0.05, 0.0, -0.1],
+        num_retractions=1,
+        e2e_latency_s=0.5,
+    )
+    wire = result.to_response(token_texts=["a", "b", None])
+    assert wire["meta_info"]["output_token_logprobs"] == [[-0.1, 4, "a"], [-0.2, 5, "b"], [-0.3, 6, None]]
+    assert wire["meta_info"]["finish_reason"] == {"type": "stop", "matched": 6}
+    assert wire["meta_info"]["weight_versions"][1] == {"version": "2", "start": 2, "end": 3}
+    parsed = GenerateResult.from_response(json.loads(json.dumps(wire)))
+    assert parsed == result
+    assert parsed.token_weight_versions() == ["1", "1", "2"]
+    assert parse_generate_response([wire, wire]) == [result, result]
+
+    # Upstream SGLang shapes: no extensions, older retraction key, abort with a message.
+    upstream = {
+        "output_ids": [1],
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": "abort", "message": "aborted by pause", "status_code": 200},
+            "prompt_tokens": 3,
+            "completion_tokens": 1,
+            "total_retractions": 2,
+            "weight_version": "default",
+        },
+    }
+    parsed_upstream = GenerateResult.from_response(upstream)
+    assert parsed_upstream.aborted and parsed_upstream.num_retractions == 2
+    assert parsed_upstream.output_token_logprobs is None and parsed_upstream.weight_versions is None
+    assert parsed_upstream.token_weight_versions() == ["default"]
+
+    with pytest.raises(ValueError, match="weight_versions spans cover 2 tokens, the output has 3"):
+        GenerateResult(text=None, output_ids=[1, 2, 3], rid="", finish_reason=None,
+                       weight_versions=[WeightVersionSpan(version="1", start=0, end=2)])  # fmt: skip
+    with pytest.raises(ValueError, match="sampling_mask has 1 entries for 2 output tokens"):
+        GenerateResult(text=None, output_ids=[1, 2], rid="", finish_reason=None, sampling_mask=[[1]])
+    with pytest.raises(ValueError, match=r"finish_reason.type must be one of \['stop', 'length', 'abort'\]"):
+        FinishReason.from_dict({"type": "eos"})
+    with pytest.raises(ValueError, match="end > start"):
+        WeightVersionSpan(version="1", start=2, end=2)
+
+
+def test_weight_update_types_validate_for_the_server():
+    body = {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2], [3, 4]]}
+    request = UpdateWeightsFromDistributed.from_dict(body)
+    assert request.shapes == ((2,), (3, 4)) and request.flush_cache and not request.abort_all_requests
+    assert UpdateWeightsFromDistributed.from_dict(request.to_dict()) == request
+    with pytest.raises(ValueError, match=r"send 'bfloat16'"):
+        UpdateWeightsFromDistributed.from_dict({**body, "dtypes": ["torch.bfloat16", "float32"]})
+    with pytest.raises(ValueError, match="got 2 names, 2 dtypes, 1 shapes"):
+        UpdateWeightsFromDistributed.from_dict({**body, "shapes": [[2]]})
+    with pytest.raises(ValueError, match=r"load_format must be one of \[None, 'flattened_bucket'\]"):
+        UpdateWeightsFromDistributed.from_dict({**body, "load_format": "bucket"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['flush'\]"):
+        UpdateWeightsFromDistributed.from_dict({**body, "flush": True})
+    with pytest.raises(ValueError, match="missing required key"):
+        UpdateWeightsFromDistributed.from_dict({"names": ["a"]})
+
+    init = InitWeightsUpdateGroup.from_dict(
+        {"master_address": "h", "master_port": 1234, "rank_offset": 1, "world_size": 3, "backend": "gloo"}
+    )
+    assert init.group_name == "weight_update_group"
+    with pytest.raises(ValueError, match=r"rank_offset \(2\) must be < world_size \(2\)"):
+        InitWeightsUpdateGroup(master_address="h", master_port=1, rank_offset=2, world_size=2)
+    with pytest.raises(ValueError, match="master_port must be <= 65535"):
+        InitWeightsUpdateGroup(master_address="h", master_port=70000, rank_offset=1, world_size=2)
+
+    tensor = UpdateWeightsFromTensor.from_dict({"serialized_named_tensors": ["abc"], "weight_version": "3"})
+    assert tensor.to_dict()["serialized_named_tensors"] == ["abc"] and tensor.flush_cache
+    with pytest.raises(ValueError, match="serialized_named_tensors is empty"):
+        UpdateWeightsFromTensor(serialized_named_tensors=())
+
+    # SGLang's server default for a missing flag is to abort everything; the embedded server mirrors it.
+    assert UpdateWeightVersion.from_dict({"new_version": "9"}).abort_all_requests is True
+    assert UpdateWeightVersion(new_version="9").to_dict() == {"new_version": "9", "abort_all_requests": False}
+    with pytest.raises(ValueError, match="new_version must be a non-empty string"):
+        UpdateWeightVersion.from_dict({"new_version": ""})
+
+    assert PauseGeneration.from_dict(None).mode == "abort"
+    assert PauseGeneration.from_dict({"mode": "in_place"}).mode == "in_place"
+    assert MemoryOccupation.from_dict({"tags": None}).tags is None
+    assert MemoryOccupation.from_dict({"tags": ["kv_cache", "cuda_graph"]}).tags == ("kv_cache", "cuda_graph")
+    assert AbortRequest.from_dict({}) == AbortRequest(rid="", abort_all=False)

@@ -1,0 +1,387 @@
+"""The embedded engine, tested as a user of SGLang's contract would: real server processes on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from hpcrl.model.hf import load_model
+from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
+from hpcrl.sync.group import broadcast, init_weight_group
+from hpcrl.sync.handover import create_handover
+from tests.conftest import EngineProcess, free_port
+
+PROMPT = [1, 20, 21, 14, 22, 32]  # "<|im_start|>12+3="
+
+
+def gen(url: str, body: dict, timeout_s: float = 60.0, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url + "/generate", json=body, timeout=timeout_s, headers=headers)
+
+
+def post(url: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> httpx.Response:
+    return httpx.post(url + path, json=body if body is not None else {}, timeout=timeout_s)
+
+
+def info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+
+
+def wait_running(url: str, n: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if info(url)["num_reqs"] >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{n} requests never ran")
+
+
+def test_generate_shapes_single_and_batch(shared_engine: EngineProcess) -> None:
+    r = gen(shared_engine.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 6 and isinstance(out["text"], str)
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 6
+    assert meta["weight_version"] == "default" and isinstance(meta["id"], str)
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+
+    r = gen(
+        shared_engine.url,
+        {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 3, "n": 2}, "rid": ["a", "b"]},
+    )
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 4
+    assert [o["meta_info"]["id"] for o in outs] == ["a-0", "a-1", "b-0", "b-1"]
+    assert "output_token_logprobs" not in outs[0]["meta_info"]
+
+
+def test_stop_token_and_eos(shared_engine: EngineProcess) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20, "temperature": 0}}
+    first = gen(shared_engine.url, body).json()["output_ids"][0]
+    body["sampling_params"]["stop_token_ids"] = [first]
+    out = gen(shared_engine.url, body).json()
+    assert out["output_ids"] == [first]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+
+
+def test_sampling_seed_reproducible_whatever_the_batch(shared_engine: EngineProcess) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "sampling_seed": 11}, "return_logprob": True}
+    a, b = gen(shared_engine.url, body).json(), gen(shared_engine.url, body).json()
+    assert a["output_ids"] == b["output_ids"]
+    other = gen(shared_engine.url, {**body, "sampling_params": {"max_new_tokens": 12, "sampling_seed": 12}}).json()
+    assert other["output_ids"] != a["output_ids"]
+    # The same request inside a batch of strangers samples the same tokens.
+    batch = gen(
+        shared_engine.url,
+        {
+            "input_ids": [[5, 6, 7], PROMPT, [40] * 9],
+            "sampling_params": [
+                {"max_new_tokens": 5, "sampling_seed": 1},
+                {"max_new_tokens": 12, "sampling_seed": 11},
+                {"max_new_tokens": 30, "sampling_seed": 2},
+            ],
+            "return_logprob": True,
+        },
+    ).json()
+    assert batch[1]["output_ids"] == a["output_ids"]
+    lp_alone = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+    lp_batch = [x[0] for x in batch[1]["meta_info"]["output_token_logprobs"]]
+    assert max(abs(x - y) for x, y in zip(lp_alone, lp_batch, strict=True)) < 1e-5
+
+
+def test_logprobs_equal_teacher_forced_forward(shared_engine: EngineProcess, tiny_model_dir: Path) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}, "return_logprob": True}
+    out = gen(shared_engine.url, body).json()
+    engine_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    ids = torch.tensor(PROMPT + out["output_ids"])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(ids[None]).logits[0, len(PROMPT) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, ids[len(PROMPT) :, None])[:, 0]
+    diff = (engine_lp - ref).abs().max().item()
+    print(f"max |engine logprob - transformers teacher-forced logprob| = {diff:.3e} over {len(ref)} tokens")
+    assert diff < 1e-4
+
+
+def test_temperature_scaled_logprobs_and_support(shared_engine: EngineProcess) -> None:
+    base = {"input_ids": PROMPT, "return_logprob": True}
+    params = {"max_new_tokens": 8, "sampling_seed": 5, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
+    t1 = gen(shared_engine.url, {**base, "sampling_params": params, "return_sampling_mask": True}).json()
+    scaled = gen(shared_engine.url, {**base, "sampling_params": params, "return_scaled_logprob": True}).json()
+    assert t1["output_ids"] == scaled["output_ids"]
+    meta = t1["meta_info"]
+    assert all(1 <= len(s) <= 5 for s in meta["sampling_mask"])
+    assert all(tok in s for tok, s in zip(t1["output_ids"], meta["sampling_mask"], strict=True))
+    # Renormalising over a smaller support raises every token's log-prob.
+    lp1 = [x[0] for x in meta["output_token_logprobs"]]
+    lps = [x[0] for x in scaled["meta_info"]["output_token_logprobs"]]
+    assert all(s >= a - 1e-6 for s, a in zip(meta["support_logprobs"], lps, strict=True))
+    assert lp1 != lps
+
+
+def test_bad_requests_get_400_and_server_keeps_serving(shared_engine: EngineProcess) -> None:
+    url = shared_engine.url
+    bad = {
+        "text and input_ids": {"text": "a", "input_ids": [1]},
+        "top_p": {"input_ids": PROMPT, "sampling_params": {"top_p": 0}},
+        "top_p > 1": {"input_ids": PROMPT, "sampling_params": {"top_p": 1.5}},
+        "max_new_tokens": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": "ten"}},
+        "context length": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5000}},
+        "vocabulary": {"input_ids": [1, 2, 100000]},
+        "input_ids": {"input_ids": "hello"},
+        "unknown sampling key": {"input_ids": PROMPT, "sampling_params": {"temprature": 1}},
+    }
+    for what, body in bad.items():
+        r = gen(url, body)
+        assert r.status_code == 400, (what, r.text)
+        assert r.json()["error"]["message"], what
+    r = httpx.post(url + "/generate", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert "context length" in gen(url, bad["context length"]).json()["error"]["message"]
+    assert gen(url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_two_hundred_concurrent_requests_are_batched(shared_engine: EngineProcess) -> None:
+    url = shared_engine.url
+    steps_before = info(url)["num_decode_steps"]
+
+    def one(i: int) -> dict:
+        body = {"input_ids": PROMPT + [20 + i % 10], "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+        return gen(url, body, timeout_s=120).json()
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        outs = list(pool.map(one, range(200)))
+    assert all(len(o["output_ids"]) == 16 for o in outs)
+    steps = info(url)["num_decode_steps"] - steps_before
+    # One sequence at a time would need 200 * 15 decode steps.
+    assert steps < 200 * 15 / 4, steps
+
+
+def test_pause_abort_returns_partial_outputs(engine_factory) -> None:
+    eng = engine_factory()
+    box: dict = {}
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "return_logprob": True}
+    t = threading.Thread(target=lambda: box.update(out=gen(eng.url, body).json()))
+    t.start()
+    wait_running(eng.url, 1)
+    time.sleep(0.2)
+    assert post(eng.url, "/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
+    t.join(30)
+    meta = box["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 900
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    post(eng.url, "/continue_generation")
+
+
+def test_pause_retract_requeues_and_in_place_keeps_cache(engine_factory) -> None:
+    eng = engine_factory()
+    outputs: dict[str, list[int]] = {}
+    for mode in ("retract", "in_place"):
+        box: dict = {}
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 700, "ignore_eos": True, "sampling_seed": 3}}
+        t = threading.Thread(target=lambda b=body, x=box: x.update(out=gen(eng.url, b).json()))
+        t.start()
+        wait_running(eng.url, 1)
+        time.sleep(0.2)
+        post(eng.url, "/pause_generation", {"mode": mode})
+        state = info(eng.url)
+        if mode == "retract":
+            assert (state["num_reqs"], state["num_waiting_reqs"]) == (0, 1)
+            assert post(eng.url, "/flush_cache").status_code == 400  # a request still waits
+        else:
+            assert (state["num_reqs"], state["num_waiting_reqs"]) == (1, 0)
+            assert post(eng.url, "/flush_cache").status_code == 400
+        time.sleep(0.3)
+        assert info(eng.url)["num_generated_tokens"] == state["num_generated_tokens"]  # nothing runs while paused
+        post(eng.url, "/continue_generation")
+        t.join(60)
+        out = box["out"]
+        assert len(out["output_ids"]) == 700 and out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
+        outputs[mode] = out["output_ids"]
+    # Same weights, same seed: retracting and recomputing the cache changes nothing.
+    assert outputs["retract"] == outputs["in_place"]
+
+
+def test_weight_version_spans_across_an_update(engine_factory) -> None:
+    eng = engine_factory()
+    box: dict = {}
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: box.update(out=gen(eng.url, body).json()))
+    t.start()
+    wait_running(eng.url, 1)
+    post(eng.url, "/pause_generation", {"mode": "in_place"})
+    r = post(eng.url, "/update_weight_version", {"new_version": "7", "abort_all_requests": False}).json()
+    assert r["success"] and r["new_version"] == "7"
+    post(eng.url, "/continue_generation")
+    t.join(60)
+    spans = box["out"]["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "7"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 600
+    assert box["out"]["meta_info"]["weight_version"] == "7"
+    assert httpx.get(eng.url + "/model_info").json()["weight_version"] == "7"
+
+
+def _push_distributed(url: str, model_dir: Path, flattened: bool) -> None:
+    """Act as trainer rank 0: host the group, broadcast every parameter in list order."""
+    new = load_model(model_dir)
+    named = list(new.state_dict().items())
+    port = free_port()
+    box: dict = {}
+    join = threading.Thread(
+        target=lambda: box.update(
+            r=post(
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "g",
+                    "backend": "gloo",
+                },
+            )
+        )
+    )
+    join.start()
+    pg = init_weight_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="g", backend="gloo", timeout_s=30
+    )
+    join.join(30)
+    assert box["r"].json()["success"], box["r"].text
+    body = {
+        "names": [n for n, _ in named],
+        "dtypes": ["float32"] * len(named),
+        "shapes": [list(t.shape) for _, t in named],
+        "group_name": "g",
+        "weight_version": "v1",
+        "load_format": "flattened_bucket" if flattened else None,
+    }
+    send = threading.Thread(target=lambda: box.update(u=post(url, "/update_weights_from_distributed", body)))
+    send.start()
+    if flattened:
+        broadcast(pg, torch.cat([t.flatten() for _, t in named]))
+    else:
+        for _, t in named:
+            broadcast(pg, t.contiguous())
+    send.join(30)
+    assert box["u"].json()["success"], box["u"].text
+    assert post(url, "/destroy_weights_update_group", {"group_name": "g"}).json()["success"]
+
+
+@pytest.mark.parametrize("how", ["distributed", "flattened_bucket", "tensor"])
+def test_weight_update_matches_a_server_started_on_the_new_weights(engine_factory, tmp_path: Path, how: str) -> None:
+    new_dir = init_tiny_model(tmp_path / "other", TinyModelSpec(seed=123))
+    eng = engine_factory()
+    reference = engine_factory(model_dir=new_dir)
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 24, "sampling_seed": 9}, "return_logprob": True}
+    before = gen(eng.url, body).json()
+    if how == "tensor":
+        named = list(load_model(new_dir).state_dict().items())
+        with create_handover(named) as payload:
+            r = post(
+                eng.url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "weight_version": "v1"}
+            )
+        assert r.json()["success"], r.text
+    else:
+        _push_distributed(eng.url, new_dir, flattened=how == "flattened_bucket")
+    after, expected = gen(eng.url, body).json(), gen(reference.url, body).json()
+    assert after["output_ids"] != before["output_ids"]
+    assert after["output_ids"] == expected["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]  # bitwise
+    assert after["meta_info"]["weight_version"] == "v1"
+
+
+def test_weight_update_rejects_unknown_names(shared_engine: EngineProcess) -> None:
+    r = post(shared_engine.url, "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGpzb24="]})
+    assert r.status_code == 400 and "handover" in r.json()["message"]
+    with create_handover([("model.nope.weight", torch.zeros(2))]) as payload:
+        r = post(shared_engine.url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    assert r.status_code == 400 and "model.nope.weight" in r.json()["message"]
+
+
+def test_release_and_resume_memory(engine_factory, tiny_model_dir: Path) -> None:
+    eng = engine_factory()
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10, "sampling_seed": 1}, "return_logprob": True}
+    before = gen(eng.url, body).json()
+    # Refused while a request runs.
+    box: dict = {}
+    long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: box.update(out=gen(eng.url, long)))
+    t.start()
+    wait_running(eng.url, 1)
+    r = post(eng.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status_code == 400 and "idle" in r.json()["message"]
+    t.join(60)
+
+    r = post(eng.url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}).json()
+    assert r["freed_bytes"]["kv_cache"] > 0 and r["freed_bytes"]["weights"] > 0
+    state = info(eng.url)
+    assert state["weights_released"] and state["kv_cache_released"]
+    r = gen(eng.url, body)
+    assert r.status_code == 400 and "resume_memory_occupation" in r.json()["error"]["message"]
+    assert post(eng.url, "/resume_memory_occupation", {"tags": ["weights"]}).json()["success"]
+    named = list(load_model(tiny_model_dir).state_dict().items())
+    with create_handover(named) as payload:
+        assert post(eng.url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]}).json()["success"]
+    assert post(eng.url, "/resume_memory_occupation", {"tags": ["kv_cache"]}).json()["success"]
+    after = gen(eng.url, body).json()
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+
+def test_api_key_guards_every_endpoint(engine_factory) -> None:
+    eng = engine_factory("--api-key", "s3cret")
+    assert httpx.get(eng.url + "/model_info").status_code == 401
+    assert gen(eng.url, {"input_ids": PROMPT}).status_code == 401
+    assert post(eng.url, "/pause_generation", {"mode": "abort"}).status_code == 401
+    ok = gen(
+        eng.url,
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
+        headers={"Authorization": "Bearer s3cret"},
+    )
+    assert ok.status_code == 200
+    wrong = gen(eng.url, {"input_ids": PROMPT}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+
+
+def test_deterministic_mode_and_onpolicy_logprobs(engine_factory, tiny_model_dir: Path) -> None:
+    eng = engine_factory("--deterministic", "--onpolicy-logprobs")
+    body = {
+        "input_ids": [PROMPT, PROMPT[:4], [7, 8, 9, 10, 11]],
+        "sampling_params": {"max_new_tokens": 20, "ignore_eos": True},
+        "rid": ["x", "y", "z"],
+        "return_logprob": True,
+    }
+    body["sampling_params"]["sampling_seed"] = 4
+    a, b = gen(eng.url, body).json(), gen(eng.url, body).json()
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert [o["meta_info"]["output_token_logprobs"] for o in a] == [o["meta_info"]["output_token_logprobs"] for o in b]
+    # On-policy log-probs equal the trainer's scoring of the same sequence bit for bit.
+    from hpcrl.model.qwen3 import token_logprobs_of_sequence
+
+    model = load_model(tiny_model_dir)
+    for prompt, out in zip(body["input_ids"], a, strict=True):
+        ids = torch.tensor(prompt + out["output_ids"])
+        with torch.no_grad():
+            trainer_lp = token_logprobs_of_sequence(model, ids, len(prompt)).tolist()
+        assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == trainer_lp
+
+
+def test_health_generate_and_info(shared_engine: EngineProcess) -> None:
+    assert httpx.get(shared_engine.url + "/health_generate", timeout=30).status_code == 200
+    server = httpx.get(shared_engine.url + "/server_info").json()
+    assert server["engine"] == "hpcrl-embedded" and "api_key" not in server
+    assert httpx.get(shared_engine.url + "/model_info").json()["is_generation"] is True
