@@ -35,8 +35,30 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         group_timeout_s=ns.group_timeout_s,
         num_threads=ns.num_threads,
     )
+    if ns.parent_pid:
+        _exit_with_parent(ns.parent_pid)
     serve(cfg)
     return 0
+
+
+def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """An engine whose launcher was SIGKILLed must not live on holding its port and memory."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+                os._exit(1)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="hpcrl-parent-watch", daemon=True).start()
 
 
 def _model_init_tiny(ns: argparse.Namespace) -> int:
@@ -55,6 +77,33 @@ def _model_init_tiny(ns: argparse.Namespace) -> int:
     path = init_tiny_model(ns.dir, spec, overwrite=ns.overwrite)
     print(f"wrote a tiny Qwen3-architecture model to {path}")
     return 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpcrl.driver import run
+    from hpcrl.run_config import load_run_config
+
+    cfg = load_run_config(ns.config, ns.overrides)
+    run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / Path(ns.config).stem
+    print(f"hpcrl run: {cfg.name} -> {run_dir}", flush=True)
+    return run(cfg, run_dir)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run GRPO end to end on this machine (engines and trainer as local processes)",
+        description="Run GRPO from a YAML config: start the engines, optionally warm-start with SFT, then "
+        "rollout -> reward -> train -> weight push for num_steps steps, logging to RUN_DIR/metrics.h5 and "
+        "checkpointing to RUN_DIR/checkpoints/. Rerunning the same command resumes from the last checkpoint.",
+        epilog="example: hpcrl run experiments/quickstart.yaml train.lr=1e-4 rollout.n_samples_per_prompt=8",
+    )
+    p.add_argument("config", help="YAML run config (see experiments/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 num_steps=10")
+    p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<config name>)")
+    p.set_defaults(func=_run)
 
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:
@@ -89,6 +138,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-weights-cpu-backup", action="store_true", help="keep a host copy of released weights")
     p.add_argument("--group-timeout-s", type=float, default=300.0, help="bound on weight-group rendezvous")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launchers)")
     p.set_defaults(func=_engine_serve)
 
 
@@ -118,14 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hpcrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_run(sub)
     _add_engine(sub)
     _add_model(sub)
-    try:
-        from hpcrl.run_cli import add_run_commands
-    except ImportError:
-        pass
-    else:
-        add_run_commands(sub)
     return parser
 
 
@@ -137,8 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        # ConfigError, DataError and RewardError are ValueErrors: user input that needs fixing.
         print(f"hpcrl: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        # RunError, EngineStartError, WeightSyncError, NonFiniteStepError: the run cannot go on.
+        print(f"hpcrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

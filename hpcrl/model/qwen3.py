@@ -130,20 +130,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class KVCache:
-    """Static per-layer K/V buffers [slots, kv_heads, max_len, head_dim]; a slot holds one sequence."""
+    """Static K/V buffers; `k[i]`/`v[i]` are layer i's [slots, kv_heads, max_len, head_dim] views of one
+    allocation [layers, 2, slots, ...]; a slot holds one sequence.
+
+    One allocation lets a slot move (when the engine compacts its running sequences) in one copy for
+    all layers, and frees in one piece when the engine releases its memory.
+    """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    buffer: torch.Tensor | None = None
 
     @classmethod
     def allocate(
         cls, args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        shape = (num_slots, args.num_kv_heads, max_len, args.head_dim)
-        return cls(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
-        )
+        shape = (args.num_layers, 2, num_slots, args.num_kv_heads, max_len, args.head_dim)
+        buf = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(k=list(buf[:, 0].unbind(0)), v=list(buf[:, 1].unbind(0)), buffer=buf)
 
     @property
     def num_slots(self) -> int:
@@ -157,6 +161,9 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def move_slot(self, src: int, dst: int) -> None:
+        if self.buffer is not None:
+            self.buffer[:, :, dst].copy_(self.buffer[:, :, src])
+            return
         for t in self.k + self.v:
             t[dst].copy_(t[src])
 
@@ -200,13 +207,21 @@ class Attention(nn.Module):
         v_rows: torch.Tensor,
         start_pos: torch.Tensor,
         attn_len: int,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Attention that appends this chunk's K/V to cache rows `k_rows`/`v_rows` [B, kv, L, D] at
         `start_pos` [B]; `mask` [B, 1, T, attn_len] marks which cached positions each new token sees.
+
+        mask None means every row starts at position 0 (a prefill): the chunk is written to the cache
+        with a slice and attends causally to itself, which lets SDPA use its flash kernel.
         """
         q, k, v = self._qkv(x, cos, sin)
         b, t = x.shape[0], x.shape[1]
+        if mask is None:
+            k_rows[:, :, :t] = k
+            v_rows[:, :, :t] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         pos = start_pos[:, None] + torch.arange(t, device=x.device)[None, :]  # [B, T]
         rows = torch.arange(b, device=x.device)[:, None].expand(b, t)
         # Advanced indices around a slice put their dims first: the target is [B, T, kv, D].
@@ -287,6 +302,8 @@ class CausalLM(nn.Module):
         first_slot: int,
         start_pos: torch.Tensor,
         last_index: torch.Tensor,
+        *,
+        from_start: bool = False,
     ) -> torch.Tensor:
         """Run new tokens [B, T] of the sequences in cache slots first_slot..first_slot+B-1 and return
         the logits at `last_index` [B] of each row (the position that predicts the next token), [B, V].
@@ -294,13 +311,17 @@ class CausalLM(nn.Module):
         The engine keeps running sequences in contiguous slots so that the cache rows are a view,
         not a gather. Each row's new tokens start at `start_pos[b]`; rows are right-padded to T, and
         padded tokens write cache entries past the row's end that are overwritten before anyone reads them.
+        `from_start=True` promises start_pos == 0 for every row (a prefill): no mask, no host sync.
         """
         b, t = input_ids.shape
         device = input_ids.device
         positions = start_pos[:, None] + torch.arange(t, device=device)[None, :]
-        attn_len = int((start_pos + t).max().item())
-        key_pos = torch.arange(attn_len, device=device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        if from_start:
+            attn_len, mask = t, None
+        else:
+            attn_len = int((start_pos + t).max().item())
+            key_pos = torch.arange(attn_len, device=device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
         rows = slice(first_slot, first_slot + b)

@@ -102,3 +102,110 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)
     return out_dir
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Any dense Qwen3 shape, for benchmarks: random weights, the character tokenizer, real-model sizes."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 40960
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < len(SPECIAL_TOKENS) + len(CHARACTERS):
+            raise ValueError(f"vocab_size must hold the character tokenizer ({len(SPECIAL_TOKENS) + len(CHARACTERS)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+# Qwen3-0.6B's config.json: the shape hpcrl's GPU targets are stated for.
+QWEN3_0_6B_SHAPE = ModelShape(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+)
+
+
+def init_shaped_model(
+    out_dir: str | Path,
+    shape: ModelShape,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    overwrite: bool = False,
+) -> Path:
+    """Write a random-weight Qwen3 model of `shape` (tied embeddings) with the character tokenizer.
+
+    Built with hpcrl's own `CausalLM` and initialised on `device` (a GPU makes a 0.6B model in about a
+    second), so it needs no model hub. Token ids past the tokenizer's 99 decode to nothing; benchmarks
+    send token ids.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, Qwen3Config
+
+    from hpcrl.model.hf import parse_dtype
+    from hpcrl.model.qwen3 import CausalLM, ModelArgs
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+    tokenizer = build_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen3Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        rope_theta=1_000_000.0,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    args = ModelArgs.from_hf_config(config.to_dict())
+    with torch.device("meta"):
+        model = CausalLM(args)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(shape.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)  # transformers' initializer_range
+    torch_dtype = parse_dtype(dtype)
+    state = {k: v.detach().to(torch_dtype).to("cpu").contiguous() for k, v in model.state_dict().items()}
+    del model
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    config.dtype = torch_dtype
+    config.save_pretrained(tmp)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+    (tmp / "hpcrl_model_shape.json").write_text(json.dumps(asdict(shape)))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+    return out_dir

@@ -387,6 +387,11 @@ class MetricsWriter:
                 f.attrs[name] = value
 
     @property
+    def last_step(self) -> int | None:
+        """The step of the last row logged (buffered or written), None when there is none."""
+        return self._rows[-1][0] if self._rows else self._last_step
+
+    @property
     def num_rows(self) -> int:
         """Rows written to the file plus rows still buffered."""
         return self._num_rows + len(self._rows)

@@ -6,10 +6,18 @@ decode steps, so nothing races with a forward pass. The HTTP layer talks to it o
 
 Running sequences occupy the contiguous cache slots 0..R-1; a finished sequence's slot is refilled by
 moving the last one down, so that every forward reads a slice of the cache, never a gather.
+
+Decode steps run through `runner.DecodeRunner`, which keeps each slot's next token, position and
+sampling state on the device. On CUDA the scheduler looks one step ahead: it launches step t+1 before
+it reads step t's tokens, so the host's bookkeeping overlaps the GPU's work. A sequence that finished
+at step t has then been decoded once more; that extra token is dropped. Whenever the set of running
+sequences changes (a finish, an admission, an abort, a control call) the look-ahead step is drained
+first, so every state change still happens between forward passes.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -21,7 +29,8 @@ from typing import Any, Literal
 
 import torch
 
-from hpcrl.engine.embedded.sampling import RowParams, sample
+from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
 
 log = logging.getLogger(__name__)
@@ -64,6 +73,26 @@ class SeqRequest:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def row_state(self) -> RowState:
+        return RowState(
+            token=self.output_ids[-1] if self.output_ids else self.prompt_ids[-1],
+            position=self.cached_len,
+            seed=self.seed,
+            step=len(self.output_ids),
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -72,6 +101,32 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     deterministic: bool = False
     onpolicy_logprobs: bool = False
+    # "auto": CUDA graphs of the fused kernels on CUDA when Triton is there, else the eager model.
+    decode_mode: str = "auto"
+    # Launch step t+1 before reading step t (None: on for CUDA, where launches are asynchronous).
+    overlap: bool | None = None
+    profile: bool = False
+
+
+def resolve_decode_mode(requested: str, model: CausalLM, device: torch.device, dtype: torch.dtype) -> str:
+    if requested not in ("auto", "eager", "triton", "graph"):
+        raise ValueError(f"decode mode must be auto, eager, triton or graph, got {requested!r}")
+    if device.type != "cuda":
+        return "eager"  # the fused kernels are Triton GPU code
+    reason = kernels.supported(model.args.head_dim, dtype)
+    if reason is not None:
+        if requested in ("triton", "graph"):
+            log.warning("decode mode %s is unavailable (%s); using the eager model", requested, reason)
+        return "eager"
+    return "graph" if requested == "auto" else requested
+
+
+@dataclass
+class _Pending:
+    """A launched decode step whose tokens the host has not read yet."""
+
+    rows: list[SeqRequest]
+    handle: StepHandle
 
 
 class Scheduler:
@@ -84,6 +139,15 @@ class Scheduler:
         self.cache: KVCache | None = KVCache.allocate(
             model.args, cfg.max_running_requests, cfg.context_length, dtype, device
         )
+        self.runner = DecodeRunner(
+            model,
+            self.cache,
+            max_batch=cfg.max_running_requests,
+            device=device,
+            mode=resolve_decode_mode(cfg.decode_mode, model, device, dtype),
+            profile=cfg.profile,
+        )
+        self.overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
         self.weights_released = False
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._weight_backup: dict[str, torch.Tensor] = {}
@@ -94,9 +158,36 @@ class Scheduler:
         self._lock = threading.Condition()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stop = False
+        self._inflight: _Pending | None = None
+        self._rows_dirty = True  # the runner's slot buffers must be rewritten before the next step
+        self._torch_sampler = False  # some running row needs top-k/top-p/min-p or its sampling support
+        self._want_support = False
         self.num_decode_steps = 0
         self.num_generated_tokens = 0
+        self.host_stats: dict[str, float] = {"launch_s": 0.0, "wait_s": 0.0, "process_s": 0.0, "prefill_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="hpcrl-scheduler", daemon=True)
+
+    @property
+    def decode_path(self) -> str:
+        return {"graph": "cuda_graph", "triton": "triton_eager", "eager": "eager"}[self.runner.mode]
+
+    def profile_summary(self) -> dict[str, Any] | None:
+        if not self.cfg.profile:
+            return None
+        steps = max(1, self.num_decode_steps)
+        r = self.runner.stats
+        timed = max(1.0, r["steps"])
+        return {
+            "decode_steps": self.num_decode_steps,
+            "gpu_forward_ms_per_step": r["forward_ms"] / timed,
+            "gpu_sample_ms_per_step": r["sample_ms"] / timed,
+            "host_launch_ms_per_step": self.host_stats["launch_s"] * 1e3 / steps,
+            "host_wait_ms_per_step": self.host_stats["wait_s"] * 1e3 / steps,
+            "host_process_ms_per_step": self.host_stats["process_s"] * 1e3 / steps,
+            "prefill_s_total": self.host_stats["prefill_s"],
+            "graph_captures": r["graph_captures"],
+            "overlap": self.overlap,
+        }
 
     # ----- interface for the HTTP layer (any thread) -----
     def start(self) -> None:
@@ -136,6 +227,8 @@ class Scheduler:
                     break
                 calls = list(self._calls)
                 self._calls.clear()
+            if calls:
+                self._safe_drain()  # control work sees every launched step finished and accounted
             for fn, fut in calls:
                 try:
                     fut.set_result(fn())
@@ -147,17 +240,73 @@ class Scheduler:
                 self._step()
             except Exception as exc:
                 log.exception("scheduler step failed")
+                self._inflight = None
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+        self._safe_drain()
         self._fail_all("engine is shutting down")
+
+    def _safe_drain(self) -> None:
+        try:
+            self._drain()
+        except Exception as exc:
+            log.exception("scheduler drain failed")
+            self._inflight = None
+            self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
 
     def _step(self) -> None:
         if self.weights_released or self.cache is None:
+            self._drain()
             if self.waiting or self.running:
                 self._fail_all("memory is released (release_memory_occupation); call resume_memory_occupation first")
             return
-        self._admit()
-        if self.running:
-            self._decode()
+        if self._can_admit():
+            self._drain()
+            self._admit()
+            self._compact()
+        if not self.running:
+            return
+        self._launch()
+        if not self.overlap:
+            self._drain()
+
+    def _launch(self) -> None:
+        """Launch the next decode step; with overlap, read the previous step's tokens meanwhile."""
+        if self._rows_dirty:
+            self.runner.write_rows([r.row_state() for r in self.running])
+            self._rows_dirty = False
+        t0 = time.perf_counter()
+        handle = self.runner.decode(
+            len(self.running), torch_sampler=self._torch_sampler, want_support=self._want_support
+        )
+        self.host_stats["launch_s"] += time.perf_counter() - t0
+        self.num_decode_steps += 1
+        previous, self._inflight = self._inflight, _Pending(rows=list(self.running), handle=handle)
+        if previous is not None and self._process(previous, advance=True):
+            self._drain()  # a row finished: settle the look-ahead step before the slots change
+
+    def _drain(self) -> None:
+        """Read the launched step, if any, then remove finished rows from their slots."""
+        pending, self._inflight = self._inflight, None
+        if pending is not None:
+            self._process(pending, advance=True)
+        self._compact()
+
+    def _process(self, pending: _Pending, *, advance: bool) -> bool:
+        """Append a step's tokens to its rows; True when a row finished."""
+        t0 = time.perf_counter()
+        out = pending.handle.result()
+        t1 = time.perf_counter()
+        finished = self._append_tokens(pending.rows, out, advance=advance)
+        self.host_stats["wait_s"] += t1 - t0
+        self.host_stats["process_s"] += time.perf_counter() - t1
+        return finished
+
+    def _can_admit(self) -> bool:
+        if not self.waiting or len(self.running) >= self.cfg.max_running_requests:
+            return False
+        # Deterministic mode forms batches only from an idle engine, so one /generate call on an
+        # idle engine always meets the same batch composition and gives bit-identical results.
+        return not (self.cfg.deterministic and self.running)
 
     def _take_waiting(self) -> list[SeqRequest]:
         free = self.cfg.max_running_requests - len(self.running)
@@ -185,9 +334,11 @@ class Scheduler:
         ready = [r for r in new if not self._finish_if_done(r, before_first_token=True)]
         if not ready:
             return
+        t0 = time.perf_counter()
         first_slot = len(self.running)
         self.running.extend(ready)
-        lengths = [len(r.all_ids) for r in ready]
+        self._rows_dirty = True
+        lengths = [r.num_tokens for r in ready]
         width = max(lengths)
         ids = torch.zeros(len(ready), width, dtype=torch.long)
         for i, r in enumerate(ready):
@@ -196,58 +347,45 @@ class Scheduler:
         start = torch.zeros(len(ready), dtype=torch.long, device=self.device)
         last = torch.tensor(lengths, device=self.device) - 1
         assert self.cache is not None
-        logits = self.model.forward_cached(ids, self.cache, first_slot, start, last)
+        logits = self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
         for r, n in zip(ready, lengths, strict=True):
             r.cached_len = n
-        self._append_tokens(ready, logits)
-
-    def _decode(self) -> None:
-        rows = self.running
-        ids = torch.tensor([[r.all_ids[-1]] for r in rows], device=self.device)
-        start = torch.tensor([r.cached_len for r in rows], device=self.device)
-        last = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        assert self.cache is not None
-        logits = self.model.forward_cached(ids, self.cache, 0, start, last)
-        for r in rows:
-            r.cached_len += 1
-        self.num_decode_steps += 1
-        self._append_tokens(list(rows), logits)
-
-    def _append_tokens(self, rows: list[SeqRequest], logits: torch.Tensor) -> None:
-        dev = self.device
-        params = RowParams(
-            temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=dev),
-            top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev),
-            steps=torch.tensor([len(r.output_ids) for r in rows], dtype=torch.int64, device=dev),
+        self._refresh_sampler_flags()
+        out = self.runner.sample_prefill(
+            logits,
+            [r.row_state() for r in ready],
+            torch_sampler=any(r.filtered or r.return_sampling_mask for r in ready),
+            want_support=any(r.return_sampling_mask for r in ready),
         )
-        want_support = any(r.return_sampling_mask for r in rows)
-        out = sample(logits, params, want_support=want_support)
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist()
-        scaled = out.scaled_logprobs.tolist()
-        support_lps = out.support_logprobs.tolist() if out.support_logprobs is not None else None
-        done: list[SeqRequest] = []
+        self._append_tokens(ready, out, advance=False)
+        self.host_stats["prefill_s"] += time.perf_counter() - t0
+
+    def _refresh_sampler_flags(self) -> None:
+        self._want_support = any(r.return_sampling_mask for r in self.running)
+        self._torch_sampler = self._want_support or any(r.filtered for r in self.running)
+
+    def _append_tokens(self, rows: list[SeqRequest], out: StepOutput, *, advance: bool) -> bool:
+        """Record one sampled token per row; `advance` moves cached_len past the step's input token."""
+        finished = False
+        mask = out.support_mask
         for i, r in enumerate(rows):
-            r.output_ids.append(tokens[i])
-            r.logprobs.append(lps[i])
-            r.scaled_logprobs.append(scaled[i])
+            if r.finish_reason is not None:
+                continue  # finished (or aborted) before this look-ahead step: its token is dropped
+            r.output_ids.append(out.tokens[i])
+            r.logprobs.append(out.logprobs[i])
+            r.scaled_logprobs.append(out.scaled_logprobs[i])
+            if advance:
+                r.cached_len += 1
             if r.return_sampling_mask:
-                assert support_lps is not None
-                r.support_logprobs.append(support_lps[i])
-                if out.support_mask is not None:
-                    r.support_ids.append(out.support_mask[i].nonzero()[:, 0].tolist())
-                else:
-                    r.support_ids.append([])  # empty = the whole vocabulary (no filtering)
+                assert out.support_logprobs is not None
+                r.support_logprobs.append(out.support_logprobs[i])
+                # empty = the whole vocabulary (no filtering)
+                r.support_ids.append(mask[i].nonzero()[:, 0].tolist() if mask is not None else [])
             self._stamp_version(r)
             self.num_generated_tokens += 1
             if self._finish_if_done(r):
-                done.append(r)
-        for r in done:
-            self._release_slot(r)
-            self._complete(r)
+                finished = True
+        return finished
 
     def _stamp_version(self, r: SeqRequest) -> None:
         n = len(r.output_ids)
@@ -266,19 +404,29 @@ class Scheduler:
         tok = r.output_ids[-1]
         if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
             r.finish_reason = {"type": "stop", "matched": tok}
-        elif len(r.output_ids) >= r.max_new_tokens or len(r.all_ids) >= self.cfg.context_length:
+        elif len(r.output_ids) >= r.max_new_tokens or r.num_tokens >= self.cfg.context_length:
             r.finish_reason = {"type": "length", "length": len(r.output_ids)}
         else:
             return False
         return True
 
-    def _release_slot(self, r: SeqRequest) -> None:
-        i = self.running.index(r)
-        last = len(self.running) - 1
-        if i != last and self.cache is not None:
-            self.cache.move_slot(last, i)
-            self.running[i] = self.running[last]
-        self.running.pop()
+    def _compact(self) -> None:
+        """Complete rows that have a finish reason and close the gaps they leave in slots 0..R-1."""
+        done = [r for r in self.running if r.finish_reason is not None]
+        if not done:
+            return
+        keep = len(self.running) - len(done)
+        holes = [i for i in range(keep) if self.running[i].finish_reason is not None]
+        movers = [i for i in range(keep, len(self.running)) if self.running[i].finish_reason is None]
+        for dst, src in zip(holes, movers, strict=True):
+            if self.cache is not None:
+                self.cache.move_slot(src, dst)
+            self.running[dst] = self.running[src]
+        del self.running[keep:]
+        self._rows_dirty = True
+        self._refresh_sampler_flags()
+        for r in done:
+            self._complete(r)
 
     def _complete(self, r: SeqRequest) -> None:
         r.finished_s = time.monotonic()
@@ -297,6 +445,8 @@ class Scheduler:
             victims = self.running + list(self.waiting)
             self.running = []
             self.waiting.clear()
+        self._inflight = None
+        self._rows_dirty = True
         for r in victims:
             r.finish_reason = {"type": "abort", "message": message, "status_code": 500}
             self._complete(r)
@@ -312,11 +462,11 @@ class Scheduler:
             waiting = [r for r in self.waiting if match(r)]
             self.waiting = deque(r for r in self.waiting if not match(r))
         running = [r for r in self.running if match(r)]
-        for r in running:
-            self._release_slot(r)
         for r in waiting + running:
             r.finish_reason = {"type": "abort", "message": "Abort request " + ("(all)" if abort_all else rid)}
+        for r in waiting:
             self._complete(r)
+        self._compact()  # completes the running ones
         return len(waiting) + len(running)
 
     def pause(self, mode: PauseMode) -> None:
@@ -331,6 +481,7 @@ class Scheduler:
                     r.cached_len = 0
                     self.waiting.appendleft(r)
             self.running = []
+            self._rows_dirty = True
         self.paused = mode
 
     def resume_generation(self) -> None:
@@ -357,9 +508,20 @@ class Scheduler:
                 f"{len(self.waiting)} wait: pause_generation(mode='abort') or wait for them first"
             )
         freed: dict[str, int] = {}
+        cuda = self.device.type == "cuda"
+        # Captured graphs hold raw addresses of the cache, the weights and their own memory pool:
+        # releasing any of them makes the graphs invalid, so they go first (re-captured on demand).
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        self.runner.reset_graphs()
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+        if "cuda_graph" in tags:
+            freed["cuda_graph"] = reserved - torch.cuda.memory_reserved(self.device) if cuda else 0
         if "kv_cache" in tags and self.cache is not None:
             freed["kv_cache"] = self.cache.nbytes()
             self.cache = None
+            self.runner.set_cache(None)
         if "weights" in tags and not self.weights_released:
             total = 0
             for name, p in self.model.named_parameters():
@@ -370,9 +532,10 @@ class Scheduler:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.weights_released = True
             freed["weights"] = total
-        if "cuda_graph" in tags:
-            freed["cuda_graph"] = 0  # the embedded engine captures no CUDA graphs yet
-        if self.device.type == "cuda":
+        if cuda:
+            # Dropped tensors go back to torch's caching allocator, not to the device: empty_cache
+            # returns them, so the trainer (another process) can use the memory.
+            gc.collect()
             torch.cuda.empty_cache()
         return freed
 
@@ -392,11 +555,13 @@ class Scheduler:
                 )
                 total += p.numel() * p.element_size()
             self.weights_released = False
+            self.runner.reset_graphs()  # new weight storage: graphs are re-captured against it
             restored["weights"] = total
         if "kv_cache" in tags and self.cache is None:
             self.cache = KVCache.allocate(
                 self.model.args, self.cfg.max_running_requests, self.cfg.context_length, self.dtype, self.device
             )
+            self.runner.set_cache(self.cache)
             restored["kv_cache"] = self.cache.nbytes()
         if "cuda_graph" in tags:
             restored["cuda_graph"] = 0

@@ -14,6 +14,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +54,12 @@ class ServerConfig:
     enable_weights_cpu_backup: bool = False
     group_timeout_s: float = 300.0
     num_threads: int | None = None
+    # Decode tuning; None takes HPCRL_ENGINE_DECODE (auto|eager|triton|graph), HPCRL_ENGINE_OVERLAP
+    # (0|1) and HPCRL_ENGINE_PROFILE (0|1) from the environment, so benchmarks and tests can switch
+    # them without new CLI flags.
+    decode_mode: str | None = None
+    overlap: bool | None = None
+    profile: bool | None = None
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -81,6 +88,9 @@ class EmbeddedEngine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 deterministic=cfg.deterministic,
                 onpolicy_logprobs=cfg.onpolicy_logprobs,
+                decode_mode=cfg.decode_mode or os.environ.get("HPCRL_ENGINE_DECODE", "auto"),
+                overlap=cfg.overlap if cfg.overlap is not None else _env_flag("HPCRL_ENGINE_OVERLAP"),
+                profile=bool(cfg.profile if cfg.profile is not None else _env_flag("HPCRL_ENGINE_PROFILE")),
             ),
             device=self.device,
             dtype=self.dtype,
@@ -282,6 +292,8 @@ class EmbeddedEngine:
                         "paused": self.scheduler.paused,
                         "weights_released": self.scheduler.weights_released,
                         "kv_cache_released": self.scheduler.cache is None,
+                        "decode_path": self.scheduler.decode_path,
+                        "profile": self.scheduler.profile_summary(),
                     }
                 ],
             }
@@ -329,26 +341,46 @@ class EmbeddedEngine:
         try:
             req = P.MemoryOccupation.from_dict(await _json_body(request, default={}))
             tags = list(req.tags) if req.tags is not None else list(P.MEMORY_TAGS)
-            before = _device_bytes(self.device)
+            before, reserved_before = _device_bytes(self.device), _device_reserved(self.device)
+            t0 = time.perf_counter()
             freed = await self._on_scheduler(
                 lambda: self.scheduler.release_memory(tags, weights_cpu_backup=self.cfg.enable_weights_cpu_backup)
             )
+            seconds = time.perf_counter() - t0
         except (ValueError, EngineStateError) as exc:
             return _error(str(exc))
-        after = _device_bytes(self.device)
+        after, reserved_after = _device_bytes(self.device), _device_reserved(self.device)
         log.info("released %s: %s bytes (device allocated %s -> %s)", tags, freed, before, after)
         return web.json_response(
-            {"success": True, "freed_bytes": freed, "device_allocated_before": before, "device_allocated_after": after}
+            {
+                "success": True,
+                "freed_bytes": freed,
+                "device_allocated_before": before,
+                "device_allocated_after": after,
+                "device_reserved_before": reserved_before,
+                "device_reserved_after": reserved_after,
+                "seconds": seconds,
+            }
         )
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         try:
             req = P.MemoryOccupation.from_dict(await _json_body(request, default={}))
             tags = list(req.tags) if req.tags is not None else list(P.MEMORY_TAGS)
+            t0 = time.perf_counter()
             restored = await self._on_scheduler(lambda: self.scheduler.resume_memory(tags))
+            seconds = time.perf_counter() - t0
         except (ValueError, EngineStateError) as exc:
             return _error(str(exc))
-        return web.json_response({"success": True, "restored_bytes": restored})
+        return web.json_response(
+            {
+                "success": True,
+                "restored_bytes": restored,
+                "device_allocated_after": _device_bytes(self.device),
+                "device_reserved_after": _device_reserved(self.device),
+                "seconds": seconds,
+            }
+        )
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:
@@ -511,6 +543,19 @@ def _device_bytes(device: torch.device) -> int | None:
     return None
 
 
+def _device_reserved(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    return None
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
+
+
 def _load_tokenizer(model_dir: str) -> Any:
     if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer_config.json").is_file():
         return None
@@ -531,11 +576,12 @@ def serve(cfg: ServerConfig) -> None:
     engine = EmbeddedEngine(cfg)
     engine.scheduler.start()
     log.info(
-        "loaded %s on %s/%s in %.1f s; serving on http://%s:%d",
+        "loaded %s on %s/%s in %.1f s (decode path %s); serving on http://%s:%d",
         cfg.model,
         cfg.device,
         cfg.dtype,
         time.perf_counter() - t0,
+        engine.scheduler.decode_path,
         cfg.host,
         cfg.port,
     )

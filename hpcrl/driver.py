@@ -1,0 +1,43 @@
+"""The GRPO driver loop: each line is a call into a component (DESIGN.md §2).
+
+hpcrl run experiments/quickstart.yaml [--run-dir DIR] [key=value ...]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpcrl.run_config import RunConfig
+from hpcrl.session import RunSession
+from hpcrl.store.progress import StepTimer
+
+
+def run(cfg: RunConfig, run_dir: Path) -> int:
+    """Run (or resume) GRPO in run_dir; returns the process exit code."""
+    with RunSession(cfg, run_dir) as s:
+        start = s.resume()
+        if start >= cfg.num_steps > 0:
+            s.progress.say(f"{run_dir} already finished all {cfg.num_steps} steps; use a new --run-dir for a new run")
+            return 0
+        s.warm_start()
+        for step in range(start, cfg.num_steps):
+            timer = StepTimer()
+            with timer.phase("rollout"):
+                groups = s.rollout.generate(step, s.data.batch(step))
+            with timer.phase("reward"):
+                s.rewards.score(groups)
+            with timer.phase("train"):
+                train = s.train_metrics(s.trainer.train_grpo(s.batch(groups)))
+            with timer.phase("sync"):
+                sync = s.push_weights(str(step + 1))
+            metrics = s.step_metrics(groups, timer.seconds["rollout"]) | train | sync
+            with timer.phase("checkpoint"):
+                s.checkpoint(step, metrics | timer.metrics())
+            metrics |= timer.metrics()
+            s.store.log(step, metrics)
+            s.check_nan_limit(metrics, step)
+            s.progress.step(step, metrics)
+            if s.preempt_signal is not None:
+                return s.on_preempt(step, metrics)
+        s.finish()
+    return 0

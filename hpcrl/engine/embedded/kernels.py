@@ -1,0 +1,435 @@
+"""Triton kernels for the embedded engine's CUDA decode step.
+
+At batch 256 the eager decode step of a 28-layer model is ~2,000 small launches (RMSNorm alone is
+eight elementwise ops in fp32), an attention that expands the grouped K/V heads and a sampler that
+runs ~40 passes over [B, V] int64/fp32 tensors. These kernels fuse each of those into one launch:
+
+- `add_rmsnorm`: residual add + RMSNorm (transformers' op order: normalise in fp32, cast, scale);
+- `qk_norm_rope_store`: per-head QK-norm + RoPE for q (in place) and k, and the K/V cache write;
+- `decode_attention`: one query token per row against its own cache length (GQA heads share one
+  K/V read, and no row reads past its length, so CUDA graphs need no attention-length buckets);
+- `silu_mul`: the SwiGLU product;
+- `sample_rows`: Gumbel-max sampling with the same counter-based noise as `sampling.counter_uniform`
+  (a pure function of seed, token index and vocab id), plus the log-probs at temperature 1 and at
+  the row's temperature, in one pass over the logits, without materialising noise.
+
+Every kernel reads its row lengths and positions from device memory, so a decode step has no host
+sync and can be captured in a CUDA graph. Triton is optional: without it (CPU installs) `AVAILABLE`
+is False and the engine runs the eager model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # CPU-only installs have no Triton; the engine then decodes eagerly
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    AVAILABLE = False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def supported(head_dim: int, dtype: torch.dtype) -> str | None:
+    """None when the fused decode path can run this model, else the reason it cannot."""
+    if not AVAILABLE:
+        return "triton is not installed"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {dtype} is not supported"
+    return None
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _mix32(x):
+        # "lowbias32" on uint32 lanes; multiplies wrap mod 2**32 exactly as sampling._mul32 computes.
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _row_key(seed, step):
+        # Same as sampling.counter_uniform's per-row key: seeds are int64 >= 0, steps int64 >= 0.
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        s = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)
+        return _mix32(s ^ (step & 0xFFFFFFFF).to(tl.uint32))
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, R, W, Out, eps, N, HAS_X: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(R + row * N + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_X:
+            # residual = residual + x, rounded to the model dtype as the eager `h = h + f(h)` is.
+            x = (x + tl.load(X + row * N + offs, mask=m, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
+            tl.store(R + row * N + offs, x, mask=m)
+            x = x.to(tl.float32)
+        var = tl.sum(x * x, axis=0) / N
+        h = (x * (1.0 / tl.sqrt(var + eps))).to(Out.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Out + row * N + offs, (w * h).to(Out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_store_kernel(
+        Q,
+        K,
+        V,
+        QW,
+        KW,
+        Cos,
+        Sin,
+        Pos,
+        KC,
+        VC,
+        eps,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        max_len,
+        H: tl.constexpr,
+        KVH: tl.constexpr,
+        D: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        dr = (d + HALF) % D  # rotate_half's partner lane
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        cos = tl.load(Cos + b * D + d).to(tl.float32)
+        sin = tl.load(Sin + b * D + d).to(tl.float32)
+        is_q = h < H
+        if is_q:
+            base = Q + b * (H * D) + h * D
+            wp = QW
+        else:
+            base = K + b * (KVH * D) + (h - H) * D
+            wp = KW
+        x = tl.load(base + d).to(tl.float32)
+        xr = tl.load(base + dr).to(tl.float32)
+        dt = Q.dtype.element_ty
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = (tl.load(wp + d).to(tl.float32) * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (tl.load(wp + dr).to(tl.float32) * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # apply_rope in the model dtype: x*cos and rotate_half(x)*sin are each rounded, then summed.
+        out = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
+        if is_q:
+            tl.store(base + d, out)
+        else:
+            kvh = (h - H).to(tl.int64)
+            pos = tl.load(Pos + b)
+            # A finished row's extra look-ahead step may sit at max_len: it must not write out of bounds.
+            ok = d < tl.where(pos < max_len, D, 0)
+            off = b * stride_cb + kvh * stride_ch + pos * stride_cn + d
+            tl.store(KC + off, out.to(KC.dtype.element_ty), mask=ok)
+            vv = tl.load(V + b * (KVH * D) + kvh * D + d)
+            tl.store(VC + off, vv.to(VC.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        Q,
+        KC,
+        VC,
+        Out,
+        Pos,
+        sm_scale,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        max_len,
+        H: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1).to(tl.int64)
+        length = tl.minimum(tl.load(Pos + b) + 1, max_len)
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < GROUP
+        offs_d = tl.arange(0, D)
+        heads = kvh * GROUP + offs_h
+        q = tl.load(Q + b * (H * D) + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        kbase = KC + b * stride_cb + kvh * stride_ch
+        vbase = VC + b * stride_cb + kvh * stride_ch
+        for start in range(0, length, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            nmask = offs_n < length
+            k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(nmask[None, :], s * sm_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + b * (H * D) + heads[:, None] * D + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=hmask[:, None],
+        )
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, Out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+        dt = Out.dtype.element_ty
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Out + offs, (s * u).to(dt), mask=m)
+
+    @triton.jit
+    def _sample_kernel(
+        Logits,
+        stride_row,
+        V,
+        Temp,
+        Seeds,
+        Steps,
+        OutTok,
+        OutLp,
+        Tokens,
+        Positions,
+        UPDATE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(Temp + row)
+        greedy = t <= 0.0
+        tt = tl.where(greedy, 1.0, t)
+        step = tl.load(Steps + row)
+        key = _row_key(tl.load(Seeds + row), step)
+        base = Logits + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        neg = float("-inf")
+        # Per-lane running max / sum-exp for log-softmax at T=1 and at T, and a per-lane arg-max;
+        # lanes are combined once at the end (one reduction instead of one per block).
+        m1 = tl.full([BLOCK], neg, tl.float32)
+        s1 = tl.zeros([BLOCK], tl.float32)
+        m2 = tl.full([BLOCK], neg, tl.float32)
+        s2 = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], neg, tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, V, BLOCK):
+            offs = start + lanes
+            msk = offs < V
+            x = tl.load(base + offs, mask=msk, other=neg).to(tl.float32)
+            n1 = tl.maximum(m1, x)
+            n1s = tl.where(n1 == neg, 0.0, n1)
+            s1 = s1 * tl.exp(m1 - n1s) + tl.exp(x - n1s)
+            m1 = n1
+            z = x / tt
+            n2 = tl.maximum(m2, z)
+            n2s = tl.where(n2 == neg, 0.0, n2)
+            s2 = s2 * tl.exp(m2 - n2s) + tl.exp(z - n2s)
+            m2 = n2
+            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
+            u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
+            score = tl.where(greedy, x, z - tl.log(-tl.log(u)))
+            score = tl.where(msk, score, neg)
+            better = score > best  # strict: a lane keeps its first maximum, as torch.argmax does
+            best = tl.where(better, score, best)
+            best_i = tl.where(better, offs, best_i)
+        mx1 = tl.max(m1, axis=0)
+        lse1 = mx1 + tl.log(tl.sum(s1 * tl.exp(m1 - mx1), axis=0))
+        mx2 = tl.max(m2, axis=0)
+        lse2 = mx2 + tl.log(tl.sum(s2 * tl.exp(m2 - mx2), axis=0))
+        top = tl.max(best, axis=0)
+        idx = tl.min(tl.where(best == top, best_i, V), axis=0)
+        xc = tl.load(base + idx).to(tl.float32)
+        lp = xc - lse1
+        slp = tl.where(greedy, lp, xc / tt - lse2)
+        tl.store(OutTok + row, idx.to(tl.int64))
+        tl.store(OutLp + row * 2, lp)
+        tl.store(OutLp + row * 2 + 1, slp)
+        if UPDATE:
+            # Advance the row's decode state on the device: the next step needs no host round trip.
+            tl.store(Tokens + row, idx.to(tl.int64))
+            tl.store(Positions + row, tl.load(Positions + row) + 1)
+            tl.store(Steps + row, step + 1)
+
+    @triton.jit
+    def _uniform_kernel(Seeds, Steps, Out, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
+        h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
+        tl.store(Out + row * V + offs, ((h >> 8).to(tl.float32) + 0.5) / 16777216.0, mask=offs < V)
+
+
+def add_rmsnorm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> None:
+    """residual += x (if given); out = RMSNorm(residual) * weight. All [n, hidden], contiguous."""
+    n, hidden = residual.shape
+    _add_rmsnorm_kernel[(n,)](
+        x if x is not None else residual,
+        residual,
+        weight,
+        out,
+        eps,
+        hidden,
+        HAS_X=x is not None,
+        BLOCK=_next_pow2(hidden),
+        num_warps=4 if hidden <= 2048 else 8,
+    )
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """q [n, H*D] gets QK-norm + RoPE in place; k/v [n, KVH*D] go to cache row b at positions[b]."""
+    n = q.shape[0]
+    has_norm = q_norm is not None
+    _qk_norm_rope_store_kernel[(n, num_heads + num_kv_heads)](
+        q,
+        k,
+        v,
+        q_norm if has_norm else q,
+        k_norm if has_norm else k,
+        cos,
+        sin,
+        positions,
+        k_cache,
+        v_cache,
+        eps,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[2],
+        H=num_heads,
+        KVH=num_kv_heads,
+        D=head_dim,
+        HAS_NORM=has_norm,
+        num_warps=1 if head_dim <= 128 else 2,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> None:
+    """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1."""
+    n = q.shape[0]
+    group = num_heads // num_kv_heads
+    _decode_attention_kernel[(n, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        positions,
+        scale,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[2],
+        H=num_heads,
+        GROUP=group,
+        BLOCK_H=max(16, _next_pow2(group)),  # tl.dot needs M >= 16: grouped heads padded to 16 rows
+        D=head_dim,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> None:
+    n = g.numel()
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    out_tok: torch.Tensor,
+    out_lp: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> None:
+    """Gumbel-max sample of each row of logits [n, V] (no top-k/top-p/min-p).
+
+    Writes out_tok [n] and out_lp [n, 2] (log-prob at T=1, log-prob under softmax(logits/T)). With
+    tokens/positions given, also sets tokens[b] = chosen and advances positions[b] and steps[b].
+    """
+    n, vocab = logits.shape
+    update = tokens is not None
+    block = min(2048, _next_pow2(vocab))
+    _sample_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        vocab,
+        temperature,
+        seeds,
+        steps,
+        out_tok,
+        out_lp,
+        tokens if update else out_tok,
+        positions if update else out_tok,
+        UPDATE=update,
+        BLOCK=block,
+        num_warps=8 if block >= 1024 else 4,
+    )
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """sampling.counter_uniform in one kernel (same bits)."""
+    n = seeds.shape[0]
+    out = torch.empty(n, vocab_size, dtype=torch.float32, device=seeds.device)
+    block = 1024
+    _uniform_kernel[(n, triton.cdiv(vocab_size, block))](seeds, steps, out, vocab_size, BLOCK=block, num_warps=4)
+    return out

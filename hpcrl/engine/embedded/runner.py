@@ -1,0 +1,409 @@
+"""The decode step of the embedded engine and the per-slot state it reads, kept on the model's device.
+
+Each running sequence owns one cache slot b (0..n-1); its next input token, position, sampling seed
+and token index live in device buffers indexed by b. A decode step reads them, samples, and advances
+them in place, so consecutive steps need nothing from the host: the scheduler rewrites the buffers
+only when the set of running sequences changes, and reads each step's tokens back asynchronously.
+
+Three ways to run the step, picked once per engine (`mode`):
+- "eager": the model's own `forward_cached` and `sampling.sample` (CPU, and CUDA without Triton);
+- "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
+- "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default).
+Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded.sampling import RowParams, sample
+from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin
+
+log = logging.getLogger(__name__)
+
+MODES = ("eager", "triton", "graph")
+
+
+@dataclass(frozen=True)
+class RowState:
+    """What the device needs to know about one running sequence."""
+
+    token: int  # the last token, whose K/V the next step computes
+    position: int  # its position (= tokens already in the cache)
+    seed: int
+    step: int  # index of the token to sample next
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]
+    logprobs: list[float]
+    scaled_logprobs: list[float]
+    support_logprobs: list[float] | None
+    support_mask: torch.Tensor | None  # [n, V] bool on the CPU, when the step filtered
+
+
+class StepHandle:
+    """A launched step; `result()` waits for the device only when first called."""
+
+    def __init__(
+        self,
+        tok: torch.Tensor,
+        lp: torch.Tensor,
+        event: torch.cuda.Event | None,
+        support_lp: torch.Tensor | None = None,
+        support_mask: torch.Tensor | None = None,
+        timing: tuple[Any, ...] | None = None,
+        runner: DecodeRunner | None = None,
+    ) -> None:
+        self._tok, self._lp, self._event = tok, lp, event
+        self._support_lp, self._support_mask = support_lp, support_mask
+        self._timing, self._runner = timing, runner
+        self._out: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._out is None:
+            if self._event is not None:
+                self._event.synchronize()
+            if self._timing is not None and self._runner is not None:
+                self._runner._record_timing(self._timing)
+            lp = self._lp.tolist()
+            self._out = StepOutput(
+                tokens=self._tok.tolist(),
+                logprobs=[x[0] for x in lp],
+                scaled_logprobs=[x[1] for x in lp],
+                support_logprobs=self._support_lp.tolist() if self._support_lp is not None else None,
+                support_mask=self._support_mask.cpu() if self._support_mask is not None else None,
+            )
+        return self._out
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """CUDA-graph batch sizes: 1, 2, 4, 8, then every 16 (every 64 past 512); a step pads to the next."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch]
+    step = 16
+    s = 16
+    while s < max_batch:
+        sizes.append(s)
+        if s >= 512:
+            step = 64
+        s += step
+    sizes.append(max_batch)
+    return sizes
+
+
+class DecodeRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache | None,
+        *,
+        max_batch: int,
+        device: torch.device,
+        mode: str,
+        profile: bool = False,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
+        self.model = model
+        self.cache = cache
+        self.max_batch = max_batch
+        self.device = device
+        self.mode = mode
+        self.profile = profile
+        self.is_cuda = device.type == "cuda"
+        self.fast_sampler = self.is_cuda and mode != "eager"
+        z = dict(device=device)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, **z)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, **z)
+        self.seeds = torch.zeros(max_batch, dtype=torch.int64, **z)
+        self.steps = torch.zeros(max_batch, dtype=torch.int64, **z)
+        self.temperature = torch.ones(max_batch, dtype=torch.float32, **z)
+        self.top_k = torch.full((max_batch,), -1, dtype=torch.int64, **z)
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, **z)
+        self.min_p = torch.zeros(max_batch, dtype=torch.float32, **z)
+        self.out_tok = torch.zeros(max_batch, dtype=torch.int64, **z)
+        self.out_lp = torch.zeros(max_batch, 2, dtype=torch.float32, **z)
+        self._zeros = torch.zeros(max_batch, dtype=torch.int64, **z)
+        self.buckets = batch_buckets(max_batch)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stats: dict[str, float] = {"steps": 0, "forward_ms": 0.0, "sample_ms": 0.0, "graph_captures": 0}
+
+    # ----- state -----
+    def set_cache(self, cache: KVCache | None) -> None:
+        self.cache = cache
+        self._rope = None
+        self.reset_graphs()
+
+    def reset_graphs(self) -> None:
+        """Forget captured graphs: they hold raw addresses of the cache and the weights."""
+        self._graphs.clear()
+        self._pool = None
+
+    def write_rows(self, rows: Sequence[RowState]) -> None:
+        """Rewrite slots 0..len(rows)-1 from the host; padding slots get harmless values."""
+        pad = self.max_batch - len(rows)
+
+        def put(buf: torch.Tensor, values: list[Any], fill: Any) -> None:
+            buf.copy_(torch.tensor(values + [fill] * pad, dtype=buf.dtype), non_blocking=False)
+
+        put(self.tokens, [r.token for r in rows], 0)
+        put(self.positions, [r.position for r in rows], 0)
+        put(self.seeds, [r.seed for r in rows], 0)
+        put(self.steps, [r.step for r in rows], 0)
+        put(self.temperature, [r.temperature for r in rows], 1.0)
+        put(self.top_k, [r.top_k for r in rows], -1)
+        put(self.top_p, [r.top_p for r in rows], 1.0)
+        put(self.min_p, [r.min_p for r in rows], 0.0)
+
+    # ----- decode -----
+    def decode(self, n: int, *, torch_sampler: bool, want_support: bool) -> StepHandle:
+        """Launch one decode step for slots 0..n-1 (asynchronous on CUDA)."""
+        assert self.cache is not None and 0 < n <= self.max_batch
+        timing = self._events() if self.profile else None
+        logits = self._forward(n)
+        if timing is not None:
+            self._mark(timing, 1)
+        support_lp = support_mask = None
+        fast = self.fast_sampler and not torch_sampler and self._fast_sample(logits, n)
+        if not fast:
+            out = sample(logits, self._params(n), want_support=want_support)
+            self.out_tok[:n].copy_(out.token_ids)
+            self.out_lp[:n, 0].copy_(out.logprobs)
+            self.out_lp[:n, 1].copy_(out.scaled_logprobs)
+            self.tokens[:n].copy_(out.token_ids)
+            self.positions[:n] += 1
+            self.steps[:n] += 1
+            support_lp, support_mask = out.support_logprobs, out.support_mask
+        if timing is not None:
+            self._mark(timing, 2)
+        return self._handle(n, support_lp, support_mask, timing)
+
+    def _fast_sample(self, logits: torch.Tensor, n: int) -> bool:
+        try:
+            kernels.sample_rows(
+                logits,
+                self.temperature[:n],
+                self.seeds[:n],
+                self.steps[:n],
+                self.out_tok[:n],
+                self.out_lp[:n],
+                tokens=self.tokens[:n],
+                positions=self.positions[:n],
+            )
+        except Exception:  # noqa: BLE001 - a compile failure must not stop generation
+            log.exception("the fused sampling kernel failed; sampling with torch from now on")
+            self.fast_sampler = False
+            return False
+        return True
+
+    def _handle(
+        self, n: int, support_lp: torch.Tensor | None, support_mask: torch.Tensor | None, timing: Any
+    ) -> StepHandle:
+        if not self.is_cuda:
+            if timing is not None:
+                self._record_timing(timing)
+            # Clones: a look-ahead step may overwrite the buffers before this one is read.
+            return StepHandle(self.out_tok[:n].clone(), self.out_lp[:n].clone(), None, support_lp, support_mask)
+        tok = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        lp = torch.empty(n, 2, dtype=torch.float32, pin_memory=True)
+        tok.copy_(self.out_tok[:n], non_blocking=True)
+        lp.copy_(self.out_lp[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(tok, lp, event, support_lp, support_mask, timing, self)
+
+    def _params(self, n: int) -> RowParams:
+        return RowParams(
+            temperature=self.temperature[:n],
+            top_k=self.top_k[:n],
+            top_p=self.top_p[:n],
+            min_p=self.min_p[:n],
+            seeds=self.seeds[:n],
+            steps=self.steps[:n],
+        )
+
+    def _forward(self, n: int) -> torch.Tensor:
+        if self.mode == "graph":
+            try:
+                graph, logits = self._graph(self._bucket(n))
+            except Exception:  # noqa: BLE001 - fall back rather than fail every request
+                log.exception("CUDA graph capture failed; decoding with eager Triton kernels from now on")
+                self.mode = "triton"
+                self.reset_graphs()
+            else:
+                graph.replay()
+                return logits[:n]
+        if self.mode == "triton":
+            try:
+                return self.fast_forward(n)
+            except Exception:  # noqa: BLE001
+                log.exception("the fused decode kernels failed; decoding with the eager model from now on")
+                self.mode = "eager"
+                self.fast_sampler = False
+        assert self.cache is not None
+        ids = self.tokens[:n, None]
+        return self.model.forward_cached(ids, self.cache, 0, self.positions[:n], self._zeros[:n])
+
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return self.max_batch
+
+    def _graph(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        hit = self._graphs.get(nb)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Warm-up outside capture (Triton compiles, cuBLAS picks kernels). The step only writes the
+        # K/V of each row's current token at its current position, so running it again is harmless.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.fast_forward(nb)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.fast_forward(nb)
+        self._graphs[nb] = (graph, logits)
+        self.stats["graph_captures"] += 1
+        log.info("captured the decode step for batch %d in %.2f s", nb, time.perf_counter() - t0)
+        return graph, logits
+
+    def fast_forward(self, n: int) -> torch.Tensor:
+        """Logits [n, V] of the tokens in slots 0..n-1 with the fused kernels; no host syncs."""
+        model, cache = self.model, self.cache
+        assert cache is not None
+        a = model.args
+        if self._rope is None:
+            pos = torch.arange(cache.max_len, device=self.device)
+            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, cache.k[0].dtype)
+        pos = self.positions[:n]
+        idx = pos.clamp(max=cache.max_len - 1)
+        cos, sin = self._rope[0][idx], self._rope[1][idx]
+        layers = model.model.layers
+        resid = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
+        h = torch.empty_like(resid)
+        kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
+        h_, kv_, d_ = a.num_heads, a.num_kv_heads, a.head_dim
+        scale = 1.0 / math.sqrt(d_)
+        for i, layer in enumerate(layers):
+            at = layer.self_attn
+            q = F.linear(h, at.q_proj.weight, at.q_proj.bias)
+            k = F.linear(h, at.k_proj.weight, at.k_proj.bias)
+            v = F.linear(h, at.v_proj.weight, at.v_proj.bias)
+            qn = at.q_norm if a.qk_norm else None
+            kn = at.k_norm if a.qk_norm else None
+            kernels.qk_norm_rope_store(
+                q,
+                k,
+                v,
+                qn.weight if qn is not None else None,
+                kn.weight if kn is not None else None,
+                cos,
+                sin,
+                pos,
+                cache.k[i],
+                cache.v[i],
+                qn.eps if qn is not None else 0.0,
+                h_,
+                kv_,
+                d_,
+            )
+            o = torch.empty_like(q)
+            kernels.decode_attention(q, cache.k[i], cache.v[i], pos, o, h_, kv_, d_, scale)
+            o = F.linear(o, at.o_proj.weight)
+            post = layer.post_attention_layernorm
+            kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
+            g = F.linear(h, layer.mlp.gate_proj.weight)
+            u = F.linear(h, layer.mlp.up_proj.weight)
+            kernels.silu_mul(g, u, g)
+            d = F.linear(g, layer.mlp.down_proj.weight)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
+        return model.logits(h)
+
+    # ----- prefill sampling -----
+    def sample_prefill(
+        self, logits: torch.Tensor, rows: Sequence[RowState], *, torch_sampler: bool, want_support: bool
+    ) -> StepOutput:
+        """Sample the first token of freshly prefilled rows (synchronous); slot buffers are not touched."""
+        n = len(rows)
+        dev = self.device
+        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
+        seeds = torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev)
+        steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
+        if torch_sampler or not self.fast_sampler:
+            params = RowParams(
+                temperature=temperature,
+                top_k=torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=dev),
+                top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev),
+                min_p=torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=dev),
+                seeds=seeds,
+                steps=steps,
+            )
+            out = sample(logits, params, want_support=want_support)
+            return StepOutput(
+                tokens=out.token_ids.tolist(),
+                logprobs=out.logprobs.tolist(),
+                scaled_logprobs=out.scaled_logprobs.tolist(),
+                support_logprobs=out.support_logprobs.tolist() if out.support_logprobs is not None else None,
+                support_mask=out.support_mask.cpu() if out.support_mask is not None else None,
+            )
+        tok = torch.empty(n, dtype=torch.int64, device=dev)
+        lp = torch.empty(n, 2, dtype=torch.float32, device=dev)
+        kernels.sample_rows(logits, temperature, seeds, steps, tok, lp)
+        lps = lp.tolist()
+        return StepOutput(
+            tokens=tok.tolist(),
+            logprobs=[x[0] for x in lps],
+            scaled_logprobs=[x[1] for x in lps],
+            support_logprobs=None,
+            support_mask=None,
+        )
+
+    # ----- profiling -----
+    def _events(self) -> list[Any]:
+        if self.is_cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+            return ev
+        return [time.perf_counter(), 0.0, 0.0]
+
+    def _mark(self, timing: list[Any], i: int) -> None:
+        if self.is_cuda:
+            timing[i].record()
+        else:
+            timing[i] = time.perf_counter()
+
+    def _record_timing(self, timing: Sequence[Any]) -> None:
+        if self.is_cuda:
+            fwd, smp = timing[0].elapsed_time(timing[1]), timing[1].elapsed_time(timing[2])
+        else:
+            fwd, smp = (timing[1] - timing[0]) * 1e3, (timing[2] - timing[1]) * 1e3
+        self.stats["steps"] += 1
+        self.stats["forward_ms"] += fwd
+        self.stats["sample_ms"] += smp

@@ -1,0 +1,61 @@
+"""Data, rollout and reward settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    source: str = "addition"
+    """A .jsonl file with prompt/answer fields, or `addition` (a generated multi-digit addition task)."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    num_examples: int = 5000
+    """Examples generated for `addition`."""
+    digits: int = 2
+    """Largest number of digits per operand for `addition`."""
+    prompt_template: str = "{prompt}"
+    """How a prompt becomes model input; `{prompt}` is replaced. `chat` applies the tokenizer's chat template."""
+    prompts_per_step: int = 16
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.prompt_template != "chat" and "{prompt}" not in self.prompt_template:
+            raise ValueError("prompt_template must contain {prompt}, or be 'chat'")
+        if self.num_examples < 1:
+            raise ValueError(f"num_examples must be >= 1, got {self.num_examples}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RolloutConfig:
+    n_samples_per_prompt: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 for GRPO (greedy groups have no variance to learn from)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RewardConfig:
+    fn: str = "arithmetic_answer"
+    """A built-in (exact_match, arithmetic_answer, gsm8k) or a dotted path `package.module:function`."""
+    max_failed_share: float = 0.2
+    """Stop the run when more than this share of a step's samples fail to score."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_failed_share <= 1:
+            raise ValueError(f"max_failed_share must be in [0, 1], got {self.max_failed_share}")

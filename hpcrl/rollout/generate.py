@@ -1,0 +1,152 @@
+"""Turn a step's prompts into groups of samples by driving the engines.
+
+Every sample carries an explicit sampling seed derived from (run seed, step, prompt, sample), so the
+same step produces the same samples after a resume, whichever engine serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.rollout.config import DataConfig, RolloutConfig
+from hpcrl.rollout.data import Example
+
+
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # non-negative and inside int63
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish: str  # stop | length | abort
+    weight_versions: list[str | None]
+    reward: float = 0.0
+    reward_error: str | None = None
+
+
+@dataclass
+class Group:
+    example: Example
+    samples: list[Sample] = field(default_factory=list)
+
+
+class PromptFormatter:
+    def __init__(self, tokenizer: Any, cfg: DataConfig) -> None:
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.cfg.prompt_template == "chat":
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(self.tokenizer.encode(self.cfg.prompt_template.format(prompt=prompt), add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+class Rollout:
+    def __init__(
+        self, cfg: RolloutConfig, engines: Sequence[EngineClient], formatter: PromptFormatter, *, seed: int
+    ) -> None:
+        self.cfg = cfg
+        self.engines = list(engines)
+        self.formatter = formatter
+        self.seed = seed
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="hpcrl-rollout")
+
+    def generate(self, step: int, examples: Sequence[Example]) -> list[Group]:
+        n = self.cfg.n_samples_per_prompt
+        prompts = [self.formatter.encode(e.prompt) for e in examples]
+        # Whole groups go to one engine, spread round-robin; each engine gets one batch call.
+        work: list[list[tuple[int, int]]] = [[] for _ in self.engines]
+        for p in range(len(examples)):
+            for s in range(n):
+                work[p % len(self.engines)].append((p, s))
+
+        def run(engine_index: int) -> list[GenerateResult]:
+            items = work[engine_index]
+            if not items:
+                return []
+            params = [
+                SamplingParams(
+                    max_new_tokens=self.cfg.max_new_tokens,
+                    temperature=self.cfg.temperature,
+                    top_p=self.cfg.top_p,
+                    top_k=self.cfg.top_k,
+                    sampling_seed=sample_seed(self.seed, step, p, s),
+                )
+                for p, s in items
+            ]
+            out = self.engines[engine_index].generate(
+                [prompts[p] for p, _ in items],
+                params,
+                return_logprob=True,
+                rid=[f"step{step}-p{p}-s{s}" for p, s in items],
+                timeout_s=self.cfg.request_timeout_s,
+            )
+            return out if isinstance(out, list) else [out]
+
+        results = list(self._pool.map(run, range(len(self.engines))))
+        groups = [Group(example=e) for e in examples]
+        by_key: dict[tuple[int, int], GenerateResult] = {}
+        for items, res in zip(work, results, strict=True):
+            by_key.update(zip(items, res, strict=True))
+        for p in range(len(examples)):
+            for s in range(n):
+                r = by_key[(p, s)]
+                groups[p].samples.append(
+                    Sample(
+                        prompt_ids=prompts[p],
+                        output_ids=list(r.output_ids),
+                        logprobs=list(r.output_token_logprobs or []),
+                        text=self.formatter.decode(r.output_ids),
+                        finish=r.finish_reason.type if r.finish_reason else "abort",
+                        weight_versions=r.token_weight_versions(),
+                    )
+                )
+        return groups
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def rollout_stats(groups: Sequence[Group], seconds: float) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    lengths = [len(s.output_ids) for s in samples]
+    rewards = [s.reward for s in samples if s.reward_error is None]
+    zero_std = sum(1 for g in groups if len({s.reward for s in g.samples}) == 1)
+    return {
+        # Plain sum, not fsum: a reward scale bug should show as inf, not crash the statistics.
+        "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "rollout/response_len_mean": statistics.fmean(lengths),
+        "rollout/response_len_median": float(statistics.median(lengths)),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/truncated_share": sum(s.finish == "length" for s in samples) / len(samples),
+        "rollout/aborted_share": sum(s.finish == "abort" for s in samples) / len(samples),
+        "rollout/zero_std_group_share": zero_std / len(groups),
+        "rollout/reward_failed_share": sum(s.reward_error is not None for s in samples) / len(samples),
+        "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else float("nan"),
+        "rollout/num_samples": float(len(samples)),
+    }
+
+
+def timed(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0

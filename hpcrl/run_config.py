@@ -1,0 +1,77 @@
+"""RunConfig: the whole run, composed of the component configs (each defined next to its component)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcrl.config import dump_yaml, load_config
+from hpcrl.engine.config import EngineConfig
+from hpcrl.model.tiny import TinyModelSpec
+from hpcrl.rollout.config import DataConfig, RewardConfig, RolloutConfig
+from hpcrl.sync.config import SyncConfig
+from hpcrl.trainer.config import SFTConfig, TrainConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    path: str
+    """Hugging Face model directory (relative paths are relative to the current directory)."""
+    init_tiny: TinyModelSpec | None = None
+    """When set and `path` does not exist, write a tiny random Qwen3-architecture model there first."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    every_steps: int = 10
+    """Write a checkpoint after every N-th GRPO step (and after the last)."""
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {self.every_steps}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    num_steps: int = 20
+    """GRPO steps (one optimizer step per rollout batch)."""
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.train.onpolicy and not self.engine.onpolicy_logprobs:
+            warnings.warn(
+                "train.onpolicy without engine.onpolicy_logprobs: the trainer scores sequences one by one, but the "
+                "engines report decode-time log-probs, so the gap will not be zero",
+                stacklevel=2,
+            )
+        if (
+            self.engine.device.startswith("cuda") != self.train.device.startswith("cuda")
+            and self.sync.transport == "tensor"
+        ):
+            raise ValueError("sync.transport=tensor needs the engines and the trainer on the same kind of device")
+
+
+def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    return load_config(RunConfig, path, list(overrides))
+
+
+def run_config_yaml(cfg: RunConfig) -> str:
+    return dump_yaml(cfg)

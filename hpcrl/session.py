@@ -1,0 +1,342 @@
+"""Everything a run holds besides its loop: components built from the config, resume, checkpoints, export.
+
+The driver (hpcrl/driver.py) only calls into this and into the components it builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from hpcrl.config import ConfigError, dump_yaml, load_yaml
+from hpcrl.engine.local import LocalEngines
+from hpcrl.rollout.data import PromptSource, build_examples
+from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
+from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, score
+from hpcrl.run_config import RunConfig
+from hpcrl.store.checkpoint import (
+    capture_rng_state,
+    load_latest_checkpoint,
+    remove_temp_files,
+    restore_rng_state,
+    save_checkpoint,
+)
+from hpcrl.store.metrics import MetricsWriter
+from hpcrl.store.progress import Progress
+from hpcrl.sync.push import WeightSync
+from hpcrl.trainer.advantage import group_advantages
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.ranks import RankGroup, init_trainer_group, spawn_followers
+from hpcrl.trainer.torch_backend import TorchTrainer
+
+
+class RunError(RuntimeError):
+    """A run cannot go on; the message says why and what to do."""
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def prepare_model(cfg: RunConfig) -> Path:
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        if cfg.model.init_tiny is None:
+            raise RunError(
+                f"model.path {path} has no config.json: point it at a Hugging Face model directory, or set "
+                "model.init_tiny to create a tiny model there"
+            )
+        from hpcrl.model.tiny import init_tiny_model
+
+        init_tiny_model(path, cfg.model.init_tiny, overwrite=path.exists() and not any(path.iterdir()))
+    return path
+
+
+class Rewards:
+    def __init__(self, spec: str, max_failed_share: float) -> None:
+        self.fn = load_reward(spec)
+        self.max_failed_share = max_failed_share
+
+    def score(self, groups: list[Group]) -> ScoreResult:
+        samples = [s for g in groups for s in g.samples]
+        answers = [g.example.answer for g in groups for _ in g.samples]
+        result = score(self.fn, [s.text for s in samples], answers)
+        for s, r, e in zip(samples, result.rewards, result.errors, strict=True):
+            s.reward, s.reward_error = r, e
+        check_failures(result, self.max_failed_share)
+        return result
+
+
+def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch:
+    rewards = []
+    for g in groups:
+        valid = [s.reward for s in g.samples if s.reward_error is None]
+        fill = sum(valid) / len(valid) if valid else 0.0
+        # A sample whose reward failed gets the group mean: advantage 0, so it teaches nothing.
+        rewards.append([s.reward if s.reward_error is None else fill for s in g.samples])
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), normalize_std=normalize_std).flatten()
+    samples = [s for g in groups for s in g.samples]
+    return TrainBatch.from_sequences(
+        [s.prompt_ids for s in samples],
+        [s.output_ids for s in samples],
+        advantages=adv.tolist(),
+        rollout_logprobs=[s.logprobs for s in samples],
+    )
+
+
+class RunSession:
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: Progress | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.progress = progress or Progress(cfg.num_steps)
+        self.preempt_signal: int | None = None
+        self._engines: LocalEngines | None = None
+        self.sync: WeightSync | None = None
+        self.trainer: RankGroup | None = None
+        self.store: MetricsWriter | None = None
+        self.weight_version = "0"
+        self.sft_done = False
+
+    # ----- setup -----
+    def __enter__(self) -> RunSession:
+        # Validate everything the user gave (model, data, reward) before anything is written to run_dir.
+        model_dir = prepare_model(self.cfg)
+        examples = build_examples(
+            self.cfg.data.source,
+            **(
+                {"num_examples": self.cfg.data.num_examples, "digits": self.cfg.data.digits, "seed": self.cfg.seed}
+                if self.cfg.data.source == "addition"
+                else {"prompt_key": self.cfg.data.prompt_key, "answer_key": self.cfg.data.answer_key}
+            ),
+        )
+        self.rewards = Rewards(self.cfg.reward.fn, self.cfg.reward.max_failed_share)
+        from transformers import AutoTokenizer
+
+        self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), self.cfg.data)
+        self.data = PromptSource(examples, batch_size=self.cfg.data.prompts_per_step, seed=self.cfg.seed)
+        self.sft_data = PromptSource(examples, batch_size=self.cfg.sft.batch_size, seed=self.cfg.seed + 1)
+        self._write_config()
+        self.store = MetricsWriter(
+            self.run_dir / "metrics.h5",
+            root_attrs={
+                "config": dump_yaml(self.cfg),
+                "versions": json.dumps({"python": platform.python_version(), "torch": torch.__version__}),
+                "git_commit": _git_commit(),
+                "hosts": json.dumps([socket.gethostname()]),
+            },
+        )
+        self._start_trainer(model_dir)
+        self._engines = LocalEngines(self.cfg.engine, model_dir, self.run_dir, seed=self.cfg.seed)
+        self.progress.say(f"starting {self.cfg.engine.num_engines} embedded engine(s) on {self.cfg.engine.device}")
+        clients = self._engines.start()
+        self.rollout = Rollout(self.cfg.rollout, clients, self.formatter, seed=self.cfg.seed)
+        self.sync = WeightSync(self.cfg.sync, clients, device=torch.device(self.cfg.train.device))
+        self.sync.connect()
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _write_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "config.yaml"
+        if path.exists():
+            try:
+                old = load_yaml(path)
+            except ConfigError as exc:
+                raise RunError(f"{path} is unreadable ({exc}); move the run directory aside or use --run-dir") from exc
+            if _comparable(self.cfg) != _normalized(old, self.cfg):
+                raise RunError(
+                    f"{self.run_dir} holds a run with a different config ({path}); resume it with the same "
+                    "config and overrides (num_steps may change), or start a new run with --run-dir"
+                )
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(dump_yaml(self.cfg))
+        os.replace(tmp, path)
+
+    def _start_trainer(self, model_dir: Path) -> None:
+        world = self.cfg.train.num_ranks
+        followers = []
+        if world > 1:
+            port = _free_port()
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            followers = spawn_followers(self.run_dir, world, port)
+            init_trainer_group(
+                rank=0,
+                world_size=world,
+                device=torch.device(self.cfg.train.device),
+                timeout_s=self.cfg.sync.group_timeout_s,
+            )
+        trainer = TorchTrainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
+        self.trainer = RankGroup(trainer, followers)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only note it: the loop checkpoints at the next safe point (the end of the current step).
+        self.preempt_signal = signum
+
+    # ----- resume, warm start -----
+    def resume(self) -> int:
+        """Load the latest valid checkpoint (if any); returns the first step to run."""
+        assert self.store is not None and self.trainer is not None
+        ckpt_dir = self.run_dir / "checkpoints"
+        for path in remove_temp_files(ckpt_dir) if ckpt_dir.exists() else []:
+            self.progress.say(f"removed a partial checkpoint left by an interrupted write: {path.name}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt = load_latest_checkpoint(ckpt_dir) if ckpt_dir.exists() else None
+        for w in caught:
+            self.progress.say(f"warning: {w.message}")
+            self.store.event("checkpoint_skipped", step=None, detail={"reason": str(w.message)})
+        if ckpt is None:
+            self.store.truncate_after(-1)
+            return 0
+        self.trainer.trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
+        self.trainer.load_checkpoint_step(ckpt.step)
+        restore_rng_state({k: v for k, v in ckpt.tensors.items() if k.startswith("rng/")}, ckpt.state["rng"])
+        self.data.load_state(ckpt.state["data"])
+        self.weight_version = ckpt.state["weight_version"]
+        self.sft_done = bool(ckpt.state.get("sft_done"))
+        self.store.truncate_after(ckpt.step)
+        if self.store.last_step != ckpt.step:
+            row = dict(zip(ckpt.state["last_row_keys"], ckpt.tensors["last_row"].tolist(), strict=True))
+            self.store.log(ckpt.step, row)
+        self.push_weights(self.weight_version)
+        self.store.event("resumed", step=ckpt.step, detail={"checkpoint": ckpt.path.name})
+        self.progress.say(f"resumed from {ckpt.path} (step {ckpt.step + 1} done); continuing at step {ckpt.step + 2}")
+        return ckpt.step + 1
+
+    def warm_start(self) -> None:
+        """Supervised steps on (prompt, answer) before GRPO; skipped when done or not configured."""
+        sft = self.cfg.sft
+        if self.sft_done or sft.num_steps == 0:
+            return
+        assert self.trainer is not None and self.store is not None
+        eos = self.formatter.tokenizer.eos_token_id
+        t0 = time.perf_counter()
+        for step in range(sft.num_steps):
+            examples = self.sft_data.batch(step)
+            prompts = [self.formatter.encode(e.prompt) for e in examples]
+            answers = [self.formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
+            m = self.trainer.train_sft(TrainBatch.from_sequences(prompts, answers))
+            if (step + 1) % sft.log_every_steps == 0 or step + 1 == sft.num_steps:
+                self.progress.say(
+                    f"sft {step + 1:>4}/{sft.num_steps} | loss {m['loss']:.3f} | {time.perf_counter() - t0:.1f} s"
+                )
+        self.sft_done = True
+        self.store.event("sft_done", step=None, detail={"num_steps": sft.num_steps, "loss": m["loss"]})
+        self.push_weights("sft")
+
+    def push_weights(self, version: str) -> dict[str, float]:
+        assert self.sync is not None and self.trainer is not None
+        self.weight_version = version
+        return self.sync.push(self.trainer.trainer.named_weights(), version)
+
+    # ----- per step -----
+    def batch(self, groups: list[Group]) -> TrainBatch:
+        return batch_from_groups(groups, normalize_std=self.cfg.train.normalize_advantage_std)
+
+    def train_metrics(self, m: dict[str, float]) -> dict[str, float]:
+        out = {f"train/{k}": v for k, v in m.items() if k not in ("forward_s",)}
+        out["timing/logprob_s"] = m.get("forward_s", 0.0)
+        return out
+
+    def step_metrics(self, groups: list[Group], rollout_s: float) -> dict[str, float]:
+        return rollout_stats(groups, rollout_s)
+
+    def checkpoint(self, step: int, row: dict[str, float], *, force: bool = False) -> bool:
+        """Save on the configured cadence. The step's metrics row goes into the checkpoint too: it is
+        logged only after the save, and a resume re-logs it if the process died in between."""
+        every = self.cfg.checkpoint.every_steps
+        if not force and (step + 1) % every and step + 1 != self.cfg.num_steps:
+            return False
+        assert self.trainer is not None and self.store is not None
+        self.store.flush()
+        tensors, trainer_state = self.trainer.trainer.state()
+        rng_tensors, rng_state = capture_rng_state()
+        tensors.update(rng_tensors)
+        keys = sorted(row)
+        tensors["last_row"] = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+        state: dict[str, Any] = {
+            "last_row_keys": keys,
+            "trainer": trainer_state,
+            "rng": rng_state,
+            "data": self.data.state(),
+            "weight_version": self.weight_version,
+            "sft_done": self.sft_done,
+        }
+        save_checkpoint(self.run_dir / "checkpoints", step, tensors, state, keep_last=self.cfg.checkpoint.keep_last)
+        return True
+
+    def check_nan_limit(self, m: dict[str, float], step: int) -> None:
+        assert self.store is not None
+        if m.get("train/nan_skipped"):
+            self.store.event(
+                "nan_skipped", step=step, detail={"loss": m.get("train/loss"), "grad_norm": m.get("train/grad_norm")}
+            )
+
+    def on_preempt(self, step: int, row: dict[str, float]) -> int:
+        """Checkpoint at this safe point and report how the process should exit."""
+        assert self.store is not None
+        self.checkpoint(step, row, force=True)
+        name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
+        self.store.event("preempted", step=step, detail={"signal": name})
+        self.progress.say(f"received {name}: checkpointed step {step + 1}; rerun the same command to resume")
+        return 128 + int(self.preempt_signal or signal.SIGTERM)
+
+    def finish(self) -> None:
+        assert self.trainer is not None and self.store is not None
+        out = self.trainer.trainer.export(self.run_dir / "model")
+        self.store.event(
+            "finished", step=self.cfg.num_steps - 1 if self.cfg.num_steps else None, detail={"model": str(out)}
+        )
+        self.progress.say(f"done: policy exported to {out}; metrics in {self.run_dir / 'metrics.h5'}")
+
+    def __exit__(self, *exc: object) -> None:
+        for closer in (
+            lambda: self.rollout.close() if hasattr(self, "rollout") else None,
+            lambda: self.sync.close() if self.sync else None,
+            lambda: self._engines.stop() if self._engines else None,
+            lambda: self.trainer.close() if self.trainer else None,
+            lambda: self.store.close() if self.store else None,
+        ):
+            try:
+                closer()
+            except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
+                self.progress.say(f"warning during shutdown: {err}")
+
+
+def _comparable(cfg: RunConfig) -> str:
+    # num_steps may grow on resume: extending a finished run is a normal request.
+    return dump_yaml(dataclasses.replace(cfg, num_steps=0))
+
+
+def _normalized(old: dict[str, Any], cfg: RunConfig) -> str:
+    from hpcrl.config import from_dict
+
+    try:
+        return _comparable(from_dict(type(cfg), old))
+    except (ConfigError, TypeError, ValueError):
+        return ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,29 @@
+"""Weight push settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, frozen=True)
+class SyncConfig:
+    transport: Literal["distributed", "tensor"] = "distributed"
+    """`distributed`: a torch.distributed group from trainer rank 0 to the engines (gloo on CPU, nccl on
+    GPU); `tensor`: same-host handover of one flat buffer (shared memory / CUDA IPC) for colocated runs."""
+    bucket_mb: float = 512.0
+    """Upper bound on the bytes of one bucket (one HTTP call + its broadcasts)."""
+    flattened: bool = True
+    """Send each bucket as one flat buffer (one collective) instead of one broadcast per tensor."""
+    pause_mode: Literal["retract", "in_place", "abort"] = "retract"
+    group_timeout_s: float = 300.0
+    """Bound on forming the weight group and on every broadcast; longer than any allowed thermal pause."""
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    """0 picks a free port."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.group_timeout_s <= 0:
+            raise ValueError("group_timeout_s must be > 0")

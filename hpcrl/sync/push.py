@@ -1,0 +1,177 @@
+"""Push the trainer's weights into the engines, as a versioned session.
+
+Ordering contract (what every engine sees, per push):
+  1. pause_generation(mode)            every engine, before any weight moves
+  2. for each bucket (<= bucket_mb):   update_weights_from_distributed | update_weights_from_tensor
+                                       (+ the matching broadcasts from trainer rank 0)
+  3. update_weight_version(v, abort_all_requests=False)   never aborting in-flight requests
+  4. continue_generation
+  5. check: every engine reports version v (model_info)
+A failure at any point raises with the engine's URL; nothing retries a weight call.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed, UpdateWeightsFromTensor
+from hpcrl.sync.config import SyncConfig
+from hpcrl.sync.group import broadcast, init_weight_group
+from hpcrl.sync.handover import create_handover
+
+GROUP_NAME = "hpcrl_weights"
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of tensors of one dtype, each at most bucket_bytes (a bigger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > bucket_bytes or t.dtype != bucket[0][1].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class WeightSync:
+    def __init__(self, cfg: SyncConfig, engines: Sequence[EngineClient], *, device: torch.device) -> None:
+        self.cfg = cfg
+        self.engines = list(engines)
+        self.device = device
+        self.group: dist.ProcessGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
+        self.last_metrics: dict[str, float] = {}
+
+    def _each(self, fn, *, what: str) -> list:  # type: ignore[no-untyped-def]
+        futures = [self._pool.submit(fn, e) for e in self.engines]
+        out = []
+        for engine, fut in zip(self.engines, futures, strict=True):
+            try:
+                out.append(fut.result())
+            except Exception as exc:
+                raise WeightSyncError(f"{what} failed on engine {engine.url}: {exc}") from exc
+        return out
+
+    def connect(self) -> None:
+        """Form the weight group: trainer rank 0 hosts it, engine i joins as rank 1 + i."""
+        if self.cfg.transport != "distributed" or self.group is not None:
+            return
+        port = self.cfg.master_port or _free_port()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        world = 1 + len(self.engines)
+        futures = [
+            self._pool.submit(
+                e.init_weights_update_group,
+                InitWeightsUpdateGroup(
+                    master_address=self.cfg.master_address,
+                    master_port=port,
+                    rank_offset=1 + i,
+                    world_size=world,
+                    group_name=GROUP_NAME,
+                    backend=backend,
+                ),
+                timeout_s=self.cfg.group_timeout_s + 10,
+            )
+            for i, e in enumerate(self.engines)
+        ]
+        self.group = init_weight_group(
+            master_address=self.cfg.master_address,
+            master_port=port,
+            rank=0,
+            world_size=world,
+            group_name=GROUP_NAME,
+            backend=backend,
+            timeout_s=self.cfg.group_timeout_s,
+        )
+        for engine, fut in zip(self.engines, futures, strict=True):
+            try:
+                fut.result(timeout=self.cfg.group_timeout_s + 20)
+            except Exception as exc:
+                raise WeightSyncError(f"engine {engine.url} could not join the weight group: {exc}") from exc
+
+    def push(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._each(lambda e: e.pause_generation(self.cfg.pause_mode), what="pause_generation")
+        total = 0
+        num_buckets = 0
+        for bucket in buckets(named, int(self.cfg.bucket_mb * 2**20)):
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            num_buckets += 1
+            if self.cfg.transport == "distributed":
+                self._send_distributed(bucket)
+            else:
+                self._send_tensor(bucket)
+        self._each(lambda e: e.update_weight_version(version, abort_all_requests=False), what="update_weight_version")
+        self._each(lambda e: e.continue_generation(), what="continue_generation")
+        versions = self._each(lambda e: e.weight_version(), what="model_info")
+        stale = [e.url for e, v in zip(self.engines, versions, strict=True) if v != version]
+        if stale:
+            raise WeightSyncError(f"engines {stale} do not report weight version {version} after the push")
+        self.last_metrics = {
+            "sync/seconds": time.perf_counter() - t0,
+            "sync/bytes": float(total),
+            "sync/num_buckets": float(num_buckets),
+        }
+        return self.last_metrics
+
+    def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        assert self.group is not None, "connect() first"
+        flattened = self.cfg.flattened
+        request = UpdateWeightsFromDistributed(
+            names=[n for n, _ in bucket],
+            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            shapes=[list(t.shape) for _, t in bucket],
+            group_name=GROUP_NAME,
+            flush_cache=False,
+            load_format="flattened_bucket" if flattened else None,
+        )
+        calls = [
+            self._pool.submit(e.update_weights_from_distributed, request, timeout_s=self.cfg.group_timeout_s)
+            for e in self.engines
+        ]
+        if flattened:
+            broadcast(self.group, torch.cat([t.reshape(-1) for _, t in bucket]).to(self.device))
+        else:
+            for _, t in bucket:
+                broadcast(self.group, t.contiguous().to(self.device))
+        for engine, fut in zip(self.engines, calls, strict=True):
+            try:
+                fut.result(timeout=self.cfg.group_timeout_s)
+            except Exception as exc:
+                raise WeightSyncError(f"update_weights_from_distributed failed on {engine.url}: {exc}") from exc
+
+    def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        with create_handover(bucket) as payload:
+            request = UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
+            self._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
+
+    def close(self) -> None:
+        if self.group is not None:
+            for e in self.engines:
+                try:
+                    e.destroy_weights_update_group(GROUP_NAME, timeout_s=10)
+                except Exception:  # noqa: BLE001 - engines may already be gone at shutdown
+                    pass
+            self.group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)

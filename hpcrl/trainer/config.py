@@ -1,0 +1,74 @@
+"""Trainer and SFT warm-start settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    backend: Literal["torch", "megatron"] = "torch"
+    """Trainer implementation; `torch` runs anywhere, `megatron` at scale (separate issue)."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; gradients accumulate over a step's micro-batches."""
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the initial (reference) policy; > 0 keeps a frozen reference copy."""
+    entropy_coef: float = 0.0
+    aggregation: Literal["token", "sequence"] = "token"
+    normalize_advantage_std: bool = True
+    num_ranks: int = 1
+    """Trainer ranks (processes) on this node, joined by torch.distributed (gloo on CPU, nccl on GPU)."""
+    parallel: Literal["ddp"] = "ddp"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    num_threads: int = 1
+    """torch CPU threads per rank."""
+    onpolicy: bool = False
+    """Score every sequence alone and unpadded, exactly as an engine started with --onpolicy-logprobs
+    does, so train_rollout_logprob_abs_diff is exactly 0 (slower: no batching of the forward)."""
+    max_nan_steps: int = 3
+    """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
+    this many in a row."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables it), got {self.grad_clip}")
+        if self.max_nan_steps < 1:
+            raise ValueError(f"max_nan_steps must be >= 1, got {self.max_nan_steps}")
+        if self.backend == "megatron":
+            raise ValueError("trainer backend 'megatron' is not available yet; use backend: torch")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError("adam_beta1 and adam_beta2 must be in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SFTConfig:
+    num_steps: int = 0
+    """Supervised steps on (prompt, answer) pairs before GRPO; 0 skips the warm start."""
+    batch_size: int = 32
+    lr: float = 1e-3
+    log_every_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")

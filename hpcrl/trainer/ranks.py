@@ -1,0 +1,165 @@
+"""Trainer ranks beyond rank 0: how they start, and how rank 0 hands them each step's batch.
+
+Rank 0 runs the driver (rollout, rewards, weight push) and broadcasts every train command with its
+batch tensors over the trainer's default process group; ranks 1..N-1 loop on `follow`. Rendezvous
+comes from the environment (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, set by the local launcher or
+derived from Slurm's variables), bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.torch_backend import TorchTrainer
+
+CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD = 0, 1, 2, 3
+_KINDS = {
+    "input_ids": torch.long,
+    "prompt_lens": torch.long,
+    "lengths": torch.long,
+    "loss_mask": torch.bool,
+    "advantages": torch.float32,
+    "rollout_logprobs": torch.float32,
+}
+
+
+def init_trainer_group(*, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise RuntimeError(
+            f"trainer rank {rank}/{world_size} could not join the trainer group at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout_s:.0f} s: {exc}"
+        ) from exc
+
+
+def _send(cmd: int, batch: TrainBatch | None, extra: int = 0) -> None:
+    n, t = (len(batch), int(batch.input_ids.shape[1])) if batch is not None else (0, 0)
+    dist.broadcast(torch.tensor([cmd, n, t, extra], dtype=torch.long), src=0)
+    if batch is not None:
+        for name in _KINDS:
+            dist.broadcast(getattr(batch, name).contiguous(), src=0)
+
+
+def _recv() -> tuple[int, TrainBatch | None, int]:
+    header = torch.zeros(4, dtype=torch.long)
+    dist.broadcast(header, src=0)
+    cmd, n, t, extra = (int(x) for x in header)
+    if cmd in (CMD_STOP, CMD_LOAD):
+        return cmd, None, extra
+    shapes = {
+        "input_ids": (n, t),
+        "prompt_lens": (n,),
+        "lengths": (n,),
+        "loss_mask": (n, t - 1),
+        "advantages": (n,),
+        "rollout_logprobs": (n, t - 1),
+    }
+    tensors = {}
+    for name, dtype in _KINDS.items():
+        buf = torch.empty(shapes[name], dtype=dtype)
+        dist.broadcast(buf, src=0)
+        tensors[name] = buf
+    return cmd, TrainBatch(**tensors), extra
+
+
+class RankGroup:
+    """Rank 0's view of all trainer ranks: the same calls as TorchTrainer, fanned out."""
+
+    def __init__(self, trainer: TorchTrainer, followers: list[subprocess.Popen[bytes]]) -> None:
+        self.trainer = trainer
+        self.followers = followers
+
+    def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
+        self._check_followers()
+        if self.trainer.world_size > 1:
+            _send(CMD_GRPO, batch)
+        return self.trainer.train_grpo(batch)
+
+    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        self._check_followers()
+        if self.trainer.world_size > 1:
+            _send(CMD_SFT, batch)
+        return self.trainer.train_sft(batch)
+
+    def load_checkpoint_step(self, step: int) -> None:
+        """Tell followers to load the checkpoint of `step` (rank 0 loads its own)."""
+        if self.trainer.world_size > 1:
+            _send(CMD_LOAD, None, extra=step)
+
+    def _check_followers(self) -> None:
+        for i, p in enumerate(self.followers, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"trainer rank {i} exited with code {p.returncode}; see its log in run_dir/logs/")
+
+    def close(self) -> None:
+        if self.trainer.world_size > 1:
+            try:
+                _send(CMD_STOP, None)
+            finally:
+                for p in self.followers:
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                dist.destroy_process_group()
+
+
+def spawn_followers(run_dir: Path, world_size: int, master_port: int) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for rank in range(1, world_size):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+        log = open(run_dir / "logs" / f"trainer-rank{rank}.log", "ab")  # noqa: SIM115 - the child owns it
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "hpcrl.trainer.ranks", str(run_dir)], env=env, stdout=log, stderr=log
+            )
+        )
+    return procs
+
+
+def follow(run_dir: Path) -> int:
+    """Entry point of ranks 1..N-1: build the trainer from run_dir/config.yaml and obey rank 0."""
+    from hpcrl.run_config import load_run_config
+    from hpcrl.store.checkpoint import checkpoint_path, load_checkpoint
+
+    cfg = load_run_config(run_dir / "config.yaml")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device(cfg.train.device)
+    init_trainer_group(rank=rank, world_size=world, device=device, timeout_s=cfg.sync.group_timeout_s)
+    trainer = TorchTrainer(cfg.train, cfg.model.path, rank=rank, world_size=world, sft_lr=cfg.sft.lr)
+    while True:
+        cmd, batch, extra = _recv()
+        if cmd == CMD_STOP:
+            break
+        if cmd == CMD_LOAD:
+            ckpt = load_checkpoint(checkpoint_path(run_dir / "checkpoints", extra))
+            trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
+        elif cmd == CMD_SFT:
+            assert batch is not None
+            trainer.train_sft(batch)
+        elif cmd == CMD_GRPO:
+            assert batch is not None
+            trainer.train_grpo(batch)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(follow(Path(sys.argv[1])))

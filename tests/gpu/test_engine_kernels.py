@@ -1,0 +1,172 @@
+"""The fused decode kernels against the eager model they replace.
+
+Runs on CUDA; without a GPU it runs under Triton's interpreter when TRITON_INTERPRET=1 (slow, fp32
+only), and is skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded.sampling import RowParams, counter_uniform, sample
+from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs, rope_cos_sin
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(
+    not kernels.AVAILABLE or not (torch.cuda.is_available() or INTERPRET),
+    reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)",
+)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.float32, torch.bfloat16]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def tiny_args(vocab: int = 300, head_dim: int = 32) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        eos_token_ids=(2,),
+    )
+
+
+def random_model(args: ModelArgs, dtype: torch.dtype) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    return model.to(DEVICE, dtype).eval()
+
+
+def test_uniform_kernel_has_the_reference_bits() -> None:
+    seeds = torch.tensor([0, 1, 2**40 + 7, 12345678901], dtype=torch.int64, device=DEVICE)
+    steps = torch.tensor([0, 5, 1000, 3], dtype=torch.int64, device=DEVICE)
+    ref = counter_uniform(seeds.cpu(), steps.cpu(), 3000)  # the torch int64 implementation
+    got = kernels.counter_uniform(seeds, steps, 3000).cpu()
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("vocab", [99, 5000])
+def test_sample_kernel_matches_torch_sampler(vocab: int) -> None:
+    torch.manual_seed(1)
+    n = 16
+    logits = (torch.randn(n, vocab, device=DEVICE) * 3).to(torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3] * 4, device=DEVICE)
+    seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) * 7919 + 3
+    steps = torch.arange(n, dtype=torch.int64, device=DEVICE) % 5
+    p = RowParams(
+        temperature=temperature,
+        top_k=torch.full((n,), -1, device=DEVICE),
+        top_p=torch.ones(n, device=DEVICE),
+        min_p=torch.zeros(n, device=DEVICE),
+        seeds=seeds,
+        steps=steps,
+    )
+    ref = sample(logits, p, want_support=False)
+    tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
+    lp = torch.empty(n, 2, device=DEVICE)
+    tokens = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    positions = torch.arange(n, dtype=torch.int64, device=DEVICE)
+    steps_after = steps.clone()
+    kernels.sample_rows(logits, temperature, seeds, steps_after, tok, lp, tokens=tokens, positions=positions)
+    assert torch.equal(tok, ref.token_ids)
+    assert torch.allclose(lp[:, 0], ref.logprobs, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lp[:, 1], ref.scaled_logprobs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(tokens, tok)
+    assert torch.equal(positions, torch.arange(n, device=DEVICE) + 1)
+    assert torch.equal(steps_after, steps + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_step_matches_forward_cached(dtype: torch.dtype) -> None:
+    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+
+    args = tiny_args()
+    model = random_model(args, dtype)
+    slots, max_len = 6, 40
+    cache = KVCache.allocate(args, slots, max_len, dtype, DEVICE)
+    ref_cache = KVCache.allocate(args, slots, max_len, dtype, DEVICE)
+    torch.manual_seed(2)
+    lengths = [5, 17, 1, 33, 9]
+    n = len(lengths)
+    width = max(lengths)
+    ids = torch.randint(3, args.vocab_size, (n, width), device=DEVICE)
+    zeros = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    last = torch.tensor(lengths, device=DEVICE) - 1
+    with torch.no_grad():
+        model.forward_cached(ids, cache, 0, zeros, last, from_start=True)
+        model.forward_cached(ids, ref_cache, 0, zeros, last, from_start=True)
+        nxt = torch.randint(3, args.vocab_size, (n,), device=DEVICE)
+        start = torch.tensor(lengths, device=DEVICE)
+        ref = model.forward_cached(nxt[:, None], ref_cache, 0, start, zeros).float()
+        runner = DecodeRunner(model, cache, max_batch=slots, device=DEVICE, mode="triton")
+        runner.write_rows(
+            [RowState(int(t), p, 0, 0, 1.0, -1, 1.0, 0.0) for t, p in zip(nxt.tolist(), lengths, strict=True)]
+        )
+        got = runner.fast_forward(n).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert rel(got, ref) < tol, rel(got, ref)
+    for i in range(args.num_layers):
+        for b, length in enumerate(lengths):
+            assert rel(cache.k[i][b, :, : length + 1], ref_cache.k[i][b, :, : length + 1]) < tol
+            assert rel(cache.v[i][b, :, : length + 1], ref_cache.v[i][b, :, : length + 1]) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_against_sdpa(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    n, h, kv, d, max_len = 5, 16, 8, 64, 200
+    kc = torch.randn(n, kv, max_len, d, device=DEVICE).to(dtype)
+    vc = torch.randn(n, kv, max_len, d, device=DEVICE).to(dtype)
+    q = torch.randn(n, h, d, device=DEVICE).to(dtype)
+    pos = torch.tensor([0, 63, 64, 150, 199], device=DEVICE)
+    out = torch.empty_like(q)
+    kernels.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d))
+    for b in range(n):
+        L = int(pos[b]) + 1
+        k = kc[b, :, :L].float().repeat_interleave(h // kv, 0)
+        v = vc[b, :, :L].float().repeat_interleave(h // kv, 0)
+        w = torch.softmax(q[b].float()[:, None] @ k.transpose(1, 2) / math.sqrt(d), -1)
+        ref = (w @ v)[:, 0]
+        assert rel(out[b].float(), ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_graph_replay_equals_eager_kernels() -> None:
+    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+
+    args = tiny_args()
+    model = random_model(args, torch.bfloat16)
+    cache = KVCache.allocate(args, 8, 32, torch.bfloat16, DEVICE)
+    runner = DecodeRunner(model, cache, max_batch=8, device=DEVICE, mode="graph")
+    rows = [RowState(5 + i, 3 + i, i, 0, 1.0, -1, 1.0, 0.0) for i in range(5)]
+    with torch.no_grad():
+        runner.write_rows(rows)
+        eager = runner.fast_forward(5).float().clone()
+        graph, logits = runner._graph(runner._bucket(5))
+        graph.replay()
+        assert torch.equal(logits[:5].float(), eager)
+
+
+def test_rope_table_matches_rope_cos_sin() -> None:
+    pos = torch.arange(50, device=DEVICE)
+    cos, sin = rope_cos_sin(pos, 32, 1e6, torch.float32)
+    c2, s2 = rope_cos_sin(pos[[3, 7, 49]], 32, 1e6, torch.float32)
+    assert torch.equal(cos[[3, 7, 49]], c2) and torch.equal(sin[[3, 7, 49]], s2)

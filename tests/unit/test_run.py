@@ -1,0 +1,225 @@
+"""`hpcrl run` end to end on this machine: real engine processes, real HDF5, real checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcrl.store import load_events, load_metrics
+
+SMALL = [
+    "num_steps=6",
+    "sft.num_steps=20",
+    "sft.batch_size=16",
+    "data.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_new_tokens=6",
+    "checkpoint.every_steps=2",
+]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hpcrl(*args: str, cwd: Path, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    if check and out.returncode != 0:
+        raise AssertionError(f"hpcrl {' '.join(args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A directory with the quickstart config pointed at the session's tiny model."""
+    text = (REPO / "experiments" / "quickstart.yaml").read_text()
+    lines = [line for line in text.splitlines() if not line.strip().startswith("#")]
+    cfg = "\n".join(lines).replace("path: runs/models/tiny-qwen3", f"path: {tiny_model_dir}")
+    (tmp_path / "qs.yaml").write_text(cfg)
+    return tmp_path
+
+
+def non_timing(metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    timing = ("sync/seconds", "rollout/tokens_per_s")
+    return {k: v for k, v in metrics.items() if not k.startswith("timing/") and k not in timing}
+
+
+def assert_same_metrics(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    a, b = non_timing(a), non_timing(b)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_run_writes_metrics_checkpoints_and_model(workdir: Path) -> None:
+    out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
+    assert "step    6/6 | reward" in out.stdout and "ETA" in out.stdout
+    run = workdir / "r"
+    m = load_metrics(run / "metrics.h5")
+    assert list(m["step"]) == list(range(6))
+    for key in (
+        "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy", "train/grad_norm",
+        "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl", "rollout/reward_mean",
+        "rollout/response_len_mean", "rollout/truncated_share", "rollout/zero_std_group_share",
+        "rollout/tokens_per_s", "timing/rollout_s", "timing/reward_s", "timing/logprob_s", "timing/train_s",
+        "timing/sync_s", "timing/checkpoint_s", "timing/total_s", "sync/bytes",
+    ):  # fmt: skip
+        assert key in m and np.isfinite(m[key]).all(), key
+    # Engine and trainer share one model implementation; the decode-vs-forward gap is float noise.
+    assert m["train/train_rollout_logprob_abs_diff"].max() < 1e-4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003.h5", "step_00000005.h5"]
+    kinds = [e["kind"] for e in load_events(run / "metrics.h5")]
+    assert kinds[0] == "sft_done" and kinds[-1] == "finished"
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run / "model")
+    assert sum(p.numel() for p in exported.parameters()) > 0
+    assert (run / "config.yaml").is_file() and (run / "logs" / "engine-0.log").is_file()
+    again = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
+    assert "already finished" in again.stdout
+
+
+def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
+    hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "full", cwd=workdir)
+    kill_after = random.Random().randint(1, 4)
+    print(f"killing after checkpoint-free progress past step {kill_after}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *SMALL, "--run-dir", "cut"],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(f"step {kill_after + 1:>4}/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "cut", cwd=workdir)
+    if kill_after >= 1:
+        assert "resumed from" in out.stdout
+    assert_same_metrics(load_metrics(workdir / "full" / "metrics.h5"), load_metrics(workdir / "cut" / "metrics.h5"))
+    a, b = (
+        load_file(workdir / "full" / "model" / "model.safetensors"),
+        load_file(workdir / "cut" / "model" / "model.safetensors"),
+    )
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # The killed run's engine noticed its parent was gone and exited.
+    time.sleep(2.5)
+    ps = subprocess.run(["pgrep", "-f", f"--run-dir cut|{workdir}/cut"], capture_output=True, text=True)
+    assert ps.stdout.strip() == ""
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(workdir: Path) -> None:
+    hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
+    first = load_metrics(workdir / "r" / "metrics.h5")
+    latest = workdir / "r" / "checkpoints" / "step_00000005.h5"
+    data = bytearray(latest.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    latest.write_bytes(bytes(data))
+    out = hpcrl("run", "qs.yaml", *[*SMALL[1:], "num_steps=7"], "--run-dir", "r", cwd=workdir)
+    assert "warning" in out.stdout and "step_00000005.h5" in out.stdout
+    assert "resumed from" in out.stdout and "step_00000003.h5" in out.stdout
+    second = load_metrics(workdir / "r" / "metrics.h5")
+    assert list(second["step"]) == list(range(7))
+    assert_same_metrics(first, {k: v[:6] for k, v in second.items()})
+    assert "checkpoint_skipped" in [e["kind"] for e in load_events(workdir / "r" / "metrics.h5")]
+
+
+def test_onpolicy_mode_makes_the_logprob_gap_exactly_zero(workdir: Path) -> None:
+    hpcrl(
+        "run", "qs.yaml", *SMALL, "num_steps=3", "engine.onpolicy_logprobs=true", "train.onpolicy=true",
+        "--run-dir", "r", cwd=workdir,
+    )  # fmt: skip
+    m = load_metrics(workdir / "r" / "metrics.h5")
+    assert (m["train/train_rollout_logprob_abs_diff"] == 0.0).all()
+    assert (m["train/train_rollout_kl"] == 0.0).all()
+
+
+def test_two_trainer_ranks_match_one(workdir: Path) -> None:
+    common = [*SMALL, "num_steps=2", "sft.num_steps=0"]
+    hpcrl("run", "qs.yaml", *common, "--run-dir", "one", cwd=workdir)
+    hpcrl("run", "qs.yaml", *common, "train.num_ranks=2", "--run-dir", "two", cwd=workdir)
+    one, two = load_metrics(workdir / "one" / "metrics.h5"), load_metrics(workdir / "two" / "metrics.h5")
+    # Step 0 sees the same rollout; DDP over gloo reproduces the single-rank loss and gradient norm.
+    np.testing.assert_allclose(two["train/loss"][0], one["train/loss"][0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(two["train/grad_norm"][0], one["train/grad_norm"][0], rtol=1e-4)
+    assert (workdir / "two" / "logs" / "trainer-rank1.log").is_file()
+
+
+def test_sft_alone_exports_a_model(workdir: Path) -> None:
+    out = hpcrl(
+        "run", "qs.yaml", "num_steps=0", "sft.num_steps=10", "sft.log_every_steps=5", "--run-dir", "s", cwd=workdir
+    )
+    assert "sft   10/10" in out.stdout
+    assert (workdir / "s" / "model" / "model.safetensors").is_file()
+
+
+# ----- bad input: a clear message, a non-zero exit, nothing half-written -----
+
+
+def test_unknown_key_and_bad_type(workdir: Path) -> None:
+    out = hpcrl("run", "qs.yaml", "train.lrr=1", cwd=workdir, check=False)
+    assert out.returncode == 2 and "train.lrr" in out.stderr and "lr" in out.stderr
+    out = hpcrl("run", "qs.yaml", "train.lr=abc", cwd=workdir, check=False)
+    assert out.returncode == 2 and "train.lr" in out.stderr and "float" in out.stderr
+    assert not (workdir / "runs").exists()
+
+
+def test_malformed_yaml(workdir: Path) -> None:
+    (workdir / "bad.yaml").write_text("name: x\ntrain:\n  lr: 1\n   micro_batch_size: 2\n")
+    out = hpcrl("run", "bad.yaml", cwd=workdir, check=False)
+    assert out.returncode == 2 and "bad.yaml" in out.stderr and "line" in out.stderr
+
+
+def test_missing_model_dir(workdir: Path) -> None:
+    (workdir / "m.yaml").write_text("model:\n  path: nowhere\n")
+    out = hpcrl("run", "m.yaml", "--run-dir", "r", cwd=workdir, check=False)
+    assert out.returncode != 0 and "nowhere" in out.stderr and "init_tiny" in out.stderr
+    assert not (workdir / "r").exists()
+
+
+def test_empty_dataset_and_rows_without_fields(workdir: Path) -> None:
+    (workdir / "empty.jsonl").write_text("")
+    out = hpcrl("run", "qs.yaml", "data.source=empty.jsonl", "--run-dir", "r", cwd=workdir, check=False)
+    assert out.returncode == 2 and "empty.jsonl" in out.stderr
+    (workdir / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2="}\n')
+    out = hpcrl("run", "qs.yaml", "data.source=rows.jsonl", "--run-dir", "r", cwd=workdir, check=False)
+    assert out.returncode == 2 and "rows.jsonl:2" in out.stderr and "prompt" in out.stderr
+    assert not (workdir / "r").exists()
+
+
+def test_reward_returning_a_non_number_stops_the_run(workdir: Path) -> None:
+    (workdir / "myreward.py").write_text("def bad(response, answer):\n    return 'yes'\n")
+    out = hpcrl(
+        "run", "qs.yaml", *SMALL, "sft.num_steps=0", "reward.fn=myreward:bad", "--run-dir", "r",
+        cwd=workdir, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "str" in out.stderr and "reward" in out.stderr
+
+
+def test_nan_loss_steps_are_skipped_then_the_run_stops(workdir: Path) -> None:
+    # Rewards of +-1e308 are finite, but their group statistics overflow: advantages, then the loss, are NaN.
+    (workdir / "huge.py").write_text("def huge(response, answer):\n    return 1e308 if len(response) % 2 else -1e308\n")
+    out = hpcrl(
+        "run", "qs.yaml", *SMALL, "sft.num_steps=0", "reward.fn=huge:huge", "train.max_nan_steps=2",
+        "--run-dir", "r", cwd=workdir, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1 and "non-finite" in out.stderr, out.stdout + out.stderr
+    kinds = [e["kind"] for e in load_events(workdir / "r" / "metrics.h5")]
+    assert kinds.count("nan_skipped") == 1
+    m = load_metrics(workdir / "r" / "metrics.h5")
+    assert m["train/nan_skipped"].tolist() == [1.0]

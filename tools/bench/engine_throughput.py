@@ -1,0 +1,295 @@
+"""Output tokens/s of the embedded engine (a real `hpcrl engine serve` over HTTP) against transformers'
+`model.generate` on the same model, prompts and lengths, in one run.
+
+    PYTHONPATH=. python tools/bench/engine_throughput.py --init-tiny --num-seqs 64 --prompt-len 32 \
+        --max-new-tokens 64 --threads 2
+    PYTHONPATH=. python tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda \
+        --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512
+
+Both sides sample from the full distribution at temperature 1 (engine: ignore_eos; generate: do_sample,
+top_k=0, top_p=1, min_new_tokens = max_new_tokens), so every sequence has exactly max_new_tokens
+tokens. Each side runs once untimed first (warm-up: CUDA graphs, Triton compiles, allocator), then
+once timed; the engine's time is the wall time of one /generate batch call (or of all concurrent
+requests with --client concurrent), the server already started and its model loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prepare_model(ns: argparse.Namespace, workdir: Path) -> Path:
+    from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, init_shaped_model, init_tiny_model
+
+    if ns.model:
+        return Path(ns.model)
+    if ns.init_tiny:
+        return init_tiny_model(workdir / "tiny", overwrite=True)
+    if ns.init_qwen3_0_6b_shape:
+        t0 = time.perf_counter()
+        device = ns.device if ns.device.startswith("cuda") else "cpu"
+        path = init_shaped_model(workdir / "qwen3-0.6b-shape", QWEN3_0_6B_SHAPE, dtype=ns.dtype, device=device)
+        print(f"wrote a random Qwen3-0.6B-shaped model to {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+        return path
+    raise SystemExit("pass --model DIR, --init-tiny or --init-qwen3-0.6b-shape")
+
+
+def _prompts(ns: argparse.Namespace, vocab: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    # Ids from 3 on: past the special tokens, so a prompt never starts with an end-of-turn token.
+    return torch.randint(3, vocab, (ns.num_seqs, ns.prompt_len), generator=gen).tolist()
+
+
+class Engine:
+    def __init__(self, ns: argparse.Namespace, model_dir: Path, log_path: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "engine",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--device",
+            ns.device,
+            "--dtype",
+            ns.dtype,
+            "--max-running-requests",
+            str(ns.num_seqs),
+            "--context-length",
+            str(ns.prompt_len + ns.max_new_tokens),
+            "--max-prefill-tokens",
+            str(max(ns.num_seqs * ns.prompt_len, 4096)),
+        ]
+        if ns.threads:
+            cmd += ["--num-threads", str(ns.threads)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        if ns.threads:
+            env["OMP_NUM_THREADS"] = str(ns.threads)
+        for kv in ns.engine_env:
+            key, _, value = kv.partition("=")
+            env[key] = value
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"engine not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _engine_pass(ns: argparse.Namespace, url: str, prompts: list[list[int]]) -> tuple[float, int]:
+    import httpx
+
+    params = {"max_new_tokens": ns.max_new_tokens, "ignore_eos": True, "temperature": 1.0}
+    t0 = time.perf_counter()
+    if ns.client == "batch":
+        r = httpx.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params}, timeout=3600)
+        r.raise_for_status()
+        outs = r.json()
+    else:
+
+        def one(p: list[int]) -> dict[str, Any]:
+            r = httpx.post(url + "/generate", json={"input_ids": p, "sampling_params": params}, timeout=3600)
+            r.raise_for_status()
+            return r.json()
+
+        with ThreadPoolExecutor(max_workers=min(len(prompts), 256)) as pool:
+            outs = list(pool.map(one, prompts))
+    dt = time.perf_counter() - t0
+    lengths = [o["meta_info"]["completion_tokens"] for o in outs]
+    if any(n != ns.max_new_tokens for n in lengths):
+        raise RuntimeError(f"engine returned lengths {sorted(set(lengths))}, expected {ns.max_new_tokens}")
+    return dt, sum(lengths)
+
+
+def run_engine(ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]], workdir: Path) -> dict[str, Any]:
+    import httpx
+
+    eng = Engine(ns, model_dir, workdir / "engine.log")
+    try:
+        t0 = time.perf_counter()
+        eng.wait_ready(600)
+        startup = time.perf_counter() - t0
+        passes = [_engine_pass(ns, eng.url, prompts) for _ in range(ns.warmup_runs + 1)]
+        info = httpx.get(eng.url + "/server_info", timeout=30).json()["internal_states"][0]
+    except Exception:
+        print(eng.log_tail(), file=sys.stderr)
+        raise
+    finally:
+        eng.stop()
+    dt, tokens = passes[-1]
+    return {
+        "engine_tok_s": tokens / dt,
+        "engine_s": dt,
+        "engine_tokens": tokens,
+        "engine_first_pass_tok_s": passes[0][1] / passes[0][0],
+        "engine_startup_s": startup,
+        "engine_decode_path": info.get("decode_path"),
+        "engine_profile": info.get("profile"),
+    }
+
+
+def run_generate(ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.model.hf import parse_dtype
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    device = torch.device(ns.device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(ns.dtype)).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(max_new: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=model.config.pad_token_id,
+            )
+
+    gen(min(ns.max_new_tokens, 8))  # warm-up: kernels, allocator, cuBLAS handles
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = gen(ns.max_new_tokens)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    new = out.shape[1] - ids.shape[1]
+    if new != ns.max_new_tokens:
+        raise RuntimeError(f"generate returned {new} new tokens per row, expected {ns.max_new_tokens}")
+    tokens = out.shape[0] * new
+    return {"generate_tok_s": tokens / dt, "generate_s": dt, "generate_tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a Hugging Face model directory")
+    src.add_argument("--init-tiny", action="store_true", help="create hpcrl's tiny model (random weights)")
+    src.add_argument(
+        "--init-qwen3-0.6b-shape",
+        action="store_true",
+        help="create a random-weight model with Qwen3-0.6B's shape (28 layers, hidden 1024, vocab 151936)",
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads on both sides")
+    p.add_argument("--client", choices=["batch", "concurrent"], default="batch", help="one batch call or N requests")
+    p.add_argument("--warmup-runs", type=int, default=1)
+    p.add_argument("--skip-generate", action="store_true", help="measure the engine only")
+    p.add_argument("--engine-env", action="append", default=[], help="KEY=VALUE for the engine process (repeat)")
+    p.add_argument("--workdir", default=None, help="where models and the engine log go (default: a temp dir)")
+    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
+    ns = p.parse_args(argv)
+
+    workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="hpcrl-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = _prepare_model(ns, workdir)
+    from hpcrl.model.qwen3 import ModelArgs
+
+    vocab = ModelArgs.from_dir(model_dir).vocab_size
+    prompts = _prompts(ns, vocab)
+    config = (
+        f"{model_dir.name} {ns.device}/{ns.dtype} {ns.num_seqs} seqs x {ns.max_new_tokens} new tokens "
+        f"(prompt {ns.prompt_len}), threads={ns.threads or 'default'}, client={ns.client}"
+    )
+    print(f"config: {config}", flush=True)
+    results: dict[str, Any] = {"config": config, "argv": sys.argv[1:]}
+    results.update(run_engine(ns, model_dir, prompts, workdir))
+    print(
+        f"engine: {results['engine_tok_s']:.0f} tok/s ({results['engine_tokens']} tokens in "
+        f"{results['engine_s']:.2f} s; first pass {results['engine_first_pass_tok_s']:.0f} tok/s; "
+        f"decode path {results['engine_decode_path']})",
+        flush=True,
+    )
+    if results.get("engine_profile"):
+        print("engine profile: " + json.dumps(results["engine_profile"]), flush=True)
+    if not ns.skip_generate:
+        results.update(run_generate(ns, model_dir, prompts))
+        print(f"generate: {results['generate_tok_s']:.0f} tok/s ({results['generate_s']:.2f} s)", flush=True)
+        results["ratio"] = results["engine_tok_s"] / results["generate_tok_s"]
+    try:
+        import torch
+
+        results["torch"] = torch.__version__
+        if ns.device.startswith("cuda"):
+            results["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - versions are informative only
+        pass
+    gen_s = f"{results['generate_tok_s']:.0f}" if "ratio" in results else "-"
+    ratio_s = f"{results['ratio']:.2f}x" if "ratio" in results else "-"
+    print()
+    print("| engine tok/s | generate tok/s | ratio | config |")
+    print("|---:|---:|---:|---|")
+    print(f"| {results['engine_tok_s']:.0f} | {gen_s} | {ratio_s} | {config} |")
+    if ns.json_out:
+        Path(ns.json_out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
