@@ -1,0 +1,172 @@
+"""Median time of one GRPO step of a fixed workload, by phase, against a named baseline in the same run.
+
+    python tools/bench/step_time.py [--steps 20] [--threads 2] [--device cpu|cuda] [--shape bench|qwen3-0.6b]
+
+Workload (issue #3): a Qwen3-shaped model (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512,
+character vocabulary); 16 prompts x 8 samples; <= 8 new tokens at temperature 1; one optimizer step per
+rollout; 2 torch threads. hpcrl's step includes everything: HTTP round trips to a real engine process,
+the weight push and HDF5 logging. Target on a 2-core machine: median step <= 0.5 s.
+
+Baseline "hf-inproc": the same step done the plain way in one process — transformers `generate`
+(num_return_sequences=8) for the rollout, the same reward, one forward/backward + AdamW step of the
+transformers model; no engine, no weight push, no logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "bench": dict(num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64),
+    "qwen3-0.6b": dict(
+        num_layers=28, hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8, head_dim=128
+    ),
+}
+PHASES = ("rollout", "reward", "logprob", "train", "sync", "checkpoint", "total")
+
+
+def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> dict[str, list[float]]:
+    overrides = [
+        f"model.path={model_dir}",
+        f"num_steps={ns.steps}",
+        "sft.num_steps=0",
+        "data.prompts_per_step=16",
+        "rollout.n_samples_per_prompt=8",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=1.0",
+        f"train.num_threads={ns.threads}",
+        f"engine.num_threads={ns.threads}",
+        f"train.device={ns.device}",
+        f"engine.device={ns.device}",
+        f"engine.dtype={ns.dtype}",
+        f"train.dtype={ns.dtype}",
+        "train.micro_batch_size=128",
+        "checkpoint.every_steps=1000000",
+    ]
+    if ns.colocate:
+        overrides.append("sync.transport=tensor")
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpcrl.cli",
+        "run",
+        "experiments/quickstart.yaml",
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(ns.threads)}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if ns.quiet else None)
+    from hpcrl.store import load_metrics
+
+    m = load_metrics(run_dir / "metrics.h5")
+    warm = slice(3, None)  # the first steps pay one-time costs (allocator warm-up, first push)
+    return {p: m[f"timing/{p}_s"][warm].tolist() for p in PHASES if f"timing/{p}_s" in m}
+
+
+def baseline_step_times(model_dir: Path, ns: argparse.Namespace) -> dict[str, list[float]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpcrl.rollout.data import PromptSource, make_addition_task
+    from hpcrl.rollout.rewards import arithmetic_answer
+    from hpcrl.trainer.advantage import group_advantages
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, token_logprobs
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[ns.dtype]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(ns.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    data = PromptSource(make_addition_task(5000, 2, 0), batch_size=16, seed=0)
+    times: dict[str, list[float]] = {p: [] for p in ("rollout", "reward", "train", "total")}
+    for step in range(ns.steps):
+        t0 = time.perf_counter()
+        examples = data.batch(step)
+        prompts = [tok.encode(e.prompt, add_special_tokens=False) for e in examples]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=ns.device)
+        mask = (
+            torch.arange(width, device=ns.device)[None]
+            >= torch.tensor([width - len(p) for p in prompts], device=ns.device)[:, None]
+        ).long()
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=8,
+                num_return_sequences=8, pad_token_id=tok.pad_token_id,
+            )  # fmt: skip
+        t1 = time.perf_counter()
+        responses = [row[width:].tolist() for row in out]
+        responses = [r[: r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r for r in responses]
+        rewards = [
+            arithmetic_answer(tok.decode(r, skip_special_tokens=True), examples[i // 8].answer)
+            for i, r in enumerate(responses)
+        ]
+        t2 = time.perf_counter()
+        adv = group_advantages(torch.tensor(rewards).view(16, 8)).flatten()
+        batch = TrainBatch.from_sequences(
+            [prompts[i // 8] for i in range(128)], [r or [0] for r in responses], advantages=adv.tolist()
+        )
+        batch = batch.to(ns.device)
+        model.train()
+        logits = model(batch.input_ids).logits
+        lp, ent = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], with_entropy=True)
+        loss, _ = policy_loss(lp, lp.detach(), batch.advantages, batch.loss_mask, PolicyLossConfig(), entropy=ent)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if ns.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if step >= 3:
+            for k, v in (("rollout", t1 - t0), ("reward", t2 - t1), ("train", t3 - t2), ("total", t3 - t0)):
+                times[k].append(v)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--shape", default="bench", choices=sorted(SHAPES))
+    ap.add_argument(
+        "--colocate", action="store_true", help="push weights by same-host handover (sync.transport=tensor)"
+    )
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--quiet", action="store_true")
+    ns = ap.parse_args()
+    torch.set_num_threads(ns.threads)
+    from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "model", TinyModelSpec(**SHAPES[ns.shape], max_position_embeddings=512))
+        ours = hpcrl_step_times(model_dir, Path(tmp) / "run", ns)
+        base = {} if ns.no_baseline else baseline_step_times(model_dir, ns)
+    med = {k: statistics.median(v) for k, v in ours.items()}
+    bmed = {k: statistics.median(v) for k, v in base.items()}
+    print(
+        f"\nGRPO step, shape={ns.shape} device={ns.device} dtype={ns.dtype} threads={ns.threads} "
+        f"16 prompts x 8 samples x <=8 tokens, median over {ns.steps - 3} steps (first 3 dropped)"
+    )
+    print("| phase | hpcrl (s) | baseline hf-inproc (s) |\n|---|---|---|")
+    for p in PHASES:
+        if p in med:
+            b = f"{bmed[p]:.3f}" if p in bmed else "—"
+            print(f"| {p} | {med[p]:.3f} | {b} |")
+    print(f"target: median hpcrl step <= 0.5 s on 2 CPU cores -> {'met' if med['total'] <= 0.5 else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
