@@ -148,7 +148,8 @@ class RunSession:
         self.progress.say(f"starting {self.cfg.engine.num_engines} embedded engine(s) on {self.cfg.engine.device}")
         clients = self._engines.start()
         self.rollout = Rollout(self.cfg.rollout, clients, self.formatter, seed=self.cfg.seed)
-        self.sync = WeightSync(self.cfg.sync, clients, device=torch.device(self.cfg.train.device))
+        colocated = torch.device(self.cfg.engine.device) == torch.device(self.cfg.train.device)
+        self.sync = WeightSync(self.cfg.sync, clients, device=torch.device(self.cfg.train.device), colocated=colocated)
         self.sync.connect()
         for sig in (signal.SIGTERM, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)

@@ -8,9 +8,10 @@ from typing import Literal
 
 @dataclass(kw_only=True, frozen=True)
 class SyncConfig:
-    transport: Literal["distributed", "tensor"] = "distributed"
+    transport: Literal["auto", "distributed", "tensor"] = "auto"
     """`distributed`: a torch.distributed group from trainer rank 0 to the engines (gloo on CPU, nccl on
-    GPU); `tensor`: same-host handover of one flat buffer (shared memory / CUDA IPC) for colocated runs."""
+    GPU); `tensor`: same-host handover of one flat buffer (shared memory / CUDA IPC) for colocated runs;
+    `auto`: `tensor` when trainer and engines share one CUDA device (colocated), else `distributed`."""
     bucket_mb: float = 512.0
     """Upper bound on the bytes of one bucket (one HTTP call + its broadcasts)."""
     flattened: bool = True

@@ -55,8 +55,13 @@ def _free_port() -> int:
 
 
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, engines: Sequence[EngineClient], *, device: torch.device) -> None:
+    def __init__(
+        self, cfg: SyncConfig, engines: Sequence[EngineClient], *, device: torch.device, colocated: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.transport = cfg.transport
+        if self.transport == "auto":
+            self.transport = "tensor" if colocated and device.type == "cuda" else "distributed"
         self.engines = list(engines)
         self.device = device
         self.group: dist.ProcessGroup | None = None
@@ -75,7 +80,7 @@ class WeightSync:
 
     def connect(self) -> None:
         """Form the weight group: trainer rank 0 hosts it, engine i joins as rank 1 + i."""
-        if self.cfg.transport != "distributed" or self.group is not None:
+        if self.transport != "distributed" or self.group is not None:
             return
         port = self.cfg.master_port or _free_port()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -118,7 +123,7 @@ class WeightSync:
         for bucket in buckets(named, int(self.cfg.bucket_mb * 2**20)):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1
-            if self.cfg.transport == "distributed":
+            if self.transport == "distributed":
                 self._send_distributed(bucket)
             else:
                 self._send_tensor(bucket)
