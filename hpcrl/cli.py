@@ -106,6 +106,28 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def _role(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpcrl.slurm.roles import engines_role, trainer_role
+
+    run_dir = Path(ns.run_dir)
+    return engines_role(run_dir) if ns.role == "engines" else trainer_role(run_dir)
+
+
+def _add_role(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "role",
+        help="what a task of a Slurm job runs (used by generated scripts)",
+        description="Run one role of a Slurm job: `engines` (one task per engine node: start this node's "
+        "engines, write rendezvous files, stop when the run is done) or `trainer` (one task per trainer "
+        "rank: rank 0 drives the run, the others follow). Reads RUN_DIR/config.yaml.",
+    )
+    p.add_argument("role", choices=["engines", "trainer"])
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(func=_role)
+
+
 def _add_engine(sub: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="rollout engines").add_subparsers(dest="engine_cmd", required=True)
     p = engine.add_parser(
@@ -169,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_run(sub)
+    _add_role(sub)
     _add_engine(sub)
     _add_model(sub)
     return parser

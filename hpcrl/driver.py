@@ -9,12 +9,13 @@ from pathlib import Path
 
 from hpcrl.run_config import RunConfig
 from hpcrl.session import RunSession
+from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.progress import StepTimer
 
 
-def run(cfg: RunConfig, run_dir: Path) -> int:
+def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
     """Run (or resume) GRPO in run_dir; returns the process exit code."""
-    with RunSession(cfg, run_dir) as s:
+    with RunSession(cfg, run_dir, slurm=slurm) as s:
         start = s.resume()
         if start >= cfg.num_steps > 0:
             s.progress.say(f"{run_dir} already finished all {cfg.num_steps} steps; use a new --run-dir for a new run")

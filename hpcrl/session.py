@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from hpcrl.config import ConfigError, dump_yaml, load_yaml
-from hpcrl.engine.local import LocalEngines
+from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.rollout.data import PromptSource, build_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, score
 from hpcrl.run_config import RunConfig
+from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.checkpoint import (
     capture_rng_state,
     load_latest_checkpoint,
@@ -57,7 +58,20 @@ def _git_commit() -> str:
 
 
 def prepare_model(cfg: RunConfig) -> Path:
+    """The model dir, created first when model.init_tiny asks for it (under a lock: in a Slurm job every
+    node's roles may get here at once)."""
+    import fcntl
+
     path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _create_model_if_missing(cfg, path)
+
+
+def _create_model_if_missing(cfg: RunConfig, path: Path) -> Path:
     if not (path / "config.json").is_file():
         if cfg.model.init_tiny is None:
             raise RunError(
@@ -103,9 +117,14 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
 
 
 class RunSession:
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: Progress | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, *, progress: Progress | None = None, slurm: SlurmEnv | None = None
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        # In a Slurm job the engines and the other trainer ranks were started by srun; locally we start them.
+        self.slurm = slurm
+        self.incarnation = Incarnation(slurm.job_id, slurm.restart_count) if slurm else Incarnation()
         self.progress = progress or Progress(cfg.num_steps)
         self.preempt_signal: int | None = None
         self._engines: LocalEngines | None = None
@@ -144,12 +163,14 @@ class RunSession:
             },
         )
         self._start_trainer(model_dir)
-        self._engines = LocalEngines(self.cfg.engine, model_dir, self.run_dir, seed=self.cfg.seed)
-        self.progress.say(f"starting {self.cfg.engine.num_engines} embedded engine(s) on {self.cfg.engine.device}")
-        clients = self._engines.start()
+        clients = self._start_engines(model_dir)
         self.rollout = Rollout(self.cfg.rollout, clients, self.formatter, seed=self.cfg.seed)
-        colocated = torch.device(self.cfg.engine.device) == torch.device(self.cfg.train.device)
-        self.sync = WeightSync(self.cfg.sync, clients, device=torch.device(self.cfg.train.device), colocated=colocated)
+        colocated = torch.device(self.cfg.engine.device) == torch.device(self.cfg.train.device) and not self.slurm
+        sync_cfg = self.cfg.sync
+        if self.slurm:
+            # Engines on other nodes must reach the group's store on this node.
+            sync_cfg = dataclasses.replace(sync_cfg, master_address=socket.gethostbyname(self.slurm.node_name))
+        self.sync = WeightSync(sync_cfg, clients, device=torch.device(self.cfg.train.device), colocated=colocated)
         self.sync.connect()
         for sig in (signal.SIGTERM, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
@@ -172,10 +193,30 @@ class RunSession:
         tmp.write_text(dump_yaml(self.cfg))
         os.replace(tmp, path)
 
+    def _start_engines(self, model_dir: Path) -> list:  # type: ignore[type-arg]
+        n = self.cfg.engine.num_engines
+        if self.slurm:
+            self.progress.say(f"waiting for {n} engine(s) of job {self.slurm.job_id} to write run_dir/engines/*.json")
+            return wait_for_rendezvous(self.run_dir, n, self.incarnation, timeout_s=self.cfg.engine.startup_timeout_s)
+        self._engines = LocalEngines(self.cfg.engine, model_dir, self.run_dir, seed=self.cfg.seed)
+        self.progress.say(f"starting {n} embedded engine(s) on {self.cfg.engine.device}")
+        return self._engines.start()
+
     def _start_trainer(self, model_dir: Path) -> None:
         world = self.cfg.train.num_ranks
         followers = []
-        if world > 1:
+        if self.slurm:
+            if self.slurm.world_size != world:
+                raise RunError(
+                    f"the trainer step has {self.slurm.world_size} tasks but train.num_ranks={world}; "
+                    "make the trainer het group's nodes x tasks per node equal train.num_ranks"
+                )
+            if world > 1:
+                init_trainer_group(
+                    rank=0, world_size=world, device=torch.device(self.cfg.train.device),
+                    timeout_s=self.cfg.sync.group_timeout_s,
+                )  # fmt: skip
+        elif world > 1:
             port = _free_port()
             os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
             followers = spawn_followers(self.run_dir, world, port)
@@ -297,7 +338,15 @@ class RunSession:
         assert self.store is not None
         self.checkpoint(step, row, force=True)
         name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
-        self.store.event("preempted", step=step, detail={"signal": name})
+        self.store.event("preempted", step=step, detail={"signal": name, "job_id": self.incarnation.job_id})
+        if self.slurm:
+            # The requeued job (same id, SLURM_RESTART_COUNT + 1) resumes from this checkpoint.
+            out = subprocess.run(["scontrol", "requeue", self.slurm.job_id], capture_output=True, text=True)
+            self.progress.say(
+                f"received {name}: checkpointed step {step + 1}; scontrol requeue {self.slurm.job_id}: "
+                + ("ok" if out.returncode == 0 else f"failed ({out.stderr.strip()})")
+            )
+            return 0 if out.returncode == 0 else 1
         self.progress.say(f"received {name}: checkpointed step {step + 1}; rerun the same command to resume")
         return 128 + int(self.preempt_signal or signal.SIGTERM)
 
@@ -314,6 +363,7 @@ class RunSession:
             lambda: self.rollout.close() if hasattr(self, "rollout") else None,
             lambda: self.sync.close() if self.sync else None,
             lambda: self._engines.stop() if self._engines else None,
+            lambda: done_marker(self.run_dir, self.incarnation).touch() if self.slurm else None,
             lambda: self.trainer.close() if self.trainer else None,
             lambda: self.store.close() if self.store else None,
         ):

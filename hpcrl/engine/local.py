@@ -1,9 +1,17 @@
-"""Start embedded engines as local processes and tear them down; each writes run_dir/engines/<id>.json."""
+"""Engines as processes on this node, and the rendezvous files through which a driver finds them.
+
+Local runs start every engine here. In a Slurm job, `hpcrl role engines` starts the engines of its node
+and the driver (trainer rank 0, maybe on another node) waits for their rendezvous files in
+run_dir/engines/: address, port, API token, pid and the job incarnation (job id, restart count), so a
+requeued job never talks to an engine of its previous life. Each engine gets a random API token: the
+address is reachable from the whole cluster, the run directory only by its owner.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,7 +30,7 @@ class EngineStartError(RuntimeError):
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
@@ -33,33 +41,64 @@ def _tail(path: Path, num_lines: int = 20) -> str:
         return "(no log)"
 
 
+@dataclass(frozen=True)
+class Incarnation:
+    """Which life of a job this is: a requeued job has the same id and a higher restart count."""
+
+    job_id: str = "local"
+    restart_count: int = 0
+
+
 @dataclass
 class LocalEngine:
     engine_id: str
     url: str
+    token: str
     proc: subprocess.Popen[bytes]
     log_path: Path
 
 
-class LocalEngines:
-    """The engines of one run on this machine."""
+def _client(url: str, token: str) -> EngineClient:
+    return EngineClient(url, api_key=token, timeout_s=600.0, max_retries=2)
 
-    def __init__(self, cfg: EngineConfig, model_dir: str | Path, run_dir: Path, *, seed: int) -> None:
+
+class LocalEngines:
+    """Engines `first_index .. first_index+count-1` of a run, started on this node."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_dir: str | Path,
+        run_dir: Path,
+        *,
+        seed: int,
+        first_index: int = 0,
+        count: int | None = None,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str = "127.0.0.1",
+        incarnation: Incarnation = Incarnation(),
+    ) -> None:
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.run_dir = run_dir
         self.seed = seed
+        self.first_index = first_index
+        self.count = cfg.num_engines if count is None else count
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host
+        self.incarnation = incarnation
         self.engines: list[LocalEngine] = []
 
     def start(self) -> list[EngineClient]:
         (self.run_dir / "engines").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        for i in range(self.cfg.num_engines):
+        for i in range(self.first_index, self.first_index + self.count):
             port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
+            token = secrets.token_hex(16)
             log_path = self.run_dir / "logs" / f"engine-{i}.log"
             cmd = [
                 sys.executable, "-m", "hpcrl.cli", "engine", "serve",
-                "--model", self.model_dir, "--port", str(port),
+                "--model", self.model_dir, "--host", self.bind_host, "--port", str(port), "--api-key", token,
                 "--device", self.cfg.device, "--dtype", self.cfg.dtype,
                 "--max-running-requests", str(self.cfg.max_running_requests),
                 "--random-seed", str(self.seed + i), "--num-threads", str(self.cfg.num_threads),
@@ -72,12 +111,17 @@ class LocalEngines:
             env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads)}
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            self.engines.append(LocalEngine(f"engine-{i}", f"http://127.0.0.1:{port}", proc, log_path))
-        clients = []
+            url = f"http://{self.advertise_host}:{port}"
+            self.engines.append(LocalEngine(f"engine-{i}", url, token, proc, log_path))
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         for eng in self.engines:
-            client = EngineClient(eng.url, timeout_s=600.0, max_retries=2)
-            probe = EngineClient(eng.url, timeout_s=2.0, max_retries=0)  # polling is the retry loop here
+            self._wait_healthy(eng, deadline)
+            self._write_rendezvous(eng)
+        return [_client(e.url, e.token) for e in self.engines]
+
+    def _wait_healthy(self, eng: LocalEngine, deadline: float) -> None:
+        probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
+        try:
             while True:
                 if eng.proc.poll() is not None:
                     self.stop()
@@ -87,7 +131,7 @@ class LocalEngines:
                     )
                 try:
                     if probe.health():
-                        break
+                        return
                 except Exception:  # noqa: BLE001 - not up yet
                     pass
                 if time.monotonic() > deadline:
@@ -97,14 +141,29 @@ class LocalEngines:
                         f"{self.cfg.startup_timeout_s}; last lines of {eng.log_path}:\n{_tail(eng.log_path)}"
                     )
                 time.sleep(0.1)
+        finally:
             probe.close()
-            rendezvous = {"id": eng.engine_id, "url": eng.url, "pid": eng.proc.pid, "host": socket.gethostname()}
-            path = self.run_dir / "engines" / f"{eng.engine_id}.json"
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(rendezvous))
-            os.replace(tmp, path)
-            clients.append(client)
-        return clients
+
+    def _write_rendezvous(self, eng: LocalEngine) -> None:
+        record = {
+            "id": eng.engine_id,
+            "url": eng.url,
+            "token": eng.token,
+            "pid": eng.proc.pid,
+            "host": socket.gethostname(),
+            "job_id": self.incarnation.job_id,
+            "restart_count": self.incarnation.restart_count,
+        }
+        path = self.run_dir / "engines" / f"{eng.engine_id}.json"
+        tmp = path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a secret
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+
+    def exited(self) -> list[str]:
+        """Ids of engines whose process has exited."""
+        return [e.engine_id for e in self.engines if e.proc.poll() is not None]
 
     def stop(self) -> None:
         for eng in self.engines:
@@ -118,3 +177,36 @@ class LocalEngines:
                 eng.proc.wait()
             (self.run_dir / "engines" / f"{eng.engine_id}.json").unlink(missing_ok=True)
         self.engines = []
+
+
+def wait_for_rendezvous(
+    run_dir: Path, num_engines: int, incarnation: Incarnation, *, timeout_s: float
+) -> list[EngineClient]:
+    """Clients for engines 0..num_engines-1 of this job incarnation, once all have written their file."""
+    deadline = time.monotonic() + timeout_s
+    folder = run_dir / "engines"
+    while True:
+        found: dict[int, dict[str, object]] = {}
+        for i in range(num_engines):
+            path = folder / f"engine-{i}.json"
+            try:
+                record = json.loads(path.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            if record.get("job_id") == incarnation.job_id and record.get("restart_count") == incarnation.restart_count:
+                found[i] = record
+        if len(found) == num_engines:
+            return [_client(str(found[i]["url"]), str(found[i]["token"])) for i in range(num_engines)]
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(num_engines)) - set(found))
+            raise EngineStartError(
+                f"engines {missing} wrote no rendezvous file in {folder} for job {incarnation.job_id} "
+                f"(restart {incarnation.restart_count}) within {timeout_s:.0f} s; see run_dir/logs/engine-*.log "
+                "and the engine step's output"
+            )
+        time.sleep(0.5)
+
+
+def done_marker(run_dir: Path, incarnation: Incarnation) -> Path:
+    """The file rank 0 writes when the run is over, telling engine nodes to stop."""
+    return run_dir / "engines" / f"DONE-{incarnation.job_id}-{incarnation.restart_count}"

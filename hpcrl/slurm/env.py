@@ -1,0 +1,90 @@
+"""Where this process sits in a Slurm job: rank, world, node, het group — read per het group.
+
+Inside `srun --het-group=K`, SLURM_PROCID restarts at 0 and SLURM_STEP_* describe this component's
+step; the batch shell's un-suffixed SLURM_JOB_NODELIST describes component 0 only, so ranks are
+derived from the step's variables, never from the job's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """`n[1-3],gpu7` -> ['n1', 'n2', 'n3', 'gpu7'] (scontrol when present, else a small parser)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return _parse_hostlist(hostlist)
+
+
+def _parse_hostlist(hostlist: str) -> list[str]:
+    hosts: list[str] = []
+    depth, start = 0, 0
+    parts = []
+    for i, ch in enumerate(hostlist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(hostlist[start:i])
+            start = i + 1
+    parts.append(hostlist[start:])
+    for part in filter(None, parts):
+        if "[" not in part:
+            hosts.append(part)
+            continue
+        prefix, rest = part.split("[", 1)
+        body, suffix = rest.split("]", 1)
+        for item in body.split(","):
+            if "-" in item:
+                lo, hi = item.split("-")
+                hosts += [f"{prefix}{n:0{len(lo)}d}{suffix}" for n in range(int(lo), int(hi) + 1)]
+            else:
+                hosts.append(f"{prefix}{item}{suffix}")
+    return hosts
+
+
+@dataclass(frozen=True)
+class SlurmEnv:
+    job_id: str
+    restart_count: int
+    rank: int
+    world_size: int
+    local_rank: int
+    node_name: str
+    step_nodes: list[str]
+    het_group: int | None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> SlurmEnv | None:
+        env = os.environ if env is None else env
+        if "SLURM_JOB_ID" not in env or "SLURM_PROCID" not in env:
+            return None
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        het = env.get("SLURM_HET_JOB_ID") and env.get("SLURM_HET_JOB_OFFSET")
+        return cls(
+            job_id=env.get("SLURM_HET_JOB_ID") or env["SLURM_JOB_ID"],
+            restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", "1")),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            node_name=env.get("SLURMD_NODENAME") or os.uname().nodename,
+            step_nodes=expand_hostlist(nodelist) if nodelist else [],
+            het_group=int(env["SLURM_HET_JOB_OFFSET"]) if het else None,
+        )
+
+    @property
+    def master_addr(self) -> str:
+        return self.step_nodes[0] if self.step_nodes else "127.0.0.1"
+
+    def master_port(self, base: int = 29500) -> int:
+        # Derived from the job id so that two jobs on one node do not collide, and stable across requeues.
+        return base + int(self.job_id) % 10000 if self.job_id.isdigit() else base

@@ -1,0 +1,108 @@
+"""What each task of a Slurm job runs: `hpcrl role engines` (het group 0) and `hpcrl role trainer` (het group 1).
+
+    srun --het-group=0 --ntasks-per-node=1 hpcrl role engines --run-dir RUN_DIR &
+    srun --het-group=1 hpcrl role trainer --run-dir RUN_DIR
+
+Both read RUN_DIR/config.yaml (written at submission). The engines role starts its node's share of
+the run's engines and lives until the driver writes the done marker of this job incarnation (or a
+signal arrives). Trainer rank 0 runs the driver; other ranks follow it. Rendezvous: engines through
+files in RUN_DIR/engines/, trainer ranks through MASTER_ADDR/MASTER_PORT derived from the step's first
+node and the job id; both bounded by timeouts in the config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from hpcrl.engine.local import Incarnation, LocalEngines, done_marker
+from hpcrl.run_config import RunConfig, load_run_config
+from hpcrl.slurm.env import SlurmEnv
+
+
+class RoleError(RuntimeError):
+    pass
+
+
+def _slurm_env() -> SlurmEnv:
+    env = SlurmEnv.from_environ()
+    if env is None:
+        raise RoleError("`hpcrl role` runs inside a Slurm job step (srun); for a local run use `hpcrl run CONFIG`")
+    return env
+
+
+def _config(run_dir: Path) -> RunConfig:
+    from hpcrl.session import prepare_model
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise RoleError(f"{path} not found: submit with `hpcrl submit` or run the script from `hpcrl sbatch`")
+    cfg = load_run_config(path)
+    prepare_model(cfg)
+    return cfg
+
+
+def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
+    env = _slurm_env()
+    cfg = _config(run_dir)
+    num_nodes = max(1, len(env.step_nodes))
+    node_index = env.rank  # one task per node (--ntasks-per-node=1)
+    per_node = math.ceil(cfg.engine.num_engines / num_nodes)
+    first = node_index * per_node
+    count = max(0, min(per_node, cfg.engine.num_engines - first))
+    incarnation = Incarnation(env.job_id, env.restart_count)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop["signal"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, on_signal)
+    if count == 0:
+        print(f"node {env.node_name}: no engine slots for this node (num_engines={cfg.engine.num_engines})", flush=True)
+        return 0
+    host = socket.gethostbyname(env.node_name)
+    engines = LocalEngines(
+        cfg.engine, cfg.model.path, run_dir, seed=cfg.seed, first_index=first, count=count,
+        bind_host=host, advertise_host=host, incarnation=incarnation,
+    )  # fmt: skip
+    engines.start()
+    print(f"node {env.node_name}: engines {first}..{first + count - 1} ready at {host}", flush=True)
+    marker = done_marker(run_dir, incarnation)
+    try:
+        while not marker.exists() and not stop["signal"]:
+            dead = engines.exited()
+            if dead:
+                print(f"node {env.node_name}: engine(s) {dead} exited; see run_dir/logs/", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(poll_s)
+    finally:
+        engines.stop()
+    return 0
+
+
+def trainer_role(run_dir: Path) -> int:
+    env = _slurm_env()
+    cfg = _config(run_dir)
+    os.environ.update(
+        {
+            "MASTER_ADDR": socket.gethostbyname(env.master_addr),
+            "MASTER_PORT": str(env.master_port()),
+            "RANK": str(env.rank),
+            "WORLD_SIZE": str(env.world_size),
+        }
+    )
+    if env.rank == 0:
+        from hpcrl.driver import run
+
+        print(f"trainer rank 0 on {env.node_name}: job {env.job_id} restart {env.restart_count}", flush=True)
+        return run(cfg, run_dir, slurm=env)
+    from hpcrl.trainer.ranks import follow
+
+    return follow(run_dir)
