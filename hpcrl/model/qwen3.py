@@ -255,6 +255,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Going through the layer's own forward lets FSDP2 (fully_shard per layer) gather its weights.
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -288,8 +293,7 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(h, cos, sin)
         return self.model.norm(h)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
