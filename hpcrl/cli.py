@@ -109,10 +109,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _role(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hpcrl.slurm.roles import engines_role, trainer_role
+    from hpcrl.slurm.roles import engines_role, mpi_agent_role, trainer_role
 
     run_dir = Path(ns.run_dir)
-    return engines_role(run_dir) if ns.role == "engines" else trainer_role(run_dir)
+    roles = {"engines": engines_role, "trainer": trainer_role, "mpi-agent": mpi_agent_role}
+    return roles[ns.role](run_dir)
 
 
 def _add_role(sub: argparse._SubParsersAction) -> None:
@@ -121,9 +122,11 @@ def _add_role(sub: argparse._SubParsersAction) -> None:
         help="what a task of a Slurm job runs (used by generated scripts)",
         description="Run one role of a Slurm job: `engines` (one task per engine node: start this node's "
         "engines, write rendezvous files, stop when the run is done) or `trainer` (one task per trainer "
-        "rank: rank 0 drives the run, the others follow). Reads RUN_DIR/config.yaml.",
+        "rank: rank 0 drives the run, the others follow) or `mpi-agent` (MPI ranks 1..N with "
+        "sync.transport=mpi: start this node's engines and load the weights rank 0 broadcasts). "
+        "Reads RUN_DIR/config.yaml.",
     )
-    p.add_argument("role", choices=["engines", "trainer"])
+    p.add_argument("role", choices=["engines", "trainer", "mpi-agent"])
     p.add_argument("--run-dir", required=True)
     p.set_defaults(func=_role)
 
@@ -194,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_role(sub)
     _add_engine(sub)
     _add_model(sub)
+    from hpcrl.guard.cli import add_guard_commands
+
+    add_guard_commands(sub)
     return parser
 
 

@@ -87,6 +87,40 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
     return 0
 
 
+def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
+    """MPI ranks 1..N: start this node's engines, then load the buckets that rank 0 broadcasts."""
+    from hpcrl.sync.mpi import mpi_world, run_agent
+
+    comm = mpi_world()
+    slurm = SlurmEnv.from_environ()
+    deadline = time.monotonic() + config_timeout_s
+    while not (run_dir / "config.yaml").is_file():  # rank 0 writes it when the run starts
+        if time.monotonic() > deadline:
+            raise RoleError(f"{run_dir}/config.yaml did not appear within {config_timeout_s:.0f} s")
+        time.sleep(0.2)
+    cfg = _config(run_dir)
+    num_agents = comm.size - 1
+    per_agent = math.ceil(cfg.engine.num_engines / num_agents)
+    first = (comm.rank - 1) * per_agent
+    count = max(0, min(per_agent, cfg.engine.num_engines - first))
+    incarnation = (
+        Incarnation(slurm.job_id, slurm.restart_count)
+        if slurm
+        else Incarnation(os.environ.get("PMIX_NAMESPACE", "mpi"), 0)
+    )
+    host = socket.gethostbyname(slurm.node_name) if slurm else "127.0.0.1"
+    engines = LocalEngines(
+        cfg.engine, cfg.model.path, run_dir, seed=cfg.seed, first_index=first, count=count,
+        bind_host=host, advertise_host=host, incarnation=incarnation,
+    )  # fmt: skip
+    clients = engines.start() if count else []
+    print(f"mpi agent {comm.rank}: engines {first}..{first + count - 1} ready", flush=True)
+    try:
+        return run_agent(clients, comm)
+    finally:
+        engines.stop()
+
+
 def trainer_role(run_dir: Path) -> int:
     env = _slurm_env()
     cfg = _config(run_dir)

@@ -8,10 +8,11 @@ from typing import Literal
 
 @dataclass(kw_only=True, frozen=True)
 class SyncConfig:
-    transport: Literal["auto", "distributed", "tensor"] = "auto"
+    transport: Literal["auto", "distributed", "tensor", "mpi"] = "auto"
     """`distributed`: a torch.distributed group from trainer rank 0 to the engines (gloo on CPU, nccl on
     GPU); `tensor`: same-host handover of one flat buffer (shared memory / CUDA IPC) for colocated runs;
-    `auto`: `tensor` when trainer and engines share one CUDA device (colocated), else `distributed`."""
+    `auto`: `tensor` when trainer and engines share one CUDA device (colocated), else `distributed`;
+    `mpi`: MPI broadcast to one agent per engine node (`hpcrl role mpi-agent`), see hpcrl/sync/mpi.py."""
     bucket_mb: float = 512.0
     """Upper bound on the bytes of one bucket (one HTTP call + its broadcasts)."""
     flattened: bool = True

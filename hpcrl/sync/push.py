@@ -65,6 +65,11 @@ class WeightSync:
         self.engines = list(engines)
         self.device = device
         self.group: dist.ProcessGroup | None = None
+        self.mpi = None
+        if self.transport == "mpi":
+            from hpcrl.sync.mpi import MpiWeightSender
+
+            self.mpi = MpiWeightSender()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
         self.last_metrics: dict[str, float] = {}
 
@@ -125,6 +130,8 @@ class WeightSync:
             num_buckets += 1
             if self.transport == "distributed":
                 self._send_distributed(bucket)
+            elif self.mpi is not None:
+                self.mpi.send_bucket(bucket)
             else:
                 self._send_tensor(bucket)
         self._each(lambda e: e.update_weight_version(version, abort_all_requests=False), what="update_weight_version")
@@ -172,6 +179,9 @@ class WeightSync:
             self._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
 
     def close(self) -> None:
+        if self.mpi is not None:
+            self.mpi.stop()
+            self.mpi = None
         if self.group is not None:
             for e in self.engines:
                 try:

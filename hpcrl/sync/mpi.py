@@ -1,0 +1,142 @@
+"""Weight push over MPI, for clusters with no NCCL/gloo path between the trainer and the engine nodes.
+
+MPI world: rank 0 is trainer rank 0 (the driver); ranks 1..N are agents, one per engine node, each of
+which owns the engines on its node (`hpcrl role mpi-agent`). Per bucket, rank 0 broadcasts a JSON
+header and then the flattened bucket (buffer-based `Bcast`: no pickle on the wire); every agent hands
+the bucket to its local engines through `update_weights_from_tensor` (shared memory / CUDA IPC) and
+all ranks then agree on success with one `Allreduce`. Pause, version stamp and continue stay HTTP calls
+from the driver to every engine, exactly as with the other transports (see push.py for the order).
+
+Launch, locally: `mpiexec -n 1 hpcrl run CONFIG sync.transport=mpi : -n 2 hpcrl role mpi-agent --run-dir DIR`;
+under Slurm: `srun --mpi=pmix --het-group=0,1 ...` with the agents on the engine nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.protocol import UpdateWeightsFromTensor
+from hpcrl.sync.handover import create_handover
+
+CMD_BUCKET, CMD_STOP = 1, 0
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bf16 travels as raw bits
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class MpiSyncError(RuntimeError):
+    pass
+
+
+def mpi_world() -> Any:
+    """COMM_WORLD, with a clear error when mpi4py or an MPI launcher is missing."""
+    os.environ.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise MpiSyncError("sync.transport=mpi needs mpi4py: pip install mpi4py (and an MPI, e.g. openmpi)") from exc
+    return MPI.COMM_WORLD
+
+
+def _bcast_json(comm: Any, obj: Any | None) -> Any:
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8) if comm.rank == 0 else None
+    size = np.array([data.size if data is not None else 0], dtype=np.int64)
+    comm.Bcast(size, root=0)
+    buf = data if data is not None else np.empty(int(size[0]), dtype=np.uint8)
+    comm.Bcast(buf, root=0)
+    return json.loads(buf.tobytes()) if comm.rank != 0 else obj
+
+
+def _agree(comm: Any, ok: bool) -> int:
+    """Number of ranks that failed (every rank learns it, so nobody waits on a broken peer)."""
+    from mpi4py import MPI
+
+    failed = np.array([0 if ok else 1], dtype=np.int64)
+    total = np.zeros(1, dtype=np.int64)
+    comm.Allreduce(failed, total, op=MPI.SUM)
+    return int(total[0])
+
+
+class MpiWeightSender:
+    """Rank 0's side: broadcast buckets to the agents."""
+
+    def __init__(self, comm: Any | None = None) -> None:
+        self.comm = comm or mpi_world()
+        if self.comm.rank != 0:
+            raise MpiSyncError("the MPI weight sender runs on MPI rank 0 (the driver)")
+        if self.comm.size < 2:
+            raise MpiSyncError("sync.transport=mpi needs agents: launch ranks 1..N with `hpcrl role mpi-agent`")
+
+    def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        dtype = str(bucket[0][1].dtype).removeprefix("torch.")
+        header = {
+            "cmd": CMD_BUCKET,
+            "dtype": dtype,
+            "tensors": [{"name": n, "shape": list(t.shape)} for n, t in bucket],
+        }
+        _bcast_json(self.comm, header)
+        flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in bucket])
+        array = (flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat).numpy()
+        self.comm.Bcast(np.ascontiguousarray(array), root=0)
+        failed = _agree(self.comm, True)
+        if failed:
+            raise MpiSyncError(f"{failed} MPI agent(s) could not load a bucket into their engines; see their logs")
+
+    def stop(self) -> None:
+        _bcast_json(self.comm, {"cmd": CMD_STOP})
+
+
+def run_agent(engines: Sequence[EngineClient], comm: Any | None = None) -> int:
+    """An agent's loop: receive buckets from rank 0 and load them into this node's engines."""
+    comm = comm or mpi_world()
+    while True:
+        header = _bcast_json(comm, None)
+        if header["cmd"] == CMD_STOP:
+            return 0
+        dtype = header["dtype"]
+        shapes = [e["shape"] for e in header["tensors"]]
+        numel = sum(int(np.prod(s)) for s in shapes)
+        buf = np.empty(numel, dtype=_NP_DTYPES[dtype])
+        comm.Bcast(buf, root=0)
+        ok = True
+        t0 = time.perf_counter()
+        try:
+            flat = torch.from_numpy(buf)
+            if dtype == "bfloat16":
+                flat = flat.view(torch.bfloat16)
+            parts = flat.split([int(np.prod(s)) for s in shapes])
+            named = [(e["name"], p.view(e["shape"])) for e, p in zip(header["tensors"], parts, strict=True)]
+            with create_handover(named) as payload:
+                req = UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
+                for engine in engines:
+                    engine.update_weights_from_tensor(req)
+        except Exception as exc:  # noqa: BLE001 - reported through the agreement, details to this rank's log
+            print(f"mpi agent {comm.rank}: loading a bucket failed: {type(exc).__name__}: {exc}", flush=True)
+            ok = False
+        _agree(comm, ok)
+        seconds = time.perf_counter() - t0
+        print(f"mpi agent {comm.rank}: {buf.nbytes / 2**20:.1f} MiB bucket loaded in {seconds:.3f} s", flush=True)
+
+
+def mpi_rank_env() -> dict[str, int] | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK from an MPI launcher's variables (Open MPI, MPICH/PMI, Slurm PMIx)."""
+    env = os.environ
+    for rank_key, size_key, local_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    ):
+        if rank_key in env and size_key in env:
+            return {
+                "rank": int(env[rank_key]),
+                "world_size": int(env[size_key]),
+                "local_rank": int(env.get(local_key, 0)),
+            }
+    return None
