@@ -22,6 +22,7 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
             return 0
         s.warm_start()
         for step in range(start, cfg.num_steps):
+            s.guard.wait_until_cool(step)
             timer = StepTimer()
             with timer.phase("rollout"):
                 groups = s.rollout.generate(step, s.data.batch(step))
@@ -31,7 +32,7 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
                 train = s.train_metrics(s.trainer.train_grpo(s.batch(groups)))
             with timer.phase("sync"):
                 sync = s.push_weights(str(step + 1))
-            metrics = s.step_metrics(groups, timer.seconds["rollout"]) | train | sync
+            metrics = s.step_metrics(groups, timer.seconds["rollout"]) | train | sync | s.guard.metrics()
             with timer.phase("checkpoint"):
                 s.checkpoint(step, metrics | timer.metrics())
             metrics |= timer.metrics()

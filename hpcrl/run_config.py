@@ -8,8 +8,10 @@ from pathlib import Path
 
 from hpcrl.config import dump_yaml, load_config
 from hpcrl.engine.config import EngineConfig
+from hpcrl.guard.config import GuardConfig
 from hpcrl.model.tiny import TinyModelSpec
 from hpcrl.rollout.config import DataConfig, RewardConfig, RolloutConfig
+from hpcrl.slurm.config import SlurmConfig
 from hpcrl.sync.config import SyncConfig
 from hpcrl.trainer.config import SFTConfig, TrainConfig
 
@@ -50,6 +52,8 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         if self.num_steps < 0:
@@ -67,6 +71,17 @@ class RunConfig:
             and self.sync.transport == "tensor"
         ):
             raise ValueError("sync.transport=tensor needs the engines and the trainer on the same kind of device")
+        if self.guard.mode != "off":
+            # A thermal pause holds collectives and engine calls up to max_pause_s (hpcrl/guard/guard.py).
+            for key, timeout_s in (
+                ("sync.group_timeout_s", self.sync.group_timeout_s),
+                ("rollout.request_timeout_s", self.rollout.request_timeout_s),
+            ):
+                if timeout_s <= self.guard.max_pause_s:
+                    raise ValueError(
+                        f"{key}={timeout_s:g} must be longer than guard.max_pause_s={self.guard.max_pause_s:g}, or "
+                        f"a thermal pause could make it time out: raise {key} or lower guard.max_pause_s"
+                    )
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

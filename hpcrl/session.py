@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from hpcrl.config import ConfigError, dump_yaml, load_yaml
+from hpcrl.engine.fleet import EngineFleet
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
+from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.rollout.data import PromptSource, build_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, score
@@ -36,7 +38,7 @@ from hpcrl.store.checkpoint import (
 )
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.progress import Progress
-from hpcrl.sync.push import WeightSync
+from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.trainer.advantage import group_advantages
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup, init_trainer_group, spawn_followers
@@ -125,18 +127,29 @@ class RunSession:
         # In a Slurm job the engines and the other trainer ranks were started by srun; locally we start them.
         self.slurm = slurm
         self.incarnation = Incarnation(slurm.job_id, slurm.restart_count) if slurm else Incarnation()
+        if cfg.sync.transport == "mpi" and not slurm:
+            # Agents and driver come from one mpiexec launch; its namespace names this incarnation.
+            self.incarnation = Incarnation(os.environ.get("PMIX_NAMESPACE", "mpi"), 0)
         self.progress = progress or Progress(cfg.num_steps)
         self.preempt_signal: int | None = None
         self._engines: LocalEngines | None = None
         self.sync: WeightSync | None = None
         self.trainer: RankGroup | None = None
         self.store: MetricsWriter | None = None
+        self.guard: Guard = OffGuard()
         self.weight_version = "0"
+        self.rollout_version = "0"
         self.sft_done = False
 
     # ----- setup -----
     def __enter__(self) -> RunSession:
-        # Validate everything the user gave (model, data, reward) before anything is written to run_dir.
+        # Validate everything the user gave (guard, model, data, reward) before anything is written to run_dir.
+        guard_source = open_source(self.cfg.guard, warn=self.progress.say)
+        guard = (
+            ThermalGuard(self.cfg.guard, guard_source, say=self.progress.say, interrupted=self._preempted)
+            if guard_source is not None
+            else None
+        )
         model_dir = prepare_model(self.cfg)
         examples = build_examples(
             self.cfg.data.source,
@@ -164,7 +177,8 @@ class RunSession:
         )
         self._start_trainer(model_dir)
         clients = self._start_engines(model_dir)
-        self.rollout = Rollout(self.cfg.rollout, clients, self.formatter, seed=self.cfg.seed)
+        self.fleet = EngineFleet(self.cfg.engine, clients, launcher=self._engines, on_event=self._engine_event)
+        self.rollout = Rollout(self.cfg.rollout, self.fleet, self.formatter, seed=self.cfg.seed, recover=self.heal)
         colocated = torch.device(self.cfg.engine.device) == torch.device(self.cfg.train.device) and not self.slurm
         sync_cfg = self.cfg.sync
         if self.slurm:
@@ -172,6 +186,11 @@ class RunSession:
             sync_cfg = dataclasses.replace(sync_cfg, master_address=socket.gethostbyname(self.slurm.node_name))
         self.sync = WeightSync(sync_cfg, clients, device=torch.device(self.cfg.train.device), colocated=colocated)
         self.sync.connect()
+        if guard is not None:
+            assert self.trainer is not None
+            local_engines = self._engines.engines if self._engines else []
+            pids = [e.proc.pid for e in local_engines] + [p.pid for p in self.trainer.followers]
+            self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
         for sig in (signal.SIGTERM, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
         return self
@@ -195,8 +214,13 @@ class RunSession:
 
     def _start_engines(self, model_dir: Path) -> list:  # type: ignore[type-arg]
         n = self.cfg.engine.num_engines
-        if self.slurm:
-            self.progress.say(f"waiting for {n} engine(s) of job {self.slurm.job_id} to write run_dir/engines/*.json")
+        if self.cfg.sync.transport == "mpi":
+            from hpcrl.sync.mpi import mpi_world
+
+            mpi_world()  # MPI_Init is collective with the agents: join it before waiting on them
+        if self.slurm or self.cfg.sync.transport == "mpi":
+            job = self.incarnation.job_id
+            self.progress.say(f"waiting for {n} engine(s) of job {job} to write run_dir/engines/*.json")
             return wait_for_rendezvous(self.run_dir, n, self.incarnation, timeout_s=self.cfg.engine.startup_timeout_s)
         self._engines = LocalEngines(self.cfg.engine, model_dir, self.run_dir, seed=self.cfg.seed)
         self.progress.say(f"starting {n} embedded engine(s) on {self.cfg.engine.device}")
@@ -228,6 +252,9 @@ class RunSession:
             )
         trainer = TorchTrainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
         self.trainer = RankGroup(trainer, followers)
+
+    def _preempted(self) -> bool:
+        return self.preempt_signal is not None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only note it: the loop checkpoints at the next safe point (the end of the current step).
@@ -273,6 +300,7 @@ class RunSession:
         eos = self.formatter.tokenizer.eos_token_id
         t0 = time.perf_counter()
         for step in range(sft.num_steps):
+            self.guard.wait_until_cool(None)
             examples = self.sft_data.batch(step)
             prompts = [self.formatter.encode(e.prompt) for e in examples]
             answers = [self.formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
@@ -285,10 +313,31 @@ class RunSession:
         self.store.event("sft_done", step=None, detail={"num_steps": sft.num_steps, "loss": m["loss"]})
         self.push_weights("sft")
 
+    def _engine_event(self, kind: str, detail: dict[str, Any]) -> None:
+        assert self.store is not None
+        self.store.event(kind, step=None, detail=detail)
+        self.progress.say(f"{kind}: {detail}")
+
+    def heal(self) -> None:
+        """Restart dead engines (bounded) and push them the current weights before they serve again."""
+        self.push_weights(self.weight_version)
+
     def push_weights(self, version: str) -> dict[str, float]:
+        """Push to every live engine; dead ones are restarted first, and a push that an engine's death
+        breaks is done once more over the engines then alive (all weights: a fresh engine has none)."""
         assert self.sync is not None and self.trainer is not None
-        self.weight_version = version
-        return self.sync.push(self.trainer.trainer.named_weights(), version)
+        # The version the engines served until now: what this step's rollout was generated with.
+        self.rollout_version, self.weight_version = self.weight_version, version
+        for attempt in (0, 1):
+            if self.fleet.heal() or attempt:
+                self.sync.reconnect([s.client for s in self.fleet.live()])
+            try:
+                return self.sync.push(self.trainer.trainer.named_weights(), version)
+            except WeightSyncError:
+                if attempt:
+                    raise
+                self.fleet.probe_all()
+        raise AssertionError("unreachable")
 
     # ----- per step -----
     def batch(self, groups: list[Group]) -> TrainBatch:
@@ -300,7 +349,7 @@ class RunSession:
         return out
 
     def step_metrics(self, groups: list[Group], rollout_s: float) -> dict[str, float]:
-        return rollout_stats(groups, rollout_s)
+        return rollout_stats(groups, rollout_s, version=self.rollout_version) | self.fleet.metrics()
 
     def checkpoint(self, step: int, row: dict[str, float], *, force: bool = False) -> bool:
         """Save on the configured cadence. The step's metrics row goes into the checkpoint too: it is
@@ -360,10 +409,16 @@ class RunSession:
 
     def __exit__(self, *exc: object) -> None:
         for closer in (
+            self.guard.stop,  # first: stopped workers must get SIGCONT before they are shut down
             lambda: self.rollout.close() if hasattr(self, "rollout") else None,
+            lambda: self.fleet.close() if hasattr(self, "fleet") else None,
             lambda: self.sync.close() if self.sync else None,
             lambda: self._engines.stop() if self._engines else None,
-            lambda: done_marker(self.run_dir, self.incarnation).touch() if self.slurm else None,
+            lambda: (
+                done_marker(self.run_dir, self.incarnation).touch()
+                if self.slurm or self.cfg.sync.transport == "mpi"
+                else None
+            ),
             lambda: self.trainer.close() if self.trainer else None,
             lambda: self.store.close() if self.store else None,
         ):
