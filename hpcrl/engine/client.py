@@ -593,13 +593,23 @@ class EngineClient:
     # ----------------------------------------------------------------------------------------------------------
     # memory (colocated engines; the server needs --enable-memory-saver)
 
-    def release_memory_occupation(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
-        """POST /release_memory_occupation; `tags` among weights, kv_cache, cuda_graph (None: all)."""
+    def release_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None
+    ) -> dict[str, Any] | None:
+        """POST /release_memory_occupation; `tags` among weights, kv_cache, cuda_graph (None: all).
+
+        Returns the JSON body when there is one: the embedded engine reports `freed_bytes` per tag; SGLang
+        answers an empty body, so a caller that must know what was freed measures it (NVML)."""
         body = MemoryOccupation(tags=None if tags is None else tuple(tags)).to_dict()
         response = self._request(
             "POST", "/release_memory_occupation", retry=_Retry.CONNECT, json_body=body, timeout_s=timeout_s
         )
         self._raise_on_failure(response, "POST /release_memory_occupation")
+        try:
+            parsed = response.json()
+        except ValueError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
         """POST /resume_memory_occupation; `tags` among weights, kv_cache, cuda_graph (None: all)."""

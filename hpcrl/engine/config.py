@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
-    kind: Literal["embedded"] = "embedded"
-    """`embedded` runs hpcrl's own engine; real `sglang` servers arrive with the engine-fleet issue."""
+    kind: Literal["embedded", "sglang"] = "embedded"
+    """`embedded` runs hpcrl's own engine (`hpcrl engine serve`); `sglang` runs `python -m sglang.launch_server`
+    (install the `sglang` extra on the GPU nodes)."""
     num_engines: int = 1
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -22,6 +23,22 @@ class EngineConfig:
     startup_timeout_s: float = 120.0
     base_port: int = 0
     """First port; 0 picks free ports."""
+    health_interval_s: float = 1.0
+    """How often the fleet probes every engine (/health) and checks its process."""
+    health_timeout_s: float = 3.0
+    hung_after_s: float = 20.0
+    """An engine that answers no probe for this long is hung (e.g. SIGSTOP): it is killed and restarted.
+    One failed probe is never death: /health can be slow during a long prefill (sgl-project/sglang#22511)."""
+    tp_size: int = 1
+    """sglang: tensor-parallel GPUs per engine (--tp-size)."""
+    mem_fraction_static: float | None = None
+    """sglang: --mem-fraction-static (None: SGLang's default)."""
+    enable_memory_saver: bool = False
+    """sglang: --enable-memory-saver, needed for release/resume_memory_occupation (colocated runs)."""
+    sglang_args: list[str] = field(default_factory=list)
+    """sglang: further flags passed as they are, e.g. ["--attention-backend", "fa3"]."""
+    max_restarts: int = 2
+    """Restarts per engine; after that the engine is given up, and with none left the run stops."""
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -30,3 +47,13 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be > 0")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.kind == "embedded" and (self.tp_size != 1 or self.sglang_args or self.enable_memory_saver):
+            raise ValueError("tp_size, sglang_args and enable_memory_saver apply to kind: sglang only")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 < self.health_timeout_s <= self.hung_after_s:
+            raise ValueError("health_timeout_s must be > 0 and <= hung_after_s")

@@ -34,7 +34,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _tail(path: Path, num_lines: int = 20) -> str:
+def tail(path: Path, num_lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
     except FileNotFoundError:
@@ -88,14 +88,44 @@ class LocalEngines:
         self.advertise_host = advertise_host
         self.incarnation = incarnation
         self.engines: list[LocalEngine] = []
+        # For fault-injection tests: extra environment of the engine processes.
+        self.extra_env: dict[str, str] = {}
 
     def start(self) -> list[EngineClient]:
         (self.run_dir / "engines").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        for i in range(self.first_index, self.first_index + self.count):
-            port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
-            token = secrets.token_hex(16)
-            log_path = self.run_dir / "logs" / f"engine-{i}.log"
+        self.engines = [self._spawn(i) for i in range(self.first_index, self.first_index + self.count)]
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        for eng in self.engines:
+            self._wait_healthy(eng, deadline)
+            self._write_rendezvous(eng)
+        return [_client(e.url, e.token) for e in self.engines]
+
+    def restart(self, position: int) -> EngineClient:
+        """Replace engine `position` (0-based among this launcher's engines) by a fresh process."""
+        old = self.engines[position]
+        if old.proc.poll() is None:
+            os.killpg(old.proc.pid, signal.SIGKILL)
+            old.proc.wait()
+        eng = self._spawn(self.first_index + position)
+        self.engines[position] = eng
+        self._wait_healthy(eng, time.monotonic() + self.cfg.startup_timeout_s, stop_all=False)
+        self._write_rendezvous(eng)
+        return _client(eng.url, eng.token)
+
+    def _spawn(self, i: int) -> LocalEngine:
+        port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
+        token = secrets.token_hex(16)
+        log_path = self.run_dir / "logs" / f"engine-{i}.log"
+        if self.cfg.kind == "sglang":
+            from hpcrl.engine.sglang import sglang_command
+
+            first_gpu = (i - self.first_index) * self.cfg.tp_size  # engines of a node take consecutive GPUs
+            cmd = sglang_command(
+                self.cfg, python=sys.executable, model_dir=self.model_dir, host=self.bind_host, port=port,
+                api_key=token, seed=self.seed + i, weight_version="0", base_gpu_id=first_gpu,
+            )  # fmt: skip
+        else:
             cmd = [
                 sys.executable, "-m", "hpcrl.cli", "engine", "serve",
                 "--model", self.model_dir, "--host", self.bind_host, "--port", str(port), "--api-key", token,
@@ -103,31 +133,28 @@ class LocalEngines:
                 "--max-running-requests", str(self.cfg.max_running_requests),
                 "--random-seed", str(self.seed + i), "--num-threads", str(self.cfg.num_threads),
                 "--parent-pid", str(os.getpid()),
+                # Engines load the run's initial weights: version "0", what the driver calls them before a push.
+                "--weight-version", "0",
             ]  # fmt: skip
             if self.cfg.deterministic:
                 cmd.append("--deterministic")
             if self.cfg.onpolicy_logprobs:
                 cmd.append("--onpolicy-logprobs")
-            env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads)}
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            url = f"http://{self.advertise_host}:{port}"
-            self.engines.append(LocalEngine(f"engine-{i}", url, token, proc, log_path))
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        for eng in self.engines:
-            self._wait_healthy(eng, deadline)
-            self._write_rendezvous(eng)
-        return [_client(e.url, e.token) for e in self.engines]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
 
-    def _wait_healthy(self, eng: LocalEngine, deadline: float) -> None:
+    def _wait_healthy(self, eng: LocalEngine, deadline: float, *, stop_all: bool = True) -> None:
         probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
         try:
             while True:
                 if eng.proc.poll() is not None:
-                    self.stop()
+                    if stop_all:
+                        self.stop()
                     raise EngineStartError(
                         f"{eng.engine_id} exited with code {eng.proc.returncode} while starting; "
-                        f"last lines of {eng.log_path}:\n{_tail(eng.log_path)}"
+                        f"last lines of {eng.log_path}:\n{tail(eng.log_path)}"
                     )
                 try:
                     if probe.health():
@@ -135,10 +162,11 @@ class LocalEngines:
                 except Exception:  # noqa: BLE001 - not up yet
                     pass
                 if time.monotonic() > deadline:
-                    self.stop()
+                    if stop_all:
+                        self.stop()
                     raise EngineStartError(
                         f"{eng.engine_id} was not healthy within engine.startup_timeout_s="
-                        f"{self.cfg.startup_timeout_s}; last lines of {eng.log_path}:\n{_tail(eng.log_path)}"
+                        f"{self.cfg.startup_timeout_s}; last lines of {eng.log_path}:\n{tail(eng.log_path)}"
                     )
                 time.sleep(0.1)
         finally:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcrl.engine.client import EngineClient
+from hpcrl.engine.client import EngineRequestError
+from hpcrl.engine.fleet import EngineFleet, EngineSlot, FleetError
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import Example
@@ -61,55 +61,94 @@ class PromptFormatter:
 
 
 class Rollout:
+    """Sends a step's samples to the live engines of the fleet, one batch call per engine.
+
+    If an engine dies while its call is in flight, its samples go again, with the same seeds, to the
+    engines still alive (`recover` is called first when none is left); nothing is lost or duplicated.
+    """
+
     def __init__(
-        self, cfg: RolloutConfig, engines: Sequence[EngineClient], formatter: PromptFormatter, *, seed: int
+        self,
+        cfg: RolloutConfig,
+        fleet: EngineFleet,
+        formatter: PromptFormatter,
+        *,
+        seed: int,
+        recover: Callable[[], None] | None = None,
+        poll_s: float = 0.2,
     ) -> None:
         self.cfg = cfg
-        self.engines = list(engines)
+        self.fleet = fleet
         self.formatter = formatter
         self.seed = seed
-        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="hpcrl-rollout")
+        self.recover = recover
+        self.poll_s = poll_s
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(fleet.slots), thread_name_prefix="hpcrl-rollout")
+
+    def _call(self, slot: EngineSlot, step: int, items: list[tuple[int, int]], prompts: list[list[int]]) -> list:
+        params = [
+            SamplingParams(
+                max_new_tokens=self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature,
+                top_p=self.cfg.top_p,
+                top_k=self.cfg.top_k,
+                sampling_seed=sample_seed(self.seed, step, p, s),
+            )
+            for p, s in items
+        ]
+        out = slot.client.generate(
+            [prompts[p] for p, _ in items],
+            params,
+            return_logprob=True,
+            rid=[f"step{step}-p{p}-s{s}" for p, s in items],
+            timeout_s=self.cfg.request_timeout_s,
+        )
+        return out if isinstance(out, list) else [out]
 
     def generate(self, step: int, examples: Sequence[Example]) -> list[Group]:
         n = self.cfg.n_samples_per_prompt
         prompts = [self.formatter.encode(e.prompt) for e in examples]
-        # Whole groups go to one engine, spread round-robin; each engine gets one batch call.
-        work: list[list[tuple[int, int]]] = [[] for _ in self.engines]
-        for p in range(len(examples)):
-            for s in range(n):
-                work[p % len(self.engines)].append((p, s))
-
-        def run(engine_index: int) -> list[GenerateResult]:
-            items = work[engine_index]
-            if not items:
-                return []
-            params = [
-                SamplingParams(
-                    max_new_tokens=self.cfg.max_new_tokens,
-                    temperature=self.cfg.temperature,
-                    top_p=self.cfg.top_p,
-                    top_k=self.cfg.top_k,
-                    sampling_seed=sample_seed(self.seed, step, p, s),
-                )
-                for p, s in items
-            ]
-            out = self.engines[engine_index].generate(
-                [prompts[p] for p, _ in items],
-                params,
-                return_logprob=True,
-                rid=[f"step{step}-p{p}-s{s}" for p, s in items],
-                timeout_s=self.cfg.request_timeout_s,
-            )
-            return out if isinstance(out, list) else [out]
-
-        results = list(self._pool.map(run, range(len(self.engines))))
+        results: dict[tuple[int, int], GenerateResult] = {}
+        pending = [(p, s) for p in range(len(examples)) for s in range(n)]
+        while pending:
+            live = self.fleet.live()
+            if not live:
+                if self.recover is None:
+                    raise FleetError("no live engine to send the rollout to")
+                self.recover()
+                continue
+            # Whole groups go to one engine, round-robin over the live engines.
+            work: dict[int, list[tuple[int, int]]] = {}
+            for p, s in pending:
+                work.setdefault(p % len(live), []).append((p, s))
+            calls = {
+                self._pool.submit(self._call, live[k], step, items, prompts): (live[k], items)
+                for k, items in work.items()
+            }
+            pending = []
+            while calls:
+                done, _ = wait(list(calls), timeout=self.poll_s, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    slot, items = calls.pop(fut)
+                    try:
+                        results.update(zip(items, fut.result(), strict=True))
+                    except EngineRequestError:
+                        raise  # the engine refused the request itself: re-sending would not help
+                    except Exception as exc:  # noqa: BLE001 - a dead or unreachable engine
+                        self.fleet.report_failure(slot, exc)
+                        if slot.state == "live":
+                            raise
+                        pending += items
+                        self.fleet.num_reissued += len(items)
+                for fut, (slot, items) in list(calls.items()):
+                    if slot.state != "live":  # declared dead by the monitor while we waited
+                        del calls[fut]
+                        pending += items
+                        self.fleet.num_reissued += len(items)
         groups = [Group(example=e) for e in examples]
-        by_key: dict[tuple[int, int], GenerateResult] = {}
-        for items, res in zip(work, results, strict=True):
-            by_key.update(zip(items, res, strict=True))
         for p in range(len(examples)):
             for s in range(n):
-                r = by_key[(p, s)]
+                r = results[(p, s)]
                 groups[p].samples.append(
                     Sample(
                         prompt_ids=prompts[p],
@@ -126,8 +165,9 @@ class Rollout:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def rollout_stats(groups: Sequence[Group], seconds: float) -> dict[str, float]:
+def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | None = None) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
+    versions = [v for s in samples for v in s.weight_versions]
     lengths = [len(s.output_ids) for s in samples]
     rewards = [s.reward for s in samples if s.reward_error is None]
     zero_std = sum(1 for g in groups if len({s.reward for s in g.samples}) == 1)
@@ -143,10 +183,8 @@ def rollout_stats(groups: Sequence[Group], seconds: float) -> dict[str, float]:
         "rollout/reward_failed_share": sum(s.reward_error is not None for s in samples) / len(samples),
         "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else float("nan"),
         "rollout/num_samples": float(len(samples)),
+        # Tokens generated under other weights than the driver's current version (0 in synchronous runs).
+        "rollout/stale_token_share": (sum(v != version for v in versions) / len(versions))
+        if version is not None and versions
+        else 0.0,
     }
-
-
-def timed(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

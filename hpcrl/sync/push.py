@@ -120,6 +120,18 @@ class WeightSync:
             except Exception as exc:
                 raise WeightSyncError(f"engine {engine.url} could not join the weight group: {exc}") from exc
 
+    def reconnect(self, engines: Sequence[EngineClient]) -> None:
+        """Re-form the weight group over `engines` (after a restart: a group's membership is fixed)."""
+        if self.group is not None:
+            for e in self.engines:
+                try:
+                    e.destroy_weights_update_group(GROUP_NAME, timeout_s=5)
+                except Exception:  # noqa: BLE001 - the dead engine cannot answer
+                    pass
+            self.group = None
+        self.engines = list(engines)
+        self.connect()
+
     def push(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
         t0 = time.perf_counter()
         self._each(lambda e: e.pause_generation(self.cfg.pause_mode), what="pause_generation")

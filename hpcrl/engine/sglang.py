@@ -1,0 +1,45 @@
+"""The command line of a real SGLang server for one engine slot (sglang-contract.md, "Server CLI flags").
+
+hpcrl never imports sglang: it starts `python -m sglang.launch_server` as a process and drives it over
+HTTP with the same client as the embedded engine.
+"""
+
+from __future__ import annotations
+
+from hpcrl.engine.config import EngineConfig
+
+
+def sglang_command(
+    cfg: EngineConfig,
+    *,
+    python: str,
+    model_dir: str,
+    host: str,
+    port: int,
+    api_key: str,
+    seed: int,
+    weight_version: str,
+    base_gpu_id: int = 0,
+) -> list[str]:
+    cmd = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", model_dir,
+        "--host", host,
+        "--port", str(port),
+        "--api-key", api_key,
+        "--tp-size", str(cfg.tp_size),
+        "--random-seed", str(seed),
+        "--weight-version", weight_version,
+        "--base-gpu-id", str(base_gpu_id),
+        "--dtype", cfg.dtype,
+        "--max-running-requests", str(cfg.max_running_requests),
+        # hpcrl probes /health itself and pushes weights before the first rollout.
+        "--skip-server-warmup",
+    ]  # fmt: skip
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if cfg.deterministic:
+        cmd.append("--enable-deterministic-inference")
+    return cmd + list(cfg.sglang_args)

@@ -1,0 +1,137 @@
+"""Engine faults injected into real runs: SIGKILL, SIGSTOP, an engine that cannot start again."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcrl.store import load_events, load_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+# Untrained tiny models rarely stop early, so rollouts last long enough to be hit mid-flight.
+LONG = [
+    "sft.num_steps=0", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=200",
+    "engine.num_engines=2",
+]  # fmt: skip
+
+
+def start_run(workdir: Path, model_dir: Path, *overrides: str) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "quickstart.yaml"),
+        f"model.path={model_dir}", *LONG, *overrides, "--run-dir", "r",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(proc: subprocess.Popen[str], marker: str, lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return
+    raise AssertionError(f"never saw {marker!r}:\n{''.join(lines)}")
+
+
+def engine_pid(workdir: Path, index: int) -> int:
+    return int(json.loads((workdir / "r" / "engines" / f"engine-{index}.json").read_text())["pid"])
+
+
+def first_event(workdir: Path, kind: str) -> dict:
+    return next(e for e in load_events(workdir / "r" / "metrics.h5") if e["kind"] == kind)
+
+
+def test_sigkill_mid_rollout_is_detected_restarted_and_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    proc = start_run(tmp_path, tiny_model_dir, "num_steps=6")
+    lines: list[str] = []
+    read_until(proc, "step    2/6", lines)
+    time.sleep(0.3)  # into step 3's rollout (each takes ~0.7 s here)
+    killed_s = time.time()
+    os.kill(engine_pid(tmp_path, 1), signal.SIGKILL)
+    out = "".join(lines) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    dead = first_event(tmp_path, "engine_dead")
+    detected_s = dead["time_s"] - killed_s
+    print(f"SIGKILL -> engine_dead after {detected_s:.2f} s ({dead['detail']['cause'][:60]})")
+    assert detected_s <= 10
+    assert first_event(tmp_path, "engine_restarted")["detail"]["engine"] == 1
+    m = load_metrics(tmp_path / "r" / "metrics.h5")
+    assert list(m["step"]) == list(range(6))
+    assert (m["rollout/num_samples"] == 16).all()  # nothing lost, nothing duplicated
+    # Every token of every step came from the weights the driver had pushed for that step.
+    assert (m["rollout/stale_token_share"] == 0).all()
+    assert m["fleet/live_engines"][-1] == 2
+
+
+def test_sigstop_is_detected_as_hung(tmp_path: Path, tiny_model_dir: Path) -> None:
+    proc = start_run(tmp_path, tiny_model_dir, "num_steps=4")
+    lines: list[str] = []
+    read_until(proc, "step    1/4", lines)
+    stopped_s = time.time()
+    pid = engine_pid(tmp_path, 0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out
+    dead = first_event(tmp_path, "engine_dead")
+    detected_s = dead["time_s"] - stopped_s
+    print(f"SIGSTOP -> engine_dead after {detected_s:.2f} s ({dead['detail']['cause'][:60]})")
+    assert detected_s <= 30 and "hung" in dead["detail"]["cause"]
+    assert (load_metrics(tmp_path / "r" / "metrics.h5")["rollout/num_samples"] == 16).all()
+
+
+def test_engine_that_cannot_restart_stops_the_run_with_a_clear_message(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    proc = start_run(tmp_path, model, "num_steps=20", "engine.num_engines=1", "engine.max_restarts=2")
+    lines: list[str] = []
+    read_until(proc, "step    2/20", lines)
+    # The weights vanish from the shared filesystem: every restart of the engine fails to load.
+    (model / "model.safetensors").unlink()
+    killed_s = time.time()
+    os.kill(engine_pid(tmp_path, 0), signal.SIGKILL)
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    stopped_after_s = time.time() - killed_s
+    print(f"engine lost for good -> run stopped after {stopped_after_s:.1f} s")
+    assert proc.returncode != 0
+    assert stopped_after_s <= 60
+    assert "engine 0" in out and "gave up after 2 restart(s)" in out and "model.safetensors" in out
+    kinds = [e["kind"] for e in load_events(tmp_path / "r" / "metrics.h5")]
+    assert "engine_dead" in kinds and "engine_gave_up" in kinds
+    assert np.isfinite(load_metrics(tmp_path / "r" / "metrics.h5")["train/loss"]).all()
+
+
+def test_memory_release_is_verified(engine_factory) -> None:
+    from hpcrl.engine.client import EngineClient
+    from hpcrl.engine.config import EngineConfig
+    from hpcrl.engine.fleet import EngineFleet, FleetError
+
+    eng = engine_factory()
+    events: list[tuple[str, dict]] = []
+    fleet = EngineFleet(
+        EngineConfig(), [EngineClient(eng.url)], launcher=None, on_event=lambda k, d: events.append((k, d))
+    )
+    try:
+        freed = fleet.release_memory(["kv_cache", "weights"])["fleet/released_bytes"]
+        print(f"released {freed / 2**20:.1f} MiB")
+        assert freed > 0
+        # Releasing again frees nothing: exactly the silent failure the check exists for.
+        with pytest.raises(FleetError, match="freed nothing"):
+            fleet.release_memory(["kv_cache"])
+        fleet.resume_memory(["kv_cache", "weights"])
+    finally:
+        fleet.close()
