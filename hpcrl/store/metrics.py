@@ -454,8 +454,10 @@ def _open_hdf5_for_read(path: Path) -> h5py.File:
         try:
             return h5py.File(path, "r", swmr=True, locking=False)
         except OSError as error:
-            # The writer is briefly outside SWMR (adding a metric key or an event): wait for it.
-            if not _is_open_for_write(error) or time.monotonic() > deadline_s:
+            # The writer is briefly outside SWMR (adding a metric key or an event): wait for it. HDF5 says
+            # "already open for write", or "not already open for SWMR writing" when it caught the switch.
+            outside_swmr = _is_open_for_write(error) or "not already open for SWMR writing" in str(error)
+            if not outside_swmr or time.monotonic() > deadline_s:
                 raise StoreError(
                     f"cannot open {path} while it is being written ({error}); the writer has held it outside "
                     f"SWMR for over {_READ_RETRY_S} s or was killed there: retry, or wait for the run to resume"
