@@ -30,8 +30,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def tiny_args(vocab: int = 300, head_dim: int = 32) -> ModelArgs:
+def tiny_args(vocab: int = 300, head_dim: int = 32, *, llama: bool = False) -> ModelArgs:
     return ModelArgs(
+        qk_norm=not llama,
+        attention_bias=llama,  # Qwen2-style biases, with Llama's missing QK-norm: both branches of the kernels
         vocab_size=vocab,
         hidden_size=96,
         intermediate_size=160,
@@ -63,8 +65,8 @@ def test_uniform_kernel_has_the_reference_bits() -> None:
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("vocab", [99, 5000])
-def test_sample_kernel_matches_torch_sampler(vocab: int) -> None:
+@pytest.mark.parametrize("vocab,config", [(99, None), (5000, (1024, 4, 1)), (5000, (1024, 4, 4)), (5000, (512, 4, 8))])
+def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...] | None) -> None:
     torch.manual_seed(1)
     n = 16
     logits = (torch.randn(n, vocab, device=DEVICE) * 3).to(torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
@@ -85,7 +87,9 @@ def test_sample_kernel_matches_torch_sampler(vocab: int) -> None:
     tokens = torch.zeros(n, dtype=torch.int64, device=DEVICE)
     positions = torch.arange(n, dtype=torch.int64, device=DEVICE)
     steps_after = steps.clone()
-    kernels.sample_rows(logits, temperature, seeds, steps_after, tok, lp, tokens=tokens, positions=positions)
+    kernels.sample_rows(
+        logits, temperature, seeds, steps_after, tok, lp, tokens=tokens, positions=positions, config=config
+    )
     assert torch.equal(tok, ref.token_ids)
     assert torch.allclose(lp[:, 0], ref.logprobs, atol=1e-4, rtol=1e-4)
     assert torch.allclose(lp[:, 1], ref.scaled_logprobs, atol=1e-4, rtol=1e-4)
@@ -95,10 +99,11 @@ def test_sample_kernel_matches_torch_sampler(vocab: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_step_matches_forward_cached(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("llama", [False, True])
+def test_decode_step_matches_forward_cached(dtype: torch.dtype, llama: bool) -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
 
-    args = tiny_args()
+    args = tiny_args(llama=llama)
     model = random_model(args, dtype)
     slots, max_len = 6, 40
     cache = KVCache.allocate(args, slots, max_len, dtype, DEVICE)
@@ -130,7 +135,8 @@ def test_decode_step_matches_forward_cached(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_against_sdpa(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0)])
+def test_decode_attention_against_sdpa(dtype: torch.dtype, config: tuple[int, ...]) -> None:
     torch.manual_seed(3)
     n, h, kv, d, max_len = 5, 16, 8, 64, 200
     kc = torch.randn(n, kv, max_len, d, device=DEVICE).to(dtype)
@@ -138,7 +144,7 @@ def test_decode_attention_against_sdpa(dtype: torch.dtype) -> None:
     q = torch.randn(n, h, d, device=DEVICE).to(dtype)
     pos = torch.tensor([0, 63, 64, 150, 199], device=DEVICE)
     out = torch.empty_like(q)
-    kernels.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d))
+    kernels.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d), config=config)
     for b in range(n):
         L = int(pos[b]) + 1
         k = kc[b, :, :L].float().repeat_interleave(h // kv, 0)

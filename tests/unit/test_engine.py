@@ -170,16 +170,20 @@ def test_two_hundred_concurrent_requests_are_batched(shared_engine: EngineProces
 def test_pause_abort_returns_partial_outputs(engine_factory) -> None:
     eng = engine_factory()
     box: dict = {}
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "return_logprob": True}
+    # As long as the tiny model's context allows, and paused as soon as it runs: the request must not finish first.
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+        "return_logprob": True,
+    }
     t = threading.Thread(target=lambda: box.update(out=gen(eng.url, body).json()))
     t.start()
     wait_running(eng.url, 1)
-    time.sleep(0.2)
     assert post(eng.url, "/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
     t.join(30)
     meta = box["out"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
-    assert 0 < meta["completion_tokens"] < 900
+    assert 0 < meta["completion_tokens"] < 1000
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     post(eng.url, "/continue_generation")
 
@@ -189,11 +193,13 @@ def test_pause_retract_requeues_and_in_place_keeps_cache(engine_factory) -> None
     outputs: dict[str, list[int]] = {}
     for mode in ("retract", "in_place"):
         box: dict = {}
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 700, "ignore_eos": True, "sampling_seed": 3}}
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "sampling_seed": 3},
+        }
         t = threading.Thread(target=lambda b=body, x=box: x.update(out=gen(eng.url, b).json()))
         t.start()
         wait_running(eng.url, 1)
-        time.sleep(0.2)
         post(eng.url, "/pause_generation", {"mode": mode})
         state = info(eng.url)
         if mode == "retract":
@@ -207,7 +213,7 @@ def test_pause_retract_requeues_and_in_place_keeps_cache(engine_factory) -> None
         post(eng.url, "/continue_generation")
         t.join(60)
         out = box["out"]
-        assert len(out["output_ids"]) == 700 and out["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(out["output_ids"]) == 1000 and out["meta_info"]["finish_reason"]["type"] == "length"
         assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
         outputs[mode] = out["output_ids"]
     # Same weights, same seed: retracting and recomputing the cache changes nothing.
@@ -385,3 +391,60 @@ def test_health_generate_and_info(shared_engine: EngineProcess) -> None:
     server = httpx.get(shared_engine.url + "/server_info").json()
     assert server["engine"] == "hpcrl-embedded" and "api_key" not in server
     assert httpx.get(shared_engine.url + "/model_info").json()["is_generation"] is True
+
+
+@pytest.mark.parametrize("llama", [False, True])
+def test_cpu_decode_step_matches_forward_cached(llama: bool) -> None:
+    """The runner's fused-op CPU decode step computes forward_cached's logits and cache writes."""
+    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+
+    args = ModelArgs(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        qk_norm=not llama,
+        attention_bias=llama,
+    )
+    torch.manual_seed(0)
+    model = CausalLM(args).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    cpu = torch.device("cpu")
+    lengths = [5, 17, 1, 33, 9]
+    n = len(lengths)
+    caches = [KVCache.allocate(args, 6, 40, torch.float32, cpu) for _ in range(2)]
+    ids = torch.randint(3, 300, (n, max(lengths)))
+    zeros = torch.zeros(n, dtype=torch.long)
+    nxt = torch.randint(3, 300, (n,))
+    with torch.no_grad():
+        for cache in caches:
+            model.forward_cached(ids, cache, 0, zeros, torch.tensor(lengths) - 1, from_start=True)
+        ref = model.forward_cached(nxt[:, None], caches[0], 0, torch.tensor(lengths), zeros)
+        runner = DecodeRunner(model, caches[1], max_batch=6, device=cpu, mode="eager")
+        runner.write_rows(
+            [RowState(int(t), p, 0, 0, 1.0, -1, 1.0, 0.0) for t, p in zip(nxt.tolist(), lengths, strict=True)]
+        )
+        got = runner.torch_forward(n)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+    for b, length in enumerate(lengths):
+        for i in range(args.num_layers):
+            assert torch.allclose(caches[1].k[i][b, :, : length + 1], caches[0].k[i][b, :, : length + 1], atol=1e-6)
+            assert torch.allclose(caches[1].v[i][b, :, : length + 1], caches[0].v[i][b, :, : length + 1], atol=1e-6)
+
+
+def test_counter_uniform_numpy_path_has_the_torch_bits() -> None:
+    from hpcrl.engine.embedded import sampling as S
+
+    seeds = torch.tensor([0, 1, 2**40 + 7, 12345678901, 2**62 - 1])
+    steps = torch.tensor([0, 5, 1000, 3, 2**33 + 5])
+    s = S._mix32(S._mix32((seeds & S._MASK32) ^ 0x9E3779B9) ^ ((seeds >> 32) & S._MASK32))
+    s = S._mix32(s ^ (steps & S._MASK32))
+    x = S._mix32(S._mix32(s[:, None] ^ torch.arange(3000)[None, :]) ^ 0x85EBCA6B)
+    ref = ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    assert torch.equal(S.counter_uniform(seeds, steps, 3000), ref)

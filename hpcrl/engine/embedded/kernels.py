@@ -5,10 +5,11 @@ eight elementwise ops in fp32), an attention that expands the grouped K/V heads 
 runs ~40 passes over [B, V] int64/fp32 tensors. These kernels fuse each of those into one launch:
 
 - `add_rmsnorm`: residual add + RMSNorm (transformers' op order: normalise in fp32, cast, scale);
-- `qk_norm_rope_store`: per-head QK-norm + RoPE for q (in place) and k, and the K/V cache write;
+- `qk_norm_rope_store`: per-head QK-norm + RoPE for q (in place) and k, and the K/V cache write,
+  reading one fused QKV projection;
 - `decode_attention`: one query token per row against its own cache length (GQA heads share one
   K/V read, and no row reads past its length, so CUDA graphs need no attention-length buckets);
-- `silu_mul`: the SwiGLU product;
+- `silu_mul`: the SwiGLU product of one fused gate/up projection;
 - `sample_rows`: Gumbel-max sampling with the same counter-based noise as `sampling.counter_uniform`
   (a pure function of seed, token index and vocab id), plus the log-probs at temperature 1 and at
   the row's temperature, in one pass over the logits, without materialising noise.
@@ -19,6 +20,8 @@ is False and the engine runs the eager model.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -31,6 +34,19 @@ except ImportError:  # CPU-only installs have no Triton; the engine then decodes
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
     AVAILABLE = False
+
+
+def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """Launch parameters, overridable as HPCRL_ENGINE_<NAME>="a,b,c" (the GPU microbenchmark picks them)."""
+    raw = os.environ.get(f"HPCRL_ENGINE_{name}", "")
+    return tuple(int(x) for x in raw.split(",")) if raw else default
+
+
+# decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps, splits).
+# Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
+# spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
+ATTN_CONFIG = _config("ATTN_CONFIG", (64, 8, 3, 1))
+SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
 
 def _next_pow2(n: int) -> int:
@@ -85,9 +101,7 @@ if AVAILABLE:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(
-        Q,
-        K,
-        V,
+        QKV,
         QW,
         KW,
         Cos,
@@ -96,50 +110,60 @@ if AVAILABLE:
         KC,
         VC,
         eps,
+        stride_row,
         stride_cb,
         stride_ch,
         stride_cn,
         max_len,
         H: tl.constexpr,
         KVH: tl.constexpr,
+        HP: tl.constexpr,
+        KP: tl.constexpr,
         D: tl.constexpr,
         HAS_NORM: tl.constexpr,
     ):
+        # One program per row: its q heads (rewritten in place), k heads and v heads (to the cache).
         b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
         HALF: tl.constexpr = D // 2
         d = tl.arange(0, D)
-        dr = (d + HALF) % D  # rotate_half's partner lane
-        sign = tl.where(d < HALF, -1.0, 1.0)
-        cos = tl.load(Cos + b * D + d).to(tl.float32)
-        sin = tl.load(Sin + b * D + d).to(tl.float32)
-        is_q = h < H
-        if is_q:
-            base = Q + b * (H * D) + h * D
-            wp = QW
-        else:
-            base = K + b * (KVH * D) + (h - H) * D
-            wp = KW
-        x = tl.load(base + d).to(tl.float32)
-        xr = tl.load(base + dr).to(tl.float32)
-        dt = Q.dtype.element_ty
+        dr = (d + HALF) % D
+        sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
+        cos = tl.load(Cos + b * D + d).to(tl.float32)[None, :]
+        sin = tl.load(Sin + b * D + d).to(tl.float32)[None, :]
+        row = QKV + b * stride_row
+        dt = QKV.dtype.element_ty
+        hq = tl.arange(0, HP)[:, None]
+        mq = (hq < H) & (d[None, :] < D)
+        x = tl.load(row + hq * D + d[None, :], mask=mq, other=0.0).to(tl.float32)
+        xr = tl.load(row + hq * D + dr[None, :], mask=mq, other=0.0).to(tl.float32)
         if HAS_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            x = (tl.load(wp + d).to(tl.float32) * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            xr = (tl.load(wp + dr).to(tl.float32) * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+            w = tl.load(QW + d).to(tl.float32)[None, :]
+            wr = tl.load(QW + dr).to(tl.float32)[None, :]
+            x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         # apply_rope in the model dtype: x*cos and rotate_half(x)*sin are each rounded, then summed.
         out = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
-        if is_q:
-            tl.store(base + d, out)
-        else:
-            kvh = (h - H).to(tl.int64)
-            pos = tl.load(Pos + b)
-            # A finished row's extra look-ahead step may sit at max_len: it must not write out of bounds.
-            ok = d < tl.where(pos < max_len, D, 0)
-            off = b * stride_cb + kvh * stride_ch + pos * stride_cn + d
-            tl.store(KC + off, out.to(KC.dtype.element_ty), mask=ok)
-            vv = tl.load(V + b * (KVH * D) + kvh * D + d)
-            tl.store(VC + off, vv.to(VC.dtype.element_ty), mask=ok)
+        tl.store(row + hq * D + d[None, :], out, mask=mq)
+        hk = tl.arange(0, KP)[:, None]
+        mk = (hk < KVH) & (d[None, :] < D)
+        kb = row + H * D
+        x = tl.load(kb + hk * D + d[None, :], mask=mk, other=0.0).to(tl.float32)
+        xr = tl.load(kb + hk * D + dr[None, :], mask=mk, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+            w = tl.load(KW + d).to(tl.float32)[None, :]
+            wr = tl.load(KW + dr).to(tl.float32)[None, :]
+            x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        out = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
+        pos = tl.load(Pos + b)
+        # A finished row's extra look-ahead step may sit at max_len: it must not write out of bounds.
+        mc = (hk < tl.where(pos < max_len, KVH, 0)) & (d[None, :] < D)
+        off = b * stride_cb + hk.to(tl.int64) * stride_ch + pos * stride_cn + d[None, :]
+        tl.store(KC + off, out.to(KC.dtype.element_ty), mask=mc)
+        vv = tl.load(row + (H + KVH) * D + hk * D + d[None, :], mask=mc, other=0.0)
+        tl.store(VC + off, vv.to(VC.dtype.element_ty), mask=mc)
 
     @triton.jit
     def _decode_attention_kernel(
@@ -149,6 +173,7 @@ if AVAILABLE:
         Out,
         Pos,
         sm_scale,
+        stride_qb,
         stride_cb,
         stride_ch,
         stride_cn,
@@ -158,8 +183,10 @@ if AVAILABLE:
         BLOCK_H: tl.constexpr,
         D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        USE_DOT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
+        # One program per (row, kv head): the GROUP query heads that share it read its K/V once.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         length = tl.minimum(tl.load(Pos + b) + 1, max_len)
@@ -167,7 +194,9 @@ if AVAILABLE:
         hmask = offs_h < GROUP
         offs_d = tl.arange(0, D)
         heads = kvh * GROUP + offs_h
-        q = tl.load(Q + b * (H * D) + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        if not USE_DOT:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -177,20 +206,28 @@ if AVAILABLE:
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < length
             k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if USE_DOT:
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
             else:
-                s = tl.dot(q, tl.trans(k))
+                # GROUP is small (2 for Qwen3-0.6B): CUDA-core dot products, no 16-row padding.
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(nmask[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            if USE_DOT:
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(
@@ -200,50 +237,55 @@ if AVAILABLE:
         )
 
     @triton.jit
-    def _silu_mul_kernel(G, U, Out, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Out, n, inter, BLOCK: tl.constexpr):
+        # GU [rows, 2*inter] = [gate | up] (one GEMM); Out [rows, inter] = silu(gate) * up.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
-        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+        r = offs // inter
+        c = offs % inter
+        g = tl.load(GU + r * (2 * inter) + c, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + r * (2 * inter) + inter + c, mask=m, other=0.0).to(tl.float32)
         dt = Out.dtype.element_ty
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(Out + offs, (s * u).to(dt), mask=m)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Out + offs, (sg * u).to(dt), mask=m)
 
     @triton.jit
-    def _sample_kernel(
+    def _sample_partial_kernel(
         Logits,
         stride_row,
         V,
+        chunk,
         Temp,
         Seeds,
         Steps,
-        OutTok,
-        OutLp,
-        Tokens,
-        Positions,
-        UPDATE: tl.constexpr,
+        Part,
+        PartI,
+        NSPLIT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        # Program (row, split) scans logits[row, split*chunk : (split+1)*chunk]. Per lane it keeps a
+        # running max / sum-exp for log-softmax at T=1 and at T and an arg-max of the Gumbel-perturbed
+        # scores; lanes are reduced once at the end, and splits by _sample_combine_kernel.
         row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
         t = tl.load(Temp + row)
         greedy = t <= 0.0
         tt = tl.where(greedy, 1.0, t)
-        step = tl.load(Steps + row)
-        key = _row_key(tl.load(Seeds + row), step)
+        key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
         base = Logits + row * stride_row
         lanes = tl.arange(0, BLOCK)
         neg = float("-inf")
-        # Per-lane running max / sum-exp for log-softmax at T=1 and at T, and a per-lane arg-max;
-        # lanes are combined once at the end (one reduction instead of one per block).
         m1 = tl.full([BLOCK], neg, tl.float32)
         s1 = tl.zeros([BLOCK], tl.float32)
         m2 = tl.full([BLOCK], neg, tl.float32)
         s2 = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], neg, tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, V)
+        for start in range(lo, hi, BLOCK):
             offs = start + lanes
-            msk = offs < V
+            msk = offs < hi
             x = tl.load(base + offs, mask=msk, other=neg).to(tl.float32)
             n1 = tl.maximum(m1, x)
             n1s = tl.where(n1 == neg, 0.0, n1)
@@ -262,12 +304,57 @@ if AVAILABLE:
             best = tl.where(better, score, best)
             best_i = tl.where(better, offs, best_i)
         mx1 = tl.max(m1, axis=0)
+        sum1 = tl.sum(s1 * tl.exp(m1 - tl.where(mx1 == neg, 0.0, mx1)), axis=0)
+        mx2 = tl.max(m2, axis=0)
+        sum2 = tl.sum(s2 * tl.exp(m2 - tl.where(mx2 == neg, 0.0, mx2)), axis=0)
+        top = tl.max(best, axis=0)
+        idx = tl.min(tl.where(best == top, best_i, V), axis=0)
+        out = Part + (row * NSPLIT + split) * 5
+        tl.store(out, mx1)
+        tl.store(out + 1, sum1)
+        tl.store(out + 2, mx2)
+        tl.store(out + 3, sum2)
+        tl.store(out + 4, top)
+        tl.store(PartI + row * NSPLIT + split, idx)
+
+    @triton.jit
+    def _sample_combine_kernel(
+        Logits,
+        stride_row,
+        V,
+        Temp,
+        Steps,
+        Part,
+        PartI,
+        OutTok,
+        OutLp,
+        Tokens,
+        Positions,
+        NSPLIT: tl.constexpr,
+        SP: tl.constexpr,
+        UPDATE: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        neg = float("-inf")
+        k = tl.arange(0, SP)
+        km = k < NSPLIT
+        part = Part + (row * NSPLIT + k) * 5
+        m1 = tl.load(part, mask=km, other=neg)
+        s1 = tl.load(part + 1, mask=km, other=0.0)
+        m2 = tl.load(part + 2, mask=km, other=neg)
+        s2 = tl.load(part + 3, mask=km, other=0.0)
+        top = tl.load(part + 4, mask=km, other=neg)
+        ids = tl.load(PartI + row * NSPLIT + k, mask=km, other=V)
+        mx1 = tl.max(m1, axis=0)
         lse1 = mx1 + tl.log(tl.sum(s1 * tl.exp(m1 - mx1), axis=0))
         mx2 = tl.max(m2, axis=0)
         lse2 = mx2 + tl.log(tl.sum(s2 * tl.exp(m2 - mx2), axis=0))
-        top = tl.max(best, axis=0)
-        idx = tl.min(tl.where(best == top, best_i, V), axis=0)
-        xc = tl.load(base + idx).to(tl.float32)
+        best = tl.max(top, axis=0)
+        idx = tl.min(tl.where(top == best, ids, V), axis=0)  # the first maximum over the whole row
+        t = tl.load(Temp + row)
+        greedy = t <= 0.0
+        tt = tl.where(greedy, 1.0, t)
+        xc = tl.load(Logits + row * stride_row + idx).to(tl.float32)
         lp = xc - lse1
         slp = tl.where(greedy, lp, xc / tt - lse2)
         tl.store(OutTok + row, idx.to(tl.int64))
@@ -277,7 +364,7 @@ if AVAILABLE:
             # Advance the row's decode state on the device: the next step needs no host round trip.
             tl.store(Tokens + row, idx.to(tl.int64))
             tl.store(Positions + row, tl.load(Positions + row) + 1)
-            tl.store(Steps + row, step + 1)
+            tl.store(Steps + row, tl.load(Steps + row) + 1)
 
     @triton.jit
     def _uniform_kernel(Seeds, Steps, Out, V, BLOCK: tl.constexpr):
@@ -307,9 +394,7 @@ def add_rmsnorm(
 
 
 def qk_norm_rope_store(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    qkv: torch.Tensor,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     cos: torch.Tensor,
@@ -322,30 +407,32 @@ def qk_norm_rope_store(
     num_kv_heads: int,
     head_dim: int,
 ) -> None:
-    """q [n, H*D] gets QK-norm + RoPE in place; k/v [n, KVH*D] go to cache row b at positions[b]."""
-    n = q.shape[0]
+    """qkv [n, (H + 2*KVH) * D] (one GEMM's output): q gets QK-norm + RoPE in place; k (normed, roped)
+    and v go to cache row b at positions[b]."""
+    n = qkv.shape[0]
     has_norm = q_norm is not None
-    _qk_norm_rope_store_kernel[(n, num_heads + num_kv_heads)](
-        q,
-        k,
-        v,
-        q_norm if has_norm else q,
-        k_norm if has_norm else k,
+    _qk_norm_rope_store_kernel[(n,)](
+        qkv,
+        q_norm if has_norm else qkv,
+        k_norm if has_norm else qkv,
         cos,
         sin,
         positions,
         k_cache,
         v_cache,
         eps,
+        qkv.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
         H=num_heads,
         KVH=num_kv_heads,
+        HP=_next_pow2(num_heads),
+        KP=_next_pow2(num_kv_heads),
         D=head_dim,
         HAS_NORM=has_norm,
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=4,
     )
 
 
@@ -359,10 +446,16 @@ def decode_attention(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    config: tuple[int, ...] | None = None,
 ) -> None:
-    """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1."""
+    """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1.
+
+    q: rows of H*D values with any row stride (a view of the fused QKV output); out: [n, H*D] contiguous.
+    config: (BLOCK_N, num_warps, num_stages, use_dot).
+    """
     n = q.shape[0]
     group = num_heads // num_kv_heads
+    block_n, warps, stages, use_dot = (config or ATTN_CONFIG) + (1,) * (4 - len(config or ATTN_CONFIG))
     _decode_attention_kernel[(n, num_kv_heads)](
         q,
         k_cache,
@@ -370,25 +463,29 @@ def decode_attention(
         out,
         positions,
         scale,
+        q.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
         H=num_heads,
         GROUP=group,
-        BLOCK_H=max(16, _next_pow2(group)),  # tl.dot needs M >= 16: grouped heads padded to 16 rows
+        # tl.dot needs M >= 16: with it the grouped heads are padded to 16 rows.
+        BLOCK_H=max(16, _next_pow2(group)) if use_dot else _next_pow2(group),
         D=head_dim,
-        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_N=block_n if head_dim <= 128 else min(block_n, 32),
+        USE_DOT=bool(use_dot),
         IEEE=q.dtype == torch.float32,
-        num_warps=4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> None:
-    n = g.numel()
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+    n = out.numel()
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4)
 
 
 def sample_rows(
@@ -400,29 +497,52 @@ def sample_rows(
     out_lp: torch.Tensor,
     tokens: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> None:
     """Gumbel-max sample of each row of logits [n, V] (no top-k/top-p/min-p).
 
     Writes out_tok [n] and out_lp [n, 2] (log-prob at T=1, log-prob under softmax(logits/T)). With
     tokens/positions given, also sets tokens[b] = chosen and advances positions[b] and steps[b].
+    config: (BLOCK, num_warps, max splits of each row's vocabulary across programs).
     """
     n, vocab = logits.shape
     update = tokens is not None
-    block = min(2048, _next_pow2(vocab))
-    _sample_kernel[(n,)](
+    block, warps, max_split = (tuple(config or SAMPLE_CONFIG) + (4,))[:3]
+    block = min(block, _next_pow2(vocab))
+    nsplit = max(1, min(max_split, triton.cdiv(vocab, block)))
+    chunk = triton.cdiv(triton.cdiv(vocab, nsplit), block) * block
+    part = torch.empty(n, nsplit, 5, dtype=torch.float32, device=logits.device)
+    part_i = torch.empty(n, nsplit, dtype=torch.int32, device=logits.device)
+    _sample_partial_kernel[(n, nsplit)](
+        logits,
+        logits.stride(0),
+        vocab,
+        chunk,
+        temperature,
+        seeds,
+        steps,
+        part,
+        part_i,
+        NSPLIT=nsplit,
+        BLOCK=block,
+        num_warps=warps if block >= 1024 else 4,
+    )
+    _sample_combine_kernel[(n,)](
         logits,
         logits.stride(0),
         vocab,
         temperature,
-        seeds,
         steps,
+        part,
+        part_i,
         out_tok,
         out_lp,
         tokens if update else out_tok,
         positions if update else out_tok,
+        NSPLIT=nsplit,
+        SP=_next_pow2(nsplit),
         UPDATE=update,
-        BLOCK=block,
-        num_warps=8 if block >= 1024 else 4,
+        num_warps=1,
     )
 
 

@@ -6,7 +6,7 @@ them in place, so consecutive steps need nothing from the host: the scheduler re
 only when the set of running sequences changes, and reads each step's tokens back asynchronously.
 
 Three ways to run the step, picked once per engine (`mode`):
-- "eager": the model's own `forward_cached` and `sampling.sample` (CPU, and CUDA without Triton);
+- "eager": plain torch ops (`torch_forward`) and `sampling.sample` (CPU, and CUDA without Triton);
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default).
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
@@ -141,23 +141,52 @@ class DecodeRunner:
         self.min_p = torch.zeros(max_batch, dtype=torch.float32, **z)
         self.out_tok = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.out_lp = torch.zeros(max_batch, 2, dtype=torch.float32, **z)
-        self._zeros = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.buckets = batch_buckets(max_batch)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._torch_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._unit_temperature = False
+        # Per layer: the fused [q; k; v] weight (and bias) and [gate; up] weight that the model's
+        # parameters are views of (see _fuse_weights).
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
+        # Pinned host buffers that steps copy their tokens into, reused round-robin: at most two
+        # steps are unread at a time (look-ahead), and allocating pinned memory per step is slow.
+        self._ring = 4
+        self._ring_i = 0
+        self._host_tok = torch.zeros(self._ring, max_batch, dtype=torch.int64, pin_memory=self.is_cuda)
+        self._host_lp = torch.zeros(self._ring, max_batch, 2, dtype=torch.float32, pin_memory=self.is_cuda)
         self.stats: dict[str, float] = {"steps": 0, "forward_ms": 0.0, "sample_ms": 0.0, "graph_captures": 0}
 
     # ----- state -----
     def set_cache(self, cache: KVCache | None) -> None:
         self.cache = cache
         self._rope = None
+        self._torch_rope = None
         self.reset_graphs()
 
     def reset_graphs(self) -> None:
-        """Forget captured graphs: they hold raw addresses of the cache and the weights."""
+        """Forget captured graphs (they hold raw addresses of the cache and the weights) and the
+        fused weights (re-made from the parameters on the next fused step)."""
         self._graphs.clear()
         self._pool = None
+        self._fused = None
+
+    def _fuse_weights(self) -> None:
+        """Make each layer's q/k/v (and gate/up) weights views of one tensor, so one GEMM computes them.
+
+        The parameters keep their names and shapes, and weight updates that copy into them (every
+        update path does) write into the fused tensors, so captured graphs stay valid. Releasing
+        the weights replaces the parameters' storage; reset_graphs then drops these tensors too.
+        """
+        fused = []
+        for layer in self.model.model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            qkv_w = _fuse([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+            qkv_b = _fuse([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]) if at.q_proj.bias is not None else None
+            gate_up = _fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
+            fused.append((qkv_w, qkv_b, gate_up))
+        self._fused = fused
 
     def write_rows(self, rows: Sequence[RowState]) -> None:
         """Rewrite slots 0..len(rows)-1 from the host; padding slots get harmless values."""
@@ -174,6 +203,7 @@ class DecodeRunner:
         put(self.top_k, [r.top_k for r in rows], -1)
         put(self.top_p, [r.top_p for r in rows], 1.0)
         put(self.min_p, [r.min_p for r in rows], 0.0)
+        self._unit_temperature = all(r.temperature == 1.0 and not r.filtered for r in rows)
 
     # ----- decode -----
     def decode(self, n: int, *, torch_sampler: bool, want_support: bool) -> StepHandle:
@@ -186,7 +216,17 @@ class DecodeRunner:
         support_lp = support_mask = None
         fast = self.fast_sampler and not torch_sampler and self._fast_sample(logits, n)
         if not fast:
-            out = sample(logits, self._params(n), want_support=want_support)
+            out = sample(logits, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature)
+            if not self.is_cuda:
+                # Synchronous: hand the outputs over as they are and advance the slot state.
+                self.tokens[:n].copy_(out.token_ids)
+                self.positions[:n] += 1
+                self.steps[:n] += 1
+                if timing is not None:
+                    self._mark(timing, 2)
+                    self._record_timing(timing)
+                lp = torch.stack([out.logprobs, out.scaled_logprobs], 1)
+                return StepHandle(out.token_ids, lp, None, out.support_logprobs, out.support_mask)
             self.out_tok[:n].copy_(out.token_ids)
             self.out_lp[:n, 0].copy_(out.logprobs)
             self.out_lp[:n, 1].copy_(out.scaled_logprobs)
@@ -224,8 +264,9 @@ class DecodeRunner:
                 self._record_timing(timing)
             # Clones: a look-ahead step may overwrite the buffers before this one is read.
             return StepHandle(self.out_tok[:n].clone(), self.out_lp[:n].clone(), None, support_lp, support_mask)
-        tok = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        lp = torch.empty(n, 2, dtype=torch.float32, pin_memory=True)
+        slot = self._ring_i
+        self._ring_i = (slot + 1) % self._ring
+        tok, lp = self._host_tok[slot, :n], self._host_lp[slot, :n]
         tok.copy_(self.out_tok[:n], non_blocking=True)
         lp.copy_(self.out_lp[:n], non_blocking=True)
         event = torch.cuda.Event()
@@ -260,9 +301,7 @@ class DecodeRunner:
                 log.exception("the fused decode kernels failed; decoding with the eager model from now on")
                 self.mode = "eager"
                 self.fast_sampler = False
-        assert self.cache is not None
-        ids = self.tokens[:n, None]
-        return self.model.forward_cached(ids, self.cache, 0, self.positions[:n], self._zeros[:n])
+        return self.torch_forward(n)
 
     def _bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -277,6 +316,8 @@ class DecodeRunner:
         t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._fused is None:
+            self._fuse_weights()  # never inside a capture: it allocates and re-points parameters
         # Warm-up outside capture (Triton compiles, cuBLAS picks kernels). The step only writes the
         # K/V of each row's current token at its current position, so running it again is harmless.
         side = torch.cuda.Stream()
@@ -286,7 +327,8 @@ class DecodeRunner:
                 self.fast_forward(nb)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the HTTP and weight-receiving threads may touch CUDA while this thread captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.fast_forward(nb)
         self._graphs[nb] = (graph, logits)
         self.stats["graph_captures"] += 1
@@ -301,6 +343,9 @@ class DecodeRunner:
         if self._rope is None:
             pos = torch.arange(cache.max_len, device=self.device)
             self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, cache.k[0].dtype)
+        if self._fused is None:
+            self._fuse_weights()
+        assert self._fused is not None
         pos = self.positions[:n]
         idx = pos.clamp(max=cache.max_len - 1)
         cos, sin = self._rope[0][idx], self._rope[1][idx]
@@ -308,43 +353,93 @@ class DecodeRunner:
         resid = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
         h = torch.empty_like(resid)
         kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
-        h_, kv_, d_ = a.num_heads, a.num_kv_heads, a.head_dim
-        scale = 1.0 / math.sqrt(d_)
+        nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        scale = 1.0 / math.sqrt(hd)
+        act = torch.empty(n, a.intermediate_size, dtype=h.dtype, device=h.device)
         for i, layer in enumerate(layers):
             at = layer.self_attn
-            q = F.linear(h, at.q_proj.weight, at.q_proj.bias)
-            k = F.linear(h, at.k_proj.weight, at.k_proj.bias)
-            v = F.linear(h, at.v_proj.weight, at.v_proj.bias)
-            qn = at.q_norm if a.qk_norm else None
-            kn = at.k_norm if a.qk_norm else None
+            qkv_w, qkv_b, gate_up_w = self._fused[i]
+            qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
             kernels.qk_norm_rope_store(
-                q,
-                k,
-                v,
-                qn.weight if qn is not None else None,
-                kn.weight if kn is not None else None,
+                qkv,
+                at.q_norm.weight if a.qk_norm else None,
+                at.k_norm.weight if a.qk_norm else None,
                 cos,
                 sin,
                 pos,
                 cache.k[i],
                 cache.v[i],
-                qn.eps if qn is not None else 0.0,
-                h_,
-                kv_,
-                d_,
+                at.q_norm.eps if a.qk_norm else 0.0,
+                nh,
+                nkv,
+                hd,
             )
-            o = torch.empty_like(q)
-            kernels.decode_attention(q, cache.k[i], cache.v[i], pos, o, h_, kv_, d_, scale)
+            o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
+            kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
             o = F.linear(o, at.o_proj.weight)
             post = layer.post_attention_layernorm
             kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
-            g = F.linear(h, layer.mlp.gate_proj.weight)
-            u = F.linear(h, layer.mlp.up_proj.weight)
-            kernels.silu_mul(g, u, g)
-            d = F.linear(g, layer.mlp.down_proj.weight)
+            kernels.silu_mul(F.linear(h, gate_up_w), act)
+            d = F.linear(act, layer.mlp.down_proj.weight)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
         return model.logits(h)
+
+    def torch_forward(self, n: int) -> torch.Tensor:
+        """Logits [n, V] of the tokens in slots 0..n-1 with plain torch ops (the CPU decode step).
+
+        The math of `forward_cached` for one token per row, in about a third of its ops (each op's
+        fixed cost is what a small model's CPU step is made of): fused QKV and gate/up GEMMs, one
+        RMSNorm op, q and k heads normalised and rotated together, and grouped-query attention as two
+        batched matmuls over the cache without expanding K/V heads.
+        """
+        model, cache = self.model, self.cache
+        assert cache is not None
+        a = model.args
+        if self._fused is None:
+            self._fuse_weights()
+        assert self._fused is not None
+        if self._torch_rope is None:
+            cos, sin = rope_cos_sin(
+                torch.arange(cache.max_len, device=self.device), a.head_dim, a.rope_theta, cache.k[0].dtype
+            )
+            half = a.head_dim // 2
+            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
+            # rotate_half(x) = roll(x, D/2) * sign: the sign goes into the sin table.
+            self._torch_rope = (cos, sin * sign)
+        nh, nkv, hd, inter = a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size
+        pos = self.positions[:n]
+        length = min(int(pos.max()) + 1, cache.max_len)
+        cos, sin = self._torch_rope[0][pos][:, None], self._torch_rope[1][pos][:, None]  # [n, 1, D]
+        key_pos = torch.arange(length, device=self.device)
+        bias = torch.zeros(n, 1, 1, length, dtype=cos.dtype, device=self.device)
+        bias.masked_fill_(key_pos > pos[:, None, None, None], float("-inf"))
+        rows = torch.arange(n, device=self.device)
+        scale = 1.0 / math.sqrt(hd)
+        layers = model.model.layers
+        x = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
+        for i, layer in enumerate(layers):
+            at, norm = layer.self_attn, layer.input_layernorm
+            qkv_w, qkv_b, gate_up_w = self._fused[i]
+            qkv = F.linear(F.rms_norm(x, (a.hidden_size,), norm.weight, norm.eps), qkv_w, qkv_b)
+            qk = qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)
+            if a.qk_norm:
+                qk = F.rms_norm(qk, (hd,), eps=at.q_norm.eps)
+                qk[:, :nh] *= at.q_norm.weight
+                qk[:, nh:] *= at.k_norm.weight
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
+            kc, vc = cache.k[i], cache.v[i]
+            kc[rows, :, pos] = qk[:, nh:]
+            vc[rows, :, pos] = qkv[:, (nh + nkv) * hd :].view(n, nkv, hd)
+            q = qk[:, :nh].view(n, nkv, nh // nkv, hd)
+            scores = torch.add(bias, torch.matmul(q, kc[:n, :, :length].transpose(-1, -2)), alpha=scale)
+            o = torch.matmul(torch.softmax(scores, -1), vc[:n, :, :length])  # [n, kv, group, D]
+            x = x + F.linear(o.reshape(n, nh * hd), at.o_proj.weight)
+            post = layer.post_attention_layernorm
+            gate_up = F.linear(F.rms_norm(x, (a.hidden_size,), post.weight, post.eps), gate_up_w)
+            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight)
+        final = model.model.norm
+        return model.logits(F.rms_norm(x, (a.hidden_size,), final.weight, final.eps))
 
     # ----- prefill sampling -----
     def sample_prefill(
@@ -365,7 +460,8 @@ class DecodeRunner:
                 seeds=seeds,
                 steps=steps,
             )
-            out = sample(logits, params, want_support=want_support)
+            unit = all(r.temperature == 1.0 and not r.filtered for r in rows)
+            out = sample(logits, params, want_support=want_support, unit_temperature=unit)
             return StepOutput(
                 tokens=out.token_ids.tolist(),
                 logprobs=out.logprobs.tolist(),
@@ -407,3 +503,14 @@ class DecodeRunner:
         self.stats["steps"] += 1
         self.stats["forward_ms"] += fwd
         self.stats["sample_ms"] += smp
+
+
+def _fuse(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor holding the params stacked on dim 0; each param becomes a view of its rows."""
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    offset = 0
+    for p in params:
+        rows = p.shape[0]
+        p.data = fused[offset : offset + rows]
+        offset += rows
+    return fused

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -33,11 +34,32 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _np_mix32(x: np.ndarray) -> np.ndarray:
+    # _mix32 on uint32 arrays, whose multiplies wrap mod 2**32 by definition: the same bits, in a
+    # few single-threaded numpy passes instead of ~20 torch int64 ops.
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def _np_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> np.ndarray:
+    seed = seeds.numpy().astype(np.int64)
+    lo = (seed & _MASK32).astype(np.uint32)
+    hi = ((seed >> 32) & _MASK32).astype(np.uint32)
+    s = _np_mix32(_np_mix32(lo ^ np.uint32(0x9E3779B9)) ^ hi)
+    s = _np_mix32(s ^ (steps.numpy().astype(np.int64) & _MASK32).astype(np.uint32))
+    ids = np.arange(vocab_size, dtype=np.uint32)
+    x = _np_mix32(_np_mix32(s[:, None] ^ ids[None, :]) ^ np.uint32(0x85EBCA6B))
+    return ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) / np.float32(1 << 24)
+
+
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniforms in (0, 1), [B, V] float32, a pure function of (seed, step, vocab id).
 
     On CUDA one fused kernel computes the same bits (the int64 ops below are ~20 passes over [B, V],
-    milliseconds at a 151,936-token vocabulary); on the CPU the vocabularies hpcrl tests with are small.
+    milliseconds at a 151,936-token vocabulary); on the CPU numpy's wrapping uint32 arithmetic does.
     """
     device = seeds.device
     if device.type == "cuda":
@@ -45,6 +67,8 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
 
         if kernels.AVAILABLE:
             return kernels.counter_uniform(seeds.contiguous(), steps.contiguous(), vocab_size)
+    if device.type == "cpu":
+        return torch.from_numpy(_np_uniform(seeds, steps, vocab_size))
     lo = seeds & _MASK32
     hi = (seeds >> 32) & _MASK32
     s = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)
@@ -53,6 +77,19 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     x = _mix32(_mix32(s[:, None] ^ ids[None, :]) ^ 0x85EBCA6B)
     # 24 bits are exact in float32, and the +0.5 keeps u strictly inside (0, 1).
     return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """-log(-log(u)) for counter_uniform's u, [B, V] float32.
+
+    Every sampling path takes its noise from here, so a row's noise never depends on which path its
+    batch took. On the CPU numpy computes it: torch's threaded log on small tensors cost milliseconds
+    a step on a busy two-core machine.
+    """
+    if seeds.device.type == "cpu":
+        u = _np_uniform(seeds, steps, vocab_size)
+        return torch.from_numpy(-np.log(-np.log(u)))
+    return -torch.log(-torch.log(counter_uniform(seeds, steps, vocab_size)))
 
 
 @dataclass
@@ -98,14 +135,21 @@ def support_mask(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
     return mask
 
 
-def sample(logits: torch.Tensor, p: RowParams, *, want_support: bool) -> SampleOutput:
+def sample(logits: torch.Tensor, p: RowParams, *, want_support: bool, unit_temperature: bool = False) -> SampleOutput:
+    """Sample one token per row. `unit_temperature` is the caller's promise that every row has
+    temperature 1 and no top-k/top-p/min-p (the usual RL setting): the same tokens, fewer ops."""
     logits = logits.float()
     logprobs_t1 = torch.log_softmax(logits, dim=-1)
+    gumbel = gumbel_noise(p.seeds, p.steps, logits.shape[-1])
+    if unit_temperature and not want_support:
+        # logits / 1 == logits exactly, so this is the general path's arithmetic for such rows.
+        chosen = (logits + gumbel).argmax(-1)
+        lp = logprobs_t1.gather(-1, chosen[:, None])[:, 0]
+        return SampleOutput(token_ids=chosen, logprobs=lp, scaled_logprobs=lp, support_logprobs=None, support_mask=None)
     greedy = p.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
     scaled = logits / temp[:, None]
     mask = support_mask(scaled, p) if p.needs_filter else None
-    gumbel = -torch.log(-torch.log(counter_uniform(p.seeds, p.steps, logits.shape[-1])))
     noisy = scaled + gumbel
     if mask is not None:
         noisy = noisy.masked_fill(~mask, float("-inf"))
