@@ -11,6 +11,10 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from hpcrl.guard.cli import add_guard_commands
+from hpcrl.slurm.cli import add_slurm_commands
+from hpcrl.store.report_cli import add_report_commands
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -34,6 +38,7 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         enable_weights_cpu_backup=ns.enable_weights_cpu_backup,
         group_timeout_s=ns.group_timeout_s,
         num_threads=ns.num_threads,
+        ignore_sigterm=ns.ignore_sigterm,
     )
     if ns.parent_pid:
         _exit_with_parent(ns.parent_pid)
@@ -53,7 +58,7 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
             try:
                 os.kill(parent_pid, 0)
             except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)  # SIGINT: also when the engine ignores SIGTERM
                 time.sleep(10)
                 os._exit(1)
             time.sleep(poll_s)
@@ -164,6 +169,11 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-timeout-s", type=float, default=300.0, help="bound on weight-group rendezvous")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launchers)")
+    p.add_argument(
+        "--ignore-sigterm",
+        action="store_true",
+        help="keep serving on SIGTERM (Slurm TERMs all steps at once; stop with SIGINT)",
+    )
     p.set_defaults(func=_engine_serve)
 
 
@@ -197,9 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_role(sub)
     _add_engine(sub)
     _add_model(sub)
-    from hpcrl.guard.cli import add_guard_commands
-
     add_guard_commands(sub)
+    add_slurm_commands(sub)
+    add_report_commands(sub)
     return parser
 
 

@@ -77,6 +77,7 @@ class LocalEngines:
         bind_host: str = "127.0.0.1",
         advertise_host: str = "127.0.0.1",
         incarnation: Incarnation = Incarnation(),
+        ignore_sigterm: bool = False,
     ) -> None:
         self.cfg = cfg
         self.model_dir = str(model_dir)
@@ -87,6 +88,7 @@ class LocalEngines:
         self.bind_host = bind_host
         self.advertise_host = advertise_host
         self.incarnation = incarnation
+        self.ignore_sigterm = ignore_sigterm
         self.engines: list[LocalEngine] = []
         # For fault-injection tests: extra environment of the engine processes.
         self.extra_env: dict[str, str] = {}
@@ -140,6 +142,8 @@ class LocalEngines:
                 cmd.append("--deterministic")
             if self.cfg.onpolicy_logprobs:
                 cmd.append("--onpolicy-logprobs")
+            if self.ignore_sigterm:
+                cmd.append("--ignore-sigterm")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -196,7 +200,8 @@ class LocalEngines:
     def stop(self) -> None:
         for eng in self.engines:
             if eng.proc.poll() is None:
-                os.killpg(eng.proc.pid, signal.SIGTERM)
+                # SIGINT: an aiohttp server shuts down on it, also when it was told to ignore SIGTERM.
+                os.killpg(eng.proc.pid, signal.SIGINT)
         for eng in self.engines:
             try:
                 eng.proc.wait(timeout=10)

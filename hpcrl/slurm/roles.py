@@ -64,19 +64,29 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, on_signal)
+    # TERM (requeue, preemption) reaches every step at once; the driver then still needs the engines to
+    # finish its step and checkpoint. So after a TERM the engines serve on until the done marker, for at
+    # most term_grace_s; Slurm's KILL after its grace time ends everything regardless.
+    term_grace_s = 120.0
     if count == 0:
         print(f"node {env.node_name}: no engine slots for this node (num_engines={cfg.engine.num_engines})", flush=True)
         return 0
     host = socket.gethostbyname(env.node_name)
     engines = LocalEngines(
         cfg.engine, cfg.model.path, run_dir, seed=cfg.seed, first_index=first, count=count,
-        bind_host=host, advertise_host=host, incarnation=incarnation,
+        bind_host=host, advertise_host=host, incarnation=incarnation, ignore_sigterm=True,
     )  # fmt: skip
     engines.start()
     print(f"node {env.node_name}: engines {first}..{first + count - 1} ready at {host}", flush=True)
     marker = done_marker(run_dir, incarnation)
     try:
-        while not marker.exists() and not stop["signal"]:
+        signalled_at: float | None = None
+        while not marker.exists():
+            if stop["signal"] and signalled_at is None:
+                signalled_at = time.monotonic()
+                print(f"node {env.node_name}: signal {stop['signal']}; serving until the driver is done", flush=True)
+            if signalled_at is not None and time.monotonic() - signalled_at > term_grace_s:
+                break
             dead = engines.exited()
             if dead:
                 print(f"node {env.node_name}: engine(s) {dead} exited; see run_dir/logs/", file=sys.stderr, flush=True)

@@ -136,9 +136,15 @@ def spawn_followers(run_dir: Path, world_size: int, master_port: int) -> list[su
 
 def follow(run_dir: Path) -> int:
     """Entry point of ranks 1..N-1: build the trainer from run_dir/config.yaml and obey rank 0."""
+    import signal
+
     from hpcrl.run_config import load_run_config
     from hpcrl.store.checkpoint import checkpoint_path, load_checkpoint
 
+    # Slurm signals every task on preemption; rank 0 alone decides when to stop (it checkpoints first
+    # and then sends STOP), so a follower must not die of TERM/USR2 in the middle of a collective.
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     cfg = load_run_config(run_dir / "config.yaml")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(cfg.train.device)

@@ -54,6 +54,7 @@ class ServerConfig:
     enable_weights_cpu_backup: bool = False
     group_timeout_s: float = 300.0
     num_threads: int | None = None
+    ignore_sigterm: bool = False
     # Decode tuning; None takes HPCRL_ENGINE_DECODE (auto|eager|triton|graph), HPCRL_ENGINE_OVERLAP
     # (0|1) and HPCRL_ENGINE_PROFILE (0|1) from the environment, so benchmarks and tests can switch
     # them without new CLI flags.
@@ -585,4 +586,13 @@ def serve(cfg: ServerConfig) -> None:
         cfg.host,
         cfg.port,
     )
-    web.run_app(engine.app(), host=cfg.host, port=cfg.port, print=None, access_log=None, handle_signals=True)
+    if cfg.ignore_sigterm:
+        # Started by `hpcrl role engines`: Slurm TERMs every step of a job at once on requeue or
+        # preemption, but the driver still needs this engine to finish its step and checkpoint; the role
+        # stops it (SIGINT) when the driver is done, and Slurm's KILL ends it in any case.
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    web.run_app(
+        engine.app(), host=cfg.host, port=cfg.port, print=None, access_log=None, handle_signals=not cfg.ignore_sigterm
+    )

@@ -1,0 +1,145 @@
+"""The Slurm commands of the hpcrl CLI: submit, sbatch, doctor.
+
+hpcrl submit experiments/quickstart.yaml [key=value ...] [--run-dir DIR]
+hpcrl sbatch experiments/quickstart.yaml -o sbatch/quickstart.sbatch [--run-dir DIR] [--dry-run]
+hpcrl doctor [--run-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def default_run_dir(config: str) -> str:
+    # The same default as `hpcrl run`, so that a run moves between local and Slurm unchanged.
+    return str(Path("runs") / Path(config).stem)
+
+
+def sbatch_command_line(config: str, overrides: Sequence[str], output: str | None, run_dir: str | None) -> list[str]:
+    """The argv that regenerates a script (its header shows it; the drift test runs it)."""
+    argv = ["hpcrl", "sbatch", config, *overrides]
+    if output:
+        argv += ["-o", output]
+    if run_dir:
+        argv += ["--run-dir", run_dir]
+    return argv
+
+
+def render_sbatch(config: str, overrides: Sequence[str], output: str | None, run_dir: str | None) -> str:
+    """The text `hpcrl sbatch` writes for these arguments."""
+    from hpcrl.run_config import load_run_config
+    from hpcrl.slurm.render import render_script
+
+    cfg = load_run_config(config, list(overrides))
+    return render_script(
+        cfg,
+        run_dir or default_run_dir(config),
+        command_line=sbatch_command_line(config, overrides, output, run_dir),
+        script_path=output,
+    )
+
+
+def _sbatch(ns: argparse.Namespace) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = render_sbatch(ns.config, ns.overrides, ns.output, ns.run_dir)
+    for note in caught:
+        print(f"hpcrl sbatch: warning: {note.message}", file=sys.stderr)
+    # bash -n: the rendered shell parses (quoting bugs show here, on a laptop, not in the queue).
+    check = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RuntimeError(f"the rendered script does not parse (a bug in hpcrl, please report): {check.stderr}")
+    if ns.dry_run or not ns.output:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if ns.dry_run:
+            print(f"hpcrl sbatch: dry run: the script is valid ({len(text.splitlines())} lines)", file=sys.stderr)
+        return 0
+    out = Path(ns.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(out)
+    print(f"wrote {out}; submit it with: sbatch {out}")
+    return 0
+
+
+def _submit(ns: argparse.Namespace) -> int:
+    from hpcrl.run_config import load_run_config
+    from hpcrl.slurm.render import check_placement
+
+    cfg = load_run_config(ns.config, ns.overrides)
+    for note in check_placement(cfg):
+        print(f"hpcrl submit: warning: {note}", file=sys.stderr)
+    try:
+        from hpcrl.slurm.executor import submit_run
+    except ImportError as exc:
+        raise RuntimeError(f"hpcrl submit needs submitit ({exc}); install it: pip install 'hpcrl[slurm]'") from exc
+    run_dir = Path(ns.run_dir or default_run_dir(ns.config)).absolute()
+    job = submit_run(cfg, run_dir)
+    layout = (
+        f"{cfg.slurm.trainer.nodes} node(s), engines and trainer colocated"
+        if cfg.slurm.colocate
+        else f"{cfg.slurm.engines.nodes} engine node(s) + {cfg.slurm.trainer.nodes} trainer node(s)"
+    )
+    print(f"hpcrl submit: job {job.job_id} ({cfg.name}: {layout})")
+    print(f"  run dir:   {run_dir}")
+    print(f"  job log:   {job.paths.stdout} (batch shell and every step; appended to on requeue)")
+    print(f"  role logs: {run_dir / 'logs'}")
+    print(f"  script:    {job.paths.submission_file}")
+    print(f"  watch:     squeue -j {job.job_id}; sacct -j {job.job_id}   cancel: scancel {job.job_id}")
+    return 0
+
+
+def _doctor(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.doctor import run_doctor
+
+    return run_doctor(Path(ns.run_dir))
+
+
+def add_slurm_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `submit`, `sbatch` and `doctor` on the hpcrl CLI."""
+    p = sub.add_parser(
+        "submit",
+        help="submit the run as one Slurm job (het group 0: engines, 1: trainer) through submitit",
+        description="Submit the run as one Slurm job: the slurm section sizes het group 0 (engines) and het group "
+        "1 (trainer ranks), or one component with slurm.colocate=true. Writes RUN_DIR/config.yaml, submits with "
+        "submitit (logs in RUN_DIR/slurm/) and prints the job id. The job requeues itself when preempted and resumes.",
+        epilog="example: hpcrl submit experiments/quickstart.yaml slurm.partition=gpu slurm.time_limit=04:00:00",
+    )
+    _add_config_args(p)
+    p.set_defaults(func=_submit)
+
+    p = sub.add_parser(
+        "sbatch",
+        help="write the run's standalone Slurm batch script (plain sbatch runs it; no hpcrl needed to submit)",
+        description="Render the run's batch script: #SBATCH components, the resolved config (written to "
+        "RUN_DIR/config.yaml when the job starts, unless the run dir has one) and the srun steps of the roles.",
+        epilog="example: hpcrl sbatch experiments/quickstart.yaml -o sbatch/quickstart.sbatch && "
+        "sbatch sbatch/quickstart.sbatch",
+    )
+    _add_config_args(p)
+    p.add_argument("-o", "--output", default=None, help="script to write (default: print it)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the script; write nothing")
+    p.set_defaults(func=_sbatch)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check what this machine has for hpcrl: Slurm, MPI, GPUs/NVML, sglang, megatron-core, a writable run dir",
+        description="Check the commands and packages hpcrl can use and print what is missing with the fix. Exits 0 "
+        "when a local run (hpcrl run) can work; Slurm, MPI, GPUs, sglang and megatron-core are optional.",
+    )
+    p.add_argument("--run-dir", default="runs", help="directory runs will be written to (default: runs)")
+    p.set_defaults(func=_doctor)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config (see experiments/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. slurm.trainer.nodes=2 num_steps=10")
+    p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<config name>)")

@@ -1,0 +1,352 @@
+"""The run's Slurm job as text: `#SBATCH` components and the batch shell that starts the roles.
+
+    hpcrl sbatch experiments/quickstart.yaml -o sbatch/quickstart.sbatch   # standalone script (render_script)
+    hpcrl submit experiments/quickstart.yaml                               # same body through submitit
+
+One body serves both: the batch shell starts `hpcrl role engines` (het group 0, one task per node, in
+the background) and `hpcrl role trainer` (het group 1, one task per rank), forwards USR2/TERM to the
+trainer step (Slurm's `--signal=B:` reaches the batch shell only), waits for the trainer, then stops
+the engines. Every config value is quoted for the parser that reads it: sbatch's own rules in
+`#SBATCH` lines, shlex.quote in the shell, a quoted heredoc for the config.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import warnings
+from collections.abc import Mapping, Sequence
+
+from hpcrl.config import ConfigError, dump_yaml
+from hpcrl.run_config import RunConfig
+from hpcrl.slurm.config import SlurmGroupConfig, normalize_sbatch_options
+
+SbatchValue = str | int | bool
+"""An `#SBATCH` option value; True renders a flag without a value."""
+
+# Exported in every step, always: NVLink multicast (NVLS) is not to be used on the project's GPU machines,
+# so NCCL, torch symmetric memory and NVSHMEM must not try it.
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+ENGINES_STOP_WAIT_S = 30
+"""After the trainer step ends, how long the engines get to see their DONE file before a TERM."""
+
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_BARE_DIRECTIVE_RE = re.compile(r"^[A-Za-z0-9_.,:@%/+=-]+$")
+_CONFIG_EOF = "HPCRL_CONFIG_EOF"
+
+
+# --------------------------------------------------------------------------------------------------
+# Placement checks
+
+
+def check_placement(cfg: RunConfig) -> list[str]:
+    """Raise ConfigError when the slurm section cannot run this config; return warnings to show."""
+    slurm, notes = cfg.slurm, []
+    trainer = slurm.trainer
+    engine_nodes = trainer.nodes if slurm.colocate else slurm.engines.nodes
+    engine_gpus = trainer.gpus_per_node if slurm.colocate else slurm.engines.gpus_per_node
+    num_engines = cfg.engine.num_engines
+    if cfg.engine.device.startswith("cuda"):
+        if not engine_gpus:
+            where = "slurm.trainer.gpus_per_task" if slurm.colocate else "slurm.engines.gpus_per_node"
+            raise ConfigError(f"engine.device={cfg.engine.device} but the engine nodes get no GPU; set {where}")
+        if engine_gpus % slurm.engines.gpus_per_engine:
+            raise ConfigError(
+                f"slurm: the engine nodes have {engine_gpus} GPUs, not a multiple of "
+                f"engines.gpus_per_engine={slurm.engines.gpus_per_engine}; change one of them"
+            )
+        slots = engine_nodes * (engine_gpus // slurm.engines.gpus_per_engine)
+        if num_engines != slots:
+            raise ConfigError(
+                f"engine.num_engines={num_engines} but the slurm section gives {engine_nodes} engine node(s) x "
+                f"{engine_gpus} GPUs / {slurm.engines.gpus_per_engine} GPUs per engine = {slots} engine slots; "
+                f"set engine.num_engines={slots} or change slurm.engines"
+            )
+    else:
+        if num_engines % engine_nodes:
+            raise ConfigError(
+                f"engine.num_engines={num_engines} does not split evenly over {engine_nodes} engine node(s); "
+                "make it a multiple of the node count"
+            )
+        if not slurm.colocate and engine_gpus:
+            notes.append(f"slurm gives each engine node {engine_gpus} GPUs but engine.device={cfg.engine.device}")
+    if trainer.gpus_per_task == 0 and cfg.train.device.startswith("cuda"):
+        raise ConfigError(
+            f"train.device={cfg.train.device} but slurm.trainer.gpus_per_task=0: the ranks would get no GPU; "
+            "set slurm.trainer.gpus_per_task"
+        )
+    if cfg.train.num_ranks not in (1, trainer.num_ranks):
+        notes.append(
+            f"train.num_ranks={cfg.train.num_ranks} has no effect under Slurm: the trainer has "
+            f"slurm.trainer.nodes x tasks_per_node = {trainer.num_ranks} rank(s)"
+        )
+    ignored = slurm.ignored_engine_fields()
+    if ignored:
+        notes.append(f"slurm.colocate is true, so {', '.join(ignored)} have no effect (the trainer group sizes it)")
+    return notes
+
+
+# --------------------------------------------------------------------------------------------------
+# #SBATCH directives
+
+
+def job_components(cfg: RunConfig) -> list[dict[str, SbatchValue]]:
+    """The sbatch options of each het component: [engines, trainer], or [one] when colocated."""
+    slurm = cfg.slurm
+    job: dict[str, SbatchValue] = {"job-name": slurm.job_name or cfg.name}
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(slurm, key)
+        if value is not None:
+            job[key] = value
+    job["time"] = slurm.time_limit
+    job["signal"] = f"B:USR2@{slurm.signal_delay_s}"
+    job["requeue" if slurm.requeue else "no-requeue"] = True
+    # A requeued job appends to the log instead of truncating the earlier attempts' lines.
+    job["open-mode"] = "append"
+    job.update(_flags(normalize_sbatch_options(slurm.extra_sbatch, "slurm.extra_sbatch")))
+    trainer = slurm.trainer
+    trainer_opts = _group_options(trainer, tasks_per_node=trainer.tasks_per_node, gpus_per_node=trainer.gpus_per_node)
+    if slurm.colocate:
+        return [job | trainer_opts]
+    engines = slurm.engines
+    engine_opts = _group_options(engines, tasks_per_node=1, gpus_per_node=engines.gpus_per_node)
+    return [job | engine_opts, trainer_opts]
+
+
+def _group_options(group: SlurmGroupConfig, *, tasks_per_node: int, gpus_per_node: int) -> dict[str, SbatchValue]:
+    opts: dict[str, SbatchValue] = {
+        "nodes": group.nodes,
+        "ntasks-per-node": tasks_per_node,
+        "cpus-per-task": group.cpus_per_task,
+    }
+    if gpus_per_node:
+        opts["gpus-per-node"] = gpus_per_node
+    if group.mem_gb is not None:
+        opts["mem"] = f"{int(group.mem_gb)}G" if float(group.mem_gb).is_integer() else f"{round(group.mem_gb * 1024)}M"
+    opts.update(_flags(normalize_sbatch_options(group.extra_sbatch, "extra_sbatch")))
+    return opts
+
+
+def _flags(options: Mapping[str, str]) -> dict[str, SbatchValue]:
+    # '' in extra_sbatch means a flag without a value (`exclusive: ''` -> --exclusive).
+    return {key: (value if value != "" else True) for key, value in options.items()}
+
+
+def directive_value(value: str) -> str:
+    """`value` written so that sbatch's `#SBATCH` parser reads it back as one argument, unchanged.
+
+    sbatch (src/sbatch/opt.c `_get_argument`) treats a backslash as an escape everywhere, ' and " as
+    grouping quotes and an unquoted # as a comment; a directive ends at the newline, so control
+    characters (newlines) cannot be carried and become spaces: a name with newlines stays one name.
+    """
+    value = _CONTROL_RE.sub(" ", value)
+    if _BARE_DIRECTIVE_RE.match(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def directive(key: str, value: SbatchValue) -> str:
+    if value is True:
+        return f"#SBATCH --{key}"
+    return f"#SBATCH --{key}={directive_value(str(value))}"
+
+
+def directive_lines(components: Sequence[Mapping[str, SbatchValue]]) -> list[str]:
+    """`#SBATCH` lines of all components, `#SBATCH hetjob` between them."""
+    lines: list[str] = []
+    for index, options in enumerate(components):
+        if index:
+            lines.append("#SBATCH hetjob")
+        lines += [directive(key, value) for key, value in options.items() if value is not False]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch shell
+
+
+def batch_body(
+    cfg: RunConfig,
+    run_dir: str,
+    *,
+    config_text: str | None = None,
+    python: str | None = None,
+    role_command: str | None = None,
+) -> list[str]:
+    """The batch shell's lines after the directives.
+
+    config_text: embedded in a quoted heredoc and written to RUN_DIR/config.yaml when absent (standalone
+    scripts); None when the submitter wrote it. python: the interpreter (None: slurm.python, else a
+    lookup at run time). role_command: a shell command that replaces `python -m hpcrl.cli role` (tests).
+    """
+    slurm, q = cfg.slurm, shlex.quote
+    if _CONTROL_RE.search(run_dir):
+        # sbatch drops a het script's empty lines and rejects \r\n: such a path would not survive.
+        raise ConfigError(f"run dir {run_dir!r} contains control characters (a newline?); choose a plain path")
+    lines = ["# ---- hpcrl: environment of every step"]
+    lines += [f"RUN_DIR={q(run_dir)}"]
+    lines += _python_lines(python if python is not None else slurm.python)
+    lines += [f"export {name}={q(value)}" for name, value in (NVLS_OFF | dict(slurm.env)).items()]
+    if slurm.setup:
+        lines += ["# slurm.setup (shell code from the config)", *slurm.setup]
+    lines += [
+        'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/engines" || { echo "hpcrl: cannot create $RUN_DIR" >&2; exit 1; }',
+    ]
+    if config_text is not None:
+        lines += _config_heredoc(config_text)
+    if role_command is None:
+        lines += [
+            "# Fail here, readably, when the nodes' Python cannot import hpcrl (not in every rank's log).",
+            '"$HPCRL_PYTHON" -c "import hpcrl" || { echo "hpcrl: $HPCRL_PYTHON cannot import hpcrl; activate the '
+            'venv before sbatch or set slurm.python" >&2; exit 1; }',
+        ]
+        role = '"$HPCRL_PYTHON" -m hpcrl.cli role'
+    else:
+        role = role_command
+    engines_cpus = slurm.engines.cpus_per_task
+    trainer_cpus = slurm.trainer.cpus_per_task
+    if slurm.colocate:
+        # One component: both steps on the same nodes; --overlap lets the trainer step share the CPUs,
+        # memory and GPUs that the engines step holds (steps do not share them by default).
+        # --ntasks too: srun would otherwise take the job's SLURM_NTASKS (all ranks) and ignore the per-node 1.
+        nodes = slurm.trainer.nodes
+        engines_srun = f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --cpus-per-task={engines_cpus}"
+        trainer_srun = f"srun --overlap --cpus-per-task={trainer_cpus}"
+    else:
+        engines_srun = f"srun --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus}"
+        trainer_srun = f"srun --het-group=1 --cpus-per-task={trainer_cpus}"
+    restart = "${SLURM_RESTART_COUNT:-0}"
+    lines += [
+        'echo "hpcrl: job $SLURM_JOB_ID restart ' + restart + ' on $(hostname): run dir $RUN_DIR"',
+        "",
+        "# ---- signals: Slurm's --signal=B:USR2 reaches this shell only; the trainer step must get it. Bash runs",
+        "# a trap only when the foreground command returns, so the steps run in the background and we wait.",
+        "hpcrl_signal=''",
+        "hpcrl_trainer_pid=''",
+        "hpcrl_forward() {",
+        "  hpcrl_signal=$1",
+        '  echo "hpcrl: got SIG$1, forwarding it to the trainer step"',
+        '  if [ -n "$hpcrl_trainer_pid" ]; then kill -s "$1" "$hpcrl_trainer_pid" 2>/dev/null; fi',
+        "}",
+        "trap 'hpcrl_forward USR2' USR2",
+        "trap 'hpcrl_forward TERM' TERM",
+        "hpcrl_wait() {  # pid: its exit status, waiting through the trap interruptions",
+        "  local rc",
+        "  while :; do",
+        '    wait "$1"; rc=$?',
+        "    # > 128: either a trapped signal interrupted wait (the step still runs) or the step's own status",
+        '    if [ "$rc" -gt 128 ] && kill -0 "$1" 2>/dev/null; then continue; fi',
+        '    if [ "$rc" -gt 128 ]; then wait "$1" 2>/dev/null; local again=$?; [ "$again" -ne 127 ] && rc=$again; fi',
+        '    return "$rc"',
+        "  done",
+        "}",
+        "",
+        "# ---- the roles",
+        f'OMP_NUM_THREADS={engines_cpus} {engines_srun} {role} engines --run-dir "$RUN_DIR" &',
+        "hpcrl_engines_pid=$!",
+        f'OMP_NUM_THREADS={trainer_cpus} {trainer_srun} {role} trainer --run-dir "$RUN_DIR" &',
+        "hpcrl_trainer_pid=$!",
+        "# A signal that came before the trainer step existed is delivered now.",
+        'if [ -n "$hpcrl_signal" ]; then kill -s "$hpcrl_signal" "$hpcrl_trainer_pid" 2>/dev/null; fi',
+        'hpcrl_wait "$hpcrl_trainer_pid"; hpcrl_rc=$?',
+        'echo "hpcrl: trainer step ended with status $hpcrl_rc"',
+        "",
+        "# ---- stop the engines: they exit on their DONE file (written here too, for a trainer that crashed)",
+        f': > "$RUN_DIR/engines/DONE-$SLURM_JOB_ID-{restart}"',
+        f'for _ in $(seq {ENGINES_STOP_WAIT_S}); do kill -0 "$hpcrl_engines_pid" 2>/dev/null || break; sleep 1; done',
+        'kill -s TERM "$hpcrl_engines_pid" 2>/dev/null',
+        'hpcrl_wait "$hpcrl_engines_pid"',
+    ]
+    if slurm.requeue:
+        lines += [
+            "# A trainer killed by the USR2 before its handler was installed wrote no checkpoint; requeue anyway:",
+            "# the requeued job resumes from the last one.",
+            'if [ "$hpcrl_signal" = USR2 ] && [ "$hpcrl_rc" -ne 0 ]; then',
+            '  echo "hpcrl: the trainer did not survive the USR2; requeueing job $SLURM_JOB_ID"',
+            '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+            "fi",
+        ]
+    lines += [
+        'if [ "$hpcrl_rc" -ne 0 ]; then exit "$hpcrl_rc"; fi',
+        "# Preempted (the trainer checkpointed and requeued the job): nothing more to run in this attempt.",
+        'if [ -n "$hpcrl_signal" ]; then exit 0; fi',
+    ]
+    return lines
+
+
+def _python_lines(python: str) -> list[str]:
+    q = shlex.quote
+    if python.endswith("/activate"):
+        return [f"source {q(python)} || exit 1", "HPCRL_PYTHON=python"]
+    if python:
+        # The venv's bin on PATH too, for anything the roles start by name.
+        return [f"HPCRL_PYTHON={q(python)}", 'PATH="$(dirname "$HPCRL_PYTHON"):$PATH"']
+    return [
+        "# slurm.python is empty: the venv active at submission (sbatch exports the environment), else ./.venv",
+        'if [ -n "${VIRTUAL_ENV:-}" ]; then HPCRL_PYTHON="$VIRTUAL_ENV/bin/python"',
+        "elif [ -x .venv/bin/python ]; then HPCRL_PYTHON=.venv/bin/python",
+        "else HPCRL_PYTHON=python3; fi",
+        'PATH="$(dirname "$HPCRL_PYTHON"):$PATH"',
+    ]
+
+
+def _config_heredoc(config_text: str) -> list[str]:
+    # Every line gets a leading '|' (sed strips it): sbatch drops the empty lines of a het job's script,
+    # which would change multi-line strings in the YAML; and no config line can then end the heredoc.
+    # The quoted delimiter keeps the shell from expanding anything in the config.
+    lines = [f"|{line}" for line in config_text.rstrip("\n").split("\n")]
+    return [
+        "# ---- the run's config ('|' + each line): written when the run dir has none (a requeued job keeps it)",
+        'hpcrl_config_tmp="$RUN_DIR/config.yaml.$SLURM_JOB_ID.tmp"',
+        f"sed 's/^|//' > \"$hpcrl_config_tmp\" <<'{_CONFIG_EOF}' || exit 1",
+        *lines,
+        _CONFIG_EOF,
+        'if [ -e "$RUN_DIR/config.yaml" ]; then',
+        '  cmp -s "$hpcrl_config_tmp" "$RUN_DIR/config.yaml" || echo "hpcrl: $RUN_DIR/config.yaml differs from this '
+        "script's config; resuming with the run dir's (delete it, or use another run dir, to use this one)\" >&2",
+        '  rm -f "$hpcrl_config_tmp"',
+        'else mv -f "$hpcrl_config_tmp" "$RUN_DIR/config.yaml" || exit 1',
+        "fi",
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The standalone script
+
+
+def render_script(
+    cfg: RunConfig,
+    run_dir: str,
+    *,
+    command_line: Sequence[str] = (),
+    script_path: str | None = None,
+    role_command: str | None = None,
+) -> str:
+    """A batch script that plain `sbatch` runs: directives, the config, the body. No pickle, no hpcrl at submit.
+
+    command_line: the `hpcrl sbatch ...` argv that regenerates it; script_path: where it will live (both
+    only shown in the header).
+    """
+    for note in check_placement(cfg):
+        warnings.warn(note, stacklevel=2)
+    layout = (
+        "one component: engines and trainer share its nodes"
+        if cfg.slurm.colocate
+        else "het group 0 = engines, het group 1 = trainer"
+    )
+    header = ["#!/bin/bash", _comment(f"hpcrl job of run '{cfg.name}' ({layout}).")]
+    if command_line:
+        header += [_comment("Generated by: " + shlex.join(command_line)), "# Do not edit: regenerate."]
+    header += [
+        "# Submit it from the directory that relative paths start at (the repository root):",
+        _comment(f"  sbatch {shlex.quote(script_path or 'SCRIPT')}"),
+        _comment(f"Job log: slurm-<jobid>.out there; role logs: {run_dir}/logs/"),
+    ]
+    body = batch_body(cfg, run_dir, config_text=dump_yaml(cfg), role_command=role_command)
+    return "\n".join([*header, *directive_lines(job_components(cfg)), "", *body]) + "\n"
+
+
+def _comment(text: str) -> str:
+    # A newline in a path or override would end the comment and make the rest shell code.
+    return "# " + _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
