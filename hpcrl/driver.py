@@ -29,7 +29,7 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
             with timer.phase("reward"):
                 s.rewards.score(groups)
             with timer.phase("train"):
-                train = s.train_metrics(s.trainer.train_grpo(s.batch(groups)))
+                train = s.train(groups)
             with timer.phase("sync"):
                 sync = s.push_weights(str(step + 1))
             metrics = s.step_metrics(groups, timer.seconds["rollout"]) | train | sync | s.guard.metrics()

@@ -44,6 +44,8 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup, init_trainer_group, spawn_followers
 from hpcrl.trainer.torch_backend import TorchTrainer
 
+OFFLOAD_TAGS = ["kv_cache", "weights"]
+
 
 class RunError(RuntimeError):
     """A run cannot go on; the message says why and what to do."""
@@ -328,11 +330,17 @@ class RunSession:
         assert self.sync is not None and self.trainer is not None
         # The version the engines served until now: what this step's rollout was generated with.
         self.rollout_version, self.weight_version = self.weight_version, version
+        offloaded = self.cfg.engine.offload_during_train and self.fleet.weights_released
+        if offloaded:
+            self.fleet.resume_memory(["weights"])  # contents are stale until the push below rewrites them
         for attempt in (0, 1):
             if self.fleet.heal() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
-                return self.sync.push(self.trainer.trainer.named_weights(), version)
+                pushed = self.sync.push(self.trainer.trainer.named_weights(), version)
+                if offloaded:
+                    self.fleet.resume_memory(["kv_cache"])
+                return pushed
             except WeightSyncError:
                 if attempt:
                     raise
@@ -342,6 +350,12 @@ class RunSession:
     # ----- per step -----
     def batch(self, groups: list[Group]) -> TrainBatch:
         return batch_from_groups(groups, normalize_std=self.cfg.train.normalize_advantage_std)
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """One trainer step on the groups; colocated engines lend their memory meanwhile."""
+        assert self.trainer is not None
+        released = self.fleet.release_memory(OFFLOAD_TAGS) if self.cfg.engine.offload_during_train else {}
+        return self.train_metrics(self.trainer.train_grpo(self.batch(groups))) | released
 
     def train_metrics(self, m: dict[str, float]) -> dict[str, float]:
         out = {f"train/{k}": v for k, v in m.items() if k not in ("forward_s",)}

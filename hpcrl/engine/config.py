@@ -37,6 +37,9 @@ class EngineConfig:
     """sglang: --enable-memory-saver, needed for release/resume_memory_occupation (colocated runs)."""
     sglang_args: list[str] = field(default_factory=list)
     """sglang: further flags passed as they are, e.g. ["--attention-backend", "fa3"]."""
+    offload_during_train: bool = False
+    """Colocated runs: engines release their KV cache and weights while the trainer trains (and get them
+    back before the weight push), each release checked to have freed memory."""
     max_restarts: int = 2
     """Restarts per engine; after that the engine is given up, and with none left the run stops."""
 
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.kind == "embedded" and (self.tp_size != 1 or self.sglang_args or self.enable_memory_saver):
             raise ValueError("tp_size, sglang_args and enable_memory_saver apply to kind: sglang only")
+        if self.offload_during_train and self.kind == "sglang" and not self.enable_memory_saver:
+            raise ValueError("offload_during_train with kind: sglang needs enable_memory_saver: true")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 < self.health_timeout_s <= self.hung_after_s:

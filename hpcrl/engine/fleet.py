@@ -55,6 +55,7 @@ class EngineFleet:
         self._stop = threading.Event()
         self.num_reissued = 0
         self.num_errors = 0
+        self.weights_released = False
         self._thread = threading.Thread(target=self._monitor, name="hpcrl-fleet", daemon=True)
         self._thread.start()
 
@@ -130,6 +131,15 @@ class EngineFleet:
         if self._process_exit(slot) is not None or type(exc).__name__ == "EngineUnreachableError":
             self.mark_dead(slot, f"request failed: {type(exc).__name__}: {exc}")
 
+    def abort_all(self) -> None:
+        """Abort every request on every live engine, each addressed directly: routers have not forwarded
+        /abort_request (THUDM/slime PR #2340)."""
+        for slot in self.live():
+            try:
+                slot.client.abort_request(abort_all=True, timeout_s=self.cfg.health_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the probe will classify that engine
+                self.report_failure(slot, exc)
+
     # ----- colocated memory -----
     def release_memory(self, tags: list[str]) -> dict[str, float]:
         """Release `tags` on every live engine, one tag at a time, and check that each freed memory.
@@ -155,11 +165,14 @@ class EngineFleet:
                         "memory-saver support for this model, or run disaggregated"
                     )
                 freed_total += freed or 0.0
+        self.weights_released = self.weights_released or "weights" in tags
         return {"fleet/released_bytes": freed_total}
 
     def resume_memory(self, tags: list[str]) -> None:
         for slot in self.live():
             slot.client.resume_memory_occupation(tags)
+        if "weights" in tags:
+            self.weights_released = False
 
     # ----- recovery -----
     def heal(self) -> list[EngineSlot]:

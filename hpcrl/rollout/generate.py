@@ -117,10 +117,7 @@ class Rollout:
                     raise FleetError("no live engine to send the rollout to")
                 self.recover()
                 continue
-            # Whole groups go to one engine, round-robin over the live engines.
-            work: dict[int, list[tuple[int, int]]] = {}
-            for p, s in pending:
-                work.setdefault(p % len(live), []).append((p, s))
+            work = assign_least_loaded(pending, [len(prompts[p]) for p in range(len(prompts))], len(live))
             calls = {
                 self._pool.submit(self._call, live[k], step, items, prompts): (live[k], items)
                 for k, items in work.items()
@@ -163,6 +160,27 @@ class Rollout:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def assign_least_loaded(
+    items: Sequence[tuple[int, int]], prompt_lens: Sequence[int], num_engines: int
+) -> dict[int, list[tuple[int, int]]]:
+    """Whole groups (all samples of a prompt) to the engine with the least work so far, in prompt order.
+
+    Work is counted in prompt tokens times samples plus the samples themselves; ties go to the lowest
+    engine index, so the split is deterministic (equal groups come out round-robin) and a resumed run
+    sends every engine exactly the batch it sent before.
+    """
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for p, s in items:
+        groups.setdefault(p, []).append((p, s))
+    load = [0] * num_engines
+    work: dict[int, list[tuple[int, int]]] = {}
+    for p, group in groups.items():
+        k = min(range(num_engines), key=lambda i: (load[i], i))
+        load[k] += len(group) * (prompt_lens[p] + 1)
+        work.setdefault(k, []).extend(group)
+    return work
 
 
 def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | None = None) -> dict[str, float]:

@@ -135,3 +135,15 @@ def test_memory_release_is_verified(engine_factory) -> None:
         fleet.resume_memory(["kv_cache", "weights"])
     finally:
         fleet.close()
+
+
+def test_groups_go_to_the_least_loaded_engine_deterministically() -> None:
+    from hpcrl.rollout.generate import assign_least_loaded
+
+    items = [(p, s) for p in range(5) for s in range(2)]
+    equal = assign_least_loaded(items, [4] * 5, 2)
+    assert [p for p, _ in equal[0]][::2] == [0, 2, 4] and [p for p, _ in equal[1]][::2] == [1, 3]
+    # A long prompt weighs more: the next groups go elsewhere until the loads even out.
+    skewed = assign_least_loaded(items, [40, 4, 4, 4, 4], 2)
+    assert {p for p, _ in skewed[0]} == {0} and {p for p, _ in skewed[1]} == {1, 2, 3, 4}
+    assert assign_least_loaded(items, [4] * 5, 2) == equal

@@ -223,3 +223,14 @@ def test_nan_loss_steps_are_skipped_then_the_run_stops(workdir: Path) -> None:
     assert kinds.count("nan_skipped") == 1
     m = load_metrics(workdir / "r" / "metrics.h5")
     assert m["train/nan_skipped"].tolist() == [1.0]
+
+
+def test_colocated_offload_frees_engine_memory_and_changes_nothing(workdir: Path) -> None:
+    common = [*SMALL, "num_steps=3", "sft.num_steps=5"]
+    hpcrl("run", "qs.yaml", *common, "--run-dir", "plain", cwd=workdir)
+    hpcrl("run", "qs.yaml", *common, "engine.offload_during_train=true", "--run-dir", "off", cwd=workdir)
+    plain, off = load_metrics(workdir / "plain" / "metrics.h5"), load_metrics(workdir / "off" / "metrics.h5")
+    assert (off["fleet/released_bytes"] > 0).all()
+    # The push restores every released weight exactly: the runs are the same step for step.
+    for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
+        np.testing.assert_array_equal(plain[key], off[key], err_msg=key)
