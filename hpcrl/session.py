@@ -220,7 +220,7 @@ class RunSession:
             from hpcrl.sync.mpi import mpi_world
 
             mpi_world()  # MPI_Init is collective with the agents: join it before waiting on them
-        if self.slurm or self.cfg.sync.transport == "mpi":
+        if (self.slurm and self.slurm.engines_elsewhere) or self.cfg.sync.transport == "mpi":
             job = self.incarnation.job_id
             self.progress.say(f"waiting for {n} engine(s) of job {job} to write run_dir/engines/*.json")
             return wait_for_rendezvous(self.run_dir, n, self.incarnation, timeout_s=self.cfg.engine.startup_timeout_s)
@@ -430,7 +430,7 @@ class RunSession:
             lambda: self._engines.stop() if self._engines else None,
             lambda: (
                 done_marker(self.run_dir, self.incarnation).touch()
-                if self.slurm or self.cfg.sync.transport == "mpi"
+                if (self.slurm and self.slurm.engines_elsewhere) or self.cfg.sync.transport == "mpi"
                 else None
             ),
             lambda: self.trainer.close() if self.trainer else None,

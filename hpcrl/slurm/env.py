@@ -62,6 +62,42 @@ class SlurmEnv:
     node_name: str
     step_nodes: list[str]
     het_group: int | None
+    scheduler: str = "slurm"
+    """`slurm`: srun started this task; `mpi`: an MPI launcher (mpiexec) did, outside Slurm."""
+
+    @property
+    def engines_elsewhere(self) -> bool:
+        """Under Slurm the engines are a het group of their own; under a bare mpiexec rank 0 starts them."""
+        return self.scheduler == "slurm"
+
+    @classmethod
+    def from_mpi(cls) -> SlurmEnv | None:
+        """Rank and world from an MPI launcher's variables; rank 0's host becomes the rendezvous host."""
+        from hpcrl.sync.mpi import mpi_rank_env, mpi_world
+
+        ranks = mpi_rank_env()
+        if ranks is None:
+            return None
+        comm = mpi_world()
+        import numpy as np
+
+        name = np.zeros(256, dtype=np.uint8)
+        if comm.rank == 0:
+            raw = np.frombuffer(os.uname().nodename.encode()[:255], dtype=np.uint8)
+            name[: raw.size] = raw
+        comm.Bcast(name, root=0)
+        master = bytes(name).rstrip(b"\0").decode()
+        return cls(
+            job_id=os.environ.get("PMIX_NAMESPACE", "mpi").replace("@", "-"),
+            restart_count=0,
+            rank=ranks["rank"],
+            world_size=ranks["world_size"],
+            local_rank=ranks["local_rank"],
+            node_name=os.uname().nodename,
+            step_nodes=[master],
+            het_group=None,
+            scheduler="mpi",
+        )
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> SlurmEnv | None:

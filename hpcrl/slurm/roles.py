@@ -132,7 +132,12 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
 
 
 def trainer_role(run_dir: Path) -> int:
-    env = _slurm_env()
+    # srun (Slurm) or an MPI launcher (mpiexec, outside Slurm) started this task.
+    env = SlurmEnv.from_environ() or SlurmEnv.from_mpi()
+    if env is None:
+        raise RoleError(
+            "`hpcrl role trainer` runs under srun or an MPI launcher (mpiexec -n N); for a local run use `hpcrl run`"
+        )
     cfg = _config(run_dir)
     os.environ.update(
         {

@@ -63,3 +63,31 @@ def test_rank_bootstrap_reads_mpi_launcher_variables() -> None:
     finally:
         os.environ.clear()
         os.environ.update(old)
+
+
+def test_trainer_ranks_launched_by_mpiexec_match_locally_spawned_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from hpcrl.config import dump_yaml
+    from hpcrl.run_config import load_run_config
+
+    overrides = [f"model.path={tiny_model_dir}", *COMMON, "train.num_ranks=2"]
+    cfg = load_run_config(REPO / "experiments" / "quickstart.yaml", overrides)
+    (tmp_path / "mpi").mkdir()
+    (tmp_path / "mpi" / "config.yaml").write_text(dump_yaml(cfg))
+    env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }  # fmt: skip
+    hpcrl = [sys.executable, "-m", "hpcrl.cli"]
+    out = subprocess.run(
+        [mpiexec(), "--oversubscribe", "-n", "2", *hpcrl, "role", "trainer", "--run-dir", "mpi"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "starting 2 embedded engine(s)" in out.stdout
+    ref = subprocess.run(
+        [*hpcrl, "run", str(REPO / "experiments" / "quickstart.yaml"), *overrides, "--run-dir", "ref"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    a, b = load_metrics(tmp_path / "mpi" / "metrics.h5"), load_metrics(tmp_path / "ref" / "metrics.h5")
+    for key in ("rollout/reward_mean", "train/loss", "train/grad_norm"):
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
