@@ -446,5 +446,16 @@ def test_counter_uniform_numpy_path_has_the_torch_bits() -> None:
     s = S._mix32(S._mix32((seeds & S._MASK32) ^ 0x9E3779B9) ^ ((seeds >> 32) & S._MASK32))
     s = S._mix32(s ^ (steps & S._MASK32))
     x = S._mix32(S._mix32(s[:, None] ^ torch.arange(3000)[None, :]) ^ 0x85EBCA6B)
-    ref = ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    ref = ((x >> 9).to(torch.float32) + 0.5) / float(1 << 23)
     assert torch.equal(S.counter_uniform(seeds, steps, 3000), ref)
+
+
+def test_uniforms_never_reach_0_or_1() -> None:
+    import numpy as np
+
+    from hpcrl.engine.embedded.sampling import uniform_from_bits_np
+
+    extremes = np.array([0, 1, 0x1FF, 0xFFFFFE00, 0xFFFFFFFF], dtype=np.uint32)
+    u = uniform_from_bits_np(extremes)
+    assert (u > 0).all() and (u < 1).all(), u
+    assert np.isfinite(-np.log(-np.log(u))).all()

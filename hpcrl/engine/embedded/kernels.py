@@ -297,7 +297,7 @@ if AVAILABLE:
             s2 = s2 * tl.exp(m2 - n2s) + tl.exp(z - n2s)
             m2 = n2
             h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
-            u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
+            u = ((h >> 9).to(tl.float32) + 0.5) / 8388608.0  # 23 bits: k + 0.5 is exact in fp32, u < 1
             score = tl.where(greedy, x, z - tl.log(-tl.log(u)))
             score = tl.where(msk, score, neg)
             better = score > best  # strict: a lane keeps its first maximum, as torch.argmax does
@@ -372,7 +372,7 @@ if AVAILABLE:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
         h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
-        tl.store(Out + row * V + offs, ((h >> 8).to(tl.float32) + 0.5) / 16777216.0, mask=offs < V)
+        tl.store(Out + row * V + offs, ((h >> 9).to(tl.float32) + 0.5) / 8388608.0, mask=offs < V)
 
 
 def add_rmsnorm(

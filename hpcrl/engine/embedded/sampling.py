@@ -52,7 +52,14 @@ def _np_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> np
     s = _np_mix32(s ^ (steps.numpy().astype(np.int64) & _MASK32).astype(np.uint32))
     ids = np.arange(vocab_size, dtype=np.uint32)
     x = _np_mix32(_np_mix32(s[:, None] ^ ids[None, :]) ^ np.uint32(0x85EBCA6B))
-    return ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) / np.float32(1 << 24)
+    return uniform_from_bits_np(x)
+
+
+def uniform_from_bits_np(x: np.ndarray) -> np.ndarray:
+    """The top 23 of 32 hash bits as a uniform in (0, 1): k + 0.5 (k < 2**23) needs 24 mantissa bits,
+    exact in float32, so u is never 0 or 1 (with 24 bits, k = 2**24 - 1 rounded to u = 1.0 and an
+    infinite Gumbel noise, i.e. a token chosen whatever its probability)."""
+    return ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) / np.float32(1 << 23)
 
 
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -75,8 +82,8 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     s = _mix32(s ^ (steps & _MASK32))
     ids = torch.arange(vocab_size, device=device, dtype=torch.int64)
     x = _mix32(_mix32(s[:, None] ^ ids[None, :]) ^ 0x85EBCA6B)
-    # 24 bits are exact in float32, and the +0.5 keeps u strictly inside (0, 1).
-    return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    # 23 bits + 0.5 are exact in float32, so u stays strictly inside (0, 1) (see uniform_from_bits_np).
+    return ((x >> 9).to(torch.float32) + 0.5) / float(1 << 23)
 
 
 def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
