@@ -145,6 +145,13 @@ class LocalEngines:
             if self.ignore_sigterm:
                 cmd.append("--ignore-sigterm")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env}
+        # NVLink multicast can take a shared host's GPUs out of service: never on in engines hpcrl starts.
+        for key, value in (
+            ("NCCL_NVLS_ENABLE", "0"),
+            ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+            ("NVSHMEM_DISABLE_NVLS", "1"),
+        ):
+            env.setdefault(key, value)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
