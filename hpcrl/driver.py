@@ -36,7 +36,7 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
             with timer.phase("checkpoint"):
                 s.checkpoint(step, metrics | timer.metrics())
             metrics |= timer.metrics()
-            s.store.log(step, metrics)
+            s.log_step(step, metrics)
             s.check_nan_limit(metrics, step)
             s.progress.step(step, metrics)
             if s.preempt_signal is not None:

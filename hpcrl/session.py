@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hpcrl.config import ConfigError, dump_yaml, load_yaml
-from hpcrl.engine.fleet import EngineFleet
+from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.rollout.data import PromptSource, build_examples
@@ -141,6 +141,8 @@ class RunSession:
         self.guard: Guard = OffGuard()
         self.weight_version = "0"
         self.rollout_version = "0"
+        self._steps_trained = self._steps_logged = 0
+        self._last_logged: tuple[int, dict[str, float]] | None = None
         self.sft_done = False
 
     # ----- setup -----
@@ -355,7 +357,22 @@ class RunSession:
         """One trainer step on the groups; colocated engines lend their memory meanwhile."""
         assert self.trainer is not None
         released = self.fleet.release_memory(OFFLOAD_TAGS) if self.cfg.engine.offload_during_train else {}
+        self._steps_trained += 1
         return self.train_metrics(self.trainer.train_grpo(self.batch(groups))) | released
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        assert self.store is not None
+        self.store.log(step, metrics)
+        self._steps_logged += 1
+        self._last_logged = (step, metrics)
+
+    def _checkpoint_before_failing(self, exc: BaseException) -> None:
+        """An engine failure stops the run; keep the last finished step if the trainer has not moved past it."""
+        if self._last_logged is None or self._steps_trained != self._steps_logged:
+            return
+        step, row = self._last_logged
+        self.checkpoint(step, row, force=True)
+        self.progress.say(f"{type(exc).__name__}: checkpointed step {step + 1}; fix the cause and rerun to resume")
 
     def train_metrics(self, m: dict[str, float]) -> dict[str, float]:
         out = {f"train/{k}": v for k, v in m.items() if k not in ("forward_s",)}
@@ -421,7 +438,12 @@ class RunSession:
         )
         self.progress.say(f"done: policy exported to {out}; metrics in {self.run_dir / 'metrics.h5'}")
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, FleetError):
+            try:
+                self._checkpoint_before_failing(exc)
+            except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
+                self.progress.say(f"warning: could not checkpoint before stopping: {err}")
         for closer in (
             self.guard.stop,  # first: stopped workers must get SIGCONT before they are shut down
             lambda: self.rollout.close() if hasattr(self, "rollout") else None,

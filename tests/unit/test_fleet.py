@@ -112,6 +112,10 @@ def test_engine_that_cannot_restart_stops_the_run_with_a_clear_message(tmp_path:
     assert "engine 0" in out and "gave up after 2 restart(s)" in out and "model.safetensors" in out
     kinds = [e["kind"] for e in load_events(tmp_path / "r" / "metrics.h5")]
     assert "engine_dead" in kinds and "engine_gave_up" in kinds
+    # The last finished step was checkpointed on the way out: a rerun resumes there.
+    assert "checkpointed step" in out
+    steps_done = int(load_metrics(tmp_path / "r" / "metrics.h5")["step"][-1])
+    assert (tmp_path / "r" / "checkpoints" / f"step_{steps_done:08d}.h5").exists()
     assert np.isfinite(load_metrics(tmp_path / "r" / "metrics.h5")["train/loss"]).all()
 
 
@@ -147,3 +151,36 @@ def test_groups_go_to_the_least_loaded_engine_deterministically() -> None:
     skewed = assign_least_loaded(items, [40, 4, 4, 4, 4], 2)
     assert {p for p, _ in skewed[0]} == {0} and {p for p, _ in skewed[1]} == {1, 2, 3, 4}
     assert assign_least_loaded(items, [4] * 5, 2) == equal
+
+
+def test_abort_all_reaches_every_engine_directly(engine_factory) -> None:
+    import threading
+
+    from hpcrl.engine.client import EngineClient
+    from hpcrl.engine.config import EngineConfig
+    from hpcrl.engine.fleet import EngineFleet
+
+    engines = [engine_factory(), engine_factory()]
+    clients = [EngineClient(e.url) for e in engines]
+    fleet = EngineFleet(EngineConfig(), clients, launcher=None, on_event=lambda k, d: None)
+    results: list = []
+    from hpcrl.engine.protocol import SamplingParams
+
+    threads = [
+        threading.Thread(
+            target=lambda c=c: results.append(
+                c.generate([1, 2, 3], SamplingParams(max_new_tokens=1000, ignore_eos=True), return_logprob=False)
+            )
+        )
+        for c in clients
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not all(c.server_info()["internal_states"][0]["num_reqs"] for c in clients):
+        time.sleep(0.02)
+    fleet.abort_all()
+    for t in threads:
+        t.join(30)
+    fleet.close()
+    assert len(results) == 2 and all(r.finish_reason.type == "abort" for r in results)
