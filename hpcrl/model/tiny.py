@@ -11,6 +11,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Printable ASCII plus newline: enough for arithmetic, GSM8K-style text and chat markup.
@@ -61,10 +62,34 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
+def qwen3_config(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> Any:
+    """A transformers Qwen3Config (tied embeddings) for `dims` (a TinyModelSpec or a ModelShape)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.intermediate_size,
+        num_hidden_layers=dims.num_layers,
+        num_attention_heads=dims.num_heads,
+        num_key_value_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        max_position_embeddings=dims.max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        rope_theta=1_000_000.0,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    return config
+
+
 def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, overwrite: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -72,23 +97,7 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     tokenizer = build_tokenizer()
     vocab_size = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        eos_token_id=eos_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        rope_theta=1_000_000.0,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = qwen3_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -154,7 +163,7 @@ def init_shaped_model(
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen3Config
+    from transformers import GenerationConfig
 
     from hpcrl.model.hf import parse_dtype
     from hpcrl.model.qwen3 import CausalLM, ModelArgs
@@ -164,23 +173,7 @@ def init_shaped_model(
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
     tokenizer = build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        eos_token_id=eos_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        rope_theta=1_000_000.0,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = qwen3_config(shape, vocab_size=shape.vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
     args = ModelArgs.from_hf_config(config.to_dict())
     with torch.device("meta"):
         model = CausalLM(args)
