@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.cmd == "run" or ns.cmd == "role":
+        from hpcrl import preemption
+
+        preemption.watch()  # before the heavy imports: a signal then must not kill the process
     try:
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:

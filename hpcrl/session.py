@@ -15,11 +15,11 @@ import subprocess
 import time
 import warnings
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
 
+from hpcrl import preemption
 from hpcrl.config import ConfigError, dump_yaml, load_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
@@ -133,7 +133,7 @@ class RunSession:
             # Agents and driver come from one mpiexec launch; its namespace names this incarnation.
             self.incarnation = Incarnation(os.environ.get("PMIX_NAMESPACE", "mpi"), 0)
         self.progress = progress or Progress(cfg.num_steps)
-        self.preempt_signal: int | None = None
+        preemption.watch()
         self._engines: LocalEngines | None = None
         self.sync: WeightSync | None = None
         self.trainer: RankGroup | None = None
@@ -195,8 +195,6 @@ class RunSession:
             local_engines = self._engines.engines if self._engines else []
             pids = [e.proc.pid for e in local_engines] + [p.pid for p in self.trainer.followers]
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
-            signal.signal(sig, self._on_signal)
         return self
 
     def _write_config(self) -> None:
@@ -257,12 +255,13 @@ class RunSession:
         trainer = TorchTrainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
         self.trainer = RankGroup(trainer, followers)
 
+    @property
+    def preempt_signal(self) -> int | None:
+        """SIGTERM/SIGUSR2 received since the process started (the loop checkpoints at its next safe point)."""
+        return preemption.received()
+
     def _preempted(self) -> bool:
         return self.preempt_signal is not None
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only note it: the loop checkpoints at the next safe point (the end of the current step).
-        self.preempt_signal = signum
 
     # ----- resume, warm start -----
     def resume(self) -> int:

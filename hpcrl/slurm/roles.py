@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import socket
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 
+from hpcrl import preemption
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker
 from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.env import SlurmEnv
@@ -57,13 +56,7 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
     first = node_index * per_node
     count = max(0, min(per_node, cfg.engine.num_engines - first))
     incarnation = Incarnation(env.job_id, env.restart_count)
-    stop = {"signal": 0}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop["signal"] = signum
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-        signal.signal(sig, on_signal)
+    preemption.watch()  # already done by the CLI; repeated for callers that come another way
     # TERM (requeue, preemption) reaches every step at once; the driver then still needs the engines to
     # finish its step and checkpoint. So after a TERM the engines serve on until the done marker, for at
     # most term_grace_s; Slurm's KILL after its grace time ends everything regardless.
@@ -82,9 +75,10 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
     try:
         signalled_at: float | None = None
         while not marker.exists():
-            if stop["signal"] and signalled_at is None:
+            if preemption.received() and signalled_at is None:
                 signalled_at = time.monotonic()
-                print(f"node {env.node_name}: signal {stop['signal']}; serving until the driver is done", flush=True)
+                sig = preemption.received()
+                print(f"node {env.node_name}: signal {sig}; serving until the driver is done", flush=True)
             if signalled_at is not None and time.monotonic() - signalled_at > term_grace_s:
                 break
             dead = engines.exited()

@@ -234,3 +234,24 @@ def test_colocated_offload_frees_engine_memory_and_changes_nothing(workdir: Path
     # The push restores every released weight exactly: the runs are the same step for step.
     for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
         np.testing.assert_array_equal(plain[key], off[key], err_msg=key)
+
+
+def test_sigterm_checkpoints_records_preempted_and_the_rerun_resumes(workdir: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *SMALL, "--run-dir", "r"],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step    2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    assert "received SIGTERM: checkpointed step" in rest
+    events = load_events(workdir / "r" / "metrics.h5")
+    assert [e["kind"] for e in events].count("preempted") == 1
+    out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
+    assert "resumed from" in out.stdout and "step    6/6" in out.stdout
+    assert list(load_metrics(workdir / "r" / "metrics.h5")["step"]) == list(range(6))
