@@ -438,6 +438,44 @@ def test_cpu_decode_step_matches_forward_cached(llama: bool) -> None:
             assert torch.allclose(caches[1].v[i][b, :, : length + 1], caches[0].v[i][b, :, : length + 1], atol=1e-6)
 
 
+@pytest.mark.parametrize("llama", [False, True])
+def test_cpu_prefill_matches_forward_cached(llama: bool) -> None:
+    """The runner's CPU prefill (fused weights, last layer for the last tokens only) computes
+    forward_cached's logits and writes the same K/V into the same slots."""
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+
+    args = ModelArgs(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        qk_norm=not llama,
+        attention_bias=llama,
+    )
+    torch.manual_seed(0)
+    model = CausalLM(args).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    cpu = torch.device("cpu")
+    lengths = [5, 17, 1, 33, 9]
+    ids = torch.randint(3, 300, (len(lengths), max(lengths)))
+    last = torch.tensor(lengths) - 1
+    caches = [KVCache.allocate(args, 8, 40, torch.float32, cpu) for _ in range(2)]
+    with torch.inference_mode():
+        start = torch.zeros(len(lengths), dtype=torch.long)
+        ref = model.forward_cached(ids, caches[0], 2, start, last, from_start=True)
+        got = DecodeRunner(model, caches[1], max_batch=8, device=cpu, mode="eager").prefill(ids, 2, last)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+    want, have = caches[0].buffer, caches[1].buffer
+    assert want is not None and have is not None
+    assert torch.allclose(have, want, atol=1e-5), (have - want).abs().max()
+
+
 def test_counter_uniform_numpy_path_has_the_torch_bits() -> None:
     from hpcrl.engine.embedded import sampling as S
 

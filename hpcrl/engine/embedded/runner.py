@@ -6,7 +6,8 @@ them in place, so consecutive steps need nothing from the host: the scheduler re
 only when the set of running sequences changes, and reads each step's tokens back asynchronously.
 
 Three ways to run the step, picked once per engine (`mode`):
-- "eager": plain torch ops (`torch_forward`) and `sampling.sample` (CPU, and CUDA without Triton);
+- "eager": plain torch ops (`torch_forward`) and `sampling.sample` (CPU, and CUDA without Triton); on
+  the CPU, prompts are prefilled by `_torch_prefill` with the same fused weights and GEMMs;
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default).
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.engine.embedded import kernels
-from hpcrl.engine.embedded.sampling import RowParams, sample
+from hpcrl.engine.embedded.sampling import RowParams, SampleOutput, sample
 from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,25 @@ class StepHandle:
                 support_mask=self._support_mask.cpu() if self._support_mask is not None else None,
             )
         return self._out
+
+
+class ReadyStep(StepHandle):
+    """A step whose outputs are already on the host (the synchronous CPU path)."""
+
+    def __init__(self, out: StepOutput) -> None:
+        self._out = out
+
+
+def _host_output(out: SampleOutput) -> StepOutput:
+    lp = out.logprobs.tolist()
+    return StepOutput(
+        tokens=out.token_ids.tolist(),
+        logprobs=lp,
+        # The unit-temperature sampler returns one tensor for both: convert it once.
+        scaled_logprobs=lp if out.scaled_logprobs is out.logprobs else out.scaled_logprobs.tolist(),
+        support_logprobs=out.support_logprobs.tolist() if out.support_logprobs is not None else None,
+        support_mask=out.support_mask.cpu() if out.support_mask is not None else None,
+    )
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -225,8 +245,7 @@ class DecodeRunner:
                 if timing is not None:
                     self._mark(timing, 2)
                     self._record_timing(timing)
-                lp = torch.stack([out.logprobs, out.scaled_logprobs], 1)
-                return StepHandle(out.token_ids, lp, None, out.support_logprobs, out.support_mask)
+                return ReadyStep(_host_output(out))
             self.out_tok[:n].copy_(out.token_ids)
             self.out_lp[:n, 0].copy_(out.logprobs)
             self.out_lp[:n, 1].copy_(out.scaled_logprobs)
@@ -390,58 +409,138 @@ class DecodeRunner:
 
         The math of `forward_cached` for one token per row, in about a third of its ops (each op's
         fixed cost is what a small model's CPU step is made of): fused QKV and gate/up GEMMs, one
-        RMSNorm op, q and k heads normalised and rotated together, and grouped-query attention as two
-        batched matmuls over the cache without expanding K/V heads.
+        RMSNorm op, q and k heads normalised and rotated together and written back into the QKV
+        output, where the new K and V rows sit side by side and reach the cache in one index_put;
+        grouped-query attention as two batched matmuls over the cache without expanding K/V heads.
         """
         model, cache = self.model, self.cache
-        assert cache is not None
+        assert cache is not None and cache.buffer is not None
         a = model.args
-        if self._fused is None:
-            self._fuse_weights()
-        assert self._fused is not None
-        if self._torch_rope is None:
-            cos, sin = rope_cos_sin(
-                torch.arange(cache.max_len, device=self.device), a.head_dim, a.rope_theta, cache.k[0].dtype
-            )
-            half = a.head_dim // 2
-            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
-            # rotate_half(x) = roll(x, D/2) * sign: the sign goes into the sin table.
-            self._torch_rope = (cos, sin * sign)
+        fused = self._torch_weights()
         nh, nkv, hd, inter = a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size
         pos = self.positions[:n]
         length = min(int(pos.max()) + 1, cache.max_len)
-        cos, sin = self._torch_rope[0][pos][:, None], self._torch_rope[1][pos][:, None]  # [n, 1, D]
-        key_pos = torch.arange(length, device=self.device)
-        bias = torch.zeros(n, 1, 1, length, dtype=cos.dtype, device=self.device)
-        bias.masked_fill_(key_pos > pos[:, None, None, None], float("-inf"))
-        rows = torch.arange(n, device=self.device)
+        rope = self._rope_tables()
+        cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]  # [n, 1, D]
+        # Indices of each row's new K and V entries in a layer's [2, slots, kv, L, D] block: [n, 2, kv].
+        dev = self.device
+        kv_index = (
+            torch.arange(2, device=dev)[None, :, None],
+            torch.arange(n, device=dev)[:, None, None],
+            torch.arange(nkv, device=dev)[None, None, :],
+            pos[:, None, None],
+        )
+        # Attention runs over (row, kv head) pairs as one batch of [group, D] x [D, length] products.
+        key_pos = torch.arange(length, device=dev)
+        bias = torch.zeros(n * nkv, 1, length, dtype=cos.dtype, device=dev)
+        bias.masked_fill_(key_pos > pos.repeat_interleave(nkv)[:, None, None], float("-inf"))
         scale = 1.0 / math.sqrt(hd)
+        group = nh // nkv
         layers = model.model.layers
         x = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
         for i, layer in enumerate(layers):
             at, norm = layer.self_attn, layer.input_layernorm
-            qkv_w, qkv_b, gate_up_w = self._fused[i]
-            qkv = F.linear(F.rms_norm(x, (a.hidden_size,), norm.weight, norm.eps), qkv_w, qkv_b)
-            qk = qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)
-            if a.qk_norm:
-                qk = F.rms_norm(qk, (hd,), eps=at.q_norm.eps)
-                qk[:, :nh] *= at.q_norm.weight
-                qk[:, nh:] *= at.k_norm.weight
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
-            kc, vc = cache.k[i], cache.v[i]
-            kc[rows, :, pos] = qk[:, nh:]
-            vc[rows, :, pos] = qkv[:, (nh + nkv) * hd :].view(n, nkv, hd)
-            q = qk[:, :nh].view(n, nkv, nh // nkv, hd)
-            scores = torch.add(bias, torch.matmul(q, kc[:n, :, :length].transpose(-1, -2)), alpha=scale)
-            o = torch.matmul(torch.softmax(scores, -1), vc[:n, :, :length])  # [n, kv, group, D]
-            x = x + F.linear(o.reshape(n, nh * hd), at.o_proj.weight)
+            qkv_w, qkv_b, gate_up_w = fused[i]
+            qkv = _linear(F.rms_norm(x, (a.hidden_size,), norm.weight, norm.eps), qkv_w, qkv_b)
+            qk = self._norm_rope_qk(qkv, at, cos, sin)
+            block = cache.buffer[i]
+            block.index_put_(kv_index, qkv[:, nh * hd :].view(n, 2, nkv, hd))
+            q = qk[:, :nh].reshape(n * nkv, group, hd)
+            keys = block[0, :n, :, :length].reshape(n * nkv, length, hd)  # a view: slots and heads merge
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)
+            o = torch.bmm(torch.softmax(scores, -1), block[1, :n, :, :length].reshape(n * nkv, length, hd))
+            x = x + _linear(o.reshape(n, nh * hd), at.o_proj.weight)
             post = layer.post_attention_layernorm
-            gate_up = F.linear(F.rms_norm(x, (a.hidden_size,), post.weight, post.eps), gate_up_w)
-            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight)
+            gate_up = _linear(F.rms_norm(x, (a.hidden_size,), post.weight, post.eps), gate_up_w)
+            x = x + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight)
         final = model.model.norm
-        return model.logits(F.rms_norm(x, (a.hidden_size,), final.weight, final.eps))
+        return _linear(F.rms_norm(x, (a.hidden_size,), final.weight, final.eps), model.output_weight)
 
-    # ----- prefill sampling -----
+    def _torch_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        if self._fused is None:
+            self._fuse_weights()
+        assert self._fused is not None
+        return self._fused
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [max_len, D], for `_norm_rope_qk`."""
+        if self._torch_rope is None:
+            assert self.cache is not None
+            a = self.model.args
+            pos = torch.arange(self.cache.max_len, device=self.device)
+            cos, sin = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.cache.k[0].dtype)
+            half = a.head_dim // 2
+            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
+            # rotate_half(x) = roll(x, D/2) * sign: the sign goes into the sin table.
+            self._torch_rope = (cos, sin * sign)
+        return self._torch_rope
+
+    def _norm_rope_qk(self, qkv: torch.Tensor, at: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Normalise (qk_norm) and rotate the q and k heads of a QKV output [..., (H + 2 KVH) D] in
+        place; returns them as a view [..., H + KVH, D]. cos/sin broadcast against that view."""
+        a = self.model.args
+        nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        qk = qkv[..., : (nh + nkv) * hd].unflatten(-1, (nh + nkv, hd))
+        normed = qk
+        if a.qk_norm:
+            normed = F.rms_norm(qk, (hd,), eps=at.q_norm.eps)
+            normed[..., :nh, :] *= at.q_norm.weight
+            normed[..., nh:, :] *= at.k_norm.weight
+        torch.addcmul(normed * cos, normed.roll(hd // 2, -1), sin, out=qk)
+        return qk
+
+    # ----- prefill -----
+    def prefill(self, ids: torch.Tensor, first_slot: int, last: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ids [B, T] from position 0 into cache slots first_slot..; returns
+        the logits at `last` [B] of each row (the position that predicts the next token), [B, V]."""
+        assert self.cache is not None
+        b = ids.shape[0]
+        if self.mode != "eager" or self.is_cuda:
+            start = torch.zeros(b, dtype=torch.long, device=self.device)
+            return self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
+        return self._torch_prefill(ids, first_slot, last)
+
+    def _torch_prefill(self, ids: torch.Tensor, first_slot: int, last: torch.Tensor) -> torch.Tensor:
+        """`forward_cached(from_start=True)` in plain torch ops with the decode step's fused weights and
+        GEMMs. The last layer's attention output and MLP are computed for the `last` tokens only: the
+        cache needs every token's K/V, but nothing else needs the last layer's other outputs."""
+        model, cache = self.model, self.cache
+        assert cache is not None and cache.buffer is not None
+        a = model.args
+        fused = self._torch_weights()
+        nh, nkv, hd, inter, hidden = a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.hidden_size
+        b, t = ids.shape
+        rope = self._rope_tables()
+        cos, sin = rope[0][:t, None], rope[1][:t, None]  # [T, 1, D]
+        rows = slice(first_slot, first_slot + b)
+        batch = torch.arange(b, device=self.device)
+        layers = model.model.layers
+        x = F.embedding(ids, model.model.embed_tokens.weight).view(b * t, hidden)
+        for i, layer in enumerate(layers):
+            at, norm = layer.self_attn, layer.input_layernorm
+            qkv_w, qkv_b, gate_up_w = fused[i]
+            qkv = _linear(F.rms_norm(x, (hidden,), norm.weight, norm.eps), qkv_w, qkv_b).view(b, t, -1)
+            qk = self._norm_rope_qk(qkv, at, cos, sin)  # [B, T, H + KVH, D]
+            block = cache.buffer[i]  # [2, slots, KVH, L, D]
+            block[:, rows, :, :t] = qkv[..., nh * hd :].view(b, t, 2, nkv, hd).permute(2, 0, 3, 1, 4)
+            keys, values = block[0, rows, :, :t], block[1, rows, :, :t]
+            if i + 1 < len(layers):
+                q = qk[:, :, :nh].transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nh != nkv)
+                o = o.transpose(1, 2).reshape(b * t, nh * hd)
+            else:
+                x = x.view(b, t, hidden)[batch, last]
+                q = qk[batch, last, :nh][:, :, None]  # [B, H, 1, D]
+                visible = (torch.arange(t, device=self.device)[None, :] <= last[:, None])[:, None, None]
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=nh != nkv)
+                o = o.reshape(b, nh * hd)
+            x = x + _linear(o, at.o_proj.weight)
+            post = layer.post_attention_layernorm
+            gate_up = _linear(F.rms_norm(x, (hidden,), post.weight, post.eps), gate_up_w)
+            x = x + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.mlp.down_proj.weight)
+        final = model.model.norm
+        return _linear(F.rms_norm(x, (hidden,), final.weight, final.eps), model.output_weight)
+
     def sample_prefill(
         self, logits: torch.Tensor, rows: Sequence[RowState], *, torch_sampler: bool, want_support: bool
     ) -> StepOutput:
@@ -461,14 +560,7 @@ class DecodeRunner:
                 steps=steps,
             )
             unit = all(r.temperature == 1.0 and not r.filtered for r in rows)
-            out = sample(logits, params, want_support=want_support, unit_temperature=unit)
-            return StepOutput(
-                tokens=out.token_ids.tolist(),
-                logprobs=out.logprobs.tolist(),
-                scaled_logprobs=out.scaled_logprobs.tolist(),
-                support_logprobs=out.support_logprobs.tolist() if out.support_logprobs is not None else None,
-                support_mask=out.support_mask.cpu() if out.support_mask is not None else None,
-            )
+            return _host_output(sample(logits, params, want_support=want_support, unit_temperature=unit))
         tok = torch.empty(n, dtype=torch.int64, device=dev)
         lp = torch.empty(n, 2, dtype=torch.float32, device=dev)
         kernels.sample_rows(logits, temperature, seeds, steps, tok, lp)
@@ -514,3 +606,23 @@ def _fuse(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
         p.data = fused[offset : offset + rows]
         offset += rows
     return fused
+
+
+# oneDNN's GEMM (AVX-512 on any x86 vendor) ran the engine's CPU GEMMs 1.4-2.3x faster than MKL's
+# here (an AMD EPYC, where MKL takes its AVX2 path), but it costs ~10 us more per call: up to about two
+# million multiply-adds (a 64x64x256 GEMM took 20-30 us with oneDNN, 20 with MKL) MKL wins. Only
+# float32 was measured.
+_ONEDNN_MIN_MACS = 1 << 21
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for 2-D CPU inputs, through oneDNN where that is faster."""
+    if (
+        _ONEDNN
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] * w.shape[0] * w.shape[1] >= _ONEDNN_MIN_MACS
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)

@@ -1,5 +1,8 @@
 """The embedded engine's scheduler: continuous batching over a static KV cache, in one thread.
 
+`run` is the scheduler loop; the server runs it on the process's main thread (the HTTP event loop has
+a thread of its own), because torch's OpenMP CPU ops driven from any other thread ran 2-3x slower here
+with two threads: libgomp throttles its workers' spin-waiting once a second thread owns a team.
 All model work and every state change (weights, memory, pause) happen on the scheduler thread, between
 decode steps, so nothing races with a forward pass. The HTTP layer talks to it only through
 `submit`, `abort` and `call` (run a function on the scheduler thread and wait for its result).
@@ -165,7 +168,6 @@ class Scheduler:
         self.num_decode_steps = 0
         self.num_generated_tokens = 0
         self.host_stats: dict[str, float] = {"launch_s": 0.0, "wait_s": 0.0, "process_s": 0.0, "prefill_s": 0.0}
-        self._thread = threading.Thread(target=self._loop, name="hpcrl-scheduler", daemon=True)
 
     @property
     def decode_path(self) -> str:
@@ -190,14 +192,12 @@ class Scheduler:
         }
 
     # ----- interface for the HTTP layer (any thread) -----
-    def start(self) -> None:
-        self._thread.start()
-
     def stop(self) -> None:
+        """Make `run` fail what is left and return; safe from a signal handler on the scheduler thread
+        (the lock is re-entrant)."""
         with self._lock:
             self._stop = True
             self._lock.notify_all()
-        self._thread.join(timeout=30)
 
     def submit(self, reqs: list[SeqRequest]) -> None:
         with self._lock:
@@ -217,8 +217,12 @@ class Scheduler:
             return {"num_reqs": len(self.running), "num_waiting_reqs": len(self.waiting)}
 
     # ----- scheduler thread -----
+    def run(self) -> None:
+        """The scheduler loop, on the calling thread, until `stop`."""
+        with torch.inference_mode():
+            self._loop()
+
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
         while True:
             with self._lock:
                 while not self._stop and not self._calls and (self.paused or not (self.waiting or self.running)):
@@ -340,14 +344,9 @@ class Scheduler:
         self._rows_dirty = True
         lengths = [r.num_tokens for r in ready]
         width = max(lengths)
-        ids = torch.zeros(len(ready), width, dtype=torch.long)
-        for i, r in enumerate(ready):
-            ids[i, : lengths[i]] = torch.tensor(r.all_ids)
-        ids = ids.to(self.device)
-        start = torch.zeros(len(ready), dtype=torch.long, device=self.device)
-        last = torch.tensor(lengths, device=self.device) - 1
-        assert self.cache is not None
-        logits = self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
+        ids = torch.tensor([r.all_ids + [0] * (width - n) for r, n in zip(ready, lengths, strict=True)])
+        last = torch.tensor(lengths) - 1
+        logits = self.runner.prefill(ids.to(self.device), first_slot, last.to(self.device))
         for r, n in zip(ready, lengths, strict=True):
             r.cached_len = n
         self._refresh_sampler_flags()
@@ -365,13 +364,21 @@ class Scheduler:
         self._torch_sampler = self._want_support or any(r.filtered for r in self.running)
 
     def _append_tokens(self, rows: list[SeqRequest], out: StepOutput, *, advance: bool) -> bool:
-        """Record one sampled token per row; `advance` moves cached_len past the step's input token."""
+        """Record one sampled token per row; `advance` moves cached_len past the step's input token.
+
+        This runs for every row of every step, so the version stamp and the finish test are inlined.
+        """
         finished = False
         mask = out.support_mask
+        version = self.weight_version
+        context_length = self.cfg.context_length
+        appended = 0
         for i, r in enumerate(rows):
             if r.finish_reason is not None:
                 continue  # finished (or aborted) before this look-ahead step: its token is dropped
-            r.output_ids.append(out.tokens[i])
+            tok = out.tokens[i]
+            outputs = r.output_ids
+            outputs.append(tok)
             r.logprobs.append(out.logprobs[i])
             r.scaled_logprobs.append(out.scaled_logprobs[i])
             if advance:
@@ -381,18 +388,22 @@ class Scheduler:
                 r.support_logprobs.append(out.support_logprobs[i])
                 # empty = the whole vocabulary (no filtering)
                 r.support_ids.append(mask[i].nonzero()[:, 0].tolist() if mask is not None else [])
-            self._stamp_version(r)
-            self.num_generated_tokens += 1
-            if self._finish_if_done(r):
+            n = len(outputs)
+            spans = r.version_spans
+            if spans and spans[-1][0] == version and spans[-1][2] == n - 1:
+                spans[-1][2] = n
+            else:
+                spans.append([version, n - 1, n])
+            appended += 1
+            if (
+                n >= r.max_new_tokens
+                or tok in r.stop_token_ids
+                or tok in self.eos_ids
+                or len(r.prompt_ids) + n >= context_length
+            ) and self._finish_if_done(r):
                 finished = True
+        self.num_generated_tokens += appended
         return finished
-
-    def _stamp_version(self, r: SeqRequest) -> None:
-        n = len(r.output_ids)
-        if r.version_spans and r.version_spans[-1][0] == self.weight_version and r.version_spans[-1][2] == n - 1:
-            r.version_spans[-1][2] = n
-        else:
-            r.version_spans.append([self.weight_version, n - 1, n])
 
     def _finish_if_done(self, r: SeqRequest, *, before_first_token: bool = False) -> bool:
         if before_first_token:

@@ -2,9 +2,9 @@
 
     hpcrl engine serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu|cuda] [--dtype float32|bfloat16]
 
-The HTTP layer validates requests (with the same protocol types the client uses) and hands work to the
-scheduler thread; blocking control work (rendezvous, weight receive) runs in a thread pool so the event
-loop keeps answering /health while it lasts.
+The HTTP layer (an event loop on a thread of its own) validates requests (with the same protocol types
+the client uses) and hands work to the scheduler, which runs on the main thread; blocking control work
+(rendezvous, weight receive) runs in a thread pool so the event loop keeps answering /health meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -516,7 +518,6 @@ class EmbeddedEngine:
             return _error(str(exc))
 
     async def _shutdown(self, app: web.Application) -> None:
-        self.scheduler.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -571,11 +572,36 @@ def _version() -> str:
     return __version__
 
 
+class _HttpThread:
+    """The aiohttp server on an event loop of its own thread, so that the main thread is the scheduler's."""
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app, access_log=None)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="hpcrl-http", daemon=True)
+        self.thread.start()
+        # Binding errors (port in use) surface here, on the caller's thread.
+        asyncio.run_coroutine_threadsafe(self._start(host, port), self.loop).result()
+
+    async def _start(self, host: str, port: int) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port).start()
+
+    def stop(self) -> None:
+        """Stop accepting, let the handlers in flight answer (the scheduler has finished them), run the
+        app's shutdown hooks, then end the loop."""
+        try:
+            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=90)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
 def serve(cfg: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     engine = EmbeddedEngine(cfg)
-    engine.scheduler.start()
+    http = _HttpThread(engine.app(), cfg.host, cfg.port)
     log.info(
         "loaded %s on %s/%s in %.1f s (decode path %s); serving on http://%s:%d",
         cfg.model,
@@ -586,13 +612,20 @@ def serve(cfg: ServerConfig) -> None:
         cfg.host,
         cfg.port,
     )
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %d: shutting down", signum)
+        engine.scheduler.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
     if cfg.ignore_sigterm:
         # Started by `hpcrl role engines`: Slurm TERMs every step of a job at once on requeue or
         # preemption, but the driver still needs this engine to finish its step and checkpoint; the role
         # stops it (SIGINT) when the driver is done, and Slurm's KILL ends it in any case.
-        import signal
-
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    web.run_app(
-        engine.app(), host=cfg.host, port=cfg.port, print=None, access_log=None, handle_signals=not cfg.ignore_sigterm
-    )
+    else:
+        signal.signal(signal.SIGTERM, on_signal)
+    try:
+        engine.scheduler.run()  # the main thread: see the scheduler module's docstring
+    finally:
+        http.stop()
