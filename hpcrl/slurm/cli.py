@@ -45,11 +45,16 @@ def render_sbatch(config: str, overrides: Sequence[str], output: str | None, run
 
 
 def _sbatch(ns: argparse.Namespace) -> int:
+    from hpcrl.run_config import load_run_config
+    from hpcrl.slurm.render import check_mpi_launch, nodes_python
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         text = render_sbatch(ns.config, ns.overrides, ns.output, ns.run_dir)
-    for note in caught:
-        print(f"hpcrl sbatch: warning: {note.message}", file=sys.stderr)
+    cfg = load_run_config(ns.config, list(ns.overrides))
+    notes = [str(note.message) for note in caught] + check_mpi_launch(cfg, nodes_python(cfg))
+    for note in notes:
+        print(f"hpcrl sbatch: warning: {note}", file=sys.stderr)
     # bash -n: the rendered shell parses (quoting bugs show here, on a laptop, not in the queue).
     check = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
     if check.returncode != 0:
@@ -82,7 +87,11 @@ def _submit(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         raise RuntimeError(f"hpcrl submit needs submitit ({exc}); install it: pip install 'hpcrl[slurm]'") from exc
     run_dir = Path(ns.run_dir or default_run_dir(ns.config)).absolute()
-    job = submit_run(cfg, run_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        job = submit_run(cfg, run_dir)  # sync.transport=mpi: it checks the MPI launch (errors, warnings)
+    for note in caught:
+        print(f"hpcrl submit: warning: {note.message}", file=sys.stderr)
     layout = (
         f"{cfg.slurm.trainer.nodes} node(s), engines and trainer colocated"
         if cfg.slurm.colocate

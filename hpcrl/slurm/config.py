@@ -53,6 +53,7 @@ OWNED_SBATCH_OPTIONS = {
 _TIME_FORMS = "M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (e.g. 90, 01:30:00, 2-00:00:00)"
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MPI_PLUGIN_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 def time_limit_seconds(text: str) -> int:
@@ -196,6 +197,10 @@ class SlurmConfig:
     shell code on purpose, unlike every other value here, which the script quotes."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables exported to every step (values are quoted, never expanded)."""
+    mpi: str = "pmix"
+    """With sync.transport=mpi: srun's MPI plugin (`srun --mpi=NAME`) for the one step that runs the
+    agents and the trainer ranks as one MPI world; `srun --mpi=list` shows the cluster's (pmix, pmix_v4,
+    pmi2, ...). It must match the MPI that mpi4py uses (Open MPI 5: pmix)."""
 
     def __post_init__(self) -> None:
         limit_s = time_limit_seconds(self.time_limit)
@@ -211,6 +216,8 @@ class SlurmConfig:
             if value is not None and not value.strip():
                 raise ValueError(f"{name} is empty; leave it out (null) for the cluster's default")
         normalize_sbatch_options(self.extra_sbatch, "extra_sbatch")
+        if not _MPI_PLUGIN_RE.match(self.mpi):
+            raise ValueError(f"mpi {self.mpi!r} is not an srun MPI plugin name (`srun --mpi=list`), e.g. pmix")
         for name in self.env:
             if not _ENV_NAME_RE.match(name):
                 raise ValueError(

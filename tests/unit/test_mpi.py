@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hpcrl.store import load_metrics
 
@@ -91,3 +92,59 @@ def test_trainer_ranks_launched_by_mpiexec_match_locally_spawned_ranks(tmp_path:
     a, b = load_metrics(tmp_path / "mpi" / "metrics.h5"), load_metrics(tmp_path / "ref" / "metrics.h5")
     for key in ("rollout/reward_mean", "train/loss", "train/grad_norm"):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_two_drivers_in_one_mpi_world_is_a_clear_error(tmp_path: Path) -> None:
+    code = (
+        "from hpcrl.sync.mpi import MpiSyncError, mpi_world\n"
+        "try:\n    mpi_world('driver')\nexcept MpiSyncError as exc:\n    print('ERR', exc, flush=True)\n"
+    )
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    out = subprocess.run(
+        [mpiexec(), "--oversubscribe", "-n", "2", sys.executable, "-c", code],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("has 2 drivers, not 1") == 2, out.stdout
+
+
+def _het_step_env(procid: int, group: int) -> dict[str, str]:
+    """What srun sets in `srun --het-group=0 A : --het-group=1 B` (seen on Slurm 22.05): 2 agents, 2 trainer ranks."""
+    return {
+        "SLURM_JOB_ID": "41", "SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4",
+        "SLURM_STEP_NODELIST": "n[1-3]", "SLURM_LOCALID": str(procid % 2 if group else 0), "SLURMD_NODENAME": "n3",
+        "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "2",
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1-2]", "SLURM_JOB_NODELIST_HET_GROUP_1": "n3",
+        "HPCRL_HET_GROUP": str(group),
+    }  # fmt: skip
+
+
+def test_ranks_in_a_step_over_both_het_groups_count_from_their_component() -> None:
+    from hpcrl.slurm.env import SlurmEnv
+
+    follower = SlurmEnv.from_environ(_het_step_env(3, 1))
+    assert follower is not None
+    assert (follower.rank, follower.world_size, follower.local_rank) == (1, 2, 1)
+    assert follower.step_nodes == ["n3"] and follower.master_addr == "n3" and follower.het_group == 1
+    agent = SlurmEnv.from_environ(_het_step_env(1, 0))
+    assert agent is not None and (agent.rank, agent.world_size, agent.step_nodes) == (1, 2, ["n1", "n2"])
+    # A step of one component (the other transports): SLURM_PROCID is already the rank, whatever the hint says.
+    alone = _het_step_env(1, 1) | {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n3"}
+    one = SlurmEnv.from_environ(alone)
+    assert one is not None and (one.rank, one.world_size, one.step_nodes) == (1, 2, ["n3"])
+
+
+def test_doctor_names_the_pmix_library_slurm_cannot_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.slurm import doctor
+
+    plugin_dir, pmix = tmp_path / "slurm", tmp_path / "pmix2" / "lib"
+    plugin_dir.mkdir()
+    pmix.mkdir(parents=True)
+    (plugin_dir / "mpi_pmix_v4.so").write_bytes(b"\x7fELF...\x00" + str(pmix).encode() + b"\x00libpmix.so\x00")
+    (plugin_dir / "mpi_pmix.so").symlink_to("mpi_pmix_v4.so")
+    monkeypatch.setattr(doctor, "PLUGIN_DIRS", (str(plugin_dir),))
+    problem = doctor.pmix_library_problem("pmix")
+    assert problem is not None and f"{pmix}/libpmix.so, which is missing" in problem and "libpmix-dev" in problem
+    (pmix / "libpmix.so").write_bytes(b"")
+    assert doctor.pmix_library_problem("pmix") is None
+    assert doctor.pmix_library_problem("pmi2") is None

