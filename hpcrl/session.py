@@ -41,8 +41,7 @@ from hpcrl.store.progress import Progress
 from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.trainer.advantage import group_advantages
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.ranks import RankGroup, init_trainer_group, spawn_followers
-from hpcrl.trainer.torch_backend import TorchTrainer
+from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
 
 OFFLOAD_TAGS = ["kv_cache", "weights"]
 
@@ -208,7 +207,8 @@ class RunSession:
             if _comparable(self.cfg) != _normalized(old, self.cfg):
                 raise RunError(
                     f"{self.run_dir} holds a run with a different config ({path}); resume it with the same "
-                    "config and overrides (num_steps may change), or start a new run with --run-dir"
+                    "config and overrides (num_steps may change, and with train.backend=megatron the TP/PP split "
+                    "and num_ranks), or start a new run with --run-dir"
                 )
         tmp = path.with_suffix(".yaml.tmp")
         tmp.write_text(dump_yaml(self.cfg))
@@ -252,7 +252,7 @@ class RunSession:
                 device=torch.device(self.cfg.train.device),
                 timeout_s=self.cfg.sync.group_timeout_s,
             )
-        trainer = TorchTrainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
+        trainer = build_trainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
         self.trainer = RankGroup(trainer, followers)
 
     @property
@@ -338,7 +338,7 @@ class RunSession:
             if self.fleet.heal() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
-                pushed = self.sync.push(self.trainer.trainer.named_weights(), version)
+                pushed = self.sync.push(self.trainer.named_weights(), version)
                 if offloaded:
                     self.fleet.resume_memory(["kv_cache"])
                 return pushed
@@ -389,7 +389,7 @@ class RunSession:
             return False
         assert self.trainer is not None and self.store is not None
         self.store.flush()
-        tensors, trainer_state = self.trainer.trainer.state()
+        tensors, trainer_state = self.trainer.state()
         rng_tensors, rng_state = capture_rng_state()
         tensors.update(rng_tensors)
         keys = sorted(row)
@@ -431,7 +431,7 @@ class RunSession:
 
     def finish(self) -> None:
         assert self.trainer is not None and self.store is not None
-        out = self.trainer.trainer.export(self.run_dir / "model")
+        out = self.trainer.export(self.run_dir / "model")
         self.store.event(
             "finished", step=self.cfg.num_steps - 1 if self.cfg.num_steps else None, detail={"model": str(out)}
         )
@@ -464,8 +464,12 @@ class RunSession:
 
 
 def _comparable(cfg: RunConfig) -> str:
-    # num_steps may grow on resume: extending a finished run is a normal request.
-    return dump_yaml(dataclasses.replace(cfg, num_steps=0))
+    # num_steps may grow on resume: extending a finished run is a normal request. A Megatron run may
+    # also resume under another TP/PP split: its checkpoints hold the whole model in HF layout.
+    train = cfg.train
+    if train.backend == "megatron":
+        train = dataclasses.replace(train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1)
+    return dump_yaml(dataclasses.replace(cfg, num_steps=0, train=train))
 
 
 def _normalized(old: dict[str, Any], cfg: RunConfig) -> str:

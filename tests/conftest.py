@@ -96,3 +96,13 @@ def shared_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     eng = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine"), "--random-seed", "7")
     yield eng
     eng.stop()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A directory with the quickstart config pointed at the session's tiny model."""
+    text = (Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml").read_text()
+    lines = [line for line in text.splitlines() if not line.strip().startswith("#")]
+    cfg = "\n".join(lines).replace("path: runs/models/tiny-qwen3", f"path: {tiny_model_dir}")
+    (tmp_path / "qs.yaml").write_text(cfg)
+    return tmp_path

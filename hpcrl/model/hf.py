@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -85,6 +85,11 @@ def load_model(
 
 def save_model(model: CausalLM, out_dir: str | Path, *, source_dir: str | Path) -> Path:
     """Write the model as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
+    return save_state_dict(model.state_dict(), out_dir, source_dir=source_dir)
+
+
+def save_state_dict(state: Mapping[str, torch.Tensor], out_dir: str | Path, *, source_dir: str | Path) -> Path:
+    """Write HF-named tensors as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
@@ -95,8 +100,8 @@ def save_model(model: CausalLM, out_dir: str | Path, *, source_dir: str | Path) 
     for name in TOKENIZER_FILES:
         if (source_dir / name).is_file():
             shutil.copy2(source_dir / name, tmp / name)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

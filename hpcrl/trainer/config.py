@@ -9,7 +9,13 @@ from typing import Literal
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     backend: Literal["torch", "megatron"] = "torch"
-    """Trainer implementation; `torch` runs anywhere, `megatron` at scale (separate issue)."""
+    """Trainer implementation: `torch` (hpcrl's model, DDP) runs anywhere; `megatron` (megatron-core GPTModel
+    with tensor and pipeline parallelism) needs `pip install 'hpcrl[megatron]'`."""
+    tensor_parallel_size: int = 1
+    """Megatron only: ranks that split each layer's weights; divides the attention and KV heads."""
+    pipeline_parallel_size: int = 1
+    """Megatron only: pipeline stages, each a contiguous run of layers; divides the layer count.
+    num_ranks / (tensor_parallel_size x pipeline_parallel_size) is the data-parallel size."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -51,8 +57,25 @@ class TrainConfig:
             raise ValueError(f"grad_clip must be >= 0 (0 disables it), got {self.grad_clip}")
         if self.max_nan_steps < 1:
             raise ValueError(f"max_nan_steps must be >= 1, got {self.max_nan_steps}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.backend == "torch" and model_parallel > 1:
+            raise ValueError(
+                "tensor_parallel_size / pipeline_parallel_size > 1 need backend: megatron "
+                "(the torch backend is DDP only)"
+            )
         if self.backend == "megatron":
-            raise ValueError("trainer backend 'megatron' is not available yet; use backend: torch")
+            if self.num_ranks % model_parallel:
+                raise ValueError(
+                    f"num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel_size x pipeline_parallel_size "
+                    f"({self.tensor_parallel_size} x {self.pipeline_parallel_size})"
+                )
+            if self.onpolicy:
+                raise ValueError(
+                    "onpolicy scores with hpcrl's own model, which the megatron backend does not use; "
+                    "set onpolicy: false or backend: torch"
+                )
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ValueError("adam_beta1 and adam_beta2 must be in [0, 1)")
 

@@ -13,14 +13,22 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.torch_backend import TorchTrainer
 
-CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD = 0, 1, 2, 3
+if TYPE_CHECKING:
+    from hpcrl.trainer.megatron.backend import MegatronTrainer
+
+    Trainer = TorchTrainer | MegatronTrainer
+
+CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD, CMD_WEIGHTS, CMD_STATE = 0, 1, 2, 3, 4, 5
 _KINDS = {
     "input_ids": torch.long,
     "prompt_lens": torch.long,
@@ -54,7 +62,7 @@ def _recv() -> tuple[int, TrainBatch | None, int]:
     header = torch.zeros(4, dtype=torch.long)
     dist.broadcast(header, src=0)
     cmd, n, t, extra = (int(x) for x in header)
-    if cmd in (CMD_STOP, CMD_LOAD):
+    if cmd not in (CMD_GRPO, CMD_SFT):
         return cmd, None, extra
     shapes = {
         "input_ids": (n, t),
@@ -72,10 +80,22 @@ def _recv() -> tuple[int, TrainBatch | None, int]:
     return cmd, TrainBatch(**tensors), extra
 
 
-class RankGroup:
-    """Rank 0's view of all trainer ranks: the same calls as TorchTrainer, fanned out."""
+def build_trainer(cfg: TrainConfig, model_dir: str | Path, *, rank: int, world_size: int, sft_lr: float) -> Trainer:
+    if cfg.backend == "megatron":
+        from hpcrl.trainer.megatron.backend import MegatronTrainer
 
-    def __init__(self, trainer: TorchTrainer, followers: list[subprocess.Popen[bytes]]) -> None:
+        return MegatronTrainer(cfg, model_dir, rank=rank, world_size=world_size, sft_lr=sft_lr)
+    return TorchTrainer(cfg, model_dir, rank=rank, world_size=world_size, sft_lr=sft_lr)
+
+
+class RankGroup:
+    """Rank 0's view of all trainer ranks: the same calls as the trainer, fanned out.
+
+    With the torch backend every rank holds the whole model, so rank 0 answers weight and state
+    requests alone; the Megatron backend's are collective (TP shards, pipeline stages), so rank 0
+    first tells the followers to take part."""
+
+    def __init__(self, trainer: Trainer, followers: list[subprocess.Popen[bytes]]) -> None:
         self.trainer = trainer
         self.followers = followers
 
@@ -90,6 +110,23 @@ class RankGroup:
         if self.trainer.world_size > 1:
             _send(CMD_SFT, batch)
         return self.trainer.train_sft(batch)
+
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        self._announce(CMD_WEIGHTS)
+        return self.trainer.named_weights()
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        self._announce(CMD_STATE)
+        return self.trainer.state()
+
+    def export(self, out_dir: Path) -> Path:
+        self._announce(CMD_WEIGHTS)
+        return self.trainer.export(out_dir)
+
+    def _announce(self, cmd: int) -> None:
+        if self.trainer.world_size > 1 and getattr(self.trainer, "collective", False):
+            self._check_followers()
+            _send(cmd, None)
 
     def load_checkpoint_step(self, step: int) -> None:
         """Tell followers to load the checkpoint of `step` (rank 0 loads its own)."""
@@ -149,7 +186,7 @@ def follow(run_dir: Path) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(cfg.train.device)
     init_trainer_group(rank=rank, world_size=world, device=device, timeout_s=cfg.sync.group_timeout_s)
-    trainer = TorchTrainer(cfg.train, cfg.model.path, rank=rank, world_size=world, sft_lr=cfg.sft.lr)
+    trainer = build_trainer(cfg.train, cfg.model.path, rank=rank, world_size=world, sft_lr=cfg.sft.lr)
     while True:
         cmd, batch, extra = _recv()
         if cmd == CMD_STOP:
@@ -157,6 +194,10 @@ def follow(run_dir: Path) -> int:
         if cmd == CMD_LOAD:
             ckpt = load_checkpoint(checkpoint_path(run_dir / "checkpoints", extra))
             trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
+        elif cmd == CMD_WEIGHTS:
+            trainer.named_weights()
+        elif cmd == CMD_STATE:
+            trainer.state()
         elif cmd == CMD_SFT:
             assert batch is not None
             trainer.train_sft(batch)

@@ -198,6 +198,11 @@ class TorchTrainer:
         return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.num_nan_in_a_row}
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+        if state.get("backend", "torch") != "torch":
+            raise ValueError(
+                f"this checkpoint was written by the {state['backend']} trainer backend; resume it with "
+                f"train.backend={state['backend']}"
+            )
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         self.model.load_state_dict(model_state, strict=True)
         if self.ref_model is not None:

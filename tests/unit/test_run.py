@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -37,16 +36,6 @@ def hpcrl(*args: str, cwd: Path, timeout_s: float = 300, check: bool = True) -> 
     if check and out.returncode != 0:
         raise AssertionError(f"hpcrl {' '.join(args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
     return out
-
-
-@pytest.fixture
-def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
-    """A directory with the quickstart config pointed at the session's tiny model."""
-    text = (REPO / "experiments" / "quickstart.yaml").read_text()
-    lines = [line for line in text.splitlines() if not line.strip().startswith("#")]
-    cfg = "\n".join(lines).replace("path: runs/models/tiny-qwen3", f"path: {tiny_model_dir}")
-    (tmp_path / "qs.yaml").write_text(cfg)
-    return tmp_path
 
 
 def non_timing(metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

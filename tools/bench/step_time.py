@@ -51,6 +51,7 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
         f"train.dtype={ns.dtype}",
         "train.micro_batch_size=128",
         "checkpoint.every_steps=1000000",
+        f"train.backend={ns.backend}",
     ]
     if ns.colocate:
         overrides.append("sync.transport=tensor")
@@ -70,6 +71,10 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
 
     m = load_metrics(run_dir / "metrics.h5")
     warm = slice(3, None)  # the first steps pay one-time costs (allocator warm-up, first push)
+    gap = m["train/train_rollout_logprob_abs_diff"]
+    print(
+        f"train_rollout_logprob_abs_diff ({ns.backend} trainer vs engine): mean {gap.mean():.3e}, max {gap.max():.3e}"
+    )
     return {p: m[f"timing/{p}_s"][warm].tolist() for p in PHASES if f"timing/{p}_s" in m}
 
 
@@ -143,6 +148,7 @@ def main() -> int:
     ap.add_argument(
         "--colocate", action="store_true", help="push weights by same-host handover (sync.transport=tensor)"
     )
+    ap.add_argument("--backend", default="torch", choices=["torch", "megatron"], help="trainer backend")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     ns = ap.parse_args()

@@ -1,0 +1,448 @@
+"""The Megatron-core trainer: GRPO and SFT steps on a GPTModel split by tensor and pipeline parallelism.
+
+Ranks are laid out the way Megatron does (TP fastest, then DP, then PP), so global rank 0, which runs
+the driver, is TP rank 0 of pipeline stage 0 and data-parallel replica 0. Data-parallel replica d
+trains on rows d, d+DP, ... of a step's batch; every rank of a replica sees the same rows.
+
+Log-probs are computed vocab-parallel: each TP rank holds a slice of the vocabulary's logits, and
+the log-softmax normalizer, the target's logit and the entropy are all-reduced across TP. Losses are
+the torch backend's (`hpcrl.trainer.loss`), scaled by the global token count so the sum of gradients
+over DP replicas is the gradient of the whole batch's token mean.
+
+Pipeline stages run a GPipe schedule (all micro-batches forward, then all backward) with plain
+send/recv of the [s, b, h] activations, which works on gloo and nccl alike; Megatron's own schedules
+allocate their buffers on CUDA. Optimizer: torch AdamW over this rank's shards, with gradients
+all-reduced over DP by hand (Megatron's DDP and distributed optimizer allocate CUDA buffers, so the
+CPU tests could not run them). AdamW is element-wise, so sharding does not change its result.
+
+Weights leave in Hugging Face names and shapes (TP shards gathered, QKV and gate/up split, vocab
+padding dropped) for the weight push, the export and the checkpoint. A checkpoint therefore holds
+the full model and Adam moments in HF layout and resumes under any TP/PP split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hpcrl.model.hf import iter_safetensors, parse_dtype, save_state_dict
+from hpcrl.model.qwen3 import CausalLM, ModelArgs
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.loss import PolicyLossConfig, logprob_mismatch, policy_loss, sft_loss
+from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, is_tp_split, to_hf, to_megatron
+from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs
+from hpcrl.trainer.megatron.model import build_gpt_model, init_parallel_state
+from hpcrl.trainer.torch_backend import NonFiniteStepError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class MegatronTrainer:
+    """Same calls as TorchTrainer; `named_weights`, `state` and `export` are collective over all ranks."""
+
+    collective = True
+
+    def __init__(
+        self, cfg: TrainConfig, model_dir: str | Path, *, rank: int = 0, world_size: int = 1, sft_lr: float = 1e-3
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.rank, self.world_size = rank, world_size
+        self.args = ModelArgs.from_dir(model_dir)
+        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+        check_parallel_sizes(self.args, tp, pp)
+        if world_size % (tp * pp):
+            raise ValueError(f"train.num_ranks ({world_size}) must be a multiple of TP x PP ({tp} x {pp})")
+        torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():  # one rank: Megatron still wants its process groups
+            dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=dist.HashStore(),
+                                    rank=0, world_size=1)  # fmt: skip
+        init_parallel_state(tp, pp)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.shard = Shard(
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, num_layers=self.args.num_layers,
+        )  # fmt: skip
+        self.dtype = parse_dtype(cfg.dtype)
+        hf = dict(iter_safetensors(self.model_dir))
+        self.model = self._build(hf)
+        self.model.train()
+        self.ref_model: torch.nn.Module | None = None
+        if cfg.kl_coef > 0:
+            self.ref_model = self._build(hf).eval().requires_grad_(False)
+        self.optimizer = self._make_optimizer(cfg.lr)
+        self.sft_lr = sft_lr
+        self._sft_optimizer: torch.optim.Optimizer | None = None
+        self.loss_cfg = PolicyLossConfig(
+            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, kl_coef=cfg.kl_coef,
+            entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
+        )  # fmt: skip
+        self.num_nan_in_a_row = 0
+
+    def _build(self, hf: dict[str, Tensor]) -> torch.nn.Module:
+        model = build_gpt_model(
+            self.args, tp_size=self.shard.tp_size, pp_size=self.shard.pp_size, pp_rank=self.shard.pp_rank,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        self._load_params(model, to_megatron(lambda n: hf[n], self.args, self.shard))
+        return model
+
+    def _load_params(self, model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+        params = dict(model.named_parameters())
+        if set(params) != set(state):
+            raise RuntimeError(
+                f"Megatron layout mismatch: model has {sorted(set(params) - set(state))[:3]}..., "
+                f"converted weights have {sorted(set(state) - set(params))[:3]}..."
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                if tuple(p.shape) != tuple(state[name].shape):
+                    raise RuntimeError(f"{name}: shape {tuple(state[name].shape)} does not fit {tuple(p.shape)}")
+                p.copy_(state[name])
+
+    def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay,
+        )  # fmt: skip
+
+    # ----- steps -----
+    def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
+        return self._step(self._shard_rows(batch), mode="grpo", optimizer=self.optimizer)
+
+    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        if self._sft_optimizer is None:
+            self._sft_optimizer = self._make_optimizer(self.sft_lr)
+        return self._step(self._shard_rows(batch), mode="sft", optimizer=self._sft_optimizer)
+
+    def _shard_rows(self, batch: TrainBatch) -> TrainBatch:
+        if self.dp_size == 1:
+            return batch
+        return batch.select(torch.arange(self.dp_rank, len(batch), self.dp_size))
+
+    def _dp_sum(self, value: float) -> float:
+        if self.dp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t.item())
+
+    def _forward(self, model: torch.nn.Module, ids: Tensor, hidden_in: Tensor | None) -> Tensor:
+        """Hidden states [s, b, h] out of a middle stage, or logits [b, s, V/tp] out of the last."""
+        if hidden_in is not None:
+            model.set_input_tensor(hidden_in)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return model(ids, positions, None)
+
+    def _logprobs(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        width = logits.shape[-1]
+        return vocab_parallel_logprobs(
+            logits[:, :-1], ids[:, 1:], vocab_start=self.shard.tp_rank * width, vocab_size=self.args.vocab_size,
+            group=self.tp_group,
+        )  # fmt: skip
+
+    def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
+        """Reference log-probs, run through the pipeline like the policy (forward only)."""
+        if self.ref_model is None:
+            return None
+        with torch.no_grad():
+            out = self._stage_forward(self.ref_model, mb, keep_graph=False)[1]
+            if not self.shard.last_stage:
+                return None
+            return self._logprobs(out, mb.input_ids)[0]
+
+    def _stage_forward(
+        self, model: torch.nn.Module, mb: TrainBatch, *, keep_graph: bool
+    ) -> tuple[Tensor | None, Tensor]:
+        """Receive the previous stage's activations (if any), run this stage, send to the next."""
+        hidden_in = None
+        if not self.shard.first_stage:
+            s, b = mb.input_ids.shape[1], mb.input_ids.shape[0]
+            hidden_in = torch.empty(s, b, self.args.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(hidden_in, src=self._pp_peer(-1))
+            hidden_in.requires_grad_(keep_graph)
+        out = self._forward(model, mb.input_ids, hidden_in)
+        if not self.shard.last_stage:
+            dist.send(out.detach().contiguous(), dst=self._pp_peer(+1))
+        return hidden_in, out
+
+    def _pp_peer(self, delta: int) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_next_rank() if delta > 0 else ps.get_pipeline_model_parallel_prev_rank()
+
+    def _step(self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        batch = batch.to(self.device)
+        optimizer.zero_grad(set_to_none=True)
+        global_tokens = self._dp_sum(float(batch.num_response_tokens))
+        if global_tokens == 0:
+            raise ValueError("the batch has no response tokens to train on")
+        sums: dict[str, float] = defaultdict(float)
+        forward_s = 0.0
+        mbs = self.cfg.micro_batch_size
+        pending: list[tuple[Tensor | None, Tensor]] = []
+        for start in range(0, max(len(batch), 1), mbs):
+            mb = batch.select(slice(start, min(start + mbs, len(batch))))
+            t0 = time.perf_counter()
+            ref = self._ref_logprobs(mb) if mode == "grpo" else None
+            hidden_in, out = self._stage_forward(self.model, mb, keep_graph=True)
+            if self.shard.last_stage:
+                out = self._loss(out, mb, mode, ref, global_tokens, sums)
+            forward_s += time.perf_counter() - t0
+            pending.append((hidden_in, out))
+        for hidden_in, out in reversed(pending):
+            if self.shard.last_stage:
+                out.backward()
+            else:
+                grad = torch.empty_like(out)
+                dist.recv(grad, src=self._pp_peer(+1))
+                out.backward(grad)
+            if hidden_in is not None:
+                assert hidden_in.grad is not None
+                dist.send(hidden_in.grad.contiguous(), dst=self._pp_peer(-1))
+        self._reduce_grads()
+        grad_norm = self._clip_grads()
+        metrics = self._last_stage_metrics(sums, global_tokens)
+        metrics.update(grad_norm=grad_norm, num_tokens=global_tokens, forward_s=forward_s)
+        if not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"])):
+            optimizer.zero_grad(set_to_none=True)
+            self.num_nan_in_a_row += 1
+            metrics["nan_skipped"] = 1.0
+            if self.num_nan_in_a_row >= self.cfg.max_nan_steps:
+                raise NonFiniteStepError(
+                    f"{self.num_nan_in_a_row} steps in a row had a non-finite loss or gradient norm; lower train.lr, "
+                    "raise train.grad_clip protection, or check the rewards"
+                )
+            return metrics
+        self.num_nan_in_a_row = 0
+        optimizer.step()
+        metrics["nan_skipped"] = 0.0
+        return metrics
+
+    def _loss(self, logits: Tensor, mb: TrainBatch, mode: str, ref: Tensor | None, global_tokens: float,
+              sums: dict[str, float]) -> Tensor:  # fmt: skip
+        lp, entropy = self._logprobs(logits, mb.input_ids)
+        tokens = float(mb.num_response_tokens)
+        if mode == "sft":
+            loss, stats = sft_loss(lp, mb.loss_mask, loss_scale_tokens=global_tokens)
+        else:
+            loss, stats = policy_loss(
+                lp, lp.detach(), mb.advantages, mb.loss_mask, self.loss_cfg,
+                ref_logprobs=ref, entropy=entropy, loss_scale_tokens=global_tokens,
+            )  # fmt: skip
+            gap = logprob_mismatch(lp.detach(), mb.rollout_logprobs, mb.loss_mask)
+            sums["train_rollout_logprob_abs_diff"] += gap["train_rollout_logprob_abs_diff"] * tokens
+            sums["train_rollout_kl"] += gap["train_rollout_kl"] * tokens
+            sums["train_rollout_logprob_max_abs_diff"] = max(
+                sums["train_rollout_logprob_max_abs_diff"], gap["train_rollout_logprob_max_abs_diff"]
+            )
+        sums["loss"] += float(loss.detach().item())
+        for key, value in stats.items():
+            if key != "num_tokens" and isinstance(value, float) and math.isfinite(value):
+                sums[key] += value * tokens
+        return loss
+
+    def _last_stage_metrics(self, sums: dict[str, float], global_tokens: float) -> dict[str, float]:
+        """Metrics summed over DP on the last stage, then sent to every stage (rank 0 logs them)."""
+        metrics: dict[str, float] = {}
+        if self.shard.last_stage:
+            keys = sorted(sums)
+            values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+            if self.dp_size > 1:
+                dist.all_reduce(values, group=self.dp_group)
+            if "train_rollout_logprob_max_abs_diff" in keys and self.dp_size > 1:
+                peak = torch.tensor([sums["train_rollout_logprob_max_abs_diff"]], dtype=torch.float64,
+                                    device=self.device)  # fmt: skip
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_group)
+                values[keys.index("train_rollout_logprob_max_abs_diff")] = peak[0]
+            for k, v in zip(keys, values.tolist(), strict=True):
+                metrics[k] = v if k in ("loss", "train_rollout_logprob_max_abs_diff") else v / global_tokens
+        if self.shard.pp_size > 1:
+            metrics = self._broadcast_json(metrics, src_stage=self.shard.pp_size - 1)
+        return metrics
+
+    def _broadcast_json(self, value: dict[str, float], *, src_stage: int) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        src = dist.get_global_rank(self.pp_group, src_stage)
+        data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=self.device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=self.device)
+        dist.broadcast(size, src=src, group=self.pp_group)
+        buf = data if ps.get_pipeline_model_parallel_rank() == src_stage else torch.empty(
+            int(size.item()), dtype=torch.uint8, device=self.device)  # fmt: skip
+        dist.broadcast(buf, src=src, group=self.pp_group)
+        return json.loads(bytes(buf.cpu().tolist()).decode())
+
+    def _reduce_grads(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self.dp_group)
+        if self.shard.tp_size > 1:
+            # q/k norms are shared by all heads but each TP rank sees only its own heads' gradient.
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=self.tp_group)
+        if self.shard.pp_size > 1 and self.args.tie_word_embeddings:
+            shared = self._shared_embedding()
+            if shared is not None and shared.grad is not None:
+                dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+
+    def _shared_embedding(self) -> Tensor | None:
+        if self.shard.first_stage:
+            return self.model.embedding.word_embeddings.weight
+        if self.shard.last_stage:
+            return self.model.output_layer.weight
+        return None
+
+    def _clip_grads(self) -> float:
+        """Global grad norm over all shards (TP-split weights summed over TP, replicated ones once)."""
+        split = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        duplicate = self._shared_embedding() if self.shard.pp_size > 1 and not self.shard.first_stage else None
+        for name, p in self.model.named_parameters():
+            if p.grad is None or p is duplicate:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            if is_tp_split(name):
+                split += sq
+            else:
+                replicated += sq
+        if self.shard.tp_size > 1:
+            dist.all_reduce(split, group=self.tp_group)
+        total = split + replicated
+        if self.shard.pp_size > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        norm = float(total.sqrt().item())
+        clip = self.cfg.grad_clip
+        if clip and math.isfinite(norm):
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
+
+    # ----- weights and state, in Hugging Face layout -----
+    def _tp_gather(self, t: Tensor) -> list[Tensor]:
+        if self.shard.tp_size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.shard.tp_size)]
+        dist.all_gather(out, t.contiguous(), group=self.tp_group)
+        return out
+
+    def _collect(self, lookup: Callable[[str], Tensor]) -> list[tuple[str, Tensor]]:
+        # A later stage gathers its TP shards before it sends them to rank 0.
+        self._stage_cache = list(to_hf(lambda n: self._tp_gather(lookup(n).detach()), self.args, self.shard))
+        if self.shard.pp_size == 1:
+            return self._stage_cache if self.rank == 0 else []
+        out = list(self._hf_tensors_from_cache())
+        self._stage_cache = []
+        return out
+
+    def _hf_tensors_from_cache(self) -> Iterator[tuple[str, Tensor]]:
+        from megatron.core import parallel_state as ps
+
+        if self.rank == 0:
+            yield from self._stage_cache
+        shapes = {k: v.shape for k, v in _meta_model(self.args).state_dict().items()}
+        sender = self.shard.tp_rank == 0 and self.dp_rank == 0
+        for stage in range(1, self.shard.pp_size):
+            s = Shard(pp_rank=stage, pp_size=self.shard.pp_size, num_layers=self.args.num_layers)
+            names = hf_names(self.args, s.layers, first=False, last=s.last_stage)
+            if self.rank == 0:
+                src = dist.get_global_rank(self.pp_group, stage)
+                for name in names:
+                    buf = torch.empty(shapes[name], dtype=self.dtype, device=self.device)
+                    dist.recv(buf, src=src)
+                    yield name, buf
+            elif sender and ps.get_pipeline_model_parallel_rank() == stage:
+                mine = dict(self._stage_cache)
+                for name in names:
+                    dist.send(mine[name].to(self.dtype).contiguous(), dst=0)
+
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        """The policy in HF names and shapes on rank 0 ([] elsewhere); every rank must call it."""
+        params = dict(self.model.named_parameters())
+        return self._collect(lambda n: params[n])
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Weights and Adam moments in HF layout (any TP/PP split can resume them); every rank calls it."""
+        params = dict(self.model.named_parameters())
+        tensors = {f"model/{k}": v.cpu() for k, v in self._collect(lambda n: params[n])}
+        steps = {int(s["step"]) for s in self.optimizer.state.values() if "step" in s}
+        for moment in MOMENTS:
+
+            def lookup(n: str, moment: str = moment) -> Tensor:
+                st = self.optimizer.state.get(params[n], {})
+                return st[moment] if moment in st else torch.zeros_like(params[n])
+
+            tensors.update({f"optimizer/{moment}/{k}": v.cpu() for k, v in self._collect(lookup)})
+        if self.ref_model is not None:
+            ref = dict(self.ref_model.named_parameters())
+            tensors.update({f"ref_model/{k}": v.cpu() for k, v in self._collect(lambda n: ref[n])})
+        state = {
+            "backend": "megatron",
+            "adam_step": max(steps) if steps else 0,
+            "num_nan_in_a_row": self.num_nan_in_a_row,
+        }
+        return tensors, state
+
+    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+        if state.get("backend") != "megatron":
+            raise ValueError(
+                "this checkpoint was written by the torch trainer backend; resume it with train.backend=torch"
+            )
+
+        def part(prefix: str) -> dict[str, Tensor]:
+            local = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            return to_megatron(lambda n: local[n].to(self.device, self.dtype), self.args, self.shard)
+
+        self._load_params(self.model, part("model/"))
+        if self.ref_model is not None:
+            self._load_params(self.ref_model, part("ref_model/"))
+        params = dict(self.model.named_parameters())
+        moments = {m: part(f"optimizer/{m}/") for m in MOMENTS}
+        step = int(state["adam_step"])
+        self.optimizer.state.clear()
+        if step > 0:
+            for name, p in params.items():
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(step)),
+                    **{m: moments[m][name].to(p.dtype).clone() for m in MOMENTS},
+                }
+        self.num_nan_in_a_row = int(state.get("num_nan_in_a_row", 0))
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Write the policy as an HF dir on rank 0; every rank must call it."""
+        weights = self.named_weights()
+        out = Path(out_dir)
+        if self.rank == 0:
+            save_state_dict(dict(weights), out, source_dir=self.model_dir)
+        return out
+
+
+def _meta_model(args: ModelArgs) -> CausalLM:
+    with torch.device("meta"):
+        return CausalLM(args)

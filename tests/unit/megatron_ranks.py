@@ -1,0 +1,114 @@
+"""One rank of a Megatron-backend check, run by tests/unit/test_megatron.py as real processes over gloo.
+
+    python tests/unit/megatron_ranks.py SCENARIO MODEL_DIR OUT_DIR TP PP   (RANK/WORLD_SIZE/MASTER_* in env)
+
+Scenarios write their results to OUT_DIR from rank 0 (JSON metrics, safetensors weights):
+- grpo: three GRPO steps on a fixed batch, then the weights in HF layout;
+- logprobs: vocab-parallel log-probs, entropy and their gradients on random fp64-checked logits;
+- reshard: two steps under TP x PP, then the checkpoint state moves to a single-rank trainer, which must
+  hold the same weights and take the same next step as the sharded one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.config import TrainConfig
+
+TRAIN = dict(lr=1e-2, micro_batch_size=4, kl_coef=0.1, entropy_coef=0.01)
+
+
+def fixed_batch(vocab: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        return torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    prompts, responses = [ids(2, 6) for _ in range(6)], [ids(1, 7) for _ in range(6)]
+    return TrainBatch.from_sequences(
+        prompts,
+        responses,
+        advantages=torch.randn(6, generator=g).tolist(),
+        rollout_logprobs=[[-2.0 - 0.1 * j for j in range(len(r))] for r in responses],
+    )
+
+
+def config(tp: int, pp: int, world: int) -> TrainConfig:
+    return TrainConfig(backend="megatron", num_ranks=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, **TRAIN)
+
+
+def vocab_parallel_check(out_dir: Path, rank: int, world: int) -> None:
+    """This rank's slice of padded logits through vocab_parallel_logprobs; rank 0 writes values and grads."""
+    from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    vocab, padded = 11, 12  # odd vocabulary padded to a multiple of 2, as Megatron does
+    full = torch.randn(2, 5, padded, generator=g) * 3
+    targets = torch.randint(0, vocab, (2, 5), generator=g)
+    width = padded // world
+    mine = full[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(
+        mine, targets, vocab_start=rank * width, vocab_size=vocab, group=dist.group.WORLD, chunk_rows=3
+    )
+    (lp.sum() * 0.7 + ent.sum() * 0.3).backward()
+    grads = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(grads, mine.grad)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({"full": full, "targets": targets, "lp": lp.detach(), "ent": ent.detach(),
+                   "grad": torch.cat(grads, dim=-1)}, str(out_dir / "logprobs.safetensors"))  # fmt: skip
+        (out_dir / "result.json").write_text("{}")
+
+
+def main() -> int:
+    scenario, model_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    tp, pp = int(sys.argv[4]), int(sys.argv[5])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if scenario == "logprobs":
+        vocab_parallel_check(out_dir, rank, world)
+        dist.destroy_process_group()
+        return 0
+    from hpcrl.model.qwen3 import ModelArgs
+    from hpcrl.trainer.megatron.backend import MegatronTrainer
+
+    batch = fixed_batch(ModelArgs.from_dir(model_dir).vocab_size)
+    trainer = MegatronTrainer(config(tp, pp, world), model_dir, rank=rank, world_size=world)
+    steps = 3 if scenario == "grpo" else 2
+    metrics = [trainer.train_grpo(batch) for _ in range(steps)]
+    weights = dict(trainer.named_weights())
+    result: dict[str, object] = {"metrics": metrics}
+    if scenario == "reshard":
+        tensors, state = trainer.state()
+        metrics_next = trainer.train_grpo(batch)
+        if rank == 0:
+            # A fresh single-rank trainer (its own process group) takes over the checkpoint.
+            dist.destroy_process_group()
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            single = MegatronTrainer(config(1, 1, 1), model_dir)
+            single.load_state(tensors, state)
+            restored = dict(single.named_weights())
+            result["restored_equal"] = all(torch.equal(restored[k], weights[k]) for k in weights)
+            result["next_sharded"] = metrics_next
+            result["next_single"] = single.train_grpo(batch)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / "weights.safetensors"))
+        (out_dir / "result.json").write_text(json.dumps(result))
+    if dist.is_initialized() and not (scenario == "reshard" and rank == 0):
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The Megatron-core trainer backend on CPU: layout round trip, forward equality, TP/PP steps, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcrl.model.hf import iter_safetensors
+from hpcrl.model.qwen3 import CausalLM, ModelArgs
+from hpcrl.store import load_events, load_metrics
+from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
+from tests.unit.test_run import SMALL, assert_same_metrics, hpcrl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def random_hf_state(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(args).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+QWEN3_TIED_ODD_VOCAB = ModelArgs(
+    vocab_size=99, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8
+)
+QWEN2_UNTIED_BIAS = ModelArgs(
+    vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    tie_word_embeddings=False, qk_norm=False, attention_bias=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [QWEN3_TIED_ODD_VOCAB, QWEN2_UNTIED_BIAS], ids=["qwen3-tied", "qwen2-untied-bias"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_hf_to_megatron_to_hf_is_bitwise(args: ModelArgs, tp: int, pp: int) -> None:
+    hf = random_hf_state(args)
+    back: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        shards = [
+            to_megatron(hf.__getitem__, args, Shard(tp_rank=r, tp_size=tp, pp_rank=stage, pp_size=pp,
+                                                    num_layers=args.num_layers))
+            for r in range(tp)
+        ]  # fmt: skip
+        # Each TP rank holds a different, equally shaped slice (vocab padded to a multiple of tp).
+        assert all(shards[0][k].shape == s[k].shape for s in shards for k in s)
+        stage_shard = Shard(pp_size=pp, pp_rank=stage, tp_size=tp, num_layers=args.num_layers)
+        back.update(to_hf(lambda n, shards=shards: [s[n] for s in shards], args, stage_shard))
+    assert list(back) == hf_names(args)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_split_sizes_that_do_not_fit_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="num_key_value_heads \\(2\\) is not a multiple of tensor_parallel_size"):
+        check_parallel_sizes(QWEN3_TIED_ODD_VOCAB, 4, 1)
+    with pytest.raises(ValueError, match="num_hidden_layers \\(4\\) is not a multiple of pipeline_parallel_size"):
+        check_parallel_sizes(QWEN3_TIED_ODD_VOCAB, 1, 3)
+    with pytest.raises(ValueError, match="need backend: megatron"):
+        TrainConfig(tensor_parallel_size=2, num_ranks=2)
+    with pytest.raises(ValueError, match="multiple of tensor_parallel_size x pipeline_parallel_size"):
+        TrainConfig(backend="megatron", tensor_parallel_size=2, num_ranks=3)
+    with pytest.raises(ValueError, match="onpolicy"):
+        TrainConfig(backend="megatron", onpolicy=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, model_dir: Path, out: Path, tp: int, pp: int, world: int) -> dict:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "unit" / "megatron_ranks.py"), scenario, str(model_dir), str(out),
+             str(tp), str(pp)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
+    return json.loads((out / "result.json").read_text())
+
+
+def test_vocab_parallel_logprobs_equal_the_full_softmax(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two ranks, each with half of a padded vocabulary: log-probs, entropy and gradients equal the
+    full-vocabulary computation (float64 autograd) and the padding column gets no probability."""
+    run_ranks("logprobs", tiny_model_dir, tmp_path, 2, 1, 2)
+    got = load_file(tmp_path / "logprobs.safetensors")
+    full = got["full"].double()[..., :11].requires_grad_(True)
+    logp = torch.log_softmax(full, dim=-1)
+    lp = logp.gather(-1, got["targets"][..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    (lp.sum() * 0.7 + ent.sum() * 0.3).backward()
+    torch.testing.assert_close(got["lp"].double(), lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["ent"].double(), ent.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["grad"].double()[..., :11], full.grad, rtol=1e-5, atol=1e-5)
+    assert (got["grad"][..., 11:] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def torch_reference(tiny_model_dir: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """Three GRPO steps of the torch backend on the batch the Megatron ranks use."""
+    sys.path.insert(0, str(REPO))
+    from hpcrl.trainer.torch_backend import TorchTrainer
+    from tests.unit.megatron_ranks import TRAIN, fixed_batch
+
+    trainer = TorchTrainer(TrainConfig(**TRAIN), tiny_model_dir)
+    batch = fixed_batch(ModelArgs.from_dir(tiny_model_dir).vocab_size)
+    metrics = [trainer.train_grpo(batch) for _ in range(3)]
+    return metrics, {k: v.clone() for k, v in trainer.named_weights()}
+
+
+@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 2)], ids=["tp1", "tp2", "pp2", "dp2"])
+def test_grpo_steps_match_the_torch_backend(
+    tiny_model_dir: Path, tmp_path: Path, torch_reference: tuple, tp: int, pp: int, world: int
+) -> None:
+    ref_metrics, ref_weights = torch_reference
+    result = run_ranks("grpo", tiny_model_dir, tmp_path, tp, pp, world)
+    for step, (a, b) in enumerate(zip(ref_metrics, result["metrics"], strict=True)):
+        for key in ("loss", "grad_norm", "entropy", "kl", "pg_loss", "train_rollout_logprob_abs_diff"):
+            np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"step {step} {key}")
+    weights = load_file(tmp_path / "weights.safetensors")
+    assert set(weights) == set(ref_weights)
+    worst = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
+    print(f"TP={tp} PP={pp} ranks={world}: max |w_megatron - w_torch| after 3 steps (lr 1e-2) = {worst:.2e}")
+    assert worst < 1e-3
+
+
+def test_forward_equals_transformers(tiny_model_dir: Path) -> None:
+    """The Megatron GPTModel built from the HF dir gives transformers' logits (fp32, CPU)."""
+    code = f"""
+import torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from hpcrl.model.hf import iter_safetensors
+from hpcrl.model.qwen3 import ModelArgs
+from hpcrl.trainer.megatron.layout import Shard, to_megatron
+from hpcrl.trainer.megatron.model import build_gpt_model, init_parallel_state
+d = {str(tiny_model_dir)!r}
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+init_parallel_state(1, 1)
+args = ModelArgs.from_dir(d)
+hf = dict(iter_safetensors(d))
+m = build_gpt_model(args, tp_size=1, pp_size=1, pp_rank=0, dtype=torch.float32, device=torch.device("cpu"))
+m.load_state_dict(to_megatron(hf.__getitem__, args, Shard(num_layers=args.num_layers)), strict=False)
+ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+ids = torch.randint(0, args.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    ours = m(ids, torch.arange(40).expand(3, 40), None)[..., :args.vocab_size]
+    theirs = ref(ids).logits
+print("max_abs_diff", float((ours - theirs).abs().max()), "max_abs", float(theirs.abs().max()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("max_abs_diff"))
+    print(line)
+    diff, scale = float(line.split()[1]), float(line.split()[3])
+    assert scale > 0.1 and diff < 1e-5
+
+
+def test_checkpoint_moves_between_splits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A TP=2 checkpoint (HF layout, Adam moments included) resumes on one rank: same weights, same next step."""
+    result = run_ranks("reshard", tiny_model_dir, tmp_path, 2, 1, 2)
+    assert result["restored_equal"]
+    for key in ("loss", "grad_norm", "train_rollout_logprob_abs_diff"):
+        np.testing.assert_allclose(result["next_single"][key], result["next_sharded"][key], rtol=2e-5, err_msg=key)
+
+
+MEGATRON_TP2 = ["train.backend=megatron", "train.num_ranks=2", "train.tensor_parallel_size=2"]
+
+
+def test_megatron_run_killed_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
+    """`hpcrl run` with TP=2 over two trainer processes: SIGKILL after a checkpoint, rerun, same result."""
+    import signal
+
+    args = [*SMALL, "num_steps=4", *MEGATRON_TP2]
+    hpcrl("run", "qs.yaml", *args, "--run-dir", "full", cwd=workdir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", "cut"],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step    3/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(30)
+    out = hpcrl("run", "qs.yaml", *args, "--run-dir", "cut", cwd=workdir)
+    assert "resumed from" in out.stdout
+    full = load_metrics(workdir / "full" / "metrics.h5")
+    assert full["train/train_rollout_logprob_abs_diff"].max() < 1e-4
+    assert_same_metrics(full, load_metrics(workdir / "cut" / "metrics.h5"))
+    a, b = (load_file(workdir / run / "model" / "model.safetensors") for run in ("full", "cut"))
+    assert sorted(a) == sorted(b) == sorted(name for name, _ in iter_safetensors(workdir / "full" / "model"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert "resumed" in [e["kind"] for e in load_events(workdir / "cut" / "metrics.h5")]
+    # The TP=2 run goes on under one rank without TP: its checkpoint is in HF layout.
+    single = [*SMALL, "num_steps=5", "train.backend=megatron"]
+    out = hpcrl("run", "qs.yaml", *single, "--run-dir", "full", cwd=workdir)
+    assert "resumed from" in out.stdout and "step    5/5" in out.stdout
+    resumed = load_metrics(workdir / "full" / "metrics.h5")
+    assert list(resumed["step"]) == list(range(5))
+    assert_same_metrics({k: v[:4] for k, v in resumed.items()}, full)
+    assert resumed["train/train_rollout_logprob_abs_diff"][4] < 1e-4

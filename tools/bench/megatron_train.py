@@ -1,0 +1,127 @@
+"""Training throughput and MFU of the Megatron backend against the torch backend, in one run.
+
+    python tools/bench/megatron_train.py [--shape qwen3-0.6b] [--batch 8] [--seq-len 2048] [--micro-batch 4]
+                                         [--steps 5] [--device cuda] [--dtype bfloat16] [--backends megatron torch]
+
+Workload: one GRPO optimizer step (forward, vocab-parallel log-probs and entropy, PPO loss, backward, AdamW)
+on `batch` random sequences of `seq-len` tokens (prompt 64, response the rest), random advantages.
+Each backend runs in its own process (Megatron's process groups are global) on the same model dir.
+Reports the median step time over the steps after the first two, tokens/s, peak memory and MFU:
+model FLOPs per token = 6 x (matmul parameters, the LM head included) + 12 x layers x heads x head_dim x
+seq-len (PaLM's attention term, causal masking not discounted), against the H200's 989 TFLOP/s dense bf16.
+Baseline: the torch backend (hpcrl's own model, the same losses), which is what a run uses today.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_TFLOPS = {"cuda": 989.0}
+
+
+def flops_per_token(args: object, seq_len: int) -> float:
+    a = args  # hpcrl.model.qwen3.ModelArgs
+    h, L = a.hidden_size, a.num_layers
+    attn = h * a.num_heads * a.head_dim * 2 + h * a.num_kv_heads * a.head_dim * 2
+    mlp = 3 * h * a.intermediate_size
+    matmul_params = L * (attn + mlp) + h * a.vocab_size
+    return 6.0 * matmul_params + 12.0 * L * a.num_heads * a.head_dim * seq_len
+
+
+def one_backend(ns: argparse.Namespace) -> dict[str, float]:
+    from hpcrl.model.qwen3 import ModelArgs
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.config import TrainConfig
+    from hpcrl.trainer.ranks import build_trainer
+
+    args = ModelArgs.from_dir(ns.model_dir)
+    cfg = TrainConfig(backend=ns.backend, device=ns.device, dtype=ns.dtype, micro_batch_size=ns.micro_batch,
+                      lr=1e-6, num_threads=8)  # fmt: skip
+    trainer = build_trainer(cfg, ns.model_dir, rank=0, world_size=1, sft_lr=1e-6)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, args.vocab_size, (64,), generator=g).tolist() for _ in range(ns.batch)]
+    responses = [torch.randint(0, args.vocab_size, (ns.seq_len - 64,), generator=g).tolist() for _ in range(ns.batch)]
+    batch = TrainBatch.from_sequences(prompts, responses, advantages=torch.randn(ns.batch, generator=g).tolist())
+    times = []
+    if ns.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(ns.steps):
+        t0 = time.perf_counter()
+        m = trainer.train_grpo(batch)
+        if ns.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[2:] if len(times) > 2 else times)
+    tokens = ns.batch * ns.seq_len
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if ns.device == "cuda" else float("nan")
+    out = {"step_s": step_s, "tokens_per_s": tokens / step_s, "loss": m["loss"], "grad_norm": m["grad_norm"],
+           "peak_mem_gib": peak_mem}  # fmt: skip
+    peak = PEAK_TFLOPS.get(ns.device)
+    out["mfu"] = flops_per_token(args, ns.seq_len) * out["tokens_per_s"] / (peak * 1e12) if peak else float("nan")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "tiny"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--backends", nargs="+", default=["megatron", "torch"])
+    ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.seq_len <= 64:
+        ap.error("--seq-len must exceed the 64 prompt tokens")
+    if ns.backend:  # child process: one backend
+        print("RESULT " + json.dumps(one_backend(ns)), flush=True)
+        return 0
+    from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, TinyModelSpec, init_shaped_model, init_tiny_model
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="hpcrl-mbench-") as tmp:
+        model_dir = Path(tmp) / "model"
+        if ns.shape == "qwen3-0.6b":
+            init_shaped_model(model_dir, QWEN3_0_6B_SHAPE, dtype=ns.dtype, device=ns.device)
+        else:
+            init_tiny_model(model_dir, TinyModelSpec(max_position_embeddings=max(1024, ns.seq_len)))
+        for backend in ns.backends:
+            cmd = [sys.executable, __file__, "--backend", backend, "--model-dir", str(model_dir),
+                   *(f"--{k.replace('_', '-')}={v}" for k, v in vars(ns).items()
+                     if k in ("batch", "seq_len", "micro_batch", "steps", "device", "dtype"))]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if out.returncode or line is None:
+                print(f"{backend}: failed ({out.returncode})\n{out.stderr[-3000:]}")
+                continue
+            results[backend] = json.loads(line.removeprefix("RESULT "))
+    print(f"\nGRPO train step, shape={ns.shape} {ns.batch} x {ns.seq_len} tokens, micro-batch {ns.micro_batch}, "
+          f"{ns.dtype} on {ns.device}, median of steps 3..{ns.steps}")  # fmt: skip
+    print(
+        "| backend | step (s) | tokens/s | MFU | peak memory (GiB) | loss | grad norm |\n|---|---|---|---|---|---|---|"
+    )
+    for backend, r in results.items():
+        print(f"| {backend} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_gib']:.1f} "
+              f"| {r['loss']:.4f} | {r['grad_norm']:.3f} |")  # fmt: skip
+    if "megatron" in results and "torch" in results:
+        print(
+            f"megatron / torch tokens/s: {results['megatron']['tokens_per_s'] / results['torch']['tokens_per_s']:.2f}x"
+        )
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
