@@ -175,11 +175,16 @@ class WeightSync:
             self._pool.submit(e.update_weights_from_distributed, request, timeout_s=self.cfg.group_timeout_s)
             for e in self.engines
         ]
-        if flattened:
-            broadcast(self.group, torch.cat([t.reshape(-1) for _, t in bucket]).to(self.device))
-        else:
-            for _, t in bucket:
-                broadcast(self.group, t.contiguous().to(self.device))
+        try:
+            if flattened:
+                broadcast(self.group, torch.cat([t.reshape(-1) for _, t in bucket]).to(self.device))
+            else:
+                for _, t in bucket:
+                    broadcast(self.group, t.contiguous().to(self.device))
+        except RuntimeError as exc:
+            # A peer that dies mid-broadcast resets the connection (gloo) or trips the group timeout (nccl):
+            # a failed push the caller can heal (restart, re-form the group, push everything again).
+            raise WeightSyncError(f"weight broadcast failed: {exc}") from exc
         for engine, fut in zip(self.engines, calls, strict=True):
             try:
                 fut.result(timeout=self.cfg.group_timeout_s)
