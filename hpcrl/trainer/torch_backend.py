@@ -8,9 +8,7 @@ average equals the gradient of the whole batch's token mean.
 from __future__ import annotations
 
 import copy
-import math
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +21,8 @@ from hpcrl.model.qwen3 import CausalLM, token_logprobs_of_sequence
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import PolicyLossConfig, logprob_mismatch, policy_loss, sft_loss, token_logprobs
-
-
-class NonFiniteStepError(RuntimeError):
-    pass
+from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss, token_logprobs
+from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 
 class TorchTrainer:
@@ -63,7 +58,7 @@ class TorchTrainer:
             entropy_coef=cfg.entropy_coef,
             aggregation=cfg.aggregation,
         )
-        self.num_nan_in_a_row = 0
+        self.nan_guard = NanGuard(cfg.max_nan_steps)
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -121,7 +116,7 @@ class TorchTrainer:
             raise ValueError("the batch has no response tokens to train on")
         # DDP averages gradients over ranks; scaling by the world size turns that into a sum.
         scale_tokens = global_tokens / self.world_size
-        sums: dict[str, float] = defaultdict(float)
+        sums = StepSums()
         n = len(batch)
         mbs = self.cfg.micro_batch_size
         for start in range(0, max(n, 1), mbs):
@@ -147,42 +142,22 @@ class TorchTrainer:
                     entropy=entropy,
                     loss_scale_tokens=scale_tokens,
                 )
-                gap = logprob_mismatch(lp.detach(), mb.rollout_logprobs, mb.loss_mask)
-                sums["train_rollout_logprob_abs_diff"] += gap["train_rollout_logprob_abs_diff"] * tokens
-                sums["train_rollout_kl"] += gap["train_rollout_kl"] * tokens
-                sums["train_rollout_logprob_max_abs_diff"] = max(
-                    sums["train_rollout_logprob_max_abs_diff"], gap["train_rollout_logprob_max_abs_diff"]
-                )
+                sums.add_rollout_gap(lp, mb, tokens)
             loss.backward()
-            sums["loss"] += float(loss.detach().item()) * self.world_size
-            for key, value in stats.items():
-                if key != "num_tokens" and isinstance(value, float) and math.isfinite(value):
-                    sums[key] += value * tokens
+            sums.sums["loss"] += float(loss.detach().item()) * self.world_size
+            sums.add(stats, tokens)
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf")).item()
         )
-        metrics = {k: self._global_sum(v) / global_tokens for k, v in sums.items() if k not in ("loss",)}
-        if "train_rollout_logprob_max_abs_diff" in sums:
-            metrics["train_rollout_logprob_max_abs_diff"] = sums["train_rollout_logprob_max_abs_diff"]
-        metrics["loss"] = self._global_sum(sums["loss"]) / self.world_size
+        totals = sums.sums
+        metrics = {k: self._global_sum(v) / global_tokens for k, v in totals.items() if k not in ("loss",)}
+        if "train_rollout_logprob_max_abs_diff" in totals:
+            metrics["train_rollout_logprob_max_abs_diff"] = totals["train_rollout_logprob_max_abs_diff"]
+        metrics["loss"] = self._global_sum(totals["loss"]) / self.world_size
         metrics["grad_norm"] = grad_norm
         metrics["num_tokens"] = global_tokens
         metrics["forward_s"] = forward_s
-        finite = math.isfinite(grad_norm) and math.isfinite(metrics["loss"])
-        if not finite:
-            optimizer.zero_grad(set_to_none=True)
-            self.num_nan_in_a_row += 1
-            metrics["nan_skipped"] = 1.0
-            if self.num_nan_in_a_row >= self.cfg.max_nan_steps:
-                raise NonFiniteStepError(
-                    f"{self.num_nan_in_a_row} steps in a row had a non-finite loss or gradient norm; lower train.lr, "
-                    "raise train.grad_clip protection, or check the rewards"
-                )
-            return metrics
-        self.num_nan_in_a_row = 0
-        optimizer.step()
-        metrics["nan_skipped"] = 0.0
-        return metrics
+        return self.nan_guard.step(optimizer, metrics)
 
     # ----- weights and state -----
     def named_weights(self) -> list[tuple[str, Tensor]]:
@@ -195,7 +170,7 @@ class TorchTrainer:
         tensors.update({k: v.cpu() for k, v in opt_tensors.items()})
         if self.ref_model is not None:
             tensors.update({f"ref_model/{k}": v.detach().cpu() for k, v in self.ref_model.state_dict().items()})
-        return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.num_nan_in_a_row}
+        return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         if state.get("backend", "torch") != "torch":
@@ -210,7 +185,7 @@ class TorchTrainer:
             self.ref_model.load_state_dict(ref, strict=True)
         opt = {k: v for k, v in tensors.items() if k.startswith("optimizer/")}
         self.optimizer.load_state_dict(unflatten_state(opt, state["optimizer"]))
-        self.num_nan_in_a_row = int(state.get("num_nan_in_a_row", 0))
+        self.nan_guard.in_a_row = int(state.get("num_nan_in_a_row", 0))
 
     def export(self, out_dir: str | Path) -> Path:
         return save_model(self.model, out_dir, source_dir=self.model_dir)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,11 +37,11 @@ from hpcrl.model.hf import iter_safetensors, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import PolicyLossConfig, logprob_mismatch, policy_loss, sft_loss
+from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, is_tp_split, to_hf, to_megatron
 from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs
 from hpcrl.trainer.megatron.model import build_gpt_model, init_parallel_state
-from hpcrl.trainer.torch_backend import NonFiniteStepError
+from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -96,7 +95,7 @@ class MegatronTrainer:
             eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, kl_coef=cfg.kl_coef,
             entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
         )  # fmt: skip
-        self.num_nan_in_a_row = 0
+        self.nan_guard = NanGuard(cfg.max_nan_steps)
 
     def _build(self, hf: dict[str, Tensor]) -> torch.nn.Module:
         model = build_gpt_model(
@@ -196,7 +195,7 @@ class MegatronTrainer:
         global_tokens = self._dp_sum(float(batch.num_response_tokens))
         if global_tokens == 0:
             raise ValueError("the batch has no response tokens to train on")
-        sums: dict[str, float] = defaultdict(float)
+        sums = StepSums()
         forward_s = 0.0
         mbs = self.cfg.micro_batch_size
         pending: list[tuple[Tensor | None, Tensor]] = []
@@ -223,23 +222,10 @@ class MegatronTrainer:
         grad_norm = self._clip_grads()
         metrics = self._last_stage_metrics(sums, global_tokens)
         metrics.update(grad_norm=grad_norm, num_tokens=global_tokens, forward_s=forward_s)
-        if not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"])):
-            optimizer.zero_grad(set_to_none=True)
-            self.num_nan_in_a_row += 1
-            metrics["nan_skipped"] = 1.0
-            if self.num_nan_in_a_row >= self.cfg.max_nan_steps:
-                raise NonFiniteStepError(
-                    f"{self.num_nan_in_a_row} steps in a row had a non-finite loss or gradient norm; lower train.lr, "
-                    "raise train.grad_clip protection, or check the rewards"
-                )
-            return metrics
-        self.num_nan_in_a_row = 0
-        optimizer.step()
-        metrics["nan_skipped"] = 0.0
-        return metrics
+        return self.nan_guard.step(optimizer, metrics)
 
     def _loss(self, logits: Tensor, mb: TrainBatch, mode: str, ref: Tensor | None, global_tokens: float,
-              sums: dict[str, float]) -> Tensor:  # fmt: skip
+              sums: StepSums) -> Tensor:  # fmt: skip
         lp, entropy = self._logprobs(logits, mb.input_ids)
         tokens = float(mb.num_response_tokens)
         if mode == "sft":
@@ -249,20 +235,14 @@ class MegatronTrainer:
                 lp, lp.detach(), mb.advantages, mb.loss_mask, self.loss_cfg,
                 ref_logprobs=ref, entropy=entropy, loss_scale_tokens=global_tokens,
             )  # fmt: skip
-            gap = logprob_mismatch(lp.detach(), mb.rollout_logprobs, mb.loss_mask)
-            sums["train_rollout_logprob_abs_diff"] += gap["train_rollout_logprob_abs_diff"] * tokens
-            sums["train_rollout_kl"] += gap["train_rollout_kl"] * tokens
-            sums["train_rollout_logprob_max_abs_diff"] = max(
-                sums["train_rollout_logprob_max_abs_diff"], gap["train_rollout_logprob_max_abs_diff"]
-            )
-        sums["loss"] += float(loss.detach().item())
-        for key, value in stats.items():
-            if key != "num_tokens" and isinstance(value, float) and math.isfinite(value):
-                sums[key] += value * tokens
+            sums.add_rollout_gap(lp, mb, tokens)
+        sums.sums["loss"] += float(loss.detach().item())
+        sums.add(stats, tokens)
         return loss
 
-    def _last_stage_metrics(self, sums: dict[str, float], global_tokens: float) -> dict[str, float]:
+    def _last_stage_metrics(self, step_sums: StepSums, global_tokens: float) -> dict[str, float]:
         """Metrics summed over DP on the last stage, then sent to every stage (rank 0 logs them)."""
+        sums = step_sums.sums
         metrics: dict[str, float] = {}
         if self.shard.last_stage:
             keys = sorted(sums)
@@ -405,7 +385,7 @@ class MegatronTrainer:
         state = {
             "backend": "megatron",
             "adam_step": max(steps) if steps else 0,
-            "num_nan_in_a_row": self.num_nan_in_a_row,
+            "num_nan_in_a_row": self.nan_guard.in_a_row,
         }
         return tensors, state
 
@@ -432,7 +412,7 @@ class MegatronTrainer:
                     "step": torch.tensor(float(step)),
                     **{m: moments[m][name].to(p.dtype).clone() for m in MOMENTS},
                 }
-        self.num_nan_in_a_row = int(state.get("num_nan_in_a_row", 0))
+        self.nan_guard.in_a_row = int(state.get("num_nan_in_a_row", 0))
 
     def export(self, out_dir: str | Path) -> Path:
         """Write the policy as an HF dir on rank 0; every rank must call it."""
