@@ -497,3 +497,70 @@ def test_uniforms_never_reach_0_or_1() -> None:
     u = uniform_from_bits_np(extremes)
     assert (u > 0).all() and (u < 1).all(), u
     assert np.isfinite(-np.log(-np.log(u))).all()
+
+
+@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler")
+def test_compiled_cpu_decode_matches_eager() -> None:
+    """HPCRL_ENGINE_DECODE=compile: the compiled step samples the eager step's tokens (same seeds) with
+    its log-probs and cache writes to float rounding, across batch sizes (batch 1 runs eager), attention
+    lengths up to the cache's end, and rows that need the torch sampler (temperature != 1)."""
+    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.engine.embedded.scheduler import resolve_decode_mode
+    from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+
+    args = ModelArgs(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        attention_bias=True,
+    )
+    torch.manual_seed(0)
+    model = CausalLM(args).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    cpu = torch.device("cpu")
+    assert resolve_decode_mode("compile", model, cpu, torch.float32) == "compile"
+    max_len = 40
+    ids = torch.randint(3, 300, (8, 9))
+    last = torch.tensor([8, 3, 5, 0, 7, 2, 6, 4])
+
+    def run(mode: str) -> tuple[list, list, torch.Tensor, str]:
+        cache = KVCache.allocate(args, 8, max_len, torch.float32, cpu)
+        runner = DecodeRunner(model, cache, max_batch=8, device=cpu, mode=mode)
+        tokens, logprobs = [], []
+        with torch.inference_mode():
+            first = runner.prefill(ids, 0, last).argmax(-1)
+            rows = [
+                RowState(int(t), int(p) + 1, 100 + b, 1, 1.0, -1, 1.0, 0.0)
+                for b, (t, p) in enumerate(zip(first, last, strict=True))
+            ]
+            # batch 8, then 5 rows, then 1 row (eager), then 5 rows with one at temperature 0.7
+            for step in range(max_len - 10):
+                n = 8 if step < 10 else 5 if step < 20 else 1 if step < 22 else 5
+                if step in (0, 10, 20, 22):
+                    if step == 22:
+                        rows[2] = RowState(
+                            rows[2].token, rows[2].position, rows[2].seed, rows[2].step, 0.7, -1, 1.0, 0.0
+                        )
+                    runner.write_rows(rows[:n])
+                out = runner.decode(n, torch_sampler=False, want_support=False).result()
+                tokens.append(out.tokens)
+                logprobs.append(out.logprobs + out.scaled_logprobs)
+                rows[:n] = [
+                    RowState(t, r.position + 1, r.seed, r.step + 1, r.temperature, -1, 1.0, 0.0)
+                    for t, r in zip(out.tokens, rows, strict=False)
+                ]
+        assert cache.buffer is not None
+        return tokens, logprobs, cache.buffer, runner.mode
+
+    want, got = run("eager"), run("compile")
+    assert got[3] == "compile"  # no fallback to eager
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5), (a, b)
+    assert torch.allclose(got[2], want[2], atol=1e-5), (got[2] - want[2]).abs().max()

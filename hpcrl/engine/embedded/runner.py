@@ -5,9 +5,11 @@ and token index live in device buffers indexed by b. A decode step reads them, s
 them in place, so consecutive steps need nothing from the host: the scheduler rewrites the buffers
 only when the set of running sequences changes, and reads each step's tokens back asynchronously.
 
-Three ways to run the step, picked once per engine (`mode`):
+Four ways to run the step, picked once per engine (`mode`):
 - "eager": plain torch ops (`torch_forward`) and `sampling.sample` (CPU, and CUDA without Triton); on
   the CPU, prompts are prefilled by `_torch_prefill` with the same fused weights and GEMMs;
+- "compile": the CPU step and its unit-temperature sampler compiled by torch.compile (`compiled.py`;
+  opt-in: the first step compiles for several seconds); prefill as in "eager";
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default).
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
@@ -31,7 +33,7 @@ from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin
 
 log = logging.getLogger(__name__)
 
-MODES = ("eager", "triton", "graph")
+MODES = ("eager", "triton", "graph", "compile")
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,7 @@ class DecodeRunner:
         # Per layer: the fused [q; k; v] weight (and bias) and [gate; up] weight that the model's
         # parameters are views of (see _fuse_weights).
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
+        self._compiled: Any = None  # compiled.CompiledStep, made on the first "compile" step
         # Pinned host buffers that steps copy their tokens into, reused round-robin: at most two
         # steps are unread at a time (look-ahead), and allocating pinned memory per step is slow.
         self._ring = 4
@@ -230,6 +233,10 @@ class DecodeRunner:
         """Launch one decode step for slots 0..n-1 (asynchronous on CUDA)."""
         assert self.cache is not None and 0 < n <= self.max_batch
         timing = self._events() if self.profile else None
+        if self.mode == "compile" and n >= 2 and self.cache.max_len > 2:
+            done = self._compiled_step(n, timing, torch_sampler=torch_sampler, want_support=want_support)
+            if done is not None:
+                return done
         logits = self._forward(n)
         if timing is not None:
             self._mark(timing, 1)
@@ -256,6 +263,40 @@ class DecodeRunner:
         if timing is not None:
             self._mark(timing, 2)
         return self._handle(n, support_lp, support_mask, timing)
+
+    def _compiled_step(self, n: int, timing: Any, *, torch_sampler: bool, want_support: bool) -> StepHandle | None:
+        """The "compile" mode's step (CPU, n >= 2: batch 1 would compile a second graph); None when
+        the compiled step failed (the mode falls back to eager)."""
+        try:
+            if self._compiled is None:
+                from hpcrl.engine.embedded.compiled import CompiledStep
+
+                self._compiled = CompiledStep()
+            logits, tok, lp = self._compiled(self, n)
+        except Exception:  # noqa: BLE001 - no compiler, or a compile error: decode eagerly instead
+            log.exception("the compiled CPU decode step failed; decoding with the eager step from now on")
+            self.mode = "eager"
+            return None
+        self.stats["compile_s"] = self._compiled.compile_s
+        if timing is not None:
+            self._mark(timing, 1)
+        if torch_sampler or want_support or not self._unit_temperature:
+            # Filtered rows, another temperature or sampling support: the torch sampler on the logits.
+            out = sample(logits, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature)
+            tok = out.token_ids
+            step_out = _host_output(out)
+        else:
+            lps = lp.tolist()
+            step_out = StepOutput(
+                tokens=tok.tolist(), logprobs=lps, scaled_logprobs=lps, support_logprobs=None, support_mask=None
+            )
+        self.tokens[:n].copy_(tok)
+        self.positions[:n] += 1
+        self.steps[:n] += 1
+        if timing is not None:
+            self._mark(timing, 2)
+            self._record_timing(timing)
+        return ReadyStep(step_out)
 
     def _fast_sample(self, logits: torch.Tensor, n: int) -> bool:
         try:
@@ -495,7 +536,7 @@ class DecodeRunner:
         the logits at `last` [B] of each row (the position that predicts the next token), [B, V]."""
         assert self.cache is not None
         b = ids.shape[0]
-        if self.mode != "eager" or self.is_cuda:
+        if self.mode not in ("eager", "compile") or self.is_cuda:
             start = torch.zeros(b, dtype=torch.long, device=self.device)
             return self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
         return self._torch_prefill(ids, first_slot, last)

@@ -112,8 +112,13 @@ class SchedulerConfig:
 
 
 def resolve_decode_mode(requested: str, model: CausalLM, device: torch.device, dtype: torch.dtype) -> str:
-    if requested not in ("auto", "eager", "triton", "graph"):
-        raise ValueError(f"decode mode must be auto, eager, triton or graph, got {requested!r}")
+    if requested not in ("auto", "eager", "triton", "graph", "compile"):
+        raise ValueError(f"decode mode must be auto, eager, triton, graph or compile, got {requested!r}")
+    if requested == "compile":
+        if device.type == "cpu":
+            return "compile"  # torch.compile of the CPU step (opt-in: it compiles for seconds)
+        log.warning("decode mode compile is for the CPU; using the default mode for %s", device.type)
+        requested = "auto"
     if device.type != "cuda":
         return "eager"  # the fused kernels are Triton GPU code
     reason = kernels.supported(model.args.head_dim, dtype)
@@ -171,7 +176,9 @@ class Scheduler:
 
     @property
     def decode_path(self) -> str:
-        return {"graph": "cuda_graph", "triton": "triton_eager", "eager": "eager"}[self.runner.mode]
+        return {"graph": "cuda_graph", "triton": "triton_eager", "eager": "eager", "compile": "cpu_compiled"}[
+            self.runner.mode
+        ]
 
     def profile_summary(self) -> dict[str, Any] | None:
         if not self.cfg.profile:

@@ -57,7 +57,7 @@ class ServerConfig:
     group_timeout_s: float = 300.0
     num_threads: int | None = None
     ignore_sigterm: bool = False
-    # Decode tuning; None takes HPCRL_ENGINE_DECODE (auto|eager|triton|graph), HPCRL_ENGINE_OVERLAP
+    # Decode tuning; None takes HPCRL_ENGINE_DECODE (auto|eager|triton|graph|compile), HPCRL_ENGINE_OVERLAP
     # (0|1) and HPCRL_ENGINE_PROFILE (0|1) from the environment, so benchmarks and tests can switch
     # them without new CLI flags.
     decode_mode: str | None = None
