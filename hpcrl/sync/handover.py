@@ -42,42 +42,16 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-class CudaStaging:
-    """A CUDA buffer kept across pushes, in a memory pool of its own.
-
-    A CUDA IPC handle names the whole allocator segment that holds the buffer, and the engine maps all
-    of it. A buffer carved from the trainer's cached segments can sit in one of many GB (the remains of
-    a training step's peak), which made each Megatron push map ~20 GB: a second instead of tens of ms.
-    """
-
-    def __init__(self) -> None:
-        self.flat: torch.Tensor | None = None
-        self._pool: object | None = None
-
-    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self.flat is None or self.flat.numel() < nbytes or self.flat.device != device:
-            self.flat = None
-            mem_pool = getattr(torch.cuda, "MemPool", None)
-            if mem_pool is None:
-                self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            else:
-                self._pool = mem_pool()
-                with torch.cuda.use_mem_pool(self._pool, device=device):
-                    self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.flat
-
-
 @contextlib.contextmanager
-def create_handover(named: Sequence[tuple[str, torch.Tensor]], staging: CudaStaging | None = None) -> Iterator[str]:
+def create_handover(named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
     """Pack tensors into one shared buffer; yields the base64 payload for serialized_named_tensors.
 
-    The buffer lives until the context exits: keep it open until the engine has answered. On CUDA,
-    `staging` reuses one buffer in a pool of its own (see CudaStaging) instead of a fresh allocation.
+    The buffer lives until the context exits: keep it open until the engine has answered.
     """
     entries, nbytes = _layout(named)
     device = named[0][1].device if named else torch.device("cpu")
     if device.type == "cuda":
-        flat = staging.get(nbytes, device) if staging else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         _pack(flat, named, entries)
         torch.cuda.current_stream(device).synchronize()
         storage = flat.untyped_storage()

@@ -24,7 +24,7 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed, UpdateWeightsFromTensor
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.group import broadcast, init_weight_group
-from hpcrl.sync.handover import CudaStaging, create_handover
+from hpcrl.sync.handover import create_handover
 
 GROUP_NAME = "hpcrl_weights"
 
@@ -71,7 +71,6 @@ class WeightSync:
 
             self.mpi = MpiWeightSender()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
-        self._staging = CudaStaging()  # one reused CUDA buffer for same-host handovers
         self.last_metrics: dict[str, float] = {}
 
     def _each(self, fn, *, what: str) -> list:  # type: ignore[no-untyped-def]
@@ -192,7 +191,7 @@ class WeightSync:
                 raise WeightSyncError(f"update_weights_from_distributed failed on {engine.url}: {exc}") from exc
 
     def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        with create_handover(bucket, self._staging) as payload:
+        with create_handover(bucket) as payload:
             request = UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
             self._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
 

@@ -4,6 +4,7 @@
 
 Scenarios write their results to OUT_DIR from rank 0 (JSON metrics, safetensors weights):
 - grpo: three GRPO steps on a fixed batch, then the weights in HF layout;
+- bf16: one step in bfloat16; the dtypes of the pushed weights and of the checkpoint's;
 - logprobs: vocab-parallel log-probs, entropy and their gradients on random fp64-checked logits;
 - reshard: two steps under TP x PP, then the checkpoint state moves to a single-rank trainer, which must
   hold the same weights and take the same next step as the sharded one.
@@ -41,8 +42,10 @@ def fixed_batch(vocab: int) -> TrainBatch:
     )
 
 
-def config(tp: int, pp: int, world: int) -> TrainConfig:
-    return TrainConfig(backend="megatron", num_ranks=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, **TRAIN)
+def config(tp: int, pp: int, world: int, dtype: str = "float32") -> TrainConfig:
+    return TrainConfig(
+        backend="megatron", num_ranks=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, **TRAIN
+    )
 
 
 def vocab_parallel_check(out_dir: Path, rank: int, world: int) -> None:
@@ -81,7 +84,18 @@ def main() -> int:
     from hpcrl.trainer.megatron.backend import MegatronTrainer
 
     batch = fixed_batch(ModelArgs.from_dir(model_dir).vocab_size)
-    trainer = MegatronTrainer(config(tp, pp, world), model_dir, rank=rank, world_size=world)
+    dtype = "bfloat16" if scenario == "bf16" else "float32"
+    trainer = MegatronTrainer(config(tp, pp, world, dtype), model_dir, rank=rank, world_size=world)
+    if scenario == "bf16":
+        trainer.train_grpo(batch)
+        pushed = {str(v.dtype) for _, v in trainer.named_weights()}
+        tensors, _ = trainer.state()
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            saved = {k: str(v.dtype) for k, v in tensors.items() if k.startswith("model/")}
+            (out_dir / "result.json").write_text(json.dumps({"pushed": sorted(pushed), "saved": saved}))
+        dist.destroy_process_group()
+        return 0
     steps = 3 if scenario == "grpo" else 2
     metrics = [trainer.train_grpo(batch) for _ in range(steps)]
     weights = dict(trainer.named_weights())

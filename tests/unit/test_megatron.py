@@ -174,6 +174,15 @@ print("max_abs_diff", float((ours - theirs).abs().max()), "max_abs", float(their
     assert scale > 0.1 and diff < 1e-5
 
 
+def test_bf16_weights_leave_in_one_dtype_and_checkpoints_keep_fp32_norms(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Megatron keeps norm weights in fp32 under bf16: the push must still send the model dtype alone (mixed
+    dtypes cut it into a bucket per dtype run), while the checkpoint keeps the fp32 values (PP=2 moves them)."""
+    result = run_ranks("bf16", tiny_model_dir, tmp_path, 1, 2, 2)
+    assert result["pushed"] == ["torch.bfloat16"]
+    assert result["saved"]["model/model.layers.0.self_attn.q_proj.weight"] == "torch.bfloat16"
+    assert result["saved"]["model/model.norm.weight"] == "torch.float32"  # from the last stage
+
+
 def test_checkpoint_moves_between_splits(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A TP=2 checkpoint (HF layout, Adam moments included) resumes on one rank: same weights, same next step."""
     result = run_ranks("reshard", tiny_model_dir, tmp_path, 2, 1, 2)
