@@ -6,6 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -393,28 +394,29 @@ def test_health_generate_and_info(shared_engine: EngineProcess) -> None:
     assert httpx.get(shared_engine.url + "/model_info").json()["is_generation"] is True
 
 
-@pytest.mark.parametrize("llama", [False, True])
-def test_cpu_decode_step_matches_forward_cached(llama: bool) -> None:
-    """The runner's fused-op CPU decode step computes forward_cached's logits and cache writes."""
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
-    from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+def random_small_model(llama: bool, *, num_layers: int) -> tuple[Any, Any]:
+    """A random fp32 Qwen3 (QK-norm) or Llama-style (QKV bias) model with norms away from zero."""
+    from hpcrl.model.qwen3 import CausalLM, ModelArgs
 
     args = ModelArgs(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=160,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        qk_norm=not llama,
-        attention_bias=llama,
-    )
+        vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+        head_dim=32, qk_norm=not llama, attention_bias=llama,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = CausalLM(args).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    return args, model
+
+
+@pytest.mark.parametrize("llama", [False, True])
+def test_cpu_decode_step_matches_forward_cached(llama: bool) -> None:
+    """The runner's fused-op CPU decode step computes forward_cached's logits and cache writes."""
+    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.model.qwen3 import KVCache
+
+    args, model = random_small_model(llama, num_layers=2)
     cpu = torch.device("cpu")
     lengths = [5, 17, 1, 33, 9]
     n = len(lengths)
@@ -443,24 +445,9 @@ def test_cpu_prefill_matches_forward_cached(llama: bool) -> None:
     """The runner's CPU prefill (fused weights, last layer for the last tokens only) computes
     forward_cached's logits and writes the same K/V into the same slots."""
     from hpcrl.engine.embedded.runner import DecodeRunner
-    from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+    from hpcrl.model.qwen3 import KVCache
 
-    args = ModelArgs(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=160,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        qk_norm=not llama,
-        attention_bias=llama,
-    )
-    torch.manual_seed(0)
-    model = CausalLM(args).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    args, model = random_small_model(llama, num_layers=3)
     cpu = torch.device("cpu")
     lengths = [5, 17, 1, 33, 9]
     ids = torch.randint(3, 300, (len(lengths), max(lengths)))
