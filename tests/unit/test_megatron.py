@@ -19,7 +19,7 @@ from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.store import load_events, load_metrics
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
-from tests.unit.test_run import SMALL, assert_same_metrics, hpcrl
+from tests.unit.test_run import SMALL, assert_same_metrics, hpcrl, signal_at_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,16 +200,7 @@ def test_megatron_run_killed_and_rerun_equals_an_uninterrupted_run(workdir: Path
 
     args = [*SMALL, "num_steps=4", *MEGATRON_TP2]
     hpcrl("run", "qs.yaml", *args, "--run-dir", "full", cwd=workdir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", "cut"],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("step    3/"):
-            proc.send_signal(signal.SIGKILL)
-            break
+    proc = signal_at_step(workdir, args, "cut", 3, signal.SIGKILL)
     proc.wait(30)
     out = hpcrl("run", "qs.yaml", *args, "--run-dir", "cut", cwd=workdir)
     assert "resumed from" in out.stdout

@@ -38,6 +38,21 @@ def hpcrl(*args: str, cwd: Path, timeout_s: float = 300, check: bool = True) -> 
     return out
 
 
+def signal_at_step(workdir: Path, args: list[str], run_dir: str, step: int, sig: int) -> subprocess.Popen[str]:
+    """Start `hpcrl run` and send `sig` once it prints the line of `step` (1-based); the caller waits."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", run_dir],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(f"step {step:>4}/"):
+            proc.send_signal(sig)
+            break
+    return proc
+
+
 def non_timing(metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     timing = ("sync/seconds", "rollout/tokens_per_s")
     return {k: v for k, v in metrics.items() if not k.startswith("timing/") and k not in timing}
@@ -82,16 +97,7 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
     hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "full", cwd=workdir)
     kill_after = random.Random().randint(1, 4)
     print(f"killing after checkpoint-free progress past step {kill_after}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *SMALL, "--run-dir", "cut"],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(f"step {kill_after + 1:>4}/"):
-            proc.send_signal(signal.SIGKILL)
-            break
+    proc = signal_at_step(workdir, SMALL, "cut", kill_after + 1, signal.SIGKILL)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
     out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "cut", cwd=workdir)
@@ -226,16 +232,7 @@ def test_colocated_offload_frees_engine_memory_and_changes_nothing(workdir: Path
 
 
 def test_sigterm_checkpoints_records_preempted_and_the_rerun_resumes(workdir: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *SMALL, "--run-dir", "r"],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("step    2/"):
-            proc.send_signal(signal.SIGTERM)
-            break
+    proc = signal_at_step(workdir, SMALL, "r", 2, signal.SIGTERM)
     rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, rest
     assert "received SIGTERM: checkpointed step" in rest
