@@ -29,24 +29,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hpcrl.engine.embedded.sampling import _mix32  # the same bits as the eager and numpy samplers
+
 log = logging.getLogger(__name__)
 
 # Attention lengths are rounded up to a multiple of this (fewer distinct shapes, no 0/1 sizes).
 LENGTH_BUCKET = 16
-
-
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    hi = ((x >> 16) * m) & 0xFFFF
-    return ((hi << 16) + (x & 0xFFFF) * m) & 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # sampling._mix32 (the same bits as the numpy sampler), in int64 ops that inductor fuses.
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
 
 
 def _gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
