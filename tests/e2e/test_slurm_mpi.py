@@ -21,7 +21,7 @@ import pytest
 from hpcrl.cli import main
 from hpcrl.config import ConfigError, dump_yaml
 from hpcrl.slurm.render import check_mpi_launch, check_placement, render_script
-from tests.e2e.conftest import SlurmCluster
+from tests.e2e.conftest import SlurmCluster, _skip_or_fail
 from tests.e2e.test_slurm import (
     STUB,
     _check_metrics,
@@ -99,7 +99,7 @@ def test_mpi_plugin_that_this_slurm_lacks_fails_at_render() -> None:
     from hpcrl.slurm.doctor import srun_mpi_plugins
 
     if srun_mpi_plugins() is None:
-        pytest.skip("no srun here: Slurm's MPI plugins are checked where srun is")
+        _skip_or_fail("no srun here: Slurm's MPI plugins are checked where srun is")
     with pytest.raises(ConfigError, match=r"srun --mpi=pmi9 \(slurm.mpi\).*srun --mpi=list"):
         check_mpi_launch(make_config({"sync.transport": "mpi", "slurm.mpi": "pmi9"}), None)
 
