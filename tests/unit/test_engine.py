@@ -394,13 +394,13 @@ def test_health_generate_and_info(shared_engine: EngineProcess) -> None:
     assert httpx.get(shared_engine.url + "/model_info").json()["is_generation"] is True
 
 
-def random_small_model(llama: bool, *, num_layers: int) -> tuple[Any, Any]:
-    """A random fp32 Qwen3 (QK-norm) or Llama-style (QKV bias) model with norms away from zero."""
+def random_small_model(*, num_layers: int, qk_norm: bool, attention_bias: bool) -> tuple[Any, Any]:
+    """A random fp32 Qwen3-family model (QK-norm and/or QKV bias) with norm weights away from zero."""
     from hpcrl.model.qwen3 import CausalLM, ModelArgs
 
     args = ModelArgs(
         vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-        head_dim=32, qk_norm=not llama, attention_bias=llama,
+        head_dim=32, qk_norm=qk_norm, attention_bias=attention_bias,
     )  # fmt: skip
     torch.manual_seed(0)
     model = CausalLM(args).eval()
@@ -416,7 +416,7 @@ def test_cpu_decode_step_matches_forward_cached(llama: bool) -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
     from hpcrl.model.qwen3 import KVCache
 
-    args, model = random_small_model(llama, num_layers=2)
+    args, model = random_small_model(num_layers=2, qk_norm=not llama, attention_bias=llama)
     cpu = torch.device("cpu")
     lengths = [5, 17, 1, 33, 9]
     n = len(lengths)
@@ -447,7 +447,7 @@ def test_cpu_prefill_matches_forward_cached(llama: bool) -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner
     from hpcrl.model.qwen3 import KVCache
 
-    args, model = random_small_model(llama, num_layers=3)
+    args, model = random_small_model(num_layers=3, qk_norm=not llama, attention_bias=llama)
     cpu = torch.device("cpu")
     lengths = [5, 17, 1, 33, 9]
     ids = torch.randint(3, 300, (len(lengths), max(lengths)))
@@ -493,23 +493,9 @@ def test_compiled_cpu_decode_matches_eager() -> None:
     lengths up to the cache's end, and rows that need the torch sampler (temperature != 1)."""
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
     from hpcrl.engine.embedded.scheduler import resolve_decode_mode
-    from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+    from hpcrl.model.qwen3 import KVCache
 
-    args = ModelArgs(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=160,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        attention_bias=True,
-    )
-    torch.manual_seed(0)
-    model = CausalLM(args).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    args, model = random_small_model(num_layers=2, qk_norm=True, attention_bias=True)
     cpu = torch.device("cpu")
     assert resolve_decode_mode("compile", model, cpu, torch.float32) == "compile"
     max_len = 40
