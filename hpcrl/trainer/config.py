@@ -16,6 +16,10 @@ class TrainConfig:
     pipeline_parallel_size: int = 1
     """Megatron only: pipeline stages, each a contiguous run of layers; divides the layer count.
     num_ranks / (tensor_parallel_size x pipeline_parallel_size) is the data-parallel size."""
+    megatron_optimizer: Literal["auto", "distributed", "local"] = "auto"
+    """Megatron only: `distributed` is Megatron's DDP + distributed optimizer (fp32 master weights, Adam
+    state sharded over data-parallel ranks; CUDA only); `local` is torch AdamW on each rank's shards with
+    gradients all-reduced by hand (runs on CPU too); `auto` picks distributed on CUDA, local on CPU."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -65,11 +69,19 @@ class TrainConfig:
                 "tensor_parallel_size / pipeline_parallel_size > 1 need backend: megatron "
                 "(the torch backend is DDP only)"
             )
+        if self.backend == "torch" and self.megatron_optimizer != "auto":
+            raise ValueError("megatron_optimizer applies to backend: megatron only; remove it or set backend: megatron")
         if self.backend == "megatron":
             if self.num_ranks % model_parallel:
                 raise ValueError(
                     f"num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel_size x pipeline_parallel_size "
                     f"({self.tensor_parallel_size} x {self.pipeline_parallel_size})"
+                )
+            if self.megatron_optimizer == "distributed" and not self.device.startswith("cuda"):
+                raise ValueError(
+                    "megatron_optimizer: distributed needs CUDA (Megatron's DDP and distributed optimizer "
+                    f"allocate their buffers on the GPU), but device is {self.device!r}; use device: cuda, "
+                    "or megatron_optimizer: local (or auto) on CPU"
                 )
             if self.onpolicy:
                 raise ValueError(

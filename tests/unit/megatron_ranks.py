@@ -7,7 +7,12 @@ Scenarios write their results to OUT_DIR from rank 0 (JSON metrics, safetensors 
 - bf16: one step in bfloat16; the dtypes of the pushed weights and of the checkpoint's;
 - logprobs: vocab-parallel log-probs, entropy and their gradients on random fp64-checked logits;
 - reshard: two steps under TP x PP, then the checkpoint state moves to a single-rank trainer, which must
-  hold the same weights and take the same next step as the sharded one.
+  hold the same weights and take the same next step as the sharded one;
+- resume: two steps, the checkpoint state, a third step; a fresh trainer of the same split loads the
+  state and takes the third step again.
+
+HPCRL_TEST_DEVICE=cuda runs the ranks on GPUs over NCCL (one GPU a rank, TF32 off) instead of gloo;
+HPCRL_TEST_MEGATRON_OPTIMIZER picks train.megatron_optimizer (default auto).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
@@ -42,10 +47,15 @@ def fixed_batch(vocab: int) -> TrainBatch:
     )
 
 
+DEVICE = os.environ.get("HPCRL_TEST_DEVICE", "cpu")
+OPTIMIZER = os.environ.get("HPCRL_TEST_MEGATRON_OPTIMIZER", "auto")
+
+
 def config(tp: int, pp: int, world: int, dtype: str = "float32") -> TrainConfig:
     return TrainConfig(
-        backend="megatron", num_ranks=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, **TRAIN
-    )
+        backend="megatron", num_ranks=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype,
+        device=DEVICE, megatron_optimizer=OPTIMIZER, **TRAIN,  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def vocab_parallel_check(out_dir: Path, rank: int, world: int) -> None:
@@ -75,7 +85,10 @@ def main() -> int:
     scenario, model_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     tp, pp = int(sys.argv[4]), int(sys.argv[5])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world)
     if scenario == "logprobs":
         vocab_parallel_check(out_dir, rank, world)
         dist.destroy_process_group()
@@ -93,13 +106,31 @@ def main() -> int:
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             saved = {k: str(v.dtype) for k, v in tensors.items() if k.startswith("model/")}
-            (out_dir / "result.json").write_text(json.dumps({"pushed": sorted(pushed), "saved": saved}))
+            saved_all = {k: str(v.dtype) for k, v in tensors.items()}
+            (out_dir / "result.json").write_text(json.dumps({"pushed": sorted(pushed), "saved": saved,
+                                                             "saved_all": saved_all}))  # fmt: skip
         dist.destroy_process_group()
         return 0
     steps = 3 if scenario == "grpo" else 2
     metrics = [trainer.train_grpo(batch) for _ in range(steps)]
-    weights = dict(trainer.named_weights())
-    result: dict[str, object] = {"metrics": metrics}
+    weights = {k: v.clone() for k, v in trainer.named_weights()}  # fp32 weights are the live params
+    result: dict[str, object] = {"metrics": metrics, "optimizer": trainer.optimizer_kind}
+    if scenario == "resume":
+        tensors, state = trainer.state()  # whole on rank 0; every rank reads it back, as a resume does
+        ckpt = out_dir / "checkpoint.safetensors"
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(ckpt))
+        dist.barrier()
+        result["next"] = trainer.train_grpo(batch)
+        after = dict(trainer.named_weights())
+        fresh = MegatronTrainer(config(tp, pp, world), model_dir, rank=rank, world_size=world)
+        fresh.load_state(load_file(ckpt), state)
+        restored = dict(fresh.named_weights())
+        result["restored_equal"] = all(torch.equal(restored[k], weights[k]) for k in weights)
+        result["next_resumed"] = fresh.train_grpo(batch)
+        again = dict(fresh.named_weights())
+        result["after_max_abs_diff"] = max((float((again[k] - after[k]).abs().max()) for k in after), default=0.0)
     if scenario == "reshard":
         tensors, state = trainer.state()
         metrics_next = trainer.train_grpo(batch)
@@ -110,6 +141,7 @@ def main() -> int:
 
             parallel_state.destroy_model_parallel()
             single = MegatronTrainer(config(1, 1, 1), model_dir)
+            result["single_optimizer"] = single.optimizer_kind
             single.load_state(tensors, state)
             restored = dict(single.named_weights())
             result["restored_equal"] = all(torch.equal(restored[k], weights[k]) for k in weights)
@@ -117,7 +149,7 @@ def main() -> int:
             result["next_single"] = single.train_grpo(batch)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / "weights.safetensors"))
+        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out_dir / "weights.safetensors"))
         (out_dir / "result.json").write_text(json.dumps(result))
     if dist.is_initialized() and not (scenario == "reshard" and rank == 0):
         dist.destroy_process_group()

@@ -74,6 +74,18 @@ def test_split_sizes_that_do_not_fit_are_refused_with_the_reason() -> None:
         TrainConfig(backend="megatron", onpolicy=True)
 
 
+def test_distributed_optimizer_on_cpu_is_refused_before_anything_runs(workdir: Path) -> None:
+    """Megatron's distributed optimizer needs CUDA: asking for it on CPU names the fix, exits non-zero
+    and leaves no run directory behind; `auto` is what CPU runs get."""
+    out = hpcrl("run", "qs.yaml", "train.backend=megatron", "train.megatron_optimizer=distributed",
+                "--run-dir", "r", cwd=workdir, check=False)  # fmt: skip
+    assert out.returncode != 0
+    assert "megatron_optimizer: distributed needs CUDA" in out.stderr and "megatron_optimizer: local" in out.stderr
+    assert not (workdir / "r").exists()
+    with pytest.raises(ValueError, match="applies to backend: megatron only"):
+        TrainConfig(megatron_optimizer="local")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,6 +201,18 @@ def test_checkpoint_moves_between_splits(tiny_model_dir: Path, tmp_path: Path) -
     assert result["restored_equal"]
     for key in ("loss", "grad_norm", "train_rollout_logprob_abs_diff"):
         np.testing.assert_allclose(result["next_single"][key], result["next_sharded"][key], rtol=2e-5, err_msg=key)
+
+
+def test_checkpoint_resumes_under_the_same_split(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two data-parallel ranks: a fresh trainer that loads the checkpoint holds the same weights and
+    takes exactly the step the original took next."""
+    result = run_ranks("resume", tiny_model_dir, tmp_path, 1, 1, 2)
+    assert result["optimizer"] == "local" and result["restored_equal"]
+    timing = ("forward_s",)
+    assert {k: v for k, v in result["next_resumed"].items() if k not in timing} == {
+        k: v for k, v in result["next"].items() if k not in timing
+    }
+    assert result["after_max_abs_diff"] == 0.0
 
 
 MEGATRON_TP2 = ["train.backend=megatron", "train.num_ranks=2", "train.tensor_parallel_size=2"]

@@ -1,7 +1,8 @@
 """Training throughput and MFU of the Megatron backend against the torch backend, in one run.
 
     python tools/bench/megatron_train.py [--shape qwen3-0.6b] [--batch 8] [--seq-len 2048] [--micro-batch 4]
-                                         [--steps 5] [--device cuda] [--dtype bfloat16] [--backends megatron torch]
+                                         [--steps 5] [--device cuda] [--dtype bfloat16]
+                                         [--backends megatron megatron-local torch]
 
 Workload: one GRPO optimizer step (forward, vocab-parallel log-probs and entropy, PPO loss, backward, AdamW)
 on `batch` random sequences of `seq-len` tokens (prompt 64, response the rest), random advantages.
@@ -45,8 +46,9 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
     from hpcrl.trainer.ranks import build_trainer
 
     args = ModelArgs.from_dir(ns.model_dir)
-    cfg = TrainConfig(backend=ns.backend, device=ns.device, dtype=ns.dtype, micro_batch_size=ns.micro_batch,
-                      lr=1e-6, num_threads=8)  # fmt: skip
+    backend, _, optimizer = ns.backend.partition("-")  # megatron-local: the local optimizer
+    cfg = TrainConfig(backend=backend, device=ns.device, dtype=ns.dtype, micro_batch_size=ns.micro_batch,  # type: ignore[arg-type]
+                      lr=1e-6, num_threads=8, megatron_optimizer=optimizer or "auto")  # type: ignore[arg-type]  # fmt: skip
     trainer = build_trainer(cfg, ns.model_dir, rank=0, world_size=1, sft_lr=1e-6)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, args.vocab_size, (64,), generator=g).tolist() for _ in range(ns.batch)]
@@ -80,7 +82,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--backends", nargs="+", default=["megatron", "torch"])
+    ap.add_argument("--backends", nargs="+", default=["megatron", "torch"],
+                    help="megatron (train.megatron_optimizer auto: distributed on CUDA), megatron-local, "
+                    "megatron-distributed, torch")  # fmt: skip
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ns = ap.parse_args()

@@ -11,9 +11,10 @@ over DP replicas is the gradient of the whole batch's token mean.
 
 Pipeline stages run a GPipe schedule (all micro-batches forward, then all backward) with plain
 send/recv of the [s, b, h] activations, which works on gloo and nccl alike; Megatron's own schedules
-allocate their buffers on CUDA. Optimizer: torch AdamW over this rank's shards, with gradients
-all-reduced over DP by hand (Megatron's DDP and distributed optimizer allocate CUDA buffers, so the
-CPU tests could not run them). AdamW is element-wise, so sharding does not change its result.
+allocate their buffers on CUDA. Optimizer (`train.megatron_optimizer`, see optimizer.py): on CUDA,
+Megatron's DDP and distributed optimizer (fp32 master weights, Adam state split over DP); on CPU, torch
+AdamW over this rank's shards with gradients all-reduced over DP by hand. AdamW is element-wise, so
+sharding does not change its result.
 
 Weights leave in Hugging Face names and shapes (TP shards gathered, QKV and gate/up split, vocab
 padding dropped) for the weight push, the export and the checkpoint. A checkpoint therefore holds
@@ -23,7 +24,6 @@ the full model and Adam moments in HF layout and resumes under any TP/PP split.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,12 +38,13 @@ from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss
-from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, is_tp_split, to_hf, to_megatron
+from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
 from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs
 from hpcrl.trainer.megatron.model import build_gpt_model, init_parallel_state
+from hpcrl.trainer.megatron.optimizer import MOMENTS, DistributedOptimizer, LocalOptimizer
 from hpcrl.trainer.step_stats import NanGuard, StepSums
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+Optimizer = LocalOptimizer | DistributedOptimizer
 
 
 class MegatronTrainer:
@@ -88,9 +89,16 @@ class MegatronTrainer:
         self.ref_model: torch.nn.Module | None = None
         if cfg.kl_coef > 0:
             self.ref_model = self._build(hf).eval().requires_grad_(False)
-        self.optimizer = self._make_optimizer(cfg.lr)
+        kind = cfg.megatron_optimizer
+        if kind == "auto":
+            kind = "distributed" if self.device.type == "cuda" else "local"
+        self.ddp: torch.nn.Module | None = None
+        if kind == "distributed":
+            self.ddp = DistributedOptimizer.wrap(self.model)  # moves the params into its buffer, values kept
+        self.optimizer: Optimizer = self._make_optimizer(cfg.lr)
         self.sft_lr = sft_lr
-        self._sft_optimizer: torch.optim.Optimizer | None = None
+        self._sft_optimizer: Optimizer | None = None
+        self._last_mode = "grpo"
         self.loss_cfg = PolicyLossConfig(
             eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, kl_coef=cfg.kl_coef,
             entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
@@ -118,20 +126,38 @@ class MegatronTrainer:
                     raise RuntimeError(f"{name}: shape {tuple(state[name].shape)} does not fit {tuple(p.shape)}")
                 p.copy_(state[name])
 
-    def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-            eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay,
-        )  # fmt: skip
+    def _make_optimizer(self, lr: float) -> Optimizer:
+        if self.ddp is not None:
+            return DistributedOptimizer(self.ddp, self.cfg, lr, dtype=self.dtype)
+        return LocalOptimizer(self.model, self.cfg, lr, shard=self.shard, device=self.device,
+                              shared_embedding=self._shared_embedding())  # fmt: skip
+
+    @property
+    def optimizer_kind(self) -> str:
+        return self.optimizer.kind
 
     # ----- steps -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        return self._step(self._shard_rows(batch), mode="grpo", optimizer=self.optimizer)
+        return self._step(self._shard_rows(batch), mode="grpo", optimizer=self._optimizer_for("grpo"))
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        return self._step(self._shard_rows(batch), mode="sft", optimizer=self._optimizer_for("sft"))
+
+    def _optimizer_for(self, mode: str) -> Optimizer:
+        """GRPO and the SFT warm start each have their own Adam state and learning rate."""
+        switched, self._last_mode = mode != self._last_mode, mode
+        if isinstance(self.optimizer, DistributedOptimizer):
+            # One distributed optimizer serves both (a second one over the same DDP buffers would keep
+            # master weights of its own): a switch starts Adam afresh at the mode's learning rate, as
+            # the local optimizers do when each first steps.
+            if switched:
+                self.optimizer.restart(lr=self.sft_lr if mode == "sft" else self.cfg.lr)
+            return self.optimizer
+        if mode == "grpo":
+            return self.optimizer
         if self._sft_optimizer is None:
             self._sft_optimizer = self._make_optimizer(self.sft_lr)
-        return self._step(self._shard_rows(batch), mode="sft", optimizer=self._sft_optimizer)
+        return self._sft_optimizer
 
     def _shard_rows(self, batch: TrainBatch) -> TrainBatch:
         if self.dp_size == 1:
@@ -189,7 +215,7 @@ class MegatronTrainer:
 
         return ps.get_pipeline_model_parallel_next_rank() if delta > 0 else ps.get_pipeline_model_parallel_prev_rank()
 
-    def _step(self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    def _step(self, batch: TrainBatch, *, mode: str, optimizer: Optimizer) -> dict[str, float]:
         batch = batch.to(self.device)
         optimizer.zero_grad(set_to_none=True)
         global_tokens = self._dp_sum(float(batch.num_response_tokens))
@@ -218,8 +244,8 @@ class MegatronTrainer:
             if hidden_in is not None:
                 assert hidden_in.grad is not None
                 dist.send(hidden_in.grad.contiguous(), dst=self._pp_peer(-1))
-        self._reduce_grads()
-        grad_norm = self._clip_grads()
+        optimizer.finish_grads()
+        grad_norm = optimizer.clip_grads(self.cfg.grad_clip)
         metrics = self._last_stage_metrics(sums, global_tokens)
         metrics.update(grad_norm=grad_norm, num_tokens=global_tokens, forward_s=forward_s)
         return self.nan_guard.step(optimizer, metrics)
@@ -272,57 +298,12 @@ class MegatronTrainer:
         dist.broadcast(buf, src=src, group=self.pp_group)
         return json.loads(bytes(buf.cpu().tolist()).decode())
 
-    def _reduce_grads(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.dp_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
-        if self.shard.tp_size > 1:
-            # q/k norms are shared by all heads but each TP rank sees only its own heads' gradient.
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-                    dist.all_reduce(p.grad, group=self.tp_group)
-        if self.shard.pp_size > 1 and self.args.tie_word_embeddings:
-            shared = self._shared_embedding()
-            if shared is not None and shared.grad is not None:
-                dist.all_reduce(shared.grad, group=ps.get_embedding_group())
-
     def _shared_embedding(self) -> Tensor | None:
         if self.shard.first_stage:
             return self.model.embedding.word_embeddings.weight
         if self.shard.last_stage:
             return self.model.output_layer.weight
         return None
-
-    def _clip_grads(self) -> float:
-        """Global grad norm over all shards (TP-split weights summed over TP, replicated ones once)."""
-        split = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        duplicate = self._shared_embedding() if self.shard.pp_size > 1 and not self.shard.first_stage else None
-        for name, p in self.model.named_parameters():
-            if p.grad is None or p is duplicate:
-                continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if is_tp_split(name):
-                split += sq
-            else:
-                replicated += sq
-        if self.shard.tp_size > 1:
-            dist.all_reduce(split, group=self.tp_group)
-        total = split + replicated
-        if self.shard.pp_size > 1:
-            dist.all_reduce(total, group=self.pp_group)
-        norm = float(total.sqrt().item())
-        clip = self.cfg.grad_clip
-        if clip and math.isfinite(norm):
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return norm
 
     # ----- weights and state, in Hugging Face layout -----
     def _tp_gather(self, t: Tensor) -> list[Tensor]:
@@ -374,23 +355,31 @@ class MegatronTrainer:
         """Weights and Adam moments in HF layout (any TP/PP split can resume them); every rank calls it."""
         params = dict(self.model.named_parameters())
         tensors = {f"model/{k}": v.cpu() for k, v in self._collect(lambda n: params[n])}
-        steps = {int(s["step"]) for s in self.optimizer.state.values() if "step" in s}
-        for moment in MOMENTS:
+        self._assert_grpo_optimizer()
+        keys = list(MOMENTS) + (["main"] if isinstance(self.optimizer, DistributedOptimizer) else [])
+        for key in keys:
+            # One parameter's state at a time: the distributed optimizer joins it over DP on request.
+            def lookup(n: str, key: str = key) -> Tensor:
+                return self.optimizer.param_state(params[n])[key]
 
-            def lookup(n: str, moment: str = moment) -> Tensor:
-                st = self.optimizer.state.get(params[n], {})
-                return st[moment] if moment in st else torch.zeros_like(params[n])
-
-            tensors.update({f"optimizer/{moment}/{k}": v.cpu() for k, v in self._collect(lookup)})
+            prefix = "optimizer/main_params/" if key == "main" else f"optimizer/{key}/"
+            tensors.update({f"{prefix}{k}": v.cpu() for k, v in self._collect(lookup)})
         if self.ref_model is not None:
             ref = dict(self.ref_model.named_parameters())
             tensors.update({f"ref_model/{k}": v.cpu() for k, v in self._collect(lambda n: ref[n])})
         state = {
             "backend": "megatron",
-            "adam_step": max(steps) if steps else 0,
+            "megatron_optimizer": self.optimizer.kind,
+            "adam_step": self.optimizer.adam_step(),
             "num_nan_in_a_row": self.nan_guard.in_a_row,
         }
         return tensors, state
+
+    def _assert_grpo_optimizer(self) -> None:
+        if isinstance(self.optimizer, DistributedOptimizer) and self._last_mode != "grpo":
+            # Checkpoints hold GRPO's Adam state; with one distributed optimizer that is only true in GRPO.
+            self.optimizer.restart(lr=self.cfg.lr)
+            self._last_mode = "grpo"
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         if state.get("backend") != "megatron":
@@ -407,14 +396,13 @@ class MegatronTrainer:
             self._load_params(self.ref_model, part("ref_model/"))
         params = dict(self.model.named_parameters())
         moments = {m: part(f"optimizer/{m}/") for m in MOMENTS}
-        step = int(state["adam_step"])
-        self.optimizer.state.clear()
-        if step > 0:
-            for name, p in params.items():
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(float(step)),
-                    **{m: moments[m][name].to(p.dtype).clone() for m in MOMENTS},
-                }
+        # fp32 master weights exist only in checkpoints of the distributed optimizer; from another
+        # checkpoint the masters start from the (possibly bf16) model weights.
+        main = part("optimizer/main_params/") if any(k.startswith("optimizer/main_params/") for k in tensors) else {}
+        states = {p: {**{m: moments[m][n] for m in MOMENTS}, **({"main": main[n]} if main else {})}
+                  for n, p in params.items()}  # fmt: skip
+        self._last_mode = "grpo"
+        self.optimizer.load_param_states(states, int(state["adam_step"]))
         self.nan_guard.in_a_row = int(state.get("num_nan_in_a_row", 0))
 
     def export(self, out_dir: str | Path) -> Path:
