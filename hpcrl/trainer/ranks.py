@@ -40,7 +40,8 @@ _KINDS = {
 
 
 def init_trainer_group(*, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # The command channel broadcasts small CPU tensors; the trainer's collectives run on the GPU.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
