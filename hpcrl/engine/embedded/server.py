@@ -79,6 +79,9 @@ class EmbeddedEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device: an engine on cuda:1 must make it current.
+            torch.cuda.set_device(self.device)
         self.dtype = parse_dtype(cfg.dtype)
         self.model = load_model(cfg.model, dtype=self.dtype, device=self.device)
         args = self.model.args
