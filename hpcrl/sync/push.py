@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed, UpdateWeightsFromTensor
 from hpcrl.sync.config import SyncConfig
-from hpcrl.sync.group import broadcast, init_weight_group
+from hpcrl.sync.group import broadcast, broadcast_many, init_weight_group
 from hpcrl.sync.handover import create_handover
 
 GROUP_NAME = "hpcrl_weights"
@@ -123,6 +123,13 @@ class WeightSync:
     def reconnect(self, engines: Sequence[EngineClient]) -> None:
         """Re-form the weight group over `engines` (after a restart: a group's membership is fixed)."""
         if self.group is not None:
+            # A peer that died mid-broadcast leaves NCCL kernels spinning on this GPU, and the compute
+            # stream waits on them: abort the communicator so they end now, rather than at the
+            # watchdog's timeout (which would also take this process down).
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 - an already broken group may refuse; it is dropped anyway
+                pass
             for e in self.engines:
                 try:
                     e.destroy_weights_update_group(GROUP_NAME, timeout_s=5)
@@ -135,6 +142,7 @@ class WeightSync:
     def push(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
         t0 = time.perf_counter()
         self._each(lambda e: e.pause_generation(self.cfg.pause_mode), what="pause_generation")
+        t_paused = time.perf_counter()
         total = 0
         num_buckets = 0
         for bucket in buckets(named, int(self.cfg.bucket_mb * 2**20)):
@@ -146,14 +154,20 @@ class WeightSync:
                 self.mpi.send_bucket(bucket)
             else:
                 self._send_tensor(bucket)
+        t_sent = time.perf_counter()
         self._each(lambda e: e.update_weight_version(version, abort_all_requests=False), what="update_weight_version")
         self._each(lambda e: e.continue_generation(), what="continue_generation")
         versions = self._each(lambda e: e.weight_version(), what="model_info")
         stale = [e.url for e, v in zip(self.engines, versions, strict=True) if v != version]
         if stale:
             raise WeightSyncError(f"engines {stale} do not report weight version {version} after the push")
+        t_end = time.perf_counter()
+        # The phases show whether a slow push is the session's control calls or the bytes.
         self.last_metrics = {
-            "sync/seconds": time.perf_counter() - t0,
+            "sync/seconds": t_end - t0,
+            "timing/sync_pause_s": t_paused - t0,
+            "timing/sync_send_s": t_sent - t_paused,
+            "timing/sync_commit_s": t_end - t_sent,
             "sync/bytes": float(total),
             "sync/num_buckets": float(num_buckets),
         }
@@ -178,8 +192,7 @@ class WeightSync:
             if flattened:
                 broadcast(self.group, torch.cat([t.reshape(-1) for _, t in bucket]).to(self.device))
             else:
-                for _, t in bucket:
-                    broadcast(self.group, t.contiguous().to(self.device))
+                broadcast_many(self.group, [t.contiguous().to(self.device) for _, t in bucket])
         except RuntimeError as exc:
             # A peer that dies mid-broadcast resets the connection (gloo) or trips the group timeout (nccl):
             # a failed push the caller can heal (restart, re-form the group, push everything again).

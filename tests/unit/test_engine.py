@@ -240,7 +240,7 @@ def test_weight_version_spans_across_an_update(engine_factory) -> None:
     assert httpx.get(eng.url + "/model_info").json()["weight_version"] == "7"
 
 
-def _push_distributed(url: str, model_dir: Path, flattened: bool) -> None:
+def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool = False) -> None:
     """Act as trainer rank 0: host the group, broadcast every parameter in list order."""
     new = load_model(model_dir)
     named = list(new.state_dict().items())
@@ -276,6 +276,8 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool) -> None:
         "weight_version": "v1",
         "load_format": "flattened_bucket" if flattened else None,
     }
+    if paused:  # the way hpcrl's push does it: tensors then land straight in the parameters
+        assert post(url, "/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
     send = threading.Thread(target=lambda: box.update(u=post(url, "/update_weights_from_distributed", body)))
     send.start()
     if flattened:
@@ -285,10 +287,12 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool) -> None:
             broadcast(pg, t.contiguous())
     send.join(30)
     assert box["u"].json()["success"], box["u"].text
+    if paused:
+        assert post(url, "/continue_generation", {}).json()["status"] == "ok"
     assert post(url, "/destroy_weights_update_group", {"group_name": "g"}).json()["success"]
 
 
-@pytest.mark.parametrize("how", ["distributed", "flattened_bucket", "tensor"])
+@pytest.mark.parametrize("how", ["distributed", "distributed_paused", "flattened_bucket", "tensor"])
 def test_weight_update_matches_a_server_started_on_the_new_weights(engine_factory, tmp_path: Path, how: str) -> None:
     new_dir = init_tiny_model(tmp_path / "other", TinyModelSpec(seed=123))
     eng = engine_factory()
@@ -303,7 +307,7 @@ def test_weight_update_matches_a_server_started_on_the_new_weights(engine_factor
             )
         assert r.json()["success"], r.text
     else:
-        _push_distributed(eng.url, new_dir, flattened=how == "flattened_bucket")
+        _push_distributed(eng.url, new_dir, flattened=how == "flattened_bucket", paused=how == "distributed_paused")
     after, expected = gen(eng.url, body).json(), gen(reference.url, body).json()
     assert after["output_ids"] != before["output_ids"]
     assert after["output_ids"] == expected["output_ids"]

@@ -186,30 +186,34 @@ def test_abort_all_reaches_every_engine_directly(engine_factory) -> None:
     assert len(results) == 2 and all(r.finish_reason.type == "abort" for r in results)
 
 
-def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights(
-    tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    """An engine killed in the middle of a gloo weight push: the trainer's broadcast fails instead of
-    hanging, the fleet restarts the engine and pushes every weight again (issue #9, item 3, on CPU)."""
+def sigkill_mid_push(tmp_path: Path, model_dir: Path, engine: int, *overrides: str) -> None:
+    """Run, SIGKILL engine `engine` while it is paused for a push, and check that the run heals: the
+    trainer's broadcast fails instead of hanging, the fleet restarts the engine and pushes every weight."""
     import urllib.request
 
     # One tensor per bucket: a push is many HTTP calls + broadcasts, long enough to be hit mid-way.
     proc = start_run(
-        tmp_path, tiny_model_dir, "num_steps=4", "rollout.max_new_tokens=8", "sync.transport=distributed",
-        "sync.bucket_mb=0.0001", "sync.flattened=false", "sync.group_timeout_s=150",
+        tmp_path, model_dir, "num_steps=4", "rollout.max_new_tokens=8", "sync.transport=distributed",
+        "sync.bucket_mb=0.0001", "sync.flattened=false", "sync.group_timeout_s=150", *overrides,
     )  # fmt: skip
     lines: list[str] = []
     read_until(proc, "step    1/4", lines)
-    record = json.loads((tmp_path / "r" / "engines" / "engine-1.json").read_text())
+    record = json.loads((tmp_path / "r" / "engines" / f"engine-{engine}.json").read_text())
     req = urllib.request.Request(record["url"] + "/server_info", headers={"Authorization": f"Bearer {record['token']}"})
     deadline = time.time() + 60
-    while time.time() < deadline:  # the engine is paused only while a push is in flight
-        with urllib.request.urlopen(req, timeout=5) as r:
-            if json.loads(r.read())["internal_states"][0]["paused"]:
-                break
-        time.sleep(0.002)
-    else:
-        raise AssertionError("never saw engine 1 paused for a push")
+    try:
+        while time.time() < deadline:  # the engine is paused only while a push is in flight
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if json.loads(r.read())["internal_states"][0]["paused"]:
+                    break
+            time.sleep(0.002)
+        else:
+            raise AssertionError(f"never saw engine {engine} paused for a push")
+    except (OSError, AssertionError) as exc:
+        proc.kill()
+        logs = sorted((tmp_path / "r" / "logs").glob("engine-*.log"))
+        tail = "".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
+        raise AssertionError(f"{exc}\n--- run\n{''.join(lines)}{proc.communicate()[0][-3000:]}\n{tail}") from exc
     killed_s = time.time()
     os.kill(record["pid"], signal.SIGKILL)
     out = "".join(lines) + proc.communicate(timeout=300)[0]
@@ -218,9 +222,16 @@ def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights
     cause = dead["detail"]["cause"][:90]
     print(f"SIGKILL mid-push -> engine_dead after {dead['time_s'] - killed_s:.2f} s; cause: {cause}")
     assert dead["time_s"] - killed_s <= 30  # far inside the 150 s collective timeout: no hang
-    assert first_event(tmp_path, "engine_restarted")["detail"]["engine"] == 1
+    assert first_event(tmp_path, "engine_restarted")["detail"]["engine"] == engine
     m = load_metrics(tmp_path / "r" / "metrics.h5")
     assert list(m["step"]) == list(range(4))
     assert (m["rollout/stale_token_share"] == 0).all()
     # The restarted engine began from the model dir; only a full push makes its log-probs the trainer's.
     assert m["train/train_rollout_logprob_abs_diff"].max() < 1e-4
+
+
+def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Issue #9, item 3, on CPU: an engine killed in the middle of a gloo weight push."""
+    sigkill_mid_push(tmp_path, tiny_model_dir, 1)

@@ -12,6 +12,7 @@ $OUT/push_two_gpus.json. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 ...), al
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+PHASES = ("timing/sync_pause_s", "timing/sync_send_s", "timing/sync_commit_s")
 sys.path.insert(0, str(REPO))
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 
@@ -61,6 +63,8 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/hpcrl-gpu-out")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256, 2048])
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-4b"],
+                    help="model shape; the larger one shows how the session's fixed costs amortize")  # fmt: skip
     ns = ap.parse_args()
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +77,11 @@ def main() -> int:
     from hpcrl.sync.push import WeightSync
     from tests.conftest import free_port
 
-    model_dir = init_shaped_model("/tmp/hpcrl-x2/qwen3-0.6b", QWEN3_0_6B_SHAPE, device="cuda:0", overwrite=True)
+    shape = QWEN3_0_6B_SHAPE
+    if ns.shape == "qwen3-4b":
+        shape = dataclasses.replace(QWEN3_0_6B_SHAPE, hidden_size=2560, intermediate_size=9728, num_layers=36,
+                                    num_heads=32)  # fmt: skip
+    model_dir = init_shaped_model(f"/tmp/hpcrl-x2/{ns.shape}", shape, device="cuda:0", overwrite=True)
     named = [(n, t) for n, t in load_model(model_dir, dtype=torch.bfloat16, device="cuda:0").state_dict().items()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     print(f"model: {len(named)} tensors, {nbytes / 2**30:.2f} GiB bf16", flush=True)
@@ -99,6 +107,7 @@ def main() -> int:
                 )
                 sync.connect()
                 times = []
+                phases: dict[str, list[float]] = {k: [] for k in PHASES}
                 for i in range(ns.repeats + 1):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -106,13 +115,18 @@ def main() -> int:
                     torch.cuda.synchronize()  # the sends have left this GPU
                     if i:  # the first push pays NCCL's connection setup
                         times.append(time.perf_counter() - t0)
+                        for k in PHASES:
+                            phases[k].append(m[k])
                 sync.close()
                 med = statistics.median(times)
+                split = {k.removeprefix("timing/sync_"): statistics.median(v) for k, v in phases.items()}
                 row = {"bucket_mb": bucket_mb, "flattened": flattened, "push_s": times, "median_s": med,
-                       "gb_per_s": nbytes / med / 1e9, "num_buckets": m["sync/num_buckets"]}  # fmt: skip
+                       "gb_per_s": nbytes / med / 1e9, "num_buckets": m["sync/num_buckets"],
+                       "phases_s": split}  # fmt: skip
                 results["configs"].append(row)  # type: ignore[union-attr]
-                print(f"push bucket_mb={bucket_mb:>6} flattened={flattened!s:>5}: median {med:.3f} s "
-                      f"({nbytes / med / 1e9:.1f} GB/s, {m['sync/num_buckets']:.0f} buckets)", flush=True)  # fmt: skip
+                print(f"push bucket_mb={bucket_mb:>6} flattened={flattened!s:>5}: median {med * 1e3:.1f} ms "
+                      f"({nbytes / med / 1e9:.1f} GB/s, {m['sync/num_buckets']:.0f} buckets; "
+                      + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()) + ")", flush=True)  # fmt: skip
         # The engine really has the pushed weights: a weight read back equals the trainer's.
         name, tensor = named[5]
         got = torch.tensor(client.get_weights_by_name(name, truncate_size=8)).flatten()
@@ -140,7 +154,7 @@ def main() -> int:
         f"best: {results['best_share_of_nccl']:.0%} of the broadcast (target >= 80%); "
         f"weights match: {results['weights_match']}"
     )
-    (out_dir / "push_two_gpus.json").write_text(json.dumps(results, indent=1))
+    (out_dir / f"push_two_gpus_{ns.shape}.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

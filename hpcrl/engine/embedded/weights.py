@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler
-from hpcrl.sync.group import broadcast, init_weight_group
+from hpcrl.sync.group import broadcast, broadcast_many, init_weight_group
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -121,13 +121,28 @@ class WeightReceiver:
             for name, shape, part in zip(names, shapes, flat.split(numels), strict=True):
                 received.append((name, part.view(shape)))
         elif load_format in (None, "", "default"):
+            # Paused, nothing runs a forward: a tensor of the model's dtype lands straight in its
+            # parameter (no receive buffer, no copy). Captured graphs stay valid: addresses do not move.
+            params = self.scheduler.named_parameters() if self._can_receive_in_place() else {}
+            targets = []
             for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
+                target = params.get(name)
+                if target is not None and target.dtype == dtype and target.is_contiguous():
+                    targets.append(target.data)
+                    continue
                 buf = torch.empty(shape, dtype=dtype, device=device)
-                broadcast(pg, buf)
+                targets.append(buf)
                 received.append((name, buf))
+            broadcast_many(pg, targets)
         else:
             raise ValueError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
-        return self.scheduler.call(lambda: self._apply(received)).result()
+        if received:
+            self.scheduler.call(lambda: self._apply(received)).result()
+        return sum(int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, torch_dtypes, strict=True))
+
+    def _can_receive_in_place(self) -> bool:
+        # The scheduler thread steps only when not paused, and weights must be resident to be written.
+        return self.scheduler.paused is not None and not self.scheduler.weights_released
 
     # ----- update_weights_from_tensor -----
     def load_handover(self, payload: dict[str, Any]) -> int:
