@@ -55,6 +55,7 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
     ]
     if ns.colocate:
         overrides.append("sync.transport=tensor")
+    overrides += ns.set
     cmd = [
         sys.executable,
         "-m",
@@ -66,7 +67,11 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
         str(run_dir),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(ns.threads)}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if ns.quiet else None)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL if ns.quiet else None)
+    if proc.returncode:
+        for log in sorted((run_dir / "logs").glob("*.log")):
+            print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-25:]), file=sys.stderr)
+        raise SystemExit(f"hpcrl run exited with {proc.returncode}")
     from hpcrl.store import load_metrics
 
     m = load_metrics(run_dir / "metrics.h5")
@@ -75,6 +80,10 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
     print(
         f"train_rollout_logprob_abs_diff ({ns.backend} trainer vs engine): mean {gap.mean():.3e}, max {gap.max():.3e}"
     )
+    # Step 0 trains on the same rollout whatever the trainer split (same weights, same seed): its loss
+    # compares splits on the same data.
+    print(f"step 0 ({' '.join(ns.set) or 'default split'}): loss {m['train/loss'][0]:.6e}, "
+          f"grad_norm {m['train/grad_norm'][0]:.6e}, gap {gap[0]:.6e}")  # fmt: skip
     return {p: m[f"timing/{p}_s"][warm].tolist() for p in PHASES if f"timing/{p}_s" in m}
 
 
@@ -149,6 +158,10 @@ def main() -> int:
         "--colocate", action="store_true", help="push weights by same-host handover (sync.transport=tensor)"
     )
     ap.add_argument("--backend", default="torch", choices=["torch", "megatron"], help="trainer backend")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="extra config override, e.g. --set train.num_ranks=2 --set train.tensor_parallel_size=2",
+    )  # fmt: skip
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     ns = ap.parse_args()
