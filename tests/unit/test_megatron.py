@@ -154,6 +154,45 @@ def test_grpo_steps_match_the_torch_backend(
     assert worst < 1e-3
 
 
+def untied_copy(model_dir: Path, out: Path) -> Path:
+    """The tiny model with an LM head of its own (Qwen2/Llama-style untied embeddings)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    tensors = dict(iter_safetensors(model_dir))
+    g = torch.Generator().manual_seed(5)
+    emb = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = emb + 0.05 * torch.randn(emb.shape, generator=g)
+    for f in out.glob("*.safetensors*"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def test_untied_embeddings_under_pp_match_the_torch_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With PP=2 and untied embeddings the first stage's embedding and the last stage's LM head are two
+    weights: neither their gradients nor the gradient norm may treat them as one."""
+    from hpcrl.trainer.torch_backend import TorchTrainer
+    from tests.unit.megatron_ranks import TRAIN, fixed_batch
+
+    model_dir = untied_copy(tiny_model_dir, tmp_path / "untied")
+    batch = fixed_batch(ModelArgs.from_dir(model_dir).vocab_size)
+    reference = TorchTrainer(TrainConfig(**TRAIN), model_dir)
+    ref_metrics = [reference.train_grpo(batch) for _ in range(3)]
+    ref_weights = dict(reference.named_weights())
+    result = run_ranks("grpo", model_dir, tmp_path / "out", 1, 2, 2)
+    for step, (a, b) in enumerate(zip(ref_metrics, result["metrics"], strict=True)):
+        for key in ("loss", "grad_norm", "pg_loss"):
+            np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"step {step} {key}")
+    weights = load_file(tmp_path / "out" / "weights.safetensors")
+    assert "lm_head.weight" in weights
+    assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) < 1e-3
+
+
 def test_forward_equals_transformers(tiny_model_dir: Path) -> None:
     """The Megatron GPTModel built from the HF dir gives transformers' logits (fp32, CPU)."""
     code = f"""

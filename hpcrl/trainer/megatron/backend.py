@@ -299,6 +299,9 @@ class MegatronTrainer:
         return json.loads(bytes(buf.cpu().tolist()).decode())
 
     def _shared_embedding(self) -> Tensor | None:
+        """This stage's copy of the tied embedding (None when untied: the LM head is a weight of its own)."""
+        if not self.args.tie_word_embeddings:
+            return None
         if self.shard.first_stage:
             return self.model.embedding.word_embeddings.weight
         if self.shard.last_stage:
