@@ -123,9 +123,9 @@ class WeightSync:
     def reconnect(self, engines: Sequence[EngineClient]) -> None:
         """Re-form the weight group over `engines` (after a restart: a group's membership is fixed)."""
         if self.group is not None:
-            # A peer that died mid-broadcast leaves NCCL kernels spinning on this GPU, and the compute
-            # stream waits on them: abort the communicator so they end now, rather than at the
-            # watchdog's timeout (which would also take this process down).
+            # A peer that died mid-broadcast can leave NCCL kernels waiting on this GPU, with the compute
+            # stream behind them: abort the communicator so they end now, not at the watchdog's timeout
+            # (which would also take this process down).
             try:
                 self.group.abort()
             except Exception:  # noqa: BLE001 - an already broken group may refuse; it is dropped anyway
