@@ -33,6 +33,10 @@ SbatchValue = str | int | bool
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 ENGINES_STOP_WAIT_S = 30
+# srun of Slurm 22.05's mpi/pmix plugin can hang after a failed het step has ended (pthread_join in
+# pmixp_abort_agent_stop): the job would sit until its time limit. The MPI script ends an srun that
+# outlives every step of its job by this long.
+SRUN_OUTLIVES_STEPS_S = 45
 """After the trainer step ends, how long the engines get to see their DONE file before a TERM."""
 
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -308,6 +312,21 @@ def batch_body(
             f"  : {step} --het-group=1 --cpus-per-task={trainer_cpus} \\",
             f'  env OMP_NUM_THREADS={trainer_cpus} {HET_GROUP_VAR}=1 {role} trainer --run-dir "$RUN_DIR" &',
             "hpcrl_trainer_pid=$!",
+            "# srun (Slurm 22.05, mpi/pmix) can hang after a failed het step has ended: once no step of this job",
+            f"# has run for {SRUN_OUTLIVES_STEPS_S} s while srun lives on, end srun so that the job fails now.",
+            "hpcrl_srun_watchdog() {",
+            "  local idle=0",
+            '  while kill -0 "$1" 2>/dev/null; do',
+            "    sleep 5",
+            '    if squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -q "\\.[0-9]"; then idle=0; '
+            "else idle=$((idle + 5)); fi",
+            f'    if [ "$idle" -ge {SRUN_OUTLIVES_STEPS_S} ] && kill -0 "$1" 2>/dev/null; then',
+            '      echo "hpcrl: srun outlived every step of the job by $idle s (a Slurm mpi/pmix hang); ending it" >&2',
+            '      kill -s KILL "$1" 2>/dev/null; return',
+            "    fi",
+            "  done",
+            "}",
+            'hpcrl_srun_watchdog "$hpcrl_trainer_pid" &',
         ]
     else:
         lines += [
