@@ -37,6 +37,7 @@ ENGINES_STOP_WAIT_S = 30
 # pmixp_abort_agent_stop): the job would sit until its time limit. The MPI script ends an srun that
 # outlives every step of its job by this long.
 SRUN_OUTLIVES_STEPS_S = 45
+SRUN_WATCH_EVERY_S = 5
 """After the trainer step ends, how long the engines get to see their DONE file before a TERM."""
 
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -317,9 +318,10 @@ def batch_body(
             "hpcrl_srun_watchdog() {",
             "  local idle=0",
             '  while kill -0 "$1" 2>/dev/null; do',
-            "    sleep 5",
-            '    if squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -q "\\.[0-9]"; then idle=0; '
-            "else idle=$((idle + 5)); fi",
+            f"    sleep {SRUN_WATCH_EVERY_S}",
+            "    # Only a listing that worked counts: a controller that does not answer says nothing about steps.",
+            '    hpcrl_steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) || continue',
+            f'    if grep -q "\\.[0-9]" <<<"$hpcrl_steps"; then idle=0; else idle=$((idle + {SRUN_WATCH_EVERY_S})); fi',
             f'    if [ "$idle" -ge {SRUN_OUTLIVES_STEPS_S} ] && kill -0 "$1" 2>/dev/null; then',
             '      echo "hpcrl: srun outlived every step of the job by $idle s (a Slurm mpi/pmix hang); ending it" >&2',
             '      kill -s KILL "$1" 2>/dev/null; return',

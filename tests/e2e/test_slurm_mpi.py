@@ -195,3 +195,33 @@ def test_quickstart_with_mpi_transport_as_a_het_job(
     mpi_weights, ref_weights = _final_weights(run_dir), _final_weights(tmp_path / "ref")
     assert mpi_weights.keys() == ref_weights.keys()
     assert all(torch.equal(mpi_weights[k], ref_weights[k]) for k in ref_weights), "final weights differ"
+
+
+@pytest.mark.parametrize(
+    "squeue,ends_srun",
+    [("echo 7.batch", True), ("printf '7.0\\n7.batch\\n'", False), ("exit 1", False)],
+    ids=["steps-gone", "step-running", "controller-down"],
+)
+def test_srun_watchdog_ends_only_an_srun_that_outlived_its_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: str, ends_srun: bool
+) -> None:
+    """The MPI script's watchdog, run for real with a fake squeue: it ends srun once the job lists no
+    step, and never while a step runs or while the controller does not answer."""
+    from hpcrl.slurm import render
+
+    monkeypatch.setattr(render, "SRUN_OUTLIVES_STEPS_S", 2)
+    monkeypatch.setattr(render, "SRUN_WATCH_EVERY_S", 1)
+    lines = render.batch_body(make_config({"sync.transport": "mpi"}), "/tmp/run", python="python3")
+    start = lines.index("hpcrl_srun_watchdog() {")
+    function = "\n".join(lines[start : lines.index("}", start) + 1])
+    fake = tmp_path / "bin" / "squeue"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/bash\n{squeue}\n")
+    fake.chmod(0o755)
+    script = f'{function}\nsleep 30 & srun=$!\nhpcrl_srun_watchdog "$srun" &\nsleep 5\n' + (
+        'kill -0 "$srun" 2>/dev/null && echo ALIVE || echo ENDED; kill "$srun" 2>/dev/null; true'
+    )
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env)
+    assert out.stdout.strip().splitlines()[-1] == ("ENDED" if ends_srun else "ALIVE"), out
+    assert ("srun outlived every step" in out.stderr) == ends_srun
