@@ -187,12 +187,14 @@ class RunSession:
         if self.slurm:
             # Engines on other nodes must reach the group's store on this node.
             sync_cfg = dataclasses.replace(sync_cfg, master_address=socket.gethostbyname(self.slurm.node_name))
-        self.sync = WeightSync(sync_cfg, clients, device=torch.device(self.cfg.train.device), colocated=colocated)
+        self.sync = WeightSync(
+            sync_cfg, clients, device=torch.device(self.cfg.train.device), colocated=colocated,
+            engine_kind=self.cfg.engine.kind, engine_tp_size=self.cfg.engine.tp_size,
+        )  # fmt: skip
         self.sync.connect()
         if guard is not None:
             assert self.trainer is not None
-            local_engines = self._engines.engines if self._engines else []
-            pids = [e.proc.pid for e in local_engines] + [p.pid for p in self.trainer.followers]
+            pids = (self._engines.pids() if self._engines else []) + [p.pid for p in self.trainer.followers]
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
         return self
 
@@ -223,9 +225,11 @@ class RunSession:
         if (self.slurm and self.slurm.engines_elsewhere) or self.cfg.sync.transport == "mpi":
             job = self.incarnation.job_id
             self.progress.say(f"waiting for {n} engine(s) of job {job} to write run_dir/engines/*.json")
-            return wait_for_rendezvous(self.run_dir, n, self.incarnation, timeout_s=self.cfg.engine.startup_timeout_s)
-        self._engines = LocalEngines(self.cfg.engine, model_dir, self.run_dir, seed=self.cfg.seed)
-        self.progress.say(f"starting {n} embedded engine(s) on {self.cfg.engine.device}")
+            return wait_for_rendezvous(self.run_dir, n, self.incarnation, timeout_s=self.cfg.engine.start_timeout_s)
+        self._engines = LocalEngines(
+            self.cfg.engine, model_dir, self.run_dir, seed=self.cfg.seed, say=self.progress.say
+        )
+        self.progress.say(f"starting {n} {self.cfg.engine.kind} engine(s) on {self.cfg.engine.device}")
         return self._engines.start()
 
     def _start_trainer(self, model_dir: Path) -> None:
@@ -379,7 +383,7 @@ class RunSession:
         return out
 
     def step_metrics(self, groups: list[Group], rollout_s: float) -> dict[str, float]:
-        return rollout_stats(groups, rollout_s, version=self.rollout_version) | self.fleet.metrics()
+        return rollout_stats(groups, rollout_s, version=self.rollout_version) | self.fleet.pop_metrics()
 
     def checkpoint(self, step: int, row: dict[str, float], *, force: bool = False) -> bool:
         """Save on the configured cadence. The step's metrics row goes into the checkpoint too: it is

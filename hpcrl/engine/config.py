@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+DEFAULT_STARTUP_TIMEOUT_S = {"embedded": 120.0, "sglang": 600.0}
+
 
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
@@ -20,7 +22,10 @@ class EngineConfig:
     onpolicy_logprobs: bool = False
     """Engines score finished sequences with the trainer's forward (pair with train.onpolicy)."""
     num_threads: int = 1
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float | None = None
+    """Bound on an engine's start (process launch to its first healthy answer); while it runs the engine
+    is `starting`, never `hung`. None: the kind's own (embedded 120 s; sglang 600 s, since a stock SGLang
+    server takes 130-150 s to answer /health on an H200, its port silent meanwhile)."""
     base_port: int = 0
     """First port; 0 picks free ports."""
     health_interval_s: float = 1.0
@@ -43,13 +48,22 @@ class EngineConfig:
     max_restarts: int = 2
     """Restarts per engine; after that the engine is given up, and with none left the run stops."""
 
+    @property
+    def start_timeout_s(self) -> float:
+        """The start-up bound in force: the configured one or the kind's default."""
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return DEFAULT_STARTUP_TIMEOUT_S[self.kind]
+
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {self.num_engines}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.startup_timeout_s <= 0:
-            raise ValueError("startup_timeout_s must be > 0")
+        if self.startup_timeout_s is not None and not self.startup_timeout_s > 0:
+            raise ValueError(
+                f"startup_timeout_s must be > 0 (or null: the kind's default), got {self.startup_timeout_s}"
+            )
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -2,8 +2,10 @@
 
 A monitor thread probes every engine each `health_interval_s` and watches its process:
 - dead: the process exited or the connection is refused -> declared at the next probe (~1 s);
-- hung: no successful probe for `hung_after_s` (one failed probe is not death: /health can be slow
-  during a long prefill) -> the process is killed and the engine is dead.
+- hung: a live engine with no successful probe for `hung_after_s` (one failed probe is not death: /health
+  can be slow during a long prefill) -> the process is killed and the engine is dead. An engine being
+  (re)started is `starting`, not live: the launcher bounds that by the kind's start-up timeout instead
+  (SGLang's port is silent for minutes while it starts).
 The rollout stops waiting on a dead engine's requests and re-issues them, with the same seeds, to live
 engines. At the next phase boundary `heal()` restarts dead engines (at most `max_restarts` each); a
 restarted engine is routable only after it has the current weights and version (radixark/miles#1724):
@@ -33,7 +35,7 @@ class FleetError(RuntimeError):
 class EngineSlot:
     index: int
     client: EngineClient
-    state: str = "live"  # live | dead | gave_up
+    state: str = "live"  # live | dead | starting (a restart under way) | gave_up
     restarts: int = 0
     last_ok_s: float = field(default_factory=time.monotonic)
     died_s: float | None = None
@@ -64,7 +66,8 @@ class EngineFleet:
         with self._lock:
             return [s for s in self.slots if s.state == "live"]
 
-    def metrics(self) -> dict[str, float]:
+    def pop_metrics(self) -> dict[str, float]:
+        """The fleet's counters since the last call; reading them resets them (one row per step)."""
         out = {
             "fleet/live_engines": float(len(self.live())),
             "fleet/reissued_requests": float(self.num_reissued),
@@ -87,7 +90,7 @@ class EngineFleet:
     def _process_exit(self, slot: EngineSlot) -> int | None:
         if self.launcher is None:
             return None
-        return self.launcher.engines[slot.index].proc.poll()
+        return self.launcher.exit_code(slot.index)
 
     def _probe(self, slot: EngineSlot) -> None:
         code = self._process_exit(slot)
@@ -114,11 +117,8 @@ class EngineFleet:
                 return
             slot.state, slot.died_s, slot.cause = "dead", time.monotonic(), cause
         silent_s = time.monotonic() - slot.last_ok_s
-        if self.launcher is not None and self.launcher.engines[slot.index].proc.poll() is None:
-            import os
-            import signal
-
-            os.killpg(self.launcher.engines[slot.index].proc.pid, signal.SIGKILL)  # a hung engine must not linger
+        if self.launcher is not None:
+            self.launcher.kill(slot.index)  # a hung engine must not linger
         self.num_errors += 1
         self.on_event(
             "engine_dead",
@@ -199,6 +199,8 @@ class EngineFleet:
         while slot.restarts < self.cfg.max_restarts:
             slot.restarts += 1
             t0 = time.monotonic()
+            with self._lock:
+                slot.state = "starting"  # the monitor probes live engines only: a start is never a hang
             try:
                 client = self.launcher.restart(slot.index)
             except EngineStartError as exc:
@@ -214,7 +216,7 @@ class EngineFleet:
 
     def _give_up(self, slot: EngineSlot) -> NoReturn:
         slot.state = "gave_up"
-        log = tail(self.launcher.engines[slot.index].log_path) if self.launcher else "(log on the engine's node)"
+        log = tail(self.launcher.log_path(slot.index)) if self.launcher else "(log on the engine's node)"
         self.on_event("engine_gave_up", {"engine": slot.index, "restarts": slot.restarts, "cause": slot.cause})
         raise FleetError(
             f"engine {slot.index} ({slot.client.url}) gave up after {slot.restarts} restart(s) "

@@ -17,7 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.engine.client import EngineClient
@@ -26,6 +27,9 @@ from hpcrl.engine.config import EngineConfig
 
 class EngineStartError(RuntimeError):
     pass
+
+
+PROGRESS_EVERY_S = 15.0
 
 
 def _free_port() -> int:
@@ -56,6 +60,7 @@ class LocalEngine:
     token: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    started_s: float = field(default_factory=time.monotonic)
 
 
 def _client(url: str, token: str) -> EngineClient:
@@ -78,6 +83,7 @@ class LocalEngines:
         advertise_host: str = "127.0.0.1",
         incarnation: Incarnation = Incarnation(),
         ignore_sigterm: bool = False,
+        say: Callable[[str], None] = print,
     ) -> None:
         self.cfg = cfg
         self.model_dir = str(model_dir)
@@ -89,31 +95,48 @@ class LocalEngines:
         self.advertise_host = advertise_host
         self.incarnation = incarnation
         self.ignore_sigterm = ignore_sigterm
+        self.say = say
         self.engines: list[LocalEngine] = []
         # For fault-injection tests: extra environment of the engine processes.
         self.extra_env: dict[str, str] = {}
 
     def start(self) -> list[EngineClient]:
+        """Launch every engine, then wait until each has answered /health (each bounded by the kind's
+        start-up timeout, measured from its launch; all start at once, so the wait is the slowest one's)."""
         (self.run_dir / "engines").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.engines = [self._spawn(i) for i in range(self.first_index, self.first_index + self.count)]
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
         for eng in self.engines:
-            self._wait_healthy(eng, deadline)
+            self._wait_started(eng)
             self._write_rendezvous(eng)
         return [_client(e.url, e.token) for e in self.engines]
 
     def restart(self, position: int) -> EngineClient:
         """Replace engine `position` (0-based among this launcher's engines) by a fresh process."""
-        old = self.engines[position]
-        if old.proc.poll() is None:
-            os.killpg(old.proc.pid, signal.SIGKILL)
-            old.proc.wait()
+        self.kill(position)
         eng = self._spawn(self.first_index + position)
         self.engines[position] = eng
-        self._wait_healthy(eng, time.monotonic() + self.cfg.startup_timeout_s, stop_all=False)
+        self._wait_started(eng, stop_all=False)
         self._write_rendezvous(eng)
         return _client(eng.url, eng.token)
+
+    # ----- what the fleet and the guard may know of the processes -----
+    def exit_code(self, position: int) -> int | None:
+        """The exit code of engine `position`'s process, None while it runs."""
+        return self.engines[position].proc.poll()
+
+    def kill(self, position: int) -> None:
+        """SIGKILL engine `position`'s process group (a hung engine must not linger) and reap it."""
+        proc = self.engines[position].proc
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def log_path(self, position: int) -> Path:
+        return self.engines[position].log_path
+
+    def pids(self) -> list[int]:
+        return [e.proc.pid for e in self.engines]
 
     def _spawn(self, i: int) -> LocalEngine:
         port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
@@ -145,6 +168,10 @@ class LocalEngines:
             if self.ignore_sigterm:
                 cmd.append("--ignore-sigterm")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env}
+        if self.cfg.kind == "sglang":
+            from hpcrl.engine.sglang import sglang_env
+
+            env.update(sglang_env())
         # NVLink multicast can take a shared host's GPUs out of service: never on in engines hpcrl starts.
         for key, value in (
             ("NCCL_NVLS_ENABLE", "0"),
@@ -156,29 +183,43 @@ class LocalEngines:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
 
-    def _wait_healthy(self, eng: LocalEngine, deadline: float, *, stop_all: bool = True) -> None:
+    def _wait_started(self, eng: LocalEngine, *, stop_all: bool = True) -> None:
+        """Poll until the engine answers /health; it is `starting` meanwhile (a silent port is normal:
+        SGLang takes minutes), bounded by engine.startup_timeout_s from its launch, with a progress line."""
+        kind, limit_s = self.cfg.kind, self.cfg.start_timeout_s
         probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
+        next_say_s = PROGRESS_EVERY_S
         try:
             while True:
+                waited_s = time.monotonic() - eng.started_s
                 if eng.proc.poll() is not None:
                     if stop_all:
                         self.stop()
                     raise EngineStartError(
-                        f"{eng.engine_id} exited with code {eng.proc.returncode} while starting; "
-                        f"last lines of {eng.log_path}:\n{tail(eng.log_path)}"
+                        f"{kind} engine {eng.engine_id} exited with code {eng.proc.returncode} while starting "
+                        f"({waited_s:.0f} s after launch); last lines of {eng.log_path}:\n{tail(eng.log_path)}"
                     )
                 try:
                     if probe.health():
+                        if waited_s >= PROGRESS_EVERY_S:
+                            self.say(f"{kind} engine {eng.engine_id} is up after {waited_s:.0f} s")
                         return
                 except Exception:  # noqa: BLE001 - not up yet
                     pass
-                if time.monotonic() > deadline:
+                if waited_s > limit_s:
                     if stop_all:
                         self.stop()
                     raise EngineStartError(
-                        f"{eng.engine_id} was not healthy within engine.startup_timeout_s="
-                        f"{self.cfg.startup_timeout_s}; last lines of {eng.log_path}:\n{tail(eng.log_path)}"
+                        f"{kind} engine {eng.engine_id} did not answer /health within {limit_s:.0f} s of its launch "
+                        f"(engine.startup_timeout_s; raise it if the engine is merely slow); last lines of "
+                        f"{eng.log_path}:\n{tail(eng.log_path)}"
                     )
+                if waited_s >= next_say_s:
+                    self.say(
+                        f"{kind} engine {eng.engine_id} starting: {waited_s:.0f} s of at most {limit_s:.0f} s "
+                        f"(log: {eng.log_path})"
+                    )
+                    next_say_s += PROGRESS_EVERY_S
                 time.sleep(0.1)
         finally:
             probe.close()

@@ -9,6 +9,18 @@ from __future__ import annotations
 from hpcrl.engine.config import EngineConfig
 
 
+def sglang_env() -> dict[str, str]:
+    """Environment for a stock SGLang server that hpcrl supervises.
+
+    0.5.16's /health runs a one-token generation by default (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION).
+    The fleet probes /health every second, also while a colocated engine has released its KV cache for
+    the trainer; a probe that generates then schedules a prefill into unmapped memory and the scheduler
+    dies (seen on the H200: "Pointer argument cannot be accessed from Triton" at step 26 of the
+    quickstart). hpcrl's probe is for liveness; a stuck scheduler shows as requests that time out.
+    """
+    return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+
+
 def sglang_command(
     cfg: EngineConfig,
     *,

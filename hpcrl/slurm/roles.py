@@ -132,7 +132,7 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
     clients = engines.start() if count else []
     print(f"mpi agent {comm.rank}: engines {first}..{first + count - 1} ready", flush=True)
     try:
-        return run_agent(clients, comm)
+        return run_agent(clients, comm, engine_kind=cfg.engine.kind, tp_size=cfg.engine.tp_size)
     finally:
         engines.stop()
 

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol import UpdateWeightsFromTensor
-from hpcrl.sync.handover import create_handover
+from hpcrl.sync.tensor_handover import tensor_update_request
 
 CMD_BUCKET, CMD_STOP = 1, 0
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bf16 travels as raw bits
@@ -167,8 +166,11 @@ def shutdown_agents() -> None:
         _sender_state["stopped"] = True
 
 
-def run_agent(engines: Sequence[EngineClient], comm: Any | None = None) -> int:
-    """An agent's loop: receive buckets from rank 0 and load them into this node's engines."""
+def run_agent(
+    engines: Sequence[EngineClient], comm: Any | None = None, *, engine_kind: str = "embedded", tp_size: int = 1
+) -> int:
+    """An agent's loop: receive buckets from rank 0 and load them into this node's engines, in the format
+    their kind reads (a stock SGLang server: its own flattened bucket, from this node's GPU)."""
     comm = comm or mpi_world("agent")
     while True:
         header = _bcast_json(comm, None)
@@ -187,8 +189,9 @@ def run_agent(engines: Sequence[EngineClient], comm: Any | None = None) -> int:
                 flat = flat.view(torch.bfloat16)
             parts = flat.split([int(np.prod(s)) for s in shapes])
             named = [(e["name"], p.view(e["shape"])) for e, p in zip(header["tensors"], parts, strict=True)]
-            with create_handover(named) as payload:
-                req = UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
+            if engine_kind == "sglang" and torch.cuda.is_available():
+                named = [(n, t.cuda()) for n, t in named]  # CUDA IPC: one handle for SGLang to map
+            with tensor_update_request(named, engine_kind=engine_kind, tp_size=tp_size) as req:
                 for engine in engines:
                     engine.update_weights_from_tensor(req)
         except Exception as exc:  # noqa: BLE001 - reported through the agreement, details to this rank's log

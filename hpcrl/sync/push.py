@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed, UpdateWeightsFromTensor
+from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.group import broadcast, broadcast_many, init_weight_group
-from hpcrl.sync.handover import create_handover
+from hpcrl.sync.tensor_handover import tensor_update_request
 
 GROUP_NAME = "hpcrl_weights"
 
@@ -56,9 +56,20 @@ def _free_port() -> int:
 
 class WeightSync:
     def __init__(
-        self, cfg: SyncConfig, engines: Sequence[EngineClient], *, device: torch.device, colocated: bool = False
+        self,
+        cfg: SyncConfig,
+        engines: Sequence[EngineClient],
+        *,
+        device: torch.device,
+        colocated: bool = False,
+        engine_kind: str = "embedded",
+        engine_tp_size: int = 1,
     ) -> None:
         self.cfg = cfg
+        # Same-host handover speaks each engine's own format: hpcrl's JSON (the embedded engine never
+        # unpickles) or SGLang's pickled flattened bucket (a stock server exits on anything else).
+        self.engine_kind = engine_kind
+        self.engine_tp_size = engine_tp_size
         self.transport = cfg.transport
         if self.transport == "auto":
             self.transport = "tensor" if colocated and device.type == "cuda" else "distributed"
@@ -204,8 +215,7 @@ class WeightSync:
                 raise WeightSyncError(f"update_weights_from_distributed failed on {engine.url}: {exc}") from exc
 
     def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        with create_handover(bucket) as payload:
-            request = UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
+        with tensor_update_request(bucket, engine_kind=self.engine_kind, tp_size=self.engine_tp_size) as request:
             self._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
 
     def close(self) -> None:

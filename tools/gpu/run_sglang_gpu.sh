@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Stock SGLang 0.5.16 on one H200, in one device call (docs/sglang.md): carry .sglang (see
+# ../shared/sglang-h200/README.md) and run from the repo root:
+#   bash tools/gpu/run_sglang_gpu.sh [weights] [quickstart]
+# weights:    tools/gpu/sglang_weights.py (payload, memory rental, pushed == fresh server)
+# quickstart: the quickstart with engine.kind=sglang, colocated, memory rented every step
+# Sections run at once (each SGLang start is 130-150 s); every server caps its KV cache
+# (--max-total-tokens) so that several share the GPU.
+set -u
+source .sglang/activate.sh .sglang/sglang-site.tar.xz
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/hpcrl-sglang-out}; mkdir -p "$OUT"
+STEPS=${*:-"weights quickstart"}
+SGLANG_ARGS='["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--max-total-tokens","65536"]'
+pids=()
+if [[ $STEPS == *weights* ]]; then
+  timeout 560 python3 tools/gpu/sglang_weights.py --workdir /tmp/sgw --out "$OUT/w" > "$OUT/weights.log" 2>&1 &
+  pids+=($!)
+fi
+if [[ $STEPS == *quickstart* ]]; then
+  rm -rf /tmp/qs-sglang
+  timeout 560 python3 -m hpcrl.cli run experiments/quickstart.yaml \
+    model.path=/tmp/models/tiny-qwen3 engine.kind=sglang engine.device=cuda train.device=cuda \
+    engine.dtype=bfloat16 train.dtype=bfloat16 engine.mem_fraction_static=0.5 engine.enable_memory_saver=true \
+    engine.offload_during_train=true "engine.sglang_args=$SGLANG_ARGS" --run-dir /tmp/qs-sglang > "$OUT/quickstart.log" 2>&1 &
+  pids+=($!)
+fi
+if [[ $STEPS == *fault* ]]; then
+  # SIGKILL the SGLang scheduler of a run as its 6th weight push begins (the first pause_generation
+  # after 5 of them in its log): the fleet must see the engine die, restart it, push the current weights,
+  # and the run must finish every step.
+  rm -rf /tmp/fault-sglang
+  timeout 560 python3 -m hpcrl.cli run experiments/quickstart.yaml num_steps=12 sft.num_steps=0 \
+    model.path=/tmp/models/tiny-qwen3 engine.kind=sglang engine.device=cuda train.device=cuda \
+    engine.dtype=bfloat16 train.dtype=bfloat16 engine.mem_fraction_static=0.5 engine.enable_memory_saver=true \
+    engine.offload_during_train=true "engine.sglang_args=$SGLANG_ARGS" --run-dir /tmp/fault-sglang \
+    > "$OUT/fault.log" 2>&1 &
+  pids+=($!)
+  (
+    log=/tmp/fault-sglang/logs/engine-0.log
+    for _ in $(seq 600); do
+      [[ -f $log ]] && (( $(grep -c "POST /pause_generation" "$log") >= 6 )) && break; sleep 0.02
+    done
+    pid=$(python3 -c "import json;print(json.load(open('/tmp/fault-sglang/engines/engine-0.json'))['pid'])")
+    sched=$(ps -o pid=,args= --ppid "$pid" | grep -i scheduler | awk '{print $1}' | head -1)
+    echo "fault: killing scheduler $sched of sglang server $pid at $(date +%T.%N)" | tee -a "$OUT/fault.log"
+    kill -9 "$sched"
+  ) &
+fi
+for p in "${pids[@]}"; do wait "$p"; echo "section pid $p exit $?"; done
+[[ -d /tmp/qs-sglang ]] && { cp /tmp/qs-sglang/logs/engine-0.log "$OUT/qs_engine.log" 2>/dev/null;
+  python3 -m hpcrl.cli report /tmp/qs-sglang -o /tmp/qs-report > "$OUT/qs_report.txt" 2>&1; }
+[[ -d /tmp/fault-sglang ]] && cp /tmp/fault-sglang/logs/engine-0.log "$OUT/fault_engine.log" && python3 -m hpcrl.cli report /tmp/fault-sglang -o /tmp/fault-report > "$OUT/fault_report.txt" 2>&1
+tail -n 30 "$OUT"/*.log "$OUT"/w/*.json 2>/dev/null | cut -c1-400
