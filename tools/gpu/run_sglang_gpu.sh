@@ -4,6 +4,8 @@
 #   bash tools/gpu/run_sglang_gpu.sh [weights] [quickstart]
 # weights:    tools/gpu/sglang_weights.py (payload, memory rental, pushed == fresh server)
 # quickstart: the quickstart with engine.kind=sglang, colocated, memory rented every step
+# fault:      12 steps whose engine's scheduler is SIGKILLed as the 6th push begins
+# record:     tools/gpu/record_sglang.py (the answers under tests/golden/sglang-0.5.16/), as $OUT/golden.tgz
 # Sections run at once (each SGLang start is 130-150 s); every server caps its KV cache
 # (--max-total-tokens) so that several share the GPU.
 set -u
@@ -38,14 +40,21 @@ if [[ $STEPS == *fault* ]]; then
   pids+=($!)
   (
     log=/tmp/fault-sglang/logs/engine-0.log
-    for _ in $(seq 600); do
-      [[ -f $log ]] && (( $(grep -c "POST /pause_generation" "$log") >= 6 )) && break; sleep 0.02
+    deadline=$((SECONDS + 420))  # the server's start (about 2 minutes) comes first
+    until [[ -f $log ]] && (( $(grep -c "POST /pause_generation" "$log") >= 6 )); do
+      (( SECONDS > deadline )) && { echo "fault: the 6th push never came" | tee -a "$OUT/fault.log"; exit 1; }
+      sleep 0.01
     done
     pid=$(python3 -c "import json;print(json.load(open('/tmp/fault-sglang/engines/engine-0.json'))['pid'])")
     sched=$(ps -o pid=,args= --ppid "$pid" | grep -i scheduler | awk '{print $1}' | head -1)
     echo "fault: killing scheduler $sched of sglang server $pid at $(date +%T.%N)" | tee -a "$OUT/fault.log"
     kill -9 "$sched"
   ) &
+fi
+if [[ $STEPS == *record* ]]; then
+  ( timeout 560 python3 tools/gpu/record_sglang.py --out /tmp/golden > "$OUT/record.log" 2>&1;
+    echo "record exit $?" >> "$OUT/record.log"; tar -C /tmp/golden -czf "$OUT/golden.tgz" . ) &
+  pids+=($!)
 fi
 for p in "${pids[@]}"; do wait "$p"; echo "section pid $p exit $?"; done
 [[ -d /tmp/qs-sglang ]] && { cp /tmp/qs-sglang/logs/engine-0.log "$OUT/qs_engine.log" 2>/dev/null;
