@@ -278,9 +278,28 @@ def check_gpus() -> list[Check]:
     return [nvml, Check("gpus", count > 0, detail, "" if count else "optional: runs use the CPU")]
 
 
+# SGLang versions whose answers hpcrl's client was checked against on a real server (tests/golden/).
+VERIFIED_SGLANG = ("0.5.16",)
+
+
+def check_sglang() -> Check:
+    found = _package("sglang", "sglang", "pip install 'hpcrl[sglang]'  (engine.kind=sglang)")
+    version = _version("sglang")
+    if not found.ok or version in VERIFIED_SGLANG:
+        return found if not found.ok else Check("sglang", True, f"sglang {version} (verified with hpcrl)")
+    return Check(
+        "sglang",
+        False,
+        f"sglang {version} is installed; hpcrl is verified against {', '.join(VERIFIED_SGLANG)} only "
+        "(field names and payloads differ between releases)",
+        f"pip install 'sglang=={VERIFIED_SGLANG[-1]}', or record this version's answers with "
+        "tools/gpu/record_sglang.py and check them (tests/unit/test_sglang_golden.py) before relying on it",
+    )
+
+
 def check_backends() -> list[Check]:
     return [
-        _package("sglang", "sglang", "pip install 'hpcrl[sglang]'  (engine.kind=sglang)"),
+        check_sglang(),
         _package(
             "megatron-core",
             "megatron-core",

@@ -148,3 +148,29 @@ def test_doctor_names_the_pmix_library_slurm_cannot_load(tmp_path: Path, monkeyp
     (pmix / "libpmix.so").write_bytes(b"")
     assert doctor.pmix_library_problem("pmix") is None
     assert doctor.pmix_library_problem("pmi2") is None
+
+
+def _fake_sglang(site: Path, version: str) -> None:
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("")
+    dist = site / f"sglang-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+
+
+@pytest.mark.parametrize(("version", "verified"), [("0.5.16", True), ("0.5.19", False)])
+def test_doctor_says_whether_the_installed_sglang_is_a_verified_version(
+    tmp_path: Path, version: str, verified: bool
+) -> None:
+    _fake_sglang(tmp_path / "site", version)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "doctor", "--run-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    line = next(ln for ln in out.stdout.splitlines() if " sglang " in ln)
+    if verified:
+        assert line.split()[0] == "ok" and "sglang 0.5.16 (verified with hpcrl)" in line
+    else:
+        assert line.split()[0] == "miss" and "sglang 0.5.19 is installed; hpcrl is verified against 0.5.16" in line
+        assert "pip install 'sglang==0.5.16'" in out.stdout
