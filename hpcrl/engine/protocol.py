@@ -461,6 +461,16 @@ class GenerateRequest(Message):
                 object.__setattr__(self, "rid", rids)
         _bool("return_logprob", self.return_logprob)
         _bool("return_sampling_mask", self.return_sampling_mask)
+        if self.return_sampling_mask:
+            # SGLang 0.5.16 refuses it too: without truncation the support is the whole vocabulary.
+            items = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
+            for index, item in enumerate(items):
+                if not (item.truncates_support or item.is_greedy):
+                    where = "sampling_params" if len(items) == 1 else f"sampling_params[{index}]"
+                    raise ValueError(
+                        f"return_sampling_mask needs a truncated sampling support, but {where} has top_k=-1, "
+                        "top_p=1 and min_p=0; set top_k, top_p < 1 or min_p > 0, or drop return_sampling_mask"
+                    )
         _int("logprob_start_len", self.logprob_start_len, minimum=-1)
         _bool("return_text_in_logprobs", self.return_text_in_logprobs)
         _bool("stream", self.stream)

@@ -268,7 +268,7 @@ def test_generate_single_parses_logprobs_versions_and_serialises_params(client: 
 
 def test_generate_batch_with_n_returns_prompt_major_list(client: EngineClient, engine: EngineState):
     results = client.generate(
-        [[1], [100, 101]], SamplingParams(max_new_tokens=2, n=2), rid=["a", "b"], return_sampling_mask=True
+        [[1], [100, 101]], SamplingParams(max_new_tokens=2, n=2, top_k=4), rid=["a", "b"], return_sampling_mask=True
     )
     assert isinstance(results, list) and len(results) == 4
     assert [r.rid for r in results] == ["a", "a", "b", "b"]
@@ -276,7 +276,7 @@ def test_generate_batch_with_n_returns_prompt_major_list(client: EngineClient, e
     sent = engine.bodies("/generate")[0]
     assert sent["input_ids"] == [[1], [100, 101]]
     assert sent["return_sampling_mask"] is True
-    assert sent["sampling_params"] == {"max_new_tokens": 2, "n": 2}
+    assert sent["sampling_params"] == {"max_new_tokens": 2, "top_k": 4, "n": 2}
 
 
 def test_generate_count_mismatch_is_an_engine_error(client: EngineClient, engine: EngineState):
@@ -616,6 +616,11 @@ def test_generate_request_from_dict_validation():
         "top_logprobs_num=5 is not supported by the embedded engine": {"input_ids": [1], "top_logprobs_num": 5},
         "unknown key 'prompt' in the /generate body; valid keys": {"input_ids": [1], "prompt": "x"},
         "logprob_start_len must be >= -1": {"input_ids": [1], "logprob_start_len": -2},
+        r"return_sampling_mask needs a truncated sampling support, but sampling_params\[1\]": {
+            "input_ids": [[1], [2]],
+            "sampling_params": [{"top_p": 0.9}, {}],
+            "return_sampling_mask": True,
+        },
     }
     for message, body in errors.items():
         with pytest.raises(ValueError, match=message):

@@ -6,7 +6,7 @@
 
 The recordings go to tests/golden/sglang-0.5.16/ (copy the *.json files, manifest.json included), where
 tests/unit/test_sglang_golden.py replays them through hpcrl's client and sends the same requests to the
-embedded engine; the format is described in tests/golden/sglang-0.5.16-provisional/README.md.
+embedded engine; the format is described in tests/golden/sglang-0.5.16/README.md.
 
 The script starts the server itself (SGLang: `python3 -m sglang.launch_server ... --enable-memory-saver`, on a
 tiny model made like `hpcrl model init-tiny`, with a context long enough for requests that outlive a pause),
