@@ -116,7 +116,11 @@ def load_case(name: str) -> dict[str, Any]:
 
 
 def error_text(response: dict[str, Any]) -> str:
-    """The server's own error message in a recorded response, as a user would read it."""
+    """The start of the server's own error message in a recorded response, as a user would read it."""
+    return _error_text(response)[:200].strip()
+
+
+def _error_text(response: dict[str, Any]) -> str:
     body = response.get("body")
     if isinstance(body, dict):
         error = body.get("error")
@@ -127,7 +131,7 @@ def error_text(response: dict[str, Any]) -> str:
         for key in ("message", "detail"):
             if key in body:
                 return body[key] if isinstance(body[key], str) else json.dumps(body[key])
-    return str(response.get("text", ""))[:200].strip()
+    return str(response.get("text", ""))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -221,7 +225,7 @@ def check_result(result: GenerateResult, raw: dict[str, Any], request: dict[str,
     assert result.weight_version == meta["weight_version"]
     assert result.token_weight_versions() == [meta["weight_version"]] * len(result.output_ids)
     assert result.completion_tokens == len(result.output_ids)
-    assert result.num_retractions == C.read_meta(meta, "num_retractions")
+    assert result.num_retractions == (C.read_meta(meta, "num_retractions") or 0)
     assert result.rid == meta["id"]
     if request.get("return_sampling_mask"):
         assert result.sampling_mask is not None and result.support_logprobs is not None, sorted(meta)
@@ -240,6 +244,10 @@ def check_result(result: GenerateResult, raw: dict[str, Any], request: dict[str,
 def replay_one(client: EngineClient, replay: _Replay, exchange: dict[str, Any]) -> Any:
     """Send one recorded request with the client helper a user would call; check what it returns."""
     request, response = exchange["request"], exchange["response"]
+    if response is None:
+        # SGLang gave no answer (it died: only allowed where the recorder expected it might); nothing to replay.
+        assert exchange.get("error"), exchange
+        return None
     path, body, status = request["path"], request.get("body"), response["status"]
     ok = 200 <= status < 300
     refused = None if ok else pytest.raises(EngineRequestError)
@@ -261,6 +269,9 @@ def replay_one(client: EngineClient, replay: _Replay, exchange: dict[str, Any]) 
             expect_refusal(lambda: client.call(C.GENERATE, body))
             return None
         parsed = client.generate_request(typed) if typed is not None else client.call(C.GENERATE, body)
+        if typed is not None:
+            sent = [r for r in replay.received if r[1] == path][-1]
+            assert sent[2] == body, "the client no longer sends what was recorded for /generate: re-record"
         raws = response["body"] if isinstance(response["body"], list) else [response["body"]]
         results = parsed if isinstance(parsed, list) else [parsed]
         assert len(results) == len(raws)
@@ -327,8 +338,6 @@ def test_client_reads_what_sglang_answered(name: str, client: EngineClient, repl
         # What SGLang reports for a request that lived through a version stamp: one version for all its tokens.
         assert isinstance(first, GenerateResult) and not first.aborted
         assert first.weight_version == case["notes"]["final_weight_version"]
-    if name == "flush_cache_busy":
-        assert outcomes[1] is False
 
 
 def test_sampling_supports_are_normalised_from_sglang_names() -> None:
@@ -394,6 +403,10 @@ def compare_generate(recorded: Any, answered: Any, what: str) -> None:
 def compare_answer(name: str, exchange: dict[str, Any], answered: httpx.Response) -> None:
     recorded = exchange["response"]
     what = f"{name}: {exchange['request']['method']} {exchange['request']['path']} ({exchange['label']})"
+    if recorded is None:
+        # SGLang died on this request; the embedded engine must refuse it and live.
+        assert 400 <= answered.status_code < 500, f"{what}: the embedded engine answered {answered.status_code}"
+        return
     want, got = recorded["status"] // 100, answered.status_code // 100
     if name in STRICTER_THAN_SGLANG and want == 2 and answered.status_code == 400:
         assert "unknown key" in answered.text, f"{what}: refused, but not for the unknown key: {answered.text}"
