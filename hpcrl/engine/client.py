@@ -1,5 +1,8 @@
 """HTTP client for one rollout engine speaking the SGLang contract (real SGLang or hpcrl's embedded engine).
 
+The contract is data (`contract.py`: each endpoint's method, paths, retry rule and reply shape): `call` sends
+any endpoint; the typed methods below are thin helpers over it.
+
 Failure model (why the retry rules differ per call):
 - A connection that could not be established means the request never left this process, so any call may be
   re-sent; after the retries the engine is reported dead (`EngineUnreachableError`), quickly.
@@ -14,17 +17,18 @@ Every call is bounded by a timeout; no loop retries forever.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, cast
 
 import httpx
 
+from hpcrl.engine import contract as C
+from hpcrl.engine.contract import Endpoint, Reply, Retry
 from hpcrl.engine.protocol import (
     DEFAULT_GROUP_NAME,
     PAUSE_MODES,
@@ -36,6 +40,7 @@ from hpcrl.engine.protocol import (
     GetWeightsByName,
     InitWeightsUpdateGroup,
     MemoryOccupation,
+    Message,
     PauseGeneration,
     PauseMode,
     SamplingParams,
@@ -85,12 +90,6 @@ class EngineTimeoutError(EngineError):
 
 class EngineBusyError(EngineError):
     """The engine kept answering 503 (starting up, overloaded or unhealthy) through all retries."""
-
-
-class _Retry(enum.Enum):
-    NEVER = "never"  # weight updates: a repeat would pair with collectives that never come
-    CONNECT = "connect"  # only when the request provably never reached the engine
-    IDEMPOTENT = "idempotent"  # also on 503 and on connections dropped mid-request
 
 
 def _normalise_url(url: str) -> str:
@@ -164,7 +163,7 @@ class EngineClient:
             # HPC login and compute nodes often export http_proxy; engine traffic must never go through it.
             trust_env=False,
         )
-        # Endpoint names changed across SGLang versions (/get_model_info -> /model_info); remember what worked.
+        # Endpoint paths changed across SGLang versions (/get_model_info -> /model_info); remember what worked.
         self._path_cache: dict[str, str] = {}
         self._path_lock = threading.Lock()
 
@@ -212,7 +211,7 @@ class EngineClient:
         method: str,
         path: str,
         *,
-        retry: _Retry,
+        retry: Retry,
         json_body: Any = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
@@ -220,7 +219,7 @@ class EngineClient:
         """Send one request with the retry policy; return a 2xx response or raise an EngineError."""
         timeout = self._timeout(timeout_s)
         where = f"{method} {self.url}{path}"
-        attempts = 1 + (0 if retry is _Retry.NEVER else self.max_retries)
+        attempts = 1 + (0 if retry is Retry.NEVER else self.max_retries)
         for attempt in range(attempts):
             can_retry = attempt + 1 < attempts
             try:
@@ -250,7 +249,7 @@ class EngineClient:
                 ) from exc
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError) as exc:
                 # The request may have reached the engine, so only repeatable calls are re-sent.
-                if retry is _Retry.IDEMPOTENT and can_retry:
+                if retry is Retry.IDEMPOTENT and can_retry:
                     self._backoff(attempt, f"connection dropped: {exc}", method, path)
                     continue
                 raise EngineUnreachableError(
@@ -263,7 +262,7 @@ class EngineClient:
 
             status = response.status_code
             if status == 503:
-                if retry is _Retry.IDEMPOTENT and can_retry:
+                if retry is Retry.IDEMPOTENT and can_retry:
                     self._backoff(attempt, "HTTP 503", method, path)
                     continue
                 raise EngineBusyError(
@@ -297,36 +296,81 @@ class EngineClient:
                 status_code=response.status_code,
             ) from exc
 
-    def _checked(self, response: httpx.Response, what: str) -> dict[str, Any]:
-        """Body of a {"success": bool, "message": str} endpoint; success false is an error."""
-        body = self._json(response, what)
-        if not isinstance(body, dict):
-            raise EngineError(f"{what}: expected a JSON object, got {body!r}", url=self.url)
-        if body.get("success") is False:
-            raise EngineRequestError(
-                f"{what} failed on the engine: {body.get('message', '(no message)')}",
-                url=self.url,
-                status_code=response.status_code,
-            )
-        return body
-
-    def _get_with_fallback(self, paths: Sequence[str], *, timeout_s: float | None) -> Any:
-        """GET the first of `paths` that exists (404 moves on), remembering it for later calls."""
-        key = paths[0]
+    def _send(
+        self, endpoint: Endpoint, json_body: Any, params: Mapping[str, Any] | None, timeout_s: float | None
+    ) -> tuple[httpx.Response, str]:
+        """Send to the first of the endpoint's paths that exists (404 moves on), remembering it for later calls."""
         with self._path_lock:
-            known = self._path_cache.get(key)
-        candidates = [known] if known else list(paths)
+            known = self._path_cache.get(endpoint.name)
+        candidates = [known] if known else list(endpoint.paths)
         for index, path in enumerate(candidates):
             try:
-                response = self._request("GET", path, retry=_Retry.IDEMPOTENT, timeout_s=timeout_s)
+                response = self._request(
+                    endpoint.method,
+                    path,
+                    retry=endpoint.retry,
+                    json_body=json_body,
+                    params=None if params is None else dict(params),
+                    timeout_s=timeout_s,
+                )
             except EngineRequestError as exc:
                 if exc.status_code == 404 and index + 1 < len(candidates):
                     continue
                 raise
-            with self._path_lock:
-                self._path_cache[key] = path
-            return self._json(response, f"GET {path}")
+            if len(endpoint.paths) > 1:
+                with self._path_lock:
+                    self._path_cache[endpoint.name] = path
+            return response, path
         raise AssertionError("unreachable: the last candidate path returns or raises")
+
+    def call(
+        self,
+        endpoint: Endpoint,
+        body: Message | Mapping[str, Any] | None = None,
+        *,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Send one request of the contract and return its reply, checked as `endpoint.reply` says.
+
+        `body` is a request type (validated when it was built) or, for tests and new fields, a raw JSON object.
+        Returns: GENERATE a GenerateResult or a list of them; OBJECT and SUCCESS a dict; MAYBE_SUCCESS a dict or
+        None; ANY the parsed JSON or None; IGNORED None. Failures raise an EngineError (see the module docstring).
+        """
+        json_body = body.to_dict() if isinstance(body, Message) else None if body is None else dict(body)
+        response, path = self._send(endpoint, json_body, params, timeout_s)
+        what = f"{endpoint.method} {path}"
+        reply = endpoint.reply
+        if reply is Reply.IGNORED:
+            return None
+        if reply is Reply.MAYBE_SUCCESS:
+            # SGLang answers these with an empty body; only an object can carry a failure.
+            try:
+                parsed = response.json() if response.content else None
+            except ValueError:
+                return None
+            return self._checked(parsed, what, response.status_code) if isinstance(parsed, dict) else None
+        parsed = self._json(response, what)
+        if reply is Reply.ANY:
+            return parsed
+        if reply is Reply.GENERATE:
+            try:
+                return parse_generate_response(parsed)
+            except ValueError as exc:
+                raise EngineError(f"{what}: malformed response from the engine: {exc}", url=self.url) from exc
+        if not isinstance(parsed, dict):
+            raise EngineError(f"{what}: expected a JSON object, got {parsed!r}", url=self.url)
+        return self._checked(parsed, what, response.status_code) if reply is Reply.SUCCESS else parsed
+
+    def _checked(self, body: dict[str, Any], what: str, status_code: int) -> dict[str, Any]:
+        """A {"success": bool, "message": str} body; success false is an error."""
+        if body.get("success") is False:
+            raise EngineRequestError(
+                f"{what} failed on the engine: {body.get('message', '(no message)')}",
+                url=self.url,
+                status_code=status_code,
+            )
+        return body
 
     # ----------------------------------------------------------------------------------------------------------
     # generation
@@ -375,21 +419,14 @@ class EngineClient:
         """POST /generate with a prepared request (also for `text` prompts)."""
         if request.stream:
             raise ValueError("EngineClient does not stream; send the request with stream=False")
-        response = self._request(
-            "POST", "/generate", retry=_Retry.CONNECT, json_body=request.to_dict(), timeout_s=timeout_s
-        )
-        body = self._json(response, "POST /generate")
-        try:
-            parsed = parse_generate_response(body)
-        except ValueError as exc:
-            raise EngineError(f"POST /generate: malformed response from the engine: {exc}", url=self.url) from exc
+        parsed = self.call(C.GENERATE, request, timeout_s=timeout_s)
         if isinstance(parsed, list) != request.returns_list or (
             isinstance(parsed, list) and len(parsed) != request.num_results
         ):
             got = f"a list of {len(parsed)}" if isinstance(parsed, list) else "one object"
             want = f"a list of {request.num_results}" if request.returns_list else "one object"
             raise EngineError(f"POST /generate: expected {want} result(s), the engine sent {got}", url=self.url)
-        return parsed
+        return cast(GenerateResult | list[GenerateResult], parsed)
 
     def generate_many(
         self,
@@ -426,16 +463,16 @@ class EngineClient:
 
         Raises EngineUnreachableError when nothing answers, so that a dead engine is not mistaken for a busy one.
         """
-        return self._probe("/health", timeout_s)
+        return self._probe(C.HEALTH, timeout_s)
 
     def health_generate(self, *, timeout_s: float | None = None) -> bool:
         """GET /health_generate (runs a one-token generation). One False is not death: it has false negatives
         during long prefills (sgl-project/sglang#22511)."""
-        return self._probe("/health_generate", timeout_s)
+        return self._probe(C.HEALTH_GENERATE, timeout_s)
 
-    def _probe(self, path: str, timeout_s: float | None) -> bool:
+    def _probe(self, endpoint: Endpoint, timeout_s: float | None) -> bool:
         try:
-            self._request("GET", path, retry=_Retry.IDEMPOTENT, timeout_s=timeout_s)
+            self.call(endpoint, timeout_s=timeout_s)
         except EngineBusyError:
             return False
         except EngineRequestError as exc:
@@ -446,17 +483,11 @@ class EngineClient:
 
     def model_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """GET /model_info (older servers: /get_model_info): model_path, weight_version, ..."""
-        body = self._get_with_fallback(("/model_info", "/get_model_info"), timeout_s=timeout_s)
-        if not isinstance(body, dict):
-            raise EngineError(f"GET /model_info: expected a JSON object, got {body!r}", url=self.url)
-        return body
+        return cast(dict[str, Any], self.call(C.MODEL_INFO, timeout_s=timeout_s))
 
     def server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """GET /server_info (older servers: /get_server_info): server args, scheduler info, version."""
-        body = self._get_with_fallback(("/server_info", "/get_server_info"), timeout_s=timeout_s)
-        if not isinstance(body, dict):
-            raise EngineError(f"GET /server_info: expected a JSON object, got {body!r}", url=self.url)
-        return body
+        return cast(dict[str, Any], self.call(C.SERVER_INFO, timeout_s=timeout_s))
 
     def weight_version(self, *, timeout_s: float | None = None) -> str:
         """The engine's current weight version (model_info; older servers: /get_weight_version)."""
@@ -464,7 +495,7 @@ class EngineClient:
         if info.get("weight_version") is not None:
             return str(info["weight_version"])
         try:
-            body = self._get_with_fallback(("/get_weight_version",), timeout_s=timeout_s)
+            body = self.call(C.GET_WEIGHT_VERSION, timeout_s=timeout_s)
         except EngineRequestError as exc:
             if exc.status_code != 404:
                 raise
@@ -538,7 +569,7 @@ class EngineClient:
         """
         params = None if wait_s is None else {"timeout": wait_s}
         try:
-            self._request("POST", "/flush_cache", retry=_Retry.IDEMPOTENT, params=params, timeout_s=timeout_s)
+            self.call(C.FLUSH_CACHE, params=params, timeout_s=timeout_s)
         except EngineRequestError as exc:
             if exc.status_code == 400:
                 return False
@@ -552,9 +583,8 @@ class EngineClient:
         """
         if not rid and not abort_all:
             raise ValueError("abort_request(rid='') aborts nothing; pass a rid (prefix) or abort_all=True")
-        body = AbortRequest(rid=rid, abort_all=abort_all).to_dict()
         try:
-            self._request("POST", "/abort_request", retry=_Retry.IDEMPOTENT, json_body=body, timeout_s=timeout_s)
+            self.call(C.ABORT_REQUEST, AbortRequest(rid=rid, abort_all=abort_all), timeout_s=timeout_s)
         except EngineRequestError as exc:
             if exc.status_code == 404:
                 raise EngineRequestError(
@@ -570,25 +600,13 @@ class EngineClient:
         (KV recomputed later), 'in_place' freezes them with their KV kept (then flush_cache fails)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        response = self._request(
-            "POST",
-            "/pause_generation",
-            retry=_Retry.IDEMPOTENT,
-            json_body=PauseGeneration(mode=mode).to_dict(),
-            timeout_s=timeout_s,
-        )
-        return cast(dict[str, Any], self._json(response, "POST /pause_generation") or {})
+        body = PauseGeneration(mode=mode)
+        return cast(dict[str, Any], self.call(C.PAUSE_GENERATION, body, timeout_s=timeout_s) or {})
 
     def continue_generation(self, torch_empty_cache: bool = True, *, timeout_s: float | None = None) -> dict[str, Any]:
         """POST /continue_generation."""
-        response = self._request(
-            "POST",
-            "/continue_generation",
-            retry=_Retry.IDEMPOTENT,
-            json_body=ContinueGeneration(torch_empty_cache=torch_empty_cache).to_dict(),
-            timeout_s=timeout_s,
-        )
-        return cast(dict[str, Any], self._json(response, "POST /continue_generation") or {})
+        body = ContinueGeneration(torch_empty_cache=torch_empty_cache)
+        return cast(dict[str, Any], self.call(C.CONTINUE_GENERATION, body, timeout_s=timeout_s) or {})
 
     # ----------------------------------------------------------------------------------------------------------
     # memory (colocated engines; the server needs --enable-memory-saver)
@@ -600,75 +618,42 @@ class EngineClient:
 
         Returns the JSON body when there is one: the embedded engine reports `freed_bytes` per tag; SGLang
         answers an empty body, so a caller that must know what was freed measures it (NVML)."""
-        body = MemoryOccupation(tags=None if tags is None else tuple(tags)).to_dict()
-        response = self._request(
-            "POST", "/release_memory_occupation", retry=_Retry.CONNECT, json_body=body, timeout_s=timeout_s
-        )
-        self._raise_on_failure(response, "POST /release_memory_occupation")
-        try:
-            parsed = response.json()
-        except ValueError:
-            return None
-        return parsed if isinstance(parsed, dict) else None
+        body = MemoryOccupation(tags=None if tags is None else tuple(tags))
+        return cast(dict[str, Any] | None, self.call(C.RELEASE_MEMORY_OCCUPATION, body, timeout_s=timeout_s))
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
         """POST /resume_memory_occupation; `tags` among weights, kv_cache, cuda_graph (None: all)."""
-        body = MemoryOccupation(tags=None if tags is None else tuple(tags)).to_dict()
-        response = self._request(
-            "POST", "/resume_memory_occupation", retry=_Retry.CONNECT, json_body=body, timeout_s=timeout_s
-        )
-        self._raise_on_failure(response, "POST /resume_memory_occupation")
-
-    def _raise_on_failure(self, response: httpx.Response, what: str) -> None:
-        # These endpoints answer an empty or null body on success; a {"success": false} object is a failure.
-        body = self._json(response, what)
-        if isinstance(body, dict):
-            self._checked(response, what)
+        body = MemoryOccupation(tags=None if tags is None else tuple(tags))
+        self.call(C.RESUME_MEMORY_OCCUPATION, body, timeout_s=timeout_s)
 
     # ----------------------------------------------------------------------------------------------------------
-    # weights
+    # weights: never re-sent (see the module docstring)
 
     def init_weights_update_group(
         self, request: InitWeightsUpdateGroup, *, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """POST /init_weights_update_group. Blocks until the trainer joins the group: call it concurrently with
         the trainer's init_process_group, and give `timeout_s` longer than that rendezvous may take."""
-        response = self._request(
-            "POST", "/init_weights_update_group", retry=_Retry.NEVER, json_body=request.to_dict(), timeout_s=timeout_s
-        )
-        return self._checked(response, "POST /init_weights_update_group")
+        return cast(dict[str, Any], self.call(request.endpoint, request, timeout_s=timeout_s))
 
     def destroy_weights_update_group(
         self, group_name: str = DEFAULT_GROUP_NAME, *, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """POST /destroy_weights_update_group."""
-        body = DestroyWeightsUpdateGroup(group_name=group_name).to_dict()
-        response = self._request(
-            "POST", "/destroy_weights_update_group", retry=_Retry.NEVER, json_body=body, timeout_s=timeout_s
-        )
-        return self._checked(response, "POST /destroy_weights_update_group")
+        body = DestroyWeightsUpdateGroup(group_name=group_name)
+        return cast(dict[str, Any], self.call(body.endpoint, body, timeout_s=timeout_s))
 
     def update_weights_from_distributed(
         self, request: UpdateWeightsFromDistributed, *, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """POST /update_weights_from_distributed; the trainer broadcasts the tensors while this call waits."""
-        response = self._request(
-            "POST",
-            "/update_weights_from_distributed",
-            retry=_Retry.NEVER,
-            json_body=request.to_dict(),
-            timeout_s=timeout_s,
-        )
-        return self._checked(response, "POST /update_weights_from_distributed")
+        return cast(dict[str, Any], self.call(request.endpoint, request, timeout_s=timeout_s))
 
     def update_weights_from_tensor(
         self, request: UpdateWeightsFromTensor, *, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """POST /update_weights_from_tensor (CUDA IPC handles; same node only)."""
-        response = self._request(
-            "POST", "/update_weights_from_tensor", retry=_Retry.NEVER, json_body=request.to_dict(), timeout_s=timeout_s
-        )
-        return self._checked(response, "POST /update_weights_from_tensor")
+        return cast(dict[str, Any], self.call(request.endpoint, request, timeout_s=timeout_s))
 
     def update_weight_version(
         self, version: str, *, abort_all_requests: bool = False, timeout_s: float | None = None
@@ -678,17 +663,11 @@ class EngineClient:
         `abort_all_requests` is always sent: SGLang's default is true and aborts all in-flight generation
         (radixark/miles#2372).
         """
-        body = UpdateWeightVersion(new_version=version, abort_all_requests=abort_all_requests).to_dict()
-        response = self._request(
-            "POST", "/update_weight_version", retry=_Retry.IDEMPOTENT, json_body=body, timeout_s=timeout_s
-        )
-        result = self._checked(response, "POST /update_weight_version")
+        body = UpdateWeightVersion(new_version=version, abort_all_requests=abort_all_requests)
+        result = self.call(body.endpoint, body, timeout_s=timeout_s)
         return str(result.get("new_version", version))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100, *, timeout_s: float | None = None) -> Any:
         """POST /get_weights_by_name: the first `truncate_size` values of a parameter (nested lists), for tests."""
-        body = GetWeightsByName(name=name, truncate_size=truncate_size).to_dict()
-        response = self._request(
-            "POST", "/get_weights_by_name", retry=_Retry.IDEMPOTENT, json_body=body, timeout_s=timeout_s
-        )
-        return self._json(response, "POST /get_weights_by_name")
+        body = GetWeightsByName(name=name, truncate_size=truncate_size)
+        return self.call(body.endpoint, body, timeout_s=timeout_s)

@@ -5,11 +5,15 @@ One module serves both ends: `EngineClient` builds requests with `to_dict()` and
 answers with `GenerateResult.to_response()`. Every validation error is a `ValueError` whose message names
 the field, the allowed values and what was received, because the server returns it verbatim as HTTP 400.
 
-hpcrl extensions to `meta_info` (absent from upstream SGLang, so every reader treats them as optional):
-- `weight_versions`: `[{"version": str, "start": int, "end": int}, ...]` half-open spans `[start, end)` over
-  output-token indices saying which weight version produced each token (weights can change mid-request).
-- `sampling_mask`: per output token, the token ids of the sampling support after top-k/top-p/min-p.
-- `support_logprobs`: per output token, the log-prob renormalised over that support.
+Where engines name the same field differently, `contract.py` holds the table (`META_INFO_ALIASES`): readers
+accept every name, writers send SGLang 0.5.16's. With `return_sampling_mask` that is
+`output_token_sampling_mask` (per output token, the token ids of the sampling support after top-k/top-p/min-p),
+`output_token_sampling_logprobs` (per output token, the log-prob renormalised over that support) and
+`output_token_sampling_mask_length` (the number of output tokens those lists cover).
+
+hpcrl's extension to `meta_info` (absent from upstream SGLang, so every reader treats it as optional):
+`weight_versions`: `[{"version": str, "start": int, "end": int}, ...]` half-open spans `[start, end)` over
+output-token indices saying which weight version produced each token (weights can change mid-request).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast, get_args
+from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
+
+from hpcrl.engine import contract as C
+from hpcrl.engine.contract import Endpoint
 
 __all__ = [
     "AbortRequest",
@@ -30,6 +37,7 @@ __all__ = [
     "GetWeightsByName",
     "InitWeightsUpdateGroup",
     "MemoryOccupation",
+    "Message",
     "PauseGeneration",
     "SamplingParams",
     "UpdateWeightVersion",
@@ -177,6 +185,42 @@ def _simple_from_dict(cls: type, what: str, data: object, *, missing: Mapping[st
         # A missing required key surfaces as TypeError from the dataclass __init__.
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         raise ValueError(f"{what} is missing required key(s); required: {required} ({exc})") from exc
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Request bodies
+
+_M = TypeVar("_M", bound="Message")
+
+
+def _jsonable(value: Any) -> Any:
+    # Tuples keep the dataclasses immutable; JSON wants lists.
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """A request body of one endpoint.
+
+    `missing` holds SGLang's server defaults where they differ from hpcrl's dataclass defaults: `from_dict` applies
+    them to an absent key so that the embedded server behaves like SGLang. `body_optional` types accept an empty
+    or null body as all-defaults (older servers took none).
+    """
+
+    endpoint: ClassVar[Endpoint]
+    missing: ClassVar[Mapping[str, Any]] = {}
+    body_optional: ClassVar[bool] = False
+
+    @classmethod
+    def from_dict(cls: type[_M], data: object) -> _M:
+        what = f"the {cls.endpoint.path} body"
+        body = (data or {}) if cls.body_optional else data
+        return cast(_M, _simple_from_dict(cls, what, body, missing=cls.missing))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -339,7 +383,7 @@ _IGNORED_GENERATE_KEYS = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerateRequest:
+class GenerateRequest(Message):
     """A `/generate` request: one prompt (`input_ids: list[int]`, `text: str`) or a batch (lists of those).
 
     Exactly one of `input_ids` and `text` is set. For a batch, `sampling_params` is one object for all items
@@ -347,6 +391,7 @@ class GenerateRequest:
     answers a list of `batch_size * n` results, prompt-major (all samples of prompt 0 first).
     """
 
+    endpoint: ClassVar[Endpoint] = C.GENERATE
     input_ids: list[int] | list[list[int]] | None = None
     text: str | list[str] | None = None
     sampling_params: SamplingParams | list[SamplingParams] = field(default_factory=SamplingParams)
@@ -416,6 +461,16 @@ class GenerateRequest:
                 object.__setattr__(self, "rid", rids)
         _bool("return_logprob", self.return_logprob)
         _bool("return_sampling_mask", self.return_sampling_mask)
+        if self.return_sampling_mask:
+            # SGLang 0.5.16 refuses it too: without truncation the support is the whole vocabulary.
+            items = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
+            for index, item in enumerate(items):
+                if not (item.truncates_support or item.is_greedy):
+                    where = "sampling_params" if len(items) == 1 else f"sampling_params[{index}]"
+                    raise ValueError(
+                        f"return_sampling_mask needs a truncated sampling support, but {where} has top_k=-1, "
+                        "top_p=1 and min_p=0; set top_k, top_p < 1 or min_p > 0, or drop return_sampling_mask"
+                    )
         _int("logprob_start_len", self.logprob_start_len, minimum=-1)
         _bool("return_text_in_logprobs", self.return_text_in_logprobs)
         _bool("stream", self.stream)
@@ -603,8 +658,10 @@ class GenerateResult:
     """One sample of a `/generate` response.
 
     `output_token_logprobs` holds the log-prob of each output token (from `meta_info.output_token_logprobs`,
-    present when the request set return_logprob). `weight_versions`, `sampling_mask` and `support_logprobs` are
-    hpcrl extensions, None when the engine did not send them (upstream SGLang never does).
+    present when the request set return_logprob). `sampling_mask` (the support's token ids per output token) and
+    `support_logprobs` (the log-prob renormalised over it) are what the request's return_sampling_mask asked for,
+    read under any engine's field names; `weight_versions` is hpcrl's extension. Each is None when the engine did
+    not send it.
     """
 
     text: str | None
@@ -681,9 +738,9 @@ class GenerateResult:
         if output_ids is None:
             raise ValueError("a /generate result has neither output_ids nor meta_info.output_token_logprobs")
         spans = meta.get("weight_versions")
-        mask = meta.get("sampling_mask")
-        support = meta.get("support_logprobs")
-        retractions = meta.get("num_retractions", meta.get("total_retractions"))
+        mask = C.read_meta(meta, "output_token_sampling_mask")
+        support = C.read_meta(meta, "output_token_sampling_logprobs")
+        retractions = C.read_meta(meta, "num_retractions")
         latency = meta.get("e2e_latency")
         version = meta.get("weight_version")
         return cls(
@@ -702,14 +759,14 @@ class GenerateResult:
             sampling_mask=None
             if mask is None
             else [
-                _token_ids(f"meta_info.sampling_mask[{i}]", m, allow_empty=True)
-                for i, m in enumerate(_list("meta_info.sampling_mask", mask))
+                _token_ids(f"meta_info.output_token_sampling_mask[{i}]", m, allow_empty=True)
+                for i, m in enumerate(_list("meta_info.output_token_sampling_mask", mask))
             ],
             support_logprobs=None
             if support is None
             else [
-                _float(f"meta_info.support_logprobs[{i}]", v)
-                for i, v in enumerate(_list("meta_info.support_logprobs", support))
+                _float(f"meta_info.output_token_sampling_logprobs[{i}]", v)
+                for i, v in enumerate(_list("meta_info.output_token_sampling_logprobs", support))
             ],
             num_retractions=_int("meta_info.num_retractions", retractions or 0, minimum=0),
             e2e_latency_s=None if latency is None else _float("meta_info.e2e_latency", latency),
@@ -722,7 +779,9 @@ class GenerateResult:
         `token_texts` fills the third element of each output_token_logprobs entry (null unless the request
         set return_text_in_logprobs).
         """
-        meta: dict[str, Any] = dict(self.meta_info)
+        # Older names of the fields written below would otherwise travel next to the canonical ones.
+        aliases = {name for names in C.META_INFO_ALIASES.values() for name in names[1:]}
+        meta: dict[str, Any] = {k: v for k, v in self.meta_info.items() if k not in aliases}
         meta.update(
             {
                 "id": self.rid,
@@ -747,9 +806,10 @@ class GenerateResult:
         if self.weight_versions is not None:
             meta["weight_versions"] = [span.to_dict() for span in self.weight_versions]
         if self.sampling_mask is not None:
-            meta["sampling_mask"] = self.sampling_mask
+            meta["output_token_sampling_mask"] = self.sampling_mask
+            meta["output_token_sampling_mask_length"] = len(self.sampling_mask)
         if self.support_logprobs is not None:
-            meta["support_logprobs"] = self.support_logprobs
+            meta["output_token_sampling_logprobs"] = self.support_logprobs
         out: dict[str, Any] = {"output_ids": self.output_ids, "meta_info": meta}
         if self.text is not None:
             out["text"] = self.text
@@ -770,13 +830,15 @@ def parse_generate_response(data: object) -> GenerateResult | list[GenerateResul
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Control and weight-update requests
+# Control and weight-update requests. Each type names its endpoint and inherits `from_dict` (what the embedded
+# server validates) and `to_dict` (what the client sends) from `Message`.
 
 
 @dataclass(frozen=True, kw_only=True)
-class InitWeightsUpdateGroup:
+class InitWeightsUpdateGroup(Message):
     """POST /init_weights_update_group: the trainer is rank 0; engine ranks start at `rank_offset`."""
 
+    endpoint: ClassVar[Endpoint] = C.INIT_WEIGHTS_UPDATE_GROUP
     master_address: str
     master_port: int
     rank_offset: int
@@ -797,29 +859,17 @@ class InitWeightsUpdateGroup:
         _str("group_name", self.group_name)
         _str("backend", self.backend)
 
-    @classmethod
-    def from_dict(cls, data: object) -> InitWeightsUpdateGroup:
-        return cast(InitWeightsUpdateGroup, _simple_from_dict(cls, "the /init_weights_update_group body", data))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class DestroyWeightsUpdateGroup:
+class DestroyWeightsUpdateGroup(Message):
     """POST /destroy_weights_update_group."""
 
+    endpoint: ClassVar[Endpoint] = C.DESTROY_WEIGHTS_UPDATE_GROUP
+    body_optional: ClassVar[bool] = True
     group_name: str = DEFAULT_GROUP_NAME
 
     def __post_init__(self) -> None:
         _str("group_name", self.group_name)
-
-    @classmethod
-    def from_dict(cls, data: object) -> DestroyWeightsUpdateGroup:
-        return cast(DestroyWeightsUpdateGroup, _simple_from_dict(cls, "the /destroy_weights_update_group body", data))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _check_load_format(value: object) -> None:
@@ -828,12 +878,13 @@ def _check_load_format(value: object) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class UpdateWeightsFromDistributed:
+class UpdateWeightsFromDistributed(Message):
     """POST /update_weights_from_distributed: the engine receives these tensors, in order, from group rank 0.
 
     With `load_format=None` the trainer broadcasts one tensor per name; with "flattened_bucket" one flat buffer.
     """
 
+    endpoint: ClassVar[Endpoint] = C.UPDATE_WEIGHTS_FROM_DISTRIBUTED
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -874,24 +925,12 @@ class UpdateWeightsFromDistributed:
         object.__setattr__(self, "dtypes", dtypes)
         object.__setattr__(self, "shapes", shapes)
 
-    @classmethod
-    def from_dict(cls, data: object) -> UpdateWeightsFromDistributed:
-        return cast(
-            UpdateWeightsFromDistributed, _simple_from_dict(cls, "the /update_weights_from_distributed body", data)
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["names"] = list(self.names)
-        out["dtypes"] = list(self.dtypes)
-        out["shapes"] = [list(shape) for shape in self.shapes]
-        return out
-
 
 @dataclass(frozen=True, kw_only=True)
-class UpdateWeightsFromTensor:
+class UpdateWeightsFromTensor(Message):
     """POST /update_weights_from_tensor: one serialized payload per engine TP rank (CUDA IPC, same node only)."""
 
+    endpoint: ClassVar[Endpoint] = C.UPDATE_WEIGHTS_FROM_TENSOR
     serialized_named_tensors: tuple[str, ...]
     load_format: str | None = None
     flush_cache: bool = True
@@ -916,18 +955,9 @@ class UpdateWeightsFromTensor:
         _bool("torch_empty_cache", self.torch_empty_cache)
         object.__setattr__(self, "serialized_named_tensors", payloads)
 
-    @classmethod
-    def from_dict(cls, data: object) -> UpdateWeightsFromTensor:
-        return cast(UpdateWeightsFromTensor, _simple_from_dict(cls, "the /update_weights_from_tensor body", data))
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["serialized_named_tensors"] = list(self.serialized_named_tensors)
-        return out
-
 
 @dataclass(frozen=True, kw_only=True)
-class UpdateWeightVersion:
+class UpdateWeightVersion(Message):
     """POST /update_weight_version.
 
     The dataclass default `abort_all_requests=False` is hpcrl's; SGLang's server default is True and aborted
@@ -935,6 +965,8 @@ class UpdateWeightVersion:
     the flag. `from_dict` applies SGLang's True when the key is missing, so the embedded server behaves like SGLang.
     """
 
+    endpoint: ClassVar[Endpoint] = C.UPDATE_WEIGHT_VERSION
+    missing: ClassVar[Mapping[str, Any]] = {"abort_all_requests": True}
     new_version: str
     abort_all_requests: bool = False
 
@@ -942,60 +974,40 @@ class UpdateWeightVersion:
         _str("new_version", self.new_version)
         _bool("abort_all_requests", self.abort_all_requests)
 
-    @classmethod
-    def from_dict(cls, data: object) -> UpdateWeightVersion:
-        return cast(
-            UpdateWeightVersion,
-            _simple_from_dict(cls, "the /update_weight_version body", data, missing={"abort_all_requests": True}),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"new_version": self.new_version, "abort_all_requests": self.abort_all_requests}
-
 
 @dataclass(frozen=True, kw_only=True)
-class PauseGeneration:
+class PauseGeneration(Message):
     """POST /pause_generation. SGLang's default mode is "abort"; hpcrl's client defaults to "retract"."""
 
+    endpoint: ClassVar[Endpoint] = C.PAUSE_GENERATION
+    body_optional: ClassVar[bool] = True
     mode: PauseMode = "abort"
 
     def __post_init__(self) -> None:
         if self.mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {self.mode!r}")
 
-    @classmethod
-    def from_dict(cls, data: object) -> PauseGeneration:
-        # Older servers took no body at all; an empty or null body means the default mode.
-        return cast(PauseGeneration, _simple_from_dict(cls, "the /pause_generation body", data or {}))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode}
-
 
 @dataclass(frozen=True, kw_only=True)
-class ContinueGeneration:
+class ContinueGeneration(Message):
     """POST /continue_generation."""
 
+    endpoint: ClassVar[Endpoint] = C.CONTINUE_GENERATION
+    body_optional: ClassVar[bool] = True
     torch_empty_cache: bool = True
 
     def __post_init__(self) -> None:
         _bool("torch_empty_cache", self.torch_empty_cache)
 
-    @classmethod
-    def from_dict(cls, data: object) -> ContinueGeneration:
-        return cast(ContinueGeneration, _simple_from_dict(cls, "the /continue_generation body", data or {}))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"torch_empty_cache": self.torch_empty_cache}
-
 
 @dataclass(frozen=True, kw_only=True)
-class AbortRequest:
+class AbortRequest(Message):
     """POST /abort_request: `rid` matches by prefix in the scheduler; `abort_all` ignores `rid`.
 
-    SGLang accepts an empty body (rid "" without abort_all) and does nothing, so this type accepts it too.
+    SGLang accepts an empty object (rid "" without abort_all) and does nothing, so this type accepts it too.
     """
 
+    endpoint: ClassVar[Endpoint] = C.ABORT_REQUEST
     rid: str = ""
     abort_all: bool = False
 
@@ -1003,18 +1015,16 @@ class AbortRequest:
         _str("rid", self.rid, allow_empty=True)
         _bool("abort_all", self.abort_all)
 
-    @classmethod
-    def from_dict(cls, data: object) -> AbortRequest:
-        return cast(AbortRequest, _simple_from_dict(cls, "the /abort_request body", data))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rid": self.rid, "abort_all": self.abort_all}
-
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryOccupation:
-    """POST /release_memory_occupation and /resume_memory_occupation; `tags=None` means all tags."""
+class MemoryOccupation(Message):
+    """POST /release_memory_occupation and /resume_memory_occupation; `tags=None` means all tags.
 
+    One body type serves both endpoints: the client passes the endpoint to `call`.
+    """
+
+    endpoint: ClassVar[Endpoint] = C.RELEASE_MEMORY_OCCUPATION
+    body_optional: ClassVar[bool] = True
     tags: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -1030,24 +1040,15 @@ class MemoryOccupation:
     def from_dict(cls, data: object) -> MemoryOccupation:
         return cast(MemoryOccupation, _simple_from_dict(cls, "the memory occupation body", data or {}))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"tags": None if self.tags is None else list(self.tags)}
-
 
 @dataclass(frozen=True, kw_only=True)
-class GetWeightsByName:
+class GetWeightsByName(Message):
     """POST /get_weights_by_name (for tests): the first `truncate_size` values of one parameter."""
 
+    endpoint: ClassVar[Endpoint] = C.GET_WEIGHTS_BY_NAME
     name: str
     truncate_size: int = 100
 
     def __post_init__(self) -> None:
         _str("name", self.name)
         _int("truncate_size", self.truncate_size, minimum=1)
-
-    @classmethod
-    def from_dict(cls, data: object) -> GetWeightsByName:
-        return cast(GetWeightsByName, _simple_from_dict(cls, "the /get_weights_by_name body", data))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "truncate_size": self.truncate_size}

@@ -81,7 +81,7 @@ def test_seeded_requests_repeat_and_batches_run(cuda_engine: EngineProcess) -> N
 def test_filtered_sampling_and_greedy(cuda_engine: EngineProcess) -> None:
     params = {"max_new_tokens": 8, "sampling_seed": 5, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
     out = gen(cuda_engine.url, {"input_ids": PROMPT, "sampling_params": params, "return_sampling_mask": True})
-    masks = out["meta_info"]["sampling_mask"]
+    masks = out["meta_info"]["output_token_sampling_mask"]
     assert all(1 <= len(s) <= 5 for s in masks)
     assert all(t in s for t, s in zip(out["output_ids"], masks, strict=True))
     greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}

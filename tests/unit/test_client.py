@@ -268,7 +268,7 @@ def test_generate_single_parses_logprobs_versions_and_serialises_params(client: 
 
 def test_generate_batch_with_n_returns_prompt_major_list(client: EngineClient, engine: EngineState):
     results = client.generate(
-        [[1], [100, 101]], SamplingParams(max_new_tokens=2, n=2), rid=["a", "b"], return_sampling_mask=True
+        [[1], [100, 101]], SamplingParams(max_new_tokens=2, n=2, top_k=4), rid=["a", "b"], return_sampling_mask=True
     )
     assert isinstance(results, list) and len(results) == 4
     assert [r.rid for r in results] == ["a", "a", "b", "b"]
@@ -276,7 +276,7 @@ def test_generate_batch_with_n_returns_prompt_major_list(client: EngineClient, e
     sent = engine.bodies("/generate")[0]
     assert sent["input_ids"] == [[1], [100, 101]]
     assert sent["return_sampling_mask"] is True
-    assert sent["sampling_params"] == {"max_new_tokens": 2, "n": 2}
+    assert sent["sampling_params"] == {"max_new_tokens": 2, "top_k": 4, "n": 2}
 
 
 def test_generate_count_mismatch_is_an_engine_error(client: EngineClient, engine: EngineState):
@@ -616,6 +616,11 @@ def test_generate_request_from_dict_validation():
         "top_logprobs_num=5 is not supported by the embedded engine": {"input_ids": [1], "top_logprobs_num": 5},
         "unknown key 'prompt' in the /generate body; valid keys": {"input_ids": [1], "prompt": "x"},
         "logprob_start_len must be >= -1": {"input_ids": [1], "logprob_start_len": -2},
+        r"return_sampling_mask needs a truncated sampling support, but sampling_params\[1\]": {
+            "input_ids": [[1], [2]],
+            "sampling_params": [{"top_p": 0.9}, {}],
+            "return_sampling_mask": True,
+        },
     }
     for message, body in errors.items():
         with pytest.raises(ValueError, match=message):
@@ -719,3 +724,79 @@ def test_weight_update_types_validate_for_the_server():
     assert MemoryOccupation.from_dict({"tags": None}).tags is None
     assert MemoryOccupation.from_dict({"tags": ["kv_cache", "cuda_graph"]}).tags == ("kv_cache", "cuda_graph")
     assert AbortRequest.from_dict({}) == AbortRequest(rid="", abort_all=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the contract as data
+
+
+def test_every_endpoint_retries_as_the_failure_model_says():
+    from hpcrl.engine import contract as C
+
+    never = {name for name, e in C.ENDPOINTS.items() if e.retry is C.Retry.NEVER}
+    assert never == {
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "update_weights_from_distributed",
+        "update_weights_from_tensor",
+    }
+    assert C.GENERATE.retry is C.Retry.CONNECT
+    assert C.RELEASE_MEMORY_OCCUPATION.retry is C.Retry.CONNECT
+    # Request types name their endpoint; older SGLang names of a path come after the current one.
+    assert UpdateWeightVersion.endpoint is C.UPDATE_WEIGHT_VERSION and GenerateRequest.endpoint is C.GENERATE
+    assert C.MODEL_INFO.paths == ("/model_info", "/get_model_info")
+    assert C.SERVER_INFO.paths == ("/server_info", "/get_server_info")
+
+
+def test_server_info_falls_back_to_the_old_path_and_remembers_it(client: EngineClient, engine: EngineState):
+    engine.missing_paths.add("/server_info")
+    assert client.server_info()["version"] == "0.0-test"
+    assert client.server_info()["tp_size"] == 1
+    gets = [r.path for r in engine.requests]
+    assert gets == ["/server_info", "/get_server_info", "/get_server_info"]
+
+
+def test_generic_call_sends_a_raw_body_and_surfaces_the_servers_error(client: EngineClient, engine: EngineState):
+    from hpcrl.engine import contract as C
+
+    engine.script("/generate", (400, {"error": {"message": "unknown field 'foo'"}}))
+    with pytest.raises(EngineRequestError, match="HTTP 400: unknown field 'foo'"):
+        client.call(C.GENERATE, {"input_ids": [1], "foo": 1})
+    assert engine.bodies("/generate") == [{"input_ids": [1], "foo": 1}]
+    assert client.call(C.MODEL_INFO)["model_path"] == "tiny"
+
+
+def _meta_with(**extra: Any) -> dict[str, Any]:
+    return {
+        "output_ids": [4, 5],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 2},
+            "output_token_logprobs": [[-0.5, 4, None], [-0.25, 5, None]],
+            **extra,
+        },
+    }
+
+
+def test_sampling_supports_read_under_sglang_0_5_16_and_embedded_names():
+    masks, support = [[4, 9], [5]], [-0.1, 0.0]
+    sglang = GenerateResult.from_response(
+        _meta_with(
+            output_token_sampling_mask=masks,
+            output_token_sampling_logprobs=support,
+            output_token_sampling_mask_length=2,
+            num_retractions=1,
+        )
+    )
+    older = GenerateResult.from_response(_meta_with(sampling_mask=masks, support_logprobs=support, total_retractions=1))
+    for result in (sglang, older):
+        assert result.sampling_mask == masks and result.support_logprobs == support
+        assert result.num_retractions == 1
+    # What hpcrl sends (the embedded engine) is 0.5.16's form only, whatever names it read.
+    wire = older.to_response()["meta_info"]
+    assert wire["output_token_sampling_mask"] == masks and wire["output_token_sampling_logprobs"] == support
+    assert wire["output_token_sampling_mask_length"] == 2
+    assert not {"sampling_mask", "support_logprobs", "total_retractions"} & set(wire)
+    with pytest.raises(ValueError, match="output_token_sampling_mask has 1 entries for 2 output tokens|"
+                       r"sampling_mask has 1 entries for 2 output tokens"):  # fmt: skip
+        GenerateResult.from_response(_meta_with(output_token_sampling_mask=[[4]]))

@@ -121,12 +121,12 @@ def test_temperature_scaled_logprobs_and_support(shared_engine: EngineProcess) -
     scaled = gen(shared_engine.url, {**base, "sampling_params": params, "return_scaled_logprob": True}).json()
     assert t1["output_ids"] == scaled["output_ids"]
     meta = t1["meta_info"]
-    assert all(1 <= len(s) <= 5 for s in meta["sampling_mask"])
-    assert all(tok in s for tok, s in zip(t1["output_ids"], meta["sampling_mask"], strict=True))
+    assert all(1 <= len(s) <= 5 for s in meta["output_token_sampling_mask"])
+    assert all(tok in s for tok, s in zip(t1["output_ids"], meta["output_token_sampling_mask"], strict=True))
     # Renormalising over a smaller support raises every token's log-prob.
     lp1 = [x[0] for x in meta["output_token_logprobs"]]
     lps = [x[0] for x in scaled["meta_info"]["output_token_logprobs"]]
-    assert all(s >= a - 1e-6 for s, a in zip(meta["support_logprobs"], lps, strict=True))
+    assert all(s >= a - 1e-6 for s, a in zip(meta["output_token_sampling_logprobs"], lps, strict=True))
     assert lp1 != lps
 
 

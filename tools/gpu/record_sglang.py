@@ -12,9 +12,11 @@ The script starts the server itself (SGLang: `python3 -m sglang.launch_server ..
 tiny model made like `hpcrl model init-tiny`, with a context long enough for requests that outlive a pause),
 waits up to --startup-timeout-s for /health (SGLang 0.5.16 takes 130-150 s with the port silent), runs every
 case with a timeout on each request, restarts the server if a case killed it, and kills it at exit. A case
-prints one summary line; a case whose answer is not what the case is about (an abort that did not abort)
-is written with its `problems` listed and makes the exit status 1. Needs only the standard library, httpx and
-hpcrl. Never sends a non-pickle body to /update_weights_from_tensor: it kills SGLang's scheduler.
+prints one summary line. A case whose recording cannot show what it is for (a request that finished before
+the abort or the pause reached it, a transport error, a server that died) is written with its `problems`
+listed and makes the exit status 1; what the server did is never a problem, only recorded (the tests judge
+it). Needs only the standard library, httpx and hpcrl. Never sends a non-pickle body to
+/update_weights_from_tensor: it kills SGLang's scheduler.
 """
 
 from __future__ import annotations
@@ -385,7 +387,8 @@ def case_abort_request(rec: Recorder, ctx: Ctx) -> None:
     rec.wait_running(pending)
     rec.send("abort it by rid", "POST", "/abort_request", AbortRequest(rid="golden-abort").to_dict())
     result = pending.wait(120)
-    ctx.expect(_finish(result) == "abort", f"finish_reason {_finish(result)}, not abort: raise --long-new-tokens")
+    ctx.notes["finish_reason"] = _finish(result)
+    ctx.expect(_finish(result) != "length", "the request finished before the abort reached it: raise --long-new-tokens")
 
 
 def case_pause_retract_continue(rec: Recorder, ctx: Ctx) -> None:
@@ -393,8 +396,9 @@ def case_pause_retract_continue(rec: Recorder, ctx: Ctx) -> None:
     rec.wait_running(pending)
     rec.send("pause (retract)", "POST", "/pause_generation", PauseGeneration(mode="retract").to_dict())
     rec.send("continue", "POST", "/continue_generation", ContinueGeneration().to_dict())
+    ctx.expect(pending.thread.is_alive(), "the request finished before the continue: raise --long-new-tokens")
     result = pending.wait(600)
-    ctx.expect(_finish(result) == "length", f"finish_reason {_finish(result)}, not length")
+    ctx.notes["finish_reason"] = _finish(result)
     ctx.notes["num_retractions"] = _meta(result).get("num_retractions", _meta(result).get("total_retractions"))
 
 
@@ -403,7 +407,7 @@ def case_update_weight_version(rec: Recorder, ctx: Ctx) -> None:
         "stamp a version", "POST", "/update_weight_version", UpdateWeightVersion(new_version="golden-v1").to_dict()
     )
     info = rec.send("model_info reports it", "GET", "/model_info")
-    ctx.expect(info.get("body", {}).get("weight_version") == "golden-v1", "model_info does not report golden-v1")
+    ctx.notes["model_info_weight_version"] = (info.get("body") or {}).get("weight_version")
 
 
 def _weight_update_mid_request(rec: Recorder, ctx: Ctx, mode: str, version: str) -> None:
@@ -414,9 +418,10 @@ def _weight_update_mid_request(rec: Recorder, ctx: Ctx, mode: str, version: str)
         "stamp a new version", "POST", "/update_weight_version", UpdateWeightVersion(new_version=version).to_dict()
     )
     rec.send("continue", "POST", "/continue_generation", ContinueGeneration().to_dict())
+    ctx.expect(pending.thread.is_alive(), "the request finished before the continue: raise --long-new-tokens")
     result = pending.wait(600)
     meta = _meta(result)
-    ctx.expect(_finish(result) == "length", f"finish_reason {_finish(result)}: the request did not outlive the update")
+    ctx.notes["finish_reason"] = _finish(result)
     ctx.notes["final_weight_version"] = meta.get("weight_version")
     ctx.notes["new_version"] = version
 
@@ -458,9 +463,11 @@ def case_flush_cache_busy(rec: Recorder, ctx: Ctx) -> None:
     pending = rec.start("long generate", "POST", "/generate", _long(ctx, "golden-busy"), timeout_s=600)
     rec.wait_running(pending)
     refused = rec.send("flush while a request runs", "POST", "/flush_cache")
+    still_running = pending.thread.is_alive()
     rec.send("abort everything", "POST", "/abort_request", AbortRequest(abort_all=True).to_dict())
-    pending.wait(120)
-    ctx.expect(refused["status"] == 400, f"/flush_cache during a request answered {refused['status']}, not 400")
+    result = pending.wait(120)
+    ctx.expect(still_running or _finish(result) != "length", "finished before the flush: raise --long-new-tokens")
+    ctx.notes["status"] = refused["status"]
 
 
 def _error_case(body: Any, method: str = "POST", path: str = "/generate") -> Callable[[Recorder, Ctx], None]:
@@ -474,9 +481,13 @@ def _error_case(body: Any, method: str = "POST", path: str = "/generate") -> Cal
 
 def case_error_update_weights_from_distributed_bad_body(rec: Recorder, ctx: Ctx) -> None:
     # Only names: no dtypes, shapes, group. A server that dies here is recorded as such and restarted.
+    ctx.notes["may_kill_server"] = True
     body = {"names": ["model.embed_tokens.weight"]}
-    response = rec.send("bad body", "POST", "/update_weights_from_distributed", body, timeout_s=60)
-    ctx.expect(response["status"] >= 400, f"answered {response['status']}")
+    try:
+        response = rec.send("bad body", "POST", "/update_weights_from_distributed", body, timeout_s=60)
+    except RuntimeError:
+        return  # no answer: the exchange says so (response null), and notes.server_survived
+    ctx.notes["status"] = response["status"]
 
 
 def case_memory_release_resume(rec: Recorder, ctx: Ctx) -> None:
@@ -486,7 +497,7 @@ def case_memory_release_resume(rec: Recorder, ctx: Ctx) -> None:
         response = rec.send(
             f"{verb} {tag}", "POST", f"/{verb}_memory_occupation", MemoryOccupation(tags=(tag,)).to_dict()
         )
-        ctx.expect(response["status"] == 200, f"{verb} {tag} answered {response['status']}")
+        ctx.notes[f"{verb}_{tag}_status"] = response["status"]
     rec.send("continue", "POST", "/continue_generation", ContinueGeneration().to_dict())
     # Documents what a generate sees after weights were released and resumed without a push (0.5.16: zeros).
     after = rec.send("greedy generate after resume", "POST", "/generate", _gen(4, "golden-after", temperature=0.0))
@@ -704,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx.problems.append(f"{type(exc).__name__}: {exc}")
         survived = server.alive()
         ctx.notes["server_survived"] = survived
-        if not survived:
+        if not survived and not ctx.notes.get("may_kill_server"):
             ctx.problems.append("the server died or stopped answering /health during this case")
         record = {
             "format": FORMAT_VERSION,
