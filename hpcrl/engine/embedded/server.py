@@ -530,6 +530,8 @@ class EmbeddedEngine:
                     backend=req.backend,
                 )
             )
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001 - the contract answers every failure as success=false
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok(f"Initialized weight update group {req.group_name}.")
@@ -559,6 +561,8 @@ class EmbeddedEngine:
             )
             if req.weight_version is not None:
                 await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok(
@@ -584,6 +588,8 @@ class EmbeddedEngine:
         except UntrustedHandoverError as exc:
             log.warning("refused a handover: %s", exc)
             return _error(f"{type(exc).__name__}: {exc}", status=403)
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok("Succeeded to update parameter online from tensor.", bytes=nbytes, seconds=time.perf_counter() - t0)
@@ -665,24 +671,21 @@ async def _json_body(request: web.Request, default: Any = None) -> Any:
     if not raw.strip():
         if default is not None:
             return default
-        raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"message": "the request body is empty; send a JSON object"}}),
-            content_type="application/json",
-        )
+        raise _bad_request("the request body is empty; send a JSON object")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"message": f"the request body is not UTF-8 text ({exc}); send UTF-8 JSON"}}),
-            content_type="application/json",
-        ) from exc
+        raise _bad_request(f"the request body is not UTF-8 text ({exc}); send UTF-8 JSON") from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"message": f"the request body is not valid JSON: {exc}"}}),
-            content_type="application/json",
-        ) from exc
+        raise _bad_request(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    # The shape of _error's answers: SGLang's clients read error.message, its RL endpoints success/message.
+    body = {"error": {"message": message}, "success": False, "message": message}
+    return web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
 
 
 def _device_bytes(device: torch.device) -> int | None:
