@@ -172,7 +172,7 @@ def test_the_private_dir_itself_must_be_private(monkeypatch: pytest.MonkeyPatch,
             private_dir()
 
 
-def test_handover_files_and_key_are_private_and_gone_after(tiny_model_dir: Path) -> None:
+def test_handover_files_and_key_are_private_and_gone_after() -> None:
     with create_handover([(TARGET, torch.ones(64))]) as serialized:
         path = handover.decode_payload(serialized)["path"]
         assert os.stat(path).st_mode & 0o777 == 0o600
@@ -305,6 +305,7 @@ def test_sigterm_ends_an_engine_blocked_in_a_rendezvous(engine_factory) -> None:
     with socket.socket() as master:  # accepts, never answers: a trainer that died after listen()
         master.bind(("127.0.0.1", 0))
         master.listen()
+        master.settimeout(60)  # an engine that never dials fails the test instead of hanging it
         body = {"master_address": "127.0.0.1", "master_port": master.getsockname()[1], "rank_offset": 1}
         box: dict[str, object] = {}
 

@@ -5,9 +5,11 @@ copying into the model runs on the scheduler thread, between forward passes.
 
 Same-host handover (`update_weights_from_tensor`) uses hpcrl's own JSON payload instead of SGLang's
 pickled MultiprocessingSerializer blobs, so the server never unpickles request data:
-  {"kind": "shm", "path": "/dev/shm/...", "nbytes": N, "tensors": [{name, dtype, shape, offset}]}
-  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...]}     (see hpcrl/sync/handover.py)
-each base64-encoded JSON in `serialized_named_tensors[0]`.
+  {"kind": "shm", "path": "/dev/shm/hpcrl-<uid>/...", "nbytes": N, "tensors": [{name, dtype, shape, offset}],
+   "mac": HMAC}
+  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...], "mac": HMAC}     (see hpcrl/sync/handover.py)
+each base64-encoded JSON in `serialized_named_tensors[0]`. Only this user's own handovers are mapped
+(docs/security.md), and no update with a NaN or inf in it is loaded.
 """
 
 from __future__ import annotations
