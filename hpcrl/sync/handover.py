@@ -358,7 +358,7 @@ def open_handover(payload: dict[str, Any], *, device: torch.device) -> Iterator[
 
 @contextlib.contextmanager
 def _views(payload: dict[str, Any], flat: torch.Tensor) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    named = []
+    named: list[tuple[str, torch.Tensor]] = []
     for e in payload["tensors"]:
         dtype = _DTYPES[e["dtype"]]
         numel = int(torch.Size(e["shape"]).numel())

@@ -136,7 +136,8 @@ class WeightReceiver:
             # Paused, nothing runs a forward: a tensor of the model's dtype lands straight in its
             # parameter (no receive buffer, no copy). Captured graphs stay valid: addresses do not move.
             params = self.scheduler.named_parameters() if self._can_receive_in_place() else {}
-            targets, in_place = [], []
+            targets: list[torch.Tensor] = []
+            in_place: list[tuple[str, torch.Tensor]] = []
             for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
                 target = params.get(name)
                 if target is not None and target.dtype == dtype and target.is_contiguous():
