@@ -19,13 +19,13 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _engine_serve(ns: argparse.Namespace) -> int:
-    from hpcrl.engine.embedded.server import ServerConfig, serve
+    from hpcrl.engine.embedded.server import ServerConfig, resolve_api_key, serve
 
     cfg = ServerConfig(
         model=ns.model,
         host=ns.host,
         port=ns.port,
-        api_key=ns.api_key,
+        api_key=resolve_api_key(api_key=ns.api_key, api_key_file=ns.api_key_file),
         device=ns.device,
         dtype=ns.dtype,
         max_running_requests=ns.max_running_requests,
@@ -145,9 +145,24 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         "(/generate, /pause_generation, /update_weights_from_distributed, ...) with continuous batching.",
     )
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default 127.0.0.1: loopback only; any other address needs an API key)",
+    )
+    p.add_argument("--port", type=int, default=30000, help="TCP port, 1..65535")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file (mode 0600) holding the key that every endpoint requires as 'Authorization: Bearer KEY'; "
+        "or set HPCRL_ENGINE_API_KEY",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the key itself, for a quick test at a terminal: every user of the node sees it in `ps`; "
+        "prefer --api-key-file or HPCRL_ENGINE_API_KEY",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together (KV slots)")

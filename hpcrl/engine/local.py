@@ -142,18 +142,22 @@ class LocalEngines:
         port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
         token = secrets.token_hex(16)
         log_path = self.run_dir / "logs" / f"engine-{i}.log"
+        # The key never goes on a command line: `ps` shows those to every user of the node.
+        key_env: dict[str, str] = {}
         if self.cfg.kind == "sglang":
-            from hpcrl.engine.sglang import sglang_command
+            from hpcrl.engine.sglang import sglang_command, write_sglang_config
 
             first_gpu = (i - self.first_index) * self.cfg.tp_size  # engines of a node take consecutive GPUs
+            config_file = write_sglang_config(self.run_dir / "engines" / f"engine-{i}.sglang.yaml", api_key=token)
             cmd = sglang_command(
                 self.cfg, python=sys.executable, model_dir=self.model_dir, host=self.bind_host, port=port,
-                api_key=token, seed=self.seed + i, weight_version="0", base_gpu_id=first_gpu,
+                config_file=config_file, seed=self.seed + i, weight_version="0", base_gpu_id=first_gpu,
             )  # fmt: skip
         else:
+            key_env["HPCRL_ENGINE_API_KEY"] = token  # server.API_KEY_ENV; that module is slow to import
             cmd = [
                 sys.executable, "-m", "hpcrl.cli", "engine", "serve",
-                "--model", self.model_dir, "--host", self.bind_host, "--port", str(port), "--api-key", token,
+                "--model", self.model_dir, "--host", self.bind_host, "--port", str(port),
                 "--device", self.cfg.device, "--dtype", self.cfg.dtype,
                 "--max-running-requests", str(self.cfg.max_running_requests),
                 "--random-seed", str(self.seed + i), "--num-threads", str(self.cfg.num_threads),
@@ -167,7 +171,7 @@ class LocalEngines:
                 cmd.append("--onpolicy-logprobs")
             if self.ignore_sigterm:
                 cmd.append("--ignore-sigterm")
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env, **key_env}
         if self.cfg.kind == "sglang":
             from hpcrl.engine.sglang import sglang_env
 

@@ -2,9 +2,18 @@
 
 hpcrl never imports sglang: it starts `python -m sglang.launch_server` as a process and drives it over
 HTTP with the same client as the embedded engine.
+
+The API key never goes on the command line, where `ps` shows it to every user of the node. SGLang 0.5.16
+has no environment variable for it, but `prepare_server_args` (srt/server_args.py) expands `--config
+FILE.yaml` (yaml.safe_load, srt/server_args_config_parser.py) into arguments inside the process, so the
+key goes in a 0600 YAML file named by `--config`.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 from hpcrl.engine.config import EngineConfig
 
@@ -21,6 +30,20 @@ def sglang_env() -> dict[str, str]:
     return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
 
+def write_sglang_config(path: Path, *, api_key: str) -> Path:
+    """The 0600 YAML file that gives SGLang its key; written whole or not at all (the suffix must be .yaml)."""
+    if path.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"{path}: SGLang reads --config only from a .yaml or .yml file")
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        # A JSON string is a YAML string: a key of digits must not load as a number.
+        f.write(f"api-key: {json.dumps(api_key)}\n")
+    os.replace(tmp, path)
+    return path
+
+
 def sglang_command(
     cfg: EngineConfig,
     *,
@@ -28,7 +51,7 @@ def sglang_command(
     model_dir: str,
     host: str,
     port: int,
-    api_key: str,
+    config_file: str | Path,
     seed: int,
     weight_version: str,
     base_gpu_id: int = 0,
@@ -38,7 +61,7 @@ def sglang_command(
         "--model-path", model_dir,
         "--host", host,
         "--port", str(port),
-        "--api-key", api_key,
+        "--config", str(config_file),  # holds the API key: see write_sglang_config
         "--tp-size", str(cfg.tp_size),
         "--random-seed", str(seed),
         "--weight-version", weight_version,

@@ -33,8 +33,8 @@ def test_launch_command_matches_golden() -> None:
         max_running_requests=128, sglang_args=["--attention-backend", "fa3"],
     )  # fmt: skip
     cmd = sglang_command(
-        cfg, python="python3", model_dir="/models/Qwen3-0.6B", host="10.0.0.5", port=30001, api_key="TOKEN",
-        seed=7, weight_version="0", base_gpu_id=2,
+        cfg, python="python3", model_dir="/models/Qwen3-0.6B", host="10.0.0.5", port=30001,
+        config_file="/run/engines/engine-1.sglang.yaml", seed=7, weight_version="0", base_gpu_id=2,
     )  # fmt: skip
     text = " ".join(cmd) + "\n"
     if os.environ.get("HPCRL_UPDATE_GOLDEN") == "1":
@@ -45,7 +45,7 @@ def test_launch_command_matches_golden() -> None:
         "--tp-size",
         "--mem-fraction-static",
         "--enable-memory-saver",
-        "--api-key",
+        "--config",
         "--random-seed",
         "--skip-server-warmup",
         "--enable-deterministic-inference",

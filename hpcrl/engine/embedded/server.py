@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
+import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import signal
+import stat
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,7 @@ from hpcrl.engine import protocol as P
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
 from hpcrl.model.hf import load_model, parse_dtype
+from hpcrl.model.qwen3 import ModelArgs
 
 log = logging.getLogger("hpcrl.engine")
 
@@ -64,13 +70,111 @@ class ServerConfig:
     overlap: bool | None = None
     profile: bool | None = None
 
+    def __post_init__(self) -> None:
+        # Checked before the model loads: a bad flag must not cost a model load, nor start an engine that
+        # cannot answer (max_running_requests=0 queues every /generate forever).
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a TCP port; use 1..65535")
+        for flag, value in (
+            ("--max-running-requests", self.max_running_requests),
+            ("--max-prefill-tokens", self.max_prefill_tokens),
+            ("--context-length", self.context_length),
+            ("--num-threads", self.num_threads),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} {value} must be at least 1")
+        if not (math.isfinite(self.group_timeout_s) and self.group_timeout_s > 0):
+            raise ValueError(f"--group-timeout-s {self.group_timeout_s} must be a positive number of seconds")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty; put the key in the --api-key-file or HPCRL_ENGINE_API_KEY")
+        if not self.api_key and not is_loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines, and this engine has no API key, so anyone "
+                f"could drive it: give it a key with --api-key-file FILE (mode 0600) or the environment variable "
+                f"{API_KEY_ENV}, or bind to loopback (--host 127.0.0.1)"
+            )
+
+
+API_KEY_ENV = "HPCRL_ENGINE_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def resolve_api_key(*, api_key: str | None, api_key_file: str | None) -> str | None:
+    """The engine's key from --api-key, --api-key-file or HPCRL_ENGINE_API_KEY (first given wins).
+
+    The variable is removed from this process's environment, so the engine's own children do not inherit it.
+    """
+    from_env = os.environ.pop(API_KEY_ENV, None)
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("give the API key once: --api-key or --api-key-file, not both")
+    if api_key is not None:
+        return api_key
+    if api_key_file is not None:
+        return _read_key_file(api_key_file)
+    return from_env if from_env else None
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: cannot open it ({exc.strerror})") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"--api-key-file {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ValueError(
+                f"--api-key-file {path} has mode {stat.S_IMODE(st.st_mode):o}: others can read the key; "
+                f"run `chmod 600 {path}`"
+            )
+        raw = f.read(4097)
+    if len(raw) > 4096:
+        raise ValueError(f"--api-key-file {path} is over 4 KiB; it holds one key on one line")
+    try:
+        key = raw.decode().strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--api-key-file {path} is not UTF-8 text") from exc
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"--api-key-file {path} must hold one key (no spaces) on one line")
+    return key
+
+
+def _finite_or_null(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_or_null(v) for v in obj]
+    return obj
+
+
+def _dumps(obj: Any) -> str:
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError:
+        # JSON has no NaN or inf (json.dumps would write bare NaN, which strict parsers reject): null instead.
+        return json.dumps(_finite_or_null(obj), allow_nan=False)
+
+
+_json_response = functools.partial(web.json_response, dumps=_dumps)
+
 
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
+    return _json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
 
 
 def _ok(message: str, **extra: Any) -> web.Response:
-    return web.json_response({"success": True, "status": "ok", "message": message, **extra})
+    return _json_response({"success": True, "status": "ok", "message": message, **extra})
 
 
 class EmbeddedEngine:
@@ -83,9 +187,15 @@ class EmbeddedEngine:
             # Triton launches on the current device: an engine on cuda:1 must make it current.
             torch.cuda.set_device(self.device)
         self.dtype = parse_dtype(cfg.dtype)
+        max_positions = ModelArgs.from_dir(cfg.model).max_position_embeddings
+        if cfg.context_length is not None and cfg.context_length > max_positions:
+            # Positions past the model's table have rotary angles it never saw in training.
+            raise ValueError(
+                f"--context-length {cfg.context_length} is above the model's max_position_embeddings "
+                f"{max_positions} ({cfg.model}/config.json); use at most {max_positions}"
+            )
         self.model = load_model(cfg.model, dtype=self.dtype, device=self.device)
-        args = self.model.args
-        context_length = cfg.context_length or args.max_position_embeddings
+        context_length = cfg.context_length or max_positions
         self.scheduler = Scheduler(
             self.model,
             SchedulerConfig(
@@ -107,11 +217,25 @@ class EmbeddedEngine:
         self._seed_rng = secrets.SystemRandom() if cfg.random_seed < 0 else None
         self._request_counter = 0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hpcrl-engine-ctl")
+        self._control: set[Future[Any]] = set()
+        self._waiters: set[asyncio.Future[Any]] = set()
         self.started_s = time.time()
 
     # ----- helpers -----
     async def _run(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        work = self._pool.submit(fn)
+        self._control.add(work)
+        work.add_done_callback(self._control.discard)
+        waiter = asyncio.wrap_future(work)
+        self._waiters.add(waiter)
+        try:
+            return await waiter
+        finally:
+            self._waiters.discard(waiter)
+
+    def control_busy(self) -> bool:
+        """Whether control work (a rendezvous, a receive) still runs: it cannot be interrupted, only outlived."""
+        return any(not w.done() for w in list(self._control))
 
     async def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn))
@@ -186,6 +310,11 @@ class EmbeddedEngine:
                     "engine memory is released (release_memory_occupation); call resume_memory_occupation "
                     "before generating"
                 )
+            if self.weights.nonfinite:
+                raise ValueError(
+                    f"weight {sorted(self.weights.nonfinite)[0]!r} holds non-finite values from the last update; "
+                    "push finite weights before generating"
+                )
             if req.stream:
                 raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
             prompts = self._prompts(req)
@@ -233,7 +362,7 @@ class EmbeddedEngine:
             raise
         want_text = self.tokenizer is not None
         results = [self._result(r, want_text, req.return_text_in_logprobs) for r in finished]
-        return web.json_response(results if req.returns_list else results[0])
+        return _json_response(results if req.returns_list else results[0])
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -268,7 +397,7 @@ class EmbeddedEngine:
         return web.Response(text="")
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
+        return _json_response(
             {
                 "model_path": self.cfg.model,
                 "tokenizer_path": self.cfg.model,
@@ -304,10 +433,10 @@ class EmbeddedEngine:
                 ],
             }
         )
-        return web.json_response(info)
+        return _json_response(info)
 
     async def get_load(self, request: web.Request) -> web.Response:
-        return web.json_response([{"dp_rank": 0, **self.scheduler.load(), "ts_tic": time.time()}])
+        return _json_response([{"dp_rank": 0, **self.scheduler.load(), "ts_tic": time.time()}])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         try:
@@ -333,7 +462,7 @@ class EmbeddedEngine:
         except ValueError as exc:
             return _error(str(exc))
         await self._on_scheduler(lambda: self.scheduler.pause(req.mode))
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         try:
@@ -341,7 +470,7 @@ class EmbeddedEngine:
         except ValueError as exc:
             return _error(str(exc))
         await self._on_scheduler(self.scheduler.resume_generation)
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+        return _json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def release_memory(self, request: web.Request) -> web.Response:
         try:
@@ -357,7 +486,7 @@ class EmbeddedEngine:
             return _error(str(exc))
         after, reserved_after = _device_bytes(self.device), _device_reserved(self.device)
         log.info("released %s: %s bytes (device allocated %s -> %s)", tags, freed, before, after)
-        return web.json_response(
+        return _json_response(
             {
                 "success": True,
                 "freed_bytes": freed,
@@ -378,7 +507,7 @@ class EmbeddedEngine:
             seconds = time.perf_counter() - t0
         except (ValueError, EngineStateError) as exc:
             return _error(str(exc))
-        return web.json_response(
+        return _json_response(
             {
                 "success": True,
                 "restored_bytes": restored,
@@ -401,6 +530,8 @@ class EmbeddedEngine:
                     backend=req.backend,
                 )
             )
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001 - the contract answers every failure as success=false
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok(f"Initialized weight update group {req.group_name}.")
@@ -430,6 +561,8 @@ class EmbeddedEngine:
             )
             if req.weight_version is not None:
                 await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok(
@@ -439,7 +572,7 @@ class EmbeddedEngine:
         )
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
-        from hpcrl.sync.handover import decode_payload
+        from hpcrl.sync.handover import UntrustedHandoverError, decode_payload
 
         t0 = time.perf_counter()
         try:
@@ -452,6 +585,11 @@ class EmbeddedEngine:
             nbytes = await self._run(lambda: self.weights.load_handover(payload))
             if req.weight_version is not None:
                 await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+        except UntrustedHandoverError as exc:
+            log.warning("refused a handover: %s", exc)
+            return _error(f"{type(exc).__name__}: {exc}", status=403)
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok("Succeeded to update parameter online from tensor.", bytes=nbytes, seconds=time.perf_counter() - t0)
@@ -473,7 +611,7 @@ class EmbeddedEngine:
             values = params[req.name].detach().float().flatten()[: req.truncate_size].cpu().tolist()
         except ValueError as exc:
             return _error(str(exc))
-        return web.json_response(values)
+        return _json_response(values)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 30)
@@ -510,7 +648,7 @@ class EmbeddedEngine:
         if key:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return web.json_response(
+                return _json_response(
                     {"error": {"message": "Unauthorized: send Authorization: Bearer <api-key>"}}, status=401
                 )
         try:
@@ -522,6 +660,10 @@ class EmbeddedEngine:
 
     async def _shutdown(self, app: web.Application) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # A handler waiting on a rendezvous with a peer that is gone would hold the server's shutdown for
+        # the whole group timeout: stop waiting (the client's connection closes).
+        for waiter in list(self._waiters):
+            waiter.cancel()
 
 
 async def _json_body(request: web.Request, default: Any = None) -> Any:
@@ -529,17 +671,21 @@ async def _json_body(request: web.Request, default: Any = None) -> Any:
     if not raw.strip():
         if default is not None:
             return default
-        raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"message": "the request body is empty; send a JSON object"}}),
-            content_type="application/json",
-        )
+        raise _bad_request("the request body is empty; send a JSON object")
     try:
-        return json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad_request(f"the request body is not UTF-8 text ({exc}); send UTF-8 JSON") from exc
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"message": f"the request body is not valid JSON: {exc}"}}),
-            content_type="application/json",
-        ) from exc
+        raise _bad_request(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    # The shape of _error's answers: SGLang's clients read error.message, its RL endpoints success/message.
+    body = {"error": {"message": message}, "success": False, "message": message}
+    return web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
 
 
 def _device_bytes(device: torch.device) -> int | None:
@@ -630,5 +776,20 @@ def serve(cfg: ServerConfig) -> None:
         signal.signal(signal.SIGTERM, on_signal)
     try:
         engine.scheduler.run()  # the main thread: see the scheduler module's docstring
-    finally:
-        http.stop()
+    except BaseException:
+        log.exception("the scheduler failed")
+        _end(engine, http, exit_code=1)
+        raise
+    _end(engine, http, exit_code=0)
+
+
+def _end(engine: EmbeddedEngine, http: _HttpThread, *, exit_code: int) -> None:
+    http.stop()
+    if engine.control_busy():
+        # Python joins the pool's threads at exit, and a TCPStore connect or a gloo rendezvous cannot be
+        # interrupted: a stopped engine would live on for up to --group-timeout-s. Nothing is left to save.
+        log.warning("exiting with weight-group work still blocked (a peer that is gone); not waiting for it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

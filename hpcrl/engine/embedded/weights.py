@@ -5,9 +5,11 @@ copying into the model runs on the scheduler thread, between forward passes.
 
 Same-host handover (`update_weights_from_tensor`) uses hpcrl's own JSON payload instead of SGLang's
 pickled MultiprocessingSerializer blobs, so the server never unpickles request data:
-  {"kind": "shm", "path": "/dev/shm/...", "nbytes": N, "tensors": [{name, dtype, shape, offset}]}
-  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...]}     (see hpcrl/sync/handover.py)
-each base64-encoded JSON in `serialized_named_tensors[0]`.
+  {"kind": "shm", "path": "/dev/shm/hpcrl-<uid>/...", "nbytes": N, "tensors": [{name, dtype, shape, offset}],
+   "mac": HMAC}
+  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...], "mac": HMAC}     (see hpcrl/sync/handover.py)
+each base64-encoded JSON in `serialized_named_tensors[0]`. Only this user's own handovers are mapped
+(docs/security.md), and no update with a NaN or inf in it is loaded.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class WeightReceiver:
         self.group_timeout_s = group_timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._lock = threading.Lock()
+        # Parameters that an in-place receive filled with NaN/inf: generation waits for finite ones.
+        self.nonfinite: set[str] = set()
 
     # ----- groups -----
     def init_group(
@@ -91,7 +95,15 @@ class WeightReceiver:
             for name, tensor in named:
                 params[name].copy_(tensor)
                 total += tensor.numel() * tensor.element_size()
+        self.nonfinite.difference_update(n for n, _ in named)
         return total
+
+    @staticmethod
+    def first_nonfinite(named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+        for name, tensor in named:
+            if not bool(torch.isfinite(tensor).all()):
+                return name
+        return None
 
     # ----- update_weights_from_distributed -----
     def receive_distributed(
@@ -124,18 +136,29 @@ class WeightReceiver:
             # Paused, nothing runs a forward: a tensor of the model's dtype lands straight in its
             # parameter (no receive buffer, no copy). Captured graphs stay valid: addresses do not move.
             params = self.scheduler.named_parameters() if self._can_receive_in_place() else {}
-            targets = []
+            targets: list[torch.Tensor] = []
+            in_place: list[tuple[str, torch.Tensor]] = []
             for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
                 target = params.get(name)
                 if target is not None and target.dtype == dtype and target.is_contiguous():
                     targets.append(target.data)
+                    in_place.append((name, target.data))
                     continue
                 buf = torch.empty(shape, dtype=dtype, device=device)
                 targets.append(buf)
                 received.append((name, buf))
             broadcast_many(pg, targets)
+            bad_in_place = [n for n, t in in_place if not bool(torch.isfinite(t).all())]
+            self.nonfinite.difference_update(n for n, _ in in_place)
+            if bad_in_place:
+                # Already written into the model: generation waits until finite values for these arrive.
+                self.nonfinite.update(bad_in_place)
+                raise ValueError(_nonfinite_message(bad_in_place[0], kept=False))
         else:
             raise ValueError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
+        bad = self.first_nonfinite(received)
+        if bad is not None:
+            raise ValueError(_nonfinite_message(bad, kept=True))
         if received:
             self.scheduler.call(lambda: self._apply(received)).result()
         return sum(int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, torch_dtypes, strict=True))
@@ -150,4 +173,19 @@ class WeightReceiver:
 
         with open_handover(payload, device=self.scheduler.device) as named:
             self.check_names([n for n, _ in named], [list(t.shape) for _, t in named])
+            bad = self.first_nonfinite(named)
+            if bad is not None:
+                raise ValueError(_nonfinite_message(bad, kept=True))
             return self.scheduler.call(lambda: self._apply(named)).result()
+
+
+def _nonfinite_message(name: str, *, kept: bool) -> str:
+    outcome = (
+        "nothing of this update was loaded"
+        if kept
+        else "it was received in place, so the engine refuses /generate until finite values for it arrive"
+    )
+    return (
+        f"weight {name!r} holds non-finite values (NaN or inf): {outcome}. The trainer's last step diverged; "
+        "push finite weights (e.g. from the last checkpoint)"
+    )
