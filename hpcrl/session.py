@@ -30,6 +30,7 @@ from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, scor
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.checkpoint import (
+    CheckpointError,
     capture_rng_state,
     load_latest_checkpoint,
     remove_temp_files,
@@ -402,7 +403,10 @@ class RunSession:
             "weight_version": self.weight_version,
             "sft_done": self.sft_done,
         }
-        save_checkpoint(self.run_dir / "checkpoints", step, tensors, state, keep_last=self.cfg.checkpoint.keep_last)
+        try:
+            save_checkpoint(self.run_dir / "checkpoints", step, tensors, state, keep_last=self.cfg.checkpoint.keep_last)
+        except CheckpointError as exc:
+            raise RunError(str(exc)) from None
         return True
 
     def check_nan_limit(self, m: dict[str, float], step: int) -> None:
