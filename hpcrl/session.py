@@ -13,14 +13,13 @@ import signal
 import socket
 import subprocess
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hpcrl import preemption
-from hpcrl.config import ConfigError, dump_yaml, load_yaml
+from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
@@ -32,13 +31,21 @@ from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.checkpoint import (
     CheckpointError,
     capture_rng_state,
-    load_latest_checkpoint,
     remove_temp_files,
     restore_rng_state,
     save_checkpoint,
 )
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.progress import Progress
+from hpcrl.store.run_dir import (
+    ResumePoint,
+    RunDirLock,
+    check_can_continue,
+    find_resume_point,
+    inspect_run_dir,
+    keep_unreadable,
+    set_aside,
+)
 from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.trainer.advantage import group_advantages
 from hpcrl.trainer.batch import TrainBatch
@@ -122,10 +129,19 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
 
 class RunSession:
     def __init__(
-        self, cfg: RunConfig, run_dir: Path, *, progress: Progress | None = None, slurm: SlurmEnv | None = None
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        *,
+        progress: Progress | None = None,
+        slurm: SlurmEnv | None = None,
+        restart: bool = False,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.restart = restart
+        self._lock: RunDirLock | None = None
+        self._resume_point = ResumePoint()
         # In a Slurm job the engines and the other trainer ranks were started by srun; locally we start them.
         self.slurm = slurm
         self.incarnation = Incarnation(slurm.job_id, slurm.restart_count) if slurm else Incarnation()
@@ -147,6 +163,14 @@ class RunSession:
 
     # ----- setup -----
     def __enter__(self) -> RunSession:
+        try:
+            return self._enter()
+        except BaseException:
+            if self._lock is not None:  # shut down what was started; a refused run touched nothing
+                self.__exit__(None, None, None)
+            raise
+
+    def _enter(self) -> RunSession:
         # Validate everything the user gave (guard, model, data, reward) before anything is written to run_dir.
         guard_source = open_source(self.cfg.guard, warn=self.progress.say)
         guard = (
@@ -169,6 +193,7 @@ class RunSession:
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), self.cfg.data)
         self.data = PromptSource(examples, batch_size=self.cfg.data.prompts_per_step, seed=self.cfg.seed)
         self.sft_data = PromptSource(examples, batch_size=self.cfg.sft.batch_size, seed=self.cfg.seed + 1)
+        self._claim_run_dir()
         self._write_config()
         self.store = MetricsWriter(
             self.run_dir / "metrics.h5",
@@ -197,20 +222,19 @@ class RunSession:
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
         return self
 
+    def _claim_run_dir(self) -> None:
+        """Lock the run dir, then decide, before anything is written, whether this config may run there."""
+        self._lock = RunDirLock.acquire(self.run_dir, job_id=self.incarnation.job_id)
+        if self.restart and (moved := set_aside(self.run_dir)) is not None:
+            self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
+        self._resume_point = find_resume_point(self.run_dir / "checkpoints")
+        ckpt, unreadable = self._resume_point.checkpoint, self._resume_point.unreadable
+        step = ckpt.step if ckpt is not None else None
+        check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=unreadable)
+        self._lock.record_owner()
+
     def _write_config(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "config.yaml"
-        if path.exists():
-            try:
-                old = load_yaml(path)
-            except ConfigError as exc:
-                raise RunError(f"{path} is unreadable ({exc}); move the run directory aside or use --run-dir") from exc
-            if _comparable(self.cfg) != _normalized(old, self.cfg):
-                raise RunError(
-                    f"{self.run_dir} holds a run with a different config ({path}); resume it with the same "
-                    "config and overrides (num_steps may change, and with train.backend=megatron the TP/PP split "
-                    "and num_ranks), or start a new run with --run-dir"
-                )
         tmp = path.with_suffix(".yaml.tmp")
         tmp.write_text(dump_yaml(self.cfg))
         os.replace(tmp, path)
@@ -271,12 +295,13 @@ class RunSession:
         ckpt_dir = self.run_dir / "checkpoints"
         for path in remove_temp_files(ckpt_dir) if ckpt_dir.exists() else []:
             self.progress.say(f"removed a partial checkpoint left by an interrupted write: {path.name}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ckpt = load_latest_checkpoint(ckpt_dir) if ckpt_dir.exists() else None
-        for w in caught:
-            self.progress.say(f"warning: {w.message}")
-            self.store.event("checkpoint_skipped", step=None, detail={"reason": str(w.message)})
+        ckpt, unreadable = self._resume_point.checkpoint, self._resume_point.unreadable
+        self._resume_point = ResumePoint()  # its tensors are loaded below; do not hold them twice
+        kept = keep_unreadable(ckpt_dir, list(unreadable))
+        for name, reason in unreadable.items():
+            kept_as = kept[name].name if name in kept else name
+            self.progress.say(f"warning: skipping checkpoint {name}: {reason}; kept as {kept_as}")
+            self.store.event("checkpoint_skipped", step=None, detail={"reason": reason, "kept_as": kept_as})
         if ckpt is None:
             self.store.truncate_after(-1)
             return 0
@@ -291,6 +316,9 @@ class RunSession:
             row = dict(zip(ckpt.state["last_row_keys"], ckpt.tensors["last_row"].tolist(), strict=True))
             self.store.log(ckpt.step, row)
         self.push_weights(self.weight_version)
+        if ckpt.step + 1 < self.cfg.num_steps:
+            # The steps after this resume make the run's end; an earlier `finished` no longer is.
+            self.store.rename_events("finished", "finished_superseded")
         self.store.event("resumed", step=ckpt.step, detail={"checkpoint": ckpt.path.name})
         self.progress.say(f"resumed from {ckpt.path} (step {ckpt.step + 1} done); continuing at step {ckpt.step + 2}")
         return ckpt.step + 1
@@ -460,29 +488,12 @@ class RunSession:
             ),
             lambda: self.trainer.close() if self.trainer else None,
             lambda: self.store.close() if self.store else None,
+            lambda: self._lock.release() if self._lock else None,  # last: nothing writes run_dir after it
         ):
             try:
                 closer()
             except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
                 self.progress.say(f"warning during shutdown: {err}")
-
-
-def _comparable(cfg: RunConfig) -> str:
-    # num_steps may grow on resume: extending a finished run is a normal request. A Megatron run may
-    # also resume under another TP/PP split: its checkpoints hold the whole model in HF layout.
-    train = cfg.train
-    if train.backend == "megatron":
-        train = dataclasses.replace(train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1)
-    return dump_yaml(dataclasses.replace(cfg, num_steps=0, train=train))
-
-
-def _normalized(old: dict[str, Any], cfg: RunConfig) -> str:
-    from hpcrl.config import from_dict
-
-    try:
-        return _comparable(from_dict(type(cfg), old))
-    except (ConfigError, TypeError, ValueError):
-        return ""
 
 
 def _free_port() -> int:
