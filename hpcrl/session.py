@@ -95,6 +95,26 @@ def _create_model_if_missing(cfg: RunConfig, path: Path) -> Path:
     return path
 
 
+def check_devices(cfg: RunConfig, *, engines_here: bool) -> None:
+    """A CUDA device the config names must exist on this machine (checked here, not at config load:
+    `hpcrl sbatch` renders GPU configs on machines without one)."""
+    keys = [("train.device", cfg.train.device)] + ([("engine.device", cfg.engine.device)] if engines_here else [])
+    for key, device in keys:
+        if not device.startswith("cuda"):
+            continue
+        try:
+            index = torch.device(device).index or 0
+        except RuntimeError as exc:
+            raise RunError(f"{key}={device!r} is not a device name ({exc}); use cpu, cuda or cuda:N") from None
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= num_gpus:
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise RunError(
+                f"{key}={device} but this machine shows {num_gpus} CUDA device(s) to torch {torch.__version__} "
+                f"({build}); set {key}=cpu, or run on a GPU node with a CUDA build of torch"
+            )
+
+
 class Rewards:
     def __init__(self, spec: str, max_failed_share: float) -> None:
         self.fn = load_reward(spec)
@@ -178,6 +198,7 @@ class RunSession:
             if guard_source is not None
             else None
         )
+        check_devices(self.cfg, engines_here=not self.slurm and self.cfg.sync.transport != "mpi")
         model_dir = prepare_model(self.cfg)
         examples = build_examples(
             self.cfg.data.source,
