@@ -23,6 +23,7 @@ from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
+from hpcrl.model.hf import check_model_dir
 from hpcrl.rollout.data import PromptSource, build_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, score
@@ -200,6 +201,7 @@ class RunSession:
         )
         check_devices(self.cfg, engines_here=not self.slurm and self.cfg.sync.transport != "mpi")
         model_dir = prepare_model(self.cfg)
+        check_model_dir(model_dir)
         examples = build_examples(
             self.cfg.data.source,
             **(
