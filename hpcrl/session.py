@@ -51,6 +51,7 @@ from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.trainer.advantage import group_advantages
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
+from hpcrl.trainer.step_stats import NonFiniteWeightsError, first_non_finite
 
 OFFLOAD_TAGS = ["kv_cache", "weights"]
 
@@ -384,13 +385,15 @@ class RunSession:
         # The version the engines served until now: what this step's rollout was generated with.
         self.rollout_version, self.weight_version = self.weight_version, version
         offloaded = self.cfg.engine.offload_during_train and self.fleet.weights_released
+        weights = self.trainer.named_weights()
+        self._refuse_non_finite(weights, f"weight version {version}")
         if offloaded:
             self.fleet.resume_memory(["weights"])  # contents are stale until the push below rewrites them
         for attempt in (0, 1):
             if self.fleet.heal() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
-                pushed = self.sync.push(self.trainer.named_weights(), version)
+                pushed = self.sync.push(weights, version)
                 if offloaded:
                     self.fleet.resume_memory(["kv_cache"])
                 return pushed
@@ -399,6 +402,19 @@ class RunSession:
                     raise
                 self.fleet.probe_all()
         raise AssertionError("unreachable")
+
+    def _refuse_non_finite(self, weights: list[tuple[str, torch.Tensor]], what: str) -> None:
+        """NaN or inf weights must reach neither an engine nor a checkpoint: record which, and stop."""
+        bad = first_non_finite(weights)
+        if bad is None:
+            return
+        assert self.store is not None
+        self.store.event("nan_weights", step=None, detail={"parameter": bad, "what": what})
+        raise NonFiniteWeightsError(
+            f"parameter {bad!r} of the trainer's {what} holds NaN or inf; it was neither pushed nor checkpointed, "
+            f"and the last checkpoint is intact: lower train.lr (now {self.cfg.train.lr:g}), check the rewards and "
+            f"that {self.cfg.model.path} holds finite weights, then rerun to resume"
+        )
 
     # ----- per step -----
     def batch(self, groups: list[Group]) -> TrainBatch:
@@ -442,6 +458,8 @@ class RunSession:
         assert self.trainer is not None and self.store is not None
         self.store.flush()
         tensors, trainer_state = self.trainer.state()
+        model_tensors = [(k, v) for k, v in tensors.items() if k.startswith("model/")]
+        self._refuse_non_finite(model_tensors, f"step {step + 1} weights")
         rng_tensors, rng_state = capture_rng_state()
         tensors.update(rng_tensors)
         keys = sorted(row)
