@@ -27,7 +27,9 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None, restart
             with timer.phase("rollout"):
                 groups = s.rollout.generate(step, s.data.batch(step))
             with timer.phase("reward"):
-                s.rewards.score(groups)
+                scored = s.rewards.score(step, groups)
+            if scored is None:  # a preemption signal came while a reward was still running
+                return s.on_preempt_mid_step()
             with timer.phase("train"):
                 train = s.train(groups)
             with timer.phase("sync"):

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,10 @@ from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
+from hpcrl.rollout.config import RewardConfig
 from hpcrl.rollout.data import PromptSource, build_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
-from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, score
+from hpcrl.rollout.rewards import RewardError, ScoreResult, ScoringInterrupted, check_failures, load_reward, score
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.checkpoint import (
@@ -118,17 +120,38 @@ def check_devices(cfg: RunConfig, *, engines_here: bool) -> None:
 
 
 class Rewards:
-    def __init__(self, spec: str, max_failed_share: float) -> None:
-        self.fn = load_reward(spec)
-        self.max_failed_share = max_failed_share
+    """Scores a step's samples; a stop for too many failures is recorded (`on_stop`) before it is raised."""
 
-    def score(self, groups: list[Group]) -> ScoreResult:
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        *,
+        interrupted: Callable[[], bool],
+        on_stop: Callable[[int, dict[str, Any]], None],
+    ) -> None:
+        self.fn = load_reward(cfg.fn)
+        self.cfg = cfg
+        self.interrupted = interrupted
+        self.on_stop = on_stop
+
+    def score(self, step: int, groups: list[Group]) -> ScoreResult | None:
+        """Score the groups in place; None when a preemption signal came while a reward was running."""
         samples = [s for g in groups for s in g.samples]
         answers = [g.example.answer for g in groups for _ in g.samples]
-        result = score(self.fn, [s.text for s in samples], answers)
+        try:
+            result = score(
+                self.fn, [s.text for s in samples], answers, timeout_s=self.cfg.timeout_s, interrupted=self.interrupted
+            )
+        except ScoringInterrupted:
+            return None
         for s, r, e in zip(samples, result.rewards, result.errors, strict=True):
             s.reward, s.reward_error = r, e
-        check_failures(result, self.max_failed_share)
+        try:
+            check_failures(result, self.cfg.max_failed_share)
+        except RewardError as exc:
+            first = next(e for e in result.errors if e is not None)
+            self.on_stop(step, {"reason": "reward_failures", "num_failed": result.num_failed, "first_error": first})
+            raise RewardError(f"{exc}; the run stops (event 'stopped'): fix the reward and rerun to resume") from None
         return result
 
 
@@ -211,7 +234,7 @@ class RunSession:
                 else {"prompt_key": self.cfg.data.prompt_key, "answer_key": self.cfg.data.answer_key}
             ),
         )
-        self.rewards = Rewards(self.cfg.reward.fn, self.cfg.reward.max_failed_share)
+        self.rewards = Rewards(self.cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
         from transformers import AutoTokenizer
 
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), self.cfg.data)
@@ -485,22 +508,34 @@ class RunSession:
                 "nan_skipped", step=step, detail={"loss": m.get("train/loss"), "grad_norm": m.get("train/grad_norm")}
             )
 
-    def on_preempt(self, step: int, row: dict[str, float]) -> int:
-        """Checkpoint at this safe point and report how the process should exit."""
+    def on_preempt(self, step: int | None, row: dict[str, float] | None) -> int:
+        """Checkpoint step `step` (None: nothing finished since the last checkpoint) and report how the
+        process should exit."""
         assert self.store is not None
-        self.checkpoint(step, row, force=True)
+        if step is not None and row is not None:
+            self.checkpoint(step, row, force=True)
         name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
         self.store.event("preempted", step=step, detail={"signal": name, "job_id": self.incarnation.job_id})
+        saved = f"checkpointed step {step + 1}" if step is not None else "the last checkpoint holds the last step"
         if self.slurm:
             # The requeued job (same id, SLURM_RESTART_COUNT + 1) resumes from this checkpoint.
             out = subprocess.run(["scontrol", "requeue", self.slurm.job_id], capture_output=True, text=True)
             self.progress.say(
-                f"received {name}: checkpointed step {step + 1}; scontrol requeue {self.slurm.job_id}: "
+                f"received {name}: {saved}; scontrol requeue {self.slurm.job_id}: "
                 + ("ok" if out.returncode == 0 else f"failed ({out.stderr.strip()})")
             )
             return 0 if out.returncode == 0 else 1
-        self.progress.say(f"received {name}: checkpointed step {step + 1}; rerun the same command to resume")
+        self.progress.say(f"received {name}: {saved}; rerun the same command to resume")
         return 128 + int(self.preempt_signal or signal.SIGTERM)
+
+    def on_preempt_mid_step(self) -> int:
+        """A signal came before this step trained (during a slow reward): keep the last finished step."""
+        finished = self._last_logged if self._steps_trained == self._steps_logged else None
+        return self.on_preempt(*(finished or (None, None)))
+
+    def _record_stop(self, step: int, detail: dict[str, Any]) -> None:
+        assert self.store is not None
+        self.store.event("stopped", step=step, detail=detail)
 
     def finish(self) -> None:
         assert self.trainer is not None and self.store is not None

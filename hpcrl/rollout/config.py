@@ -80,7 +80,11 @@ class RewardConfig:
     """A built-in (exact_match, arithmetic_answer, gsm8k) or a dotted path `package.module:function`."""
     max_failed_share: float = 0.2
     """Stop the run when more than this share of a step's samples fail to score."""
+    timeout_s: float = 60.0
+    """A reward call running longer fails its sample (and counts toward max_failed_share)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_failed_share <= 1:
             raise ValueError(f"max_failed_share must be in [0, 1], got {self.max_failed_share}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
