@@ -238,6 +238,7 @@ class RunSession:
         from transformers import AutoTokenizer
 
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), self.cfg.data)
+        self.formatter.check_encodable(examples, source=self.cfg.data.source, answers=self.cfg.sft.num_steps > 0)
         self.data = PromptSource(examples, batch_size=self.cfg.data.prompts_per_step, seed=self.cfg.seed)
         self.sft_data = PromptSource(examples, batch_size=self.cfg.sft.batch_size, seed=self.cfg.seed + 1)
         self._claim_run_dir()
