@@ -93,7 +93,7 @@ def _run(ns: argparse.Namespace) -> int:
     cfg = load_run_config(ns.config, ns.overrides)
     run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / Path(ns.config).stem
     print(f"hpcrl run: {cfg.name} -> {run_dir}", flush=True)
-    return run(cfg, run_dir)
+    return run(cfg, run_dir, restart=ns.restart)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -108,6 +108,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML run config (see experiments/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 num_steps=10")
     p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<config name>)")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over in RUN_DIR on purpose: its previous contents are moved into RUN_DIR/superseded-<time>/ "
+        "(nothing is deleted); without it, a run dir that holds results but no checkpoint is refused",
+    )
     p.set_defaults(func=_run)
 
 

@@ -351,6 +351,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected int, got {_describe(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                # NaN passes every `x > 0` check in __post_init__ (all comparisons are false), and inf
+                # turns the first use into NaN: no setting means either, so none is accepted.
+                raise ConfigError(f"{path}: expected a finite number, got {value}; set a finite value")
             return float(value)
         raise ConfigError(f"{path}: expected float, got {_describe(value)}")
     if tp is str:

@@ -13,9 +13,9 @@ from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.progress import StepTimer
 
 
-def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
-    """Run (or resume) GRPO in run_dir; returns the process exit code."""
-    with RunSession(cfg, run_dir, slurm=slurm) as s:
+def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None, restart: bool = False) -> int:
+    """Run (or resume) GRPO in run_dir (restart: move its old contents aside first); returns the exit code."""
+    with RunSession(cfg, run_dir, slurm=slurm, restart=restart) as s:
         start = s.resume()
         if start >= cfg.num_steps > 0:
             s.progress.say(f"{run_dir} already finished all {cfg.num_steps} steps; use a new --run-dir for a new run")
@@ -27,7 +27,9 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None) -> int:
             with timer.phase("rollout"):
                 groups = s.rollout.generate(step, s.data.batch(step))
             with timer.phase("reward"):
-                s.rewards.score(groups)
+                scored = s.rewards.score(step, groups)
+            if scored is None:  # a preemption signal came while a reward was still running
+                return s.on_preempt_mid_step()
             with timer.phase("train"):
                 train = s.train(groups)
             with timer.phase("sync"):

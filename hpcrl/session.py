@@ -13,35 +13,47 @@ import signal
 import socket
 import subprocess
 import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hpcrl import preemption
-from hpcrl.config import ConfigError, dump_yaml, load_yaml
+from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
+from hpcrl.model.hf import check_model_dir
+from hpcrl.rollout.config import RewardConfig
 from hpcrl.rollout.data import PromptSource, build_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
-from hpcrl.rollout.rewards import ScoreResult, check_failures, load_reward, score
+from hpcrl.rollout.rewards import RewardError, ScoreResult, ScoringInterrupted, check_failures, load_reward, score
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.checkpoint import (
+    CheckpointError,
     capture_rng_state,
-    load_latest_checkpoint,
     remove_temp_files,
     restore_rng_state,
     save_checkpoint,
 )
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.progress import Progress
+from hpcrl.store.run_dir import (
+    ResumePoint,
+    RunDirLock,
+    check_can_continue,
+    find_resume_point,
+    inspect_run_dir,
+    keep_unreadable,
+    set_aside,
+)
 from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.trainer.advantage import group_advantages
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
+from hpcrl.trainer.step_stats import NonFiniteWeightsError, first_non_finite
 
 OFFLOAD_TAGS = ["kv_cache", "weights"]
 
@@ -87,18 +99,59 @@ def _create_model_if_missing(cfg: RunConfig, path: Path) -> Path:
     return path
 
 
-class Rewards:
-    def __init__(self, spec: str, max_failed_share: float) -> None:
-        self.fn = load_reward(spec)
-        self.max_failed_share = max_failed_share
+def check_devices(cfg: RunConfig, *, engines_here: bool) -> None:
+    """A CUDA device the config names must exist on this machine (checked here, not at config load:
+    `hpcrl sbatch` renders GPU configs on machines without one)."""
+    keys = [("train.device", cfg.train.device)] + ([("engine.device", cfg.engine.device)] if engines_here else [])
+    for key, device in keys:
+        if not device.startswith("cuda"):
+            continue
+        try:
+            index = torch.device(device).index or 0
+        except RuntimeError as exc:
+            raise RunError(f"{key}={device!r} is not a device name ({exc}); use cpu, cuda or cuda:N") from None
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= num_gpus:
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise RunError(
+                f"{key}={device} but this machine shows {num_gpus} CUDA device(s) to torch {torch.__version__} "
+                f"({build}); set {key}=cpu, or run on a GPU node with a CUDA build of torch"
+            )
 
-    def score(self, groups: list[Group]) -> ScoreResult:
+
+class Rewards:
+    """Scores a step's samples; a stop for too many failures is recorded (`on_stop`) before it is raised."""
+
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        *,
+        interrupted: Callable[[], bool],
+        on_stop: Callable[[int, dict[str, Any]], None],
+    ) -> None:
+        self.fn = load_reward(cfg.fn)
+        self.cfg = cfg
+        self.interrupted = interrupted
+        self.on_stop = on_stop
+
+    def score(self, step: int, groups: list[Group]) -> ScoreResult | None:
+        """Score the groups in place; None when a preemption signal came while a reward was running."""
         samples = [s for g in groups for s in g.samples]
         answers = [g.example.answer for g in groups for _ in g.samples]
-        result = score(self.fn, [s.text for s in samples], answers)
+        try:
+            result = score(
+                self.fn, [s.text for s in samples], answers, timeout_s=self.cfg.timeout_s, interrupted=self.interrupted
+            )
+        except ScoringInterrupted:
+            return None
         for s, r, e in zip(samples, result.rewards, result.errors, strict=True):
             s.reward, s.reward_error = r, e
-        check_failures(result, self.max_failed_share)
+        try:
+            check_failures(result, self.cfg.max_failed_share)
+        except RewardError as exc:
+            first = next(e for e in result.errors if e is not None)
+            self.on_stop(step, {"reason": "reward_failures", "num_failed": result.num_failed, "first_error": first})
+            raise RewardError(f"{exc}; the run stops (event 'stopped'): fix the reward and rerun to resume") from None
         return result
 
 
@@ -121,10 +174,19 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
 
 class RunSession:
     def __init__(
-        self, cfg: RunConfig, run_dir: Path, *, progress: Progress | None = None, slurm: SlurmEnv | None = None
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        *,
+        progress: Progress | None = None,
+        slurm: SlurmEnv | None = None,
+        restart: bool = False,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.restart = restart
+        self._lock: RunDirLock | None = None
+        self._resume_point = ResumePoint()
         # In a Slurm job the engines and the other trainer ranks were started by srun; locally we start them.
         self.slurm = slurm
         self.incarnation = Incarnation(slurm.job_id, slurm.restart_count) if slurm else Incarnation()
@@ -146,6 +208,14 @@ class RunSession:
 
     # ----- setup -----
     def __enter__(self) -> RunSession:
+        try:
+            return self._enter()
+        except BaseException:
+            if self._lock is not None:  # shut down what was started; a refused run touched nothing
+                self.__exit__(None, None, None)
+            raise
+
+    def _enter(self) -> RunSession:
         # Validate everything the user gave (guard, model, data, reward) before anything is written to run_dir.
         guard_source = open_source(self.cfg.guard, warn=self.progress.say)
         guard = (
@@ -153,7 +223,9 @@ class RunSession:
             if guard_source is not None
             else None
         )
+        check_devices(self.cfg, engines_here=not self.slurm and self.cfg.sync.transport != "mpi")
         model_dir = prepare_model(self.cfg)
+        check_model_dir(model_dir)
         examples = build_examples(
             self.cfg.data.source,
             **(
@@ -162,12 +234,14 @@ class RunSession:
                 else {"prompt_key": self.cfg.data.prompt_key, "answer_key": self.cfg.data.answer_key}
             ),
         )
-        self.rewards = Rewards(self.cfg.reward.fn, self.cfg.reward.max_failed_share)
+        self.rewards = Rewards(self.cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
         from transformers import AutoTokenizer
 
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), self.cfg.data)
+        self.formatter.check_encodable(examples, source=self.cfg.data.source, answers=self.cfg.sft.num_steps > 0)
         self.data = PromptSource(examples, batch_size=self.cfg.data.prompts_per_step, seed=self.cfg.seed)
         self.sft_data = PromptSource(examples, batch_size=self.cfg.sft.batch_size, seed=self.cfg.seed + 1)
+        self._claim_run_dir()
         self._write_config()
         self.store = MetricsWriter(
             self.run_dir / "metrics.h5",
@@ -198,20 +272,19 @@ class RunSession:
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
         return self
 
+    def _claim_run_dir(self) -> None:
+        """Lock the run dir, then decide, before anything is written, whether this config may run there."""
+        self._lock = RunDirLock.acquire(self.run_dir, job_id=self.incarnation.job_id)
+        if self.restart and (moved := set_aside(self.run_dir)) is not None:
+            self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
+        self._resume_point = find_resume_point(self.run_dir / "checkpoints")
+        ckpt, unreadable = self._resume_point.checkpoint, self._resume_point.unreadable
+        step = ckpt.step if ckpt is not None else None
+        check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=unreadable)
+        self._lock.record_owner()
+
     def _write_config(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "config.yaml"
-        if path.exists():
-            try:
-                old = load_yaml(path)
-            except ConfigError as exc:
-                raise RunError(f"{path} is unreadable ({exc}); move the run directory aside or use --run-dir") from exc
-            if _comparable(self.cfg) != _normalized(old, self.cfg):
-                raise RunError(
-                    f"{self.run_dir} holds a run with a different config ({path}); resume it with the same "
-                    "config and overrides (num_steps may change, and with train.backend=megatron the TP/PP split "
-                    "and num_ranks), or start a new run with --run-dir"
-                )
         tmp = path.with_suffix(".yaml.tmp")
         tmp.write_text(dump_yaml(self.cfg))
         os.replace(tmp, path)
@@ -274,12 +347,13 @@ class RunSession:
         ckpt_dir = self.run_dir / "checkpoints"
         for path in remove_temp_files(ckpt_dir) if ckpt_dir.exists() else []:
             self.progress.say(f"removed a partial checkpoint left by an interrupted write: {path.name}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ckpt = load_latest_checkpoint(ckpt_dir) if ckpt_dir.exists() else None
-        for w in caught:
-            self.progress.say(f"warning: {w.message}")
-            self.store.event("checkpoint_skipped", step=None, detail={"reason": str(w.message)})
+        ckpt, unreadable = self._resume_point.checkpoint, self._resume_point.unreadable
+        self._resume_point = ResumePoint()  # its tensors are loaded below; do not hold them twice
+        kept = keep_unreadable(ckpt_dir, list(unreadable))
+        for name, reason in unreadable.items():
+            kept_as = kept[name].name if name in kept else name
+            self.progress.say(f"warning: skipping checkpoint {name}: {reason}; kept as {kept_as}")
+            self.store.event("checkpoint_skipped", step=None, detail={"reason": reason, "kept_as": kept_as})
         if ckpt is None:
             self.store.truncate_after(-1)
             return 0
@@ -294,6 +368,9 @@ class RunSession:
             row = dict(zip(ckpt.state["last_row_keys"], ckpt.tensors["last_row"].tolist(), strict=True))
             self.store.log(ckpt.step, row)
         self.push_weights(self.weight_version)
+        if ckpt.step + 1 < self.cfg.num_steps:
+            # The steps after this resume make the run's end; an earlier `finished` no longer is.
+            self.store.rename_events("finished", "finished_superseded")
         self.store.event("resumed", step=ckpt.step, detail={"checkpoint": ckpt.path.name})
         self.progress.say(f"resumed from {ckpt.path} (step {ckpt.step + 1} done); continuing at step {ckpt.step + 2}")
         return ckpt.step + 1
@@ -336,13 +413,15 @@ class RunSession:
         # The version the engines served until now: what this step's rollout was generated with.
         self.rollout_version, self.weight_version = self.weight_version, version
         offloaded = self.cfg.engine.offload_during_train and self.fleet.weights_released
+        weights = self.trainer.named_weights()
+        self._refuse_non_finite(weights, f"weight version {version}")
         if offloaded:
             self.fleet.resume_memory(["weights"])  # contents are stale until the push below rewrites them
         for attempt in (0, 1):
             if self.fleet.heal() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
-                pushed = self.sync.push(self.trainer.named_weights(), version)
+                pushed = self.sync.push(weights, version)
                 if offloaded:
                     self.fleet.resume_memory(["kv_cache"])
                 return pushed
@@ -351,6 +430,19 @@ class RunSession:
                     raise
                 self.fleet.probe_all()
         raise AssertionError("unreachable")
+
+    def _refuse_non_finite(self, weights: list[tuple[str, torch.Tensor]], what: str) -> None:
+        """NaN or inf weights must reach neither an engine nor a checkpoint: record which, and stop."""
+        bad = first_non_finite(weights)
+        if bad is None:
+            return
+        assert self.store is not None
+        self.store.event("nan_weights", step=None, detail={"parameter": bad, "what": what})
+        raise NonFiniteWeightsError(
+            f"parameter {bad!r} of the trainer's {what} holds NaN or inf; it was neither pushed nor checkpointed, "
+            f"and the last checkpoint is intact: lower train.lr (now {self.cfg.train.lr:g}), check the rewards and "
+            f"that {self.cfg.model.path} holds finite weights, then rerun to resume"
+        )
 
     # ----- per step -----
     def batch(self, groups: list[Group]) -> TrainBatch:
@@ -394,6 +486,8 @@ class RunSession:
         assert self.trainer is not None and self.store is not None
         self.store.flush()
         tensors, trainer_state = self.trainer.state()
+        model_tensors = [(k, v) for k, v in tensors.items() if k.startswith("model/")]
+        self._refuse_non_finite(model_tensors, f"step {step + 1} weights")
         rng_tensors, rng_state = capture_rng_state()
         tensors.update(rng_tensors)
         keys = sorted(row)
@@ -406,7 +500,10 @@ class RunSession:
             "weight_version": self.weight_version,
             "sft_done": self.sft_done,
         }
-        save_checkpoint(self.run_dir / "checkpoints", step, tensors, state, keep_last=self.cfg.checkpoint.keep_last)
+        try:
+            save_checkpoint(self.run_dir / "checkpoints", step, tensors, state, keep_last=self.cfg.checkpoint.keep_last)
+        except CheckpointError as exc:
+            raise RunError(str(exc)) from None
         return True
 
     def check_nan_limit(self, m: dict[str, float], step: int) -> None:
@@ -416,22 +513,34 @@ class RunSession:
                 "nan_skipped", step=step, detail={"loss": m.get("train/loss"), "grad_norm": m.get("train/grad_norm")}
             )
 
-    def on_preempt(self, step: int, row: dict[str, float]) -> int:
-        """Checkpoint at this safe point and report how the process should exit."""
+    def on_preempt(self, step: int | None, row: dict[str, float] | None) -> int:
+        """Checkpoint step `step` (None: nothing finished since the last checkpoint) and report how the
+        process should exit."""
         assert self.store is not None
-        self.checkpoint(step, row, force=True)
+        if step is not None and row is not None:
+            self.checkpoint(step, row, force=True)
         name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
         self.store.event("preempted", step=step, detail={"signal": name, "job_id": self.incarnation.job_id})
+        saved = f"checkpointed step {step + 1}" if step is not None else "the last checkpoint holds the last step"
         if self.slurm:
             # The requeued job (same id, SLURM_RESTART_COUNT + 1) resumes from this checkpoint.
             out = subprocess.run(["scontrol", "requeue", self.slurm.job_id], capture_output=True, text=True)
             self.progress.say(
-                f"received {name}: checkpointed step {step + 1}; scontrol requeue {self.slurm.job_id}: "
+                f"received {name}: {saved}; scontrol requeue {self.slurm.job_id}: "
                 + ("ok" if out.returncode == 0 else f"failed ({out.stderr.strip()})")
             )
             return 0 if out.returncode == 0 else 1
-        self.progress.say(f"received {name}: checkpointed step {step + 1}; rerun the same command to resume")
+        self.progress.say(f"received {name}: {saved}; rerun the same command to resume")
         return 128 + int(self.preempt_signal or signal.SIGTERM)
+
+    def on_preempt_mid_step(self) -> int:
+        """A signal came before this step trained (during a slow reward): keep the last finished step."""
+        finished = self._last_logged if self._steps_trained == self._steps_logged else None
+        return self.on_preempt(*(finished or (None, None)))
+
+    def _record_stop(self, step: int, detail: dict[str, Any]) -> None:
+        assert self.store is not None
+        self.store.event("stopped", step=step, detail=detail)
 
     def finish(self) -> None:
         assert self.trainer is not None and self.store is not None
@@ -460,29 +569,12 @@ class RunSession:
             ),
             lambda: self.trainer.close() if self.trainer else None,
             lambda: self.store.close() if self.store else None,
+            lambda: self._lock.release() if self._lock else None,  # last: nothing writes run_dir after it
         ):
             try:
                 closer()
             except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
                 self.progress.say(f"warning during shutdown: {err}")
-
-
-def _comparable(cfg: RunConfig) -> str:
-    # num_steps may grow on resume: extending a finished run is a normal request. A Megatron run may
-    # also resume under another TP/PP split: its checkpoints hold the whole model in HF layout.
-    train = cfg.train
-    if train.backend == "megatron":
-        train = dataclasses.replace(train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1)
-    return dump_yaml(dataclasses.replace(cfg, num_steps=0, train=train))
-
-
-def _normalized(old: dict[str, Any], cfg: RunConfig) -> str:
-    from hpcrl.config import from_dict
-
-    try:
-        return _comparable(from_dict(type(cfg), old))
-    except (ConfigError, TypeError, ValueError):
-        return ""
 
 
 def _free_port() -> int:

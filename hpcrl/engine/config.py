@@ -74,5 +74,13 @@ class EngineConfig:
             raise ValueError("offload_during_train with kind: sglang needs enable_memory_saver: true")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not 0 <= self.base_port <= 65535:
+            raise ValueError(
+                f"base_port must be a TCP port (1 to 65535), or 0 to pick free ports; got {self.base_port}"
+            )
+        if not self.health_interval_s > 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if not 0 < self.health_timeout_s <= self.hung_after_s:
             raise ValueError("health_timeout_s must be > 0 and <= hung_after_s")

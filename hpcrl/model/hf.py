@@ -7,6 +7,7 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -44,11 +45,67 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     )
 
 
+def _open_safetensors(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}, named by the model's safetensors index, does not exist") from None
+    except Exception as exc:  # safetensors raises its own SafetensorError for a damaged header
+        raise ValueError(
+            f"{path} cannot be read as safetensors ({exc}); the file is truncated or corrupt: download or "
+            "export the model again"
+        ) from None
+
+
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _safetensors_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:  # a file cut short after its header
+                    raise ValueError(
+                        f"{path}: weight {name!r} cannot be read ({exc}); the file is truncated or corrupt: "
+                        "download or export the model again"
+                    ) from None
+                yield name, tensor
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """Check config.json and the safetensors headers against each other without reading the weights, so
+    that a damaged or mismatched model directory fails before a run writes anything."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_dir(model_dir)
+    with torch.device("meta"):
+        params = dict(CausalLM(args).named_parameters())
+    seen: set[str] = set()
+    for path in _safetensors_files(model_dir):
+        with _open_safetensors(path) as f:
+            for name in f.keys():
+                if _expected_weight(model_dir, name, tuple(f.get_slice(name).get_shape()), params, args):
+                    seen.add(name)
+    _check_complete(model_dir, params, seen)
+
+
+def _expected_weight(
+    model_dir: Path, name: str, shape: tuple[int, ...], params: Mapping[str, torch.Tensor], args: ModelArgs
+) -> bool:
+    """True for a weight the model loads, False for one it may skip; raises for one that does not fit."""
+    if name not in params:
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            return False  # some tied checkpoints still store the head
+        if "rotary_emb" in name:
+            return False
+        raise ValueError(_unexpected_weight(model_dir, name, args))
+    if shape != tuple(params[name].shape):
+        raise ValueError(f"{model_dir}: weight {name} has shape {shape}, expected {tuple(params[name].shape)}")
+    return True
+
+
+def _check_complete(model_dir: Path, params: Mapping[str, torch.Tensor], seen: set[str]) -> None:
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
 
 def load_model(
@@ -64,23 +121,25 @@ def load_model(
     seen: set[str] = set()
     with torch.no_grad():
         for name, tensor in iter_safetensors(model_dir):
-            if name not in params:
-                if name == "lm_head.weight" and args.tie_word_embeddings:
-                    continue  # some tied checkpoints still store the head
-                if "rotary_emb" in name:
-                    continue
-                raise ValueError(f"{model_dir}: unexpected weight {name!r} for a {args.num_layers}-layer model")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"{model_dir}: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-            seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+            if _expected_weight(model_dir, name, tuple(tensor.shape), params, args):
+                params[name].copy_(tensor)
+                seen.add(name)
+    _check_complete(model_dir, params, seen)
     model.eval()
     return model
+
+
+def _unexpected_weight(model_dir: Path, name: str, args: ModelArgs) -> str:
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    if name.endswith(("q_norm.weight", "k_norm.weight")) and not args.qk_norm:
+        return (
+            f"{model_dir}: the weights have QK-norm ({name!r}), which Qwen3 models have, but config.json says "
+            f"model_type {model_type!r}, which has none: set model_type to 'qwen3' in {model_dir / 'config.json'}"
+        )
+    return (
+        f"{model_dir}: weight {name!r} does not belong to the model config.json describes (model_type "
+        f"{model_type!r}, {args.num_layers} layers): the config and the weights come from different models"
+    )
 
 
 def save_model(model: CausalLM, out_dir: str | Path, *, source_dir: str | Path) -> Path:

@@ -78,8 +78,19 @@ class ModelArgs:
                 f"{path} not found: --model must be a Hugging Face model directory "
                 "(create a tiny one with `hpcrl model init-tiny DIR`)"
             )
-        cfg = json.loads(path.read_text())
-        args = cls.from_hf_config(cfg)
+        try:
+            cfg = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); download or export the model again") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path} must hold a JSON object of model settings")
+        try:
+            args = cls.from_hf_config(cfg)
+        except KeyError as exc:
+            raise ValueError(
+                f"{path} lacks the key {exc.args[0]!r}, which a {cfg.get('model_type', 'causal LM')} config needs; "
+                "the file is incomplete: download or export the model again"
+            ) from None
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():
             eos = json.loads(gen_path.read_text()).get("eos_token_id")

@@ -92,6 +92,9 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        # --overwrite replaces a model directory; a file there is not one, and is never deleted.
+        raise FileExistsError(f"{out_dir} is a file, not a directory; choose another path for the model")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
     tokenizer = build_tokenizer()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 
@@ -23,10 +24,30 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.prompt_template != "chat" and "{prompt}" not in self.prompt_template:
-            raise ValueError("prompt_template must contain {prompt}, or be 'chat'")
+        if self.prompt_template != "chat":
+            _check_template(self.prompt_template)
         if self.num_examples < 1:
             raise ValueError(f"num_examples must be >= 1, got {self.num_examples}")
+        if self.digits < 1:
+            raise ValueError(f"digits must be >= 1, got {self.digits}")
+
+
+def _check_template(template: str) -> None:
+    # str.format would raise KeyError or IndexError on the first prompt; say so at load time.
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(
+            f"prompt_template {template!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}"
+        ) from None
+    if "prompt" not in fields:
+        raise ValueError("prompt_template must contain {prompt}, or be 'chat'")
+    others = sorted({name for name in fields if name != "prompt"})
+    if others:
+        raise ValueError(
+            f"prompt_template has the placeholder(s) {', '.join('{' + n + '}' for n in others)}, but only {{prompt}} "
+            "is filled in; remove them, or write literal braces as {{ and }}"
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -47,6 +68,10 @@ class RolloutConfig:
             raise ValueError("temperature must be > 0 for GRPO (greedy groups have no variance to learn from)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no top-k filter) or >= 1, got {self.top_k}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,7 +80,11 @@ class RewardConfig:
     """A built-in (exact_match, arithmetic_answer, gsm8k) or a dotted path `package.module:function`."""
     max_failed_share: float = 0.2
     """Stop the run when more than this share of a step's samples fail to score."""
+    timeout_s: float = 60.0
+    """A reward call running longer fails its sample (and counts toward max_failed_share)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_failed_share <= 1:
             raise ValueError(f"max_failed_share must be in [0, 1], got {self.max_failed_share}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")

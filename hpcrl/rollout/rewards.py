@@ -13,7 +13,10 @@ import importlib
 import inspect
 import math
 import numbers
+import queue
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -22,6 +25,7 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "ScoreResult",
+    "ScoringInterrupted",
     "arithmetic_answer",
     "check_failures",
     "exact_match",
@@ -183,17 +187,81 @@ class ScoreResult:
         return self.num_failed / len(self.errors) if self.errors else 0.0
 
 
-def score(fn: RewardFn, responses: Sequence[str], answers: Sequence[str]) -> ScoreResult:
-    """Apply `fn` to each (response, answer); exceptions and non-finite or non-numeric values fail that sample."""
+class ScoringInterrupted(Exception):
+    """`interrupted()` became true while a reward call was still running (a preemption signal)."""
+
+
+def score(
+    fn: RewardFn,
+    responses: Sequence[str],
+    answers: Sequence[str],
+    *,
+    timeout_s: float | None = None,
+    interrupted: Callable[[], bool] | None = None,
+    poll_s: float = 0.05,
+) -> ScoreResult:
+    """Apply `fn` to each (response, answer); exceptions and non-finite or non-numeric values fail that sample.
+
+    With `timeout_s`, a call that runs longer fails its sample ("timed out") and is left behind in its
+    thread: Python cannot stop a running function, and a hung reward must not hang the run. With
+    `interrupted`, ScoringInterrupted is raised as soon as it returns true, however long the call runs.
+    """
     if len(responses) != len(answers):
         raise ValueError(f"score got {len(responses)} responses but {len(answers)} answers; pass one answer each")
-    rewards: list[float] = []
-    errors: list[str | None] = []
-    for response, answer in zip(responses, answers, strict=True):
-        reward, error = _score_one(fn, response, answer)
-        rewards.append(reward)
-        errors.append(error)
-    return ScoreResult(rewards=rewards, errors=errors)
+    if timeout_s is None and interrupted is None:
+        pairs = [_score_one(fn, response, answer) for response, answer in zip(responses, answers, strict=True)]
+    else:
+        pairs = _score_watched(fn, list(zip(responses, answers, strict=True)), timeout_s, interrupted, poll_s)
+    return ScoreResult(rewards=[r for r, _ in pairs], errors=[e for _, e in pairs])
+
+
+def _score_watched(
+    fn: RewardFn,
+    items: list[tuple[str, str]],
+    timeout_s: float | None,
+    interrupted: Callable[[], bool] | None,
+    poll_s: float,
+) -> list[tuple[float, str | None]]:
+    """Score in a daemon worker thread, in order, while this thread watches the clock and `interrupted`."""
+    results: list[tuple[float, str | None]] = []
+    while len(results) < len(items):
+        done: queue.Queue[tuple[float, str | None]] = queue.Queue()
+        todo = items[len(results) :]
+        worker = threading.Thread(
+            target=lambda todo=todo, done=done: [done.put(_score_one(fn, *item)) for item in todo],
+            name="hpcrl-reward",
+            daemon=True,  # a reward that never returns must not keep the process alive
+        )
+        worker.start()
+        for _ in todo:
+            pair = _wait_for_one(done, timeout_s, interrupted, poll_s, what=f"sample {len(results)} of {len(items)}")
+            if pair is None:
+                # The worker is stuck in this sample: fail it, and score the rest in a fresh worker.
+                results.append((math.nan, f"timed out after {timeout_s:g} s (reward.timeout_s)"))
+                break
+            results.append(pair)
+    return results
+
+
+def _wait_for_one(
+    done: queue.Queue[tuple[float, str | None]],
+    timeout_s: float | None,
+    interrupted: Callable[[], bool] | None,
+    poll_s: float,
+    *,
+    what: str,
+) -> tuple[float, str | None] | None:
+    """The worker's next result, or None when it takes longer than timeout_s."""
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if interrupted is not None and interrupted():
+            raise ScoringInterrupted(f"interrupted while scoring {what}")
+        wait_s = poll_s if deadline_s is None else min(poll_s, max(0.0, deadline_s - time.monotonic()))
+        try:
+            return done.get(timeout=wait_s)
+        except queue.Empty:
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                return None
 
 
 def _score_one(fn: RewardFn, response: str, answer: str) -> tuple[float, str | None]:

@@ -66,11 +66,19 @@ def _sbatch(ns: argparse.Namespace) -> int:
             print(f"hpcrl sbatch: dry run: the script is valid ({len(text.splitlines())} lines)", file=sys.stderr)
         return 0
     out = Path(ns.output)
+    if out.is_dir():
+        raise ValueError(
+            f"-o {out} is a directory; give the script's file name, e.g. -o {out / (Path(ns.config).stem + '.sbatch')}"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o755)
-    tmp.replace(out)
+    try:
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {out}: {exc.strerror or exc}; choose another -o path") from None
     print(f"wrote {out}; submit it with: sbatch {out}")
     return 0
 

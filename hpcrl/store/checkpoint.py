@@ -14,6 +14,7 @@ complete unless the storage damaged it afterwards, which the checksums catch on 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -136,25 +137,79 @@ def save_checkpoint(
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final_path = checkpoint_path(ckpt_dir, step)
     temp_path = ckpt_dir / f".{final_path.name}.tmp"
+    failure: str | None = None
     try:
-        # v108 lets attributes exceed 64 KiB (an optimizer skeleton of a large model can).
-        with h5py.File(temp_path, "w", libver="v108") as f:
-            f.attrs[FORMAT_ATTR] = CHECKPOINT_FORMAT
-            f.attrs[FORMAT_VERSION_ATTR] = CHECKPOINT_FORMAT_VERSION
-            f.attrs["step"] = step
-            f.attrs["num_tensors"] = len(tensors)
-            f.attrs["state_json"] = state_json
-            group = f.create_group(_TENSORS)
-            for name, tensor in tensors.items():
-                _write_tensor(group, name, tensor)
+        _write_file(temp_path, step, tensors, state_json)
         _fsync_path(temp_path)
         os.replace(temp_path, final_path)
         _fsync_path(ckpt_dir)
+    except (OSError, RuntimeError) as error:
+        temp_path.unlink(missing_ok=True)
+        failure = _first_line(error)
     except BaseException:
         temp_path.unlink(missing_ok=True)
         raise
+    if failure is not None:
+        raise CheckpointError(
+            f"could not write checkpoint {final_path} ({failure}); the disk may be full or over quota: free "
+            "space and rerun to resume from the previous checkpoint (left intact, if there is one)"
+        )
     _prune(ckpt_dir, step, keep_last)
     return final_path
+
+
+def _write_file(path: Path, step: int, tensors: Mapping[str, torch.Tensor], state_json: str) -> None:
+    # v108 lets attributes exceed 64 KiB (an optimizer skeleton of a large model can).
+    f = h5py.File(path, "w", libver="v108")
+    fd = f.id.get_vfd_handle()
+    try:
+        f.attrs[FORMAT_ATTR] = CHECKPOINT_FORMAT
+        f.attrs[FORMAT_VERSION_ATTR] = CHECKPOINT_FORMAT_VERSION
+        f.attrs["step"] = step
+        f.attrs["num_tensors"] = len(tensors)
+        f.attrs["state_json"] = state_json
+        group = f.create_group(_TENSORS)
+        # Every object stays open until the flush: a dataset closed on the way may write metadata, and one
+        # whose write fails inside close() is left half-closed, which crashes the process at exit. Kept
+        # open, a failing write raises here with every object intact for _abandon.
+        opened = [group]
+        for name, tensor in tensors.items():
+            opened.append(_write_tensor(group, name, tensor))
+        f.flush()
+    except BaseException:
+        _abandon(f, fd)
+        raise
+    f.close()
+
+
+def _abandon(f: h5py.File, fd: int) -> None:
+    """Close a file whose write failed (disk full, file size limit) so that nothing is left to flush.
+
+    Closing it normally would flush the unwritten metadata again, fail again, and leave half-closed
+    objects that HDF5 frees at interpreter exit, crashing the process (exit 139). Pointing its descriptor
+    at /dev/null lets that last flush succeed into nothing; the caller deletes the partial file.
+    """
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001 - the write error already raised is what the caller reports
+            pass
+    gc.collect()
+
+
+def _first_line(error: BaseException) -> str:
+    # HDF5 buries the system's reason ("File too large", "No space left on device") deep in its message.
+    reason = re.search(r"error message = '([^']+)'", str(error))
+    if reason:
+        return reason.group(1)
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def _escape(name: str) -> str:
@@ -171,7 +226,7 @@ def _digest(dtype_name: str, array: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def _write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> None:
+def _write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> h5py.Dataset:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}; pass torch tensors (see flatten_state)")
     if tensor.layout != torch.strided:
@@ -188,6 +243,7 @@ def _write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> None:
     ds = group.create_dataset(_escape(name), data=array)
     ds.attrs["dtype"] = dtype_name
     ds.attrs["blake2b"] = _digest(dtype_name, array)
+    return ds
 
 
 def _fsync_path(path: Path) -> None:

@@ -357,6 +357,19 @@ class MetricsWriter:
                 ds[index] = values[name]
         self._num_events = index + 1
 
+    def rename_events(self, kind: str, new_kind: str) -> int:
+        """Renames every event of `kind` (a `finished` that a resumed run supersedes); returns how many."""
+        if not new_kind:
+            raise ValueError("new_kind must be a non-empty string")
+        self.flush()
+        kinds = self._events["kind"].asstr()[: self._num_events]
+        indices = [i for i, k in enumerate(kinds) if k == kind]
+        if indices:
+            with self._outside_swmr():
+                for i in indices:
+                    self._events["kind"][i] = new_kind
+        return len(indices)
+
     def truncate_after(self, step: int) -> None:
         """Drops the metric rows after ``step`` (all of them for ``step=-1``); events are kept as history."""
         step = _as_step(step, "step")

@@ -29,3 +29,7 @@ class SyncConfig:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.group_timeout_s <= 0:
             raise ValueError("group_timeout_s must be > 0")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(
+                f"master_port must be a TCP port (1 to 65535), or 0 to pick a free one; got {self.master_port}"
+            )

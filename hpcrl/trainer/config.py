@@ -90,6 +90,13 @@ class TrainConfig:
                 )
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ValueError("adam_beta1 and adam_beta2 must be in [0, 1)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
+        for name in ("weight_decay", "eps_clip", "eps_clip_high", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -107,3 +114,5 @@ class SFTConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.log_every_steps < 1:
+            raise ValueError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
