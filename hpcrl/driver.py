@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpcrl.run.session import RunSession
 from hpcrl.run_config import RunConfig
-from hpcrl.session import RunSession
 from hpcrl.slurm.env import SlurmEnv
 from hpcrl.store.progress import StepTimer
 
@@ -20,28 +20,30 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None, restart
         if start >= cfg.num_steps > 0:
             s.progress.say(f"{run_dir} already finished all {cfg.num_steps} steps; use a new --run-dir for a new run")
             return 0
-        s.warm_start()
+        if s.warm_start.run():
+            s.publisher.publish("sft")
         for step in range(start, cfg.num_steps):
             s.guard.wait_until_cool(step)
             timer = StepTimer()
+            served = s.publisher.version  # the weights this step's rollout is generated with
             with timer.phase("rollout"):
                 groups = s.rollout.generate(step, s.data.batch(step))
             with timer.phase("reward"):
                 scored = s.rewards.score(step, groups)
             if scored is None:  # a preemption signal came while a reward was still running
-                return s.on_preempt_mid_step()
+                return s.on_preempt()
             with timer.phase("train"):
                 train = s.train(groups)
             with timer.phase("sync"):
-                sync = s.push_weights(str(step + 1))
-            metrics = s.step_metrics(groups, timer.seconds["rollout"]) | train | sync | s.guard.metrics()
+                sync = s.publisher.publish(str(step + 1))
+            metrics = s.step_metrics(groups, rollout_s=timer.seconds["rollout"], rollout_version=served)
+            metrics |= train | sync | s.guard.metrics()
             with timer.phase("checkpoint"):
-                s.checkpoint(step, metrics | timer.metrics())
+                if s.state.due(step):
+                    s.state.save(step, metrics | timer.metrics())
             metrics |= timer.metrics()
-            s.log_step(step, metrics)
-            s.check_nan_limit(metrics, step)
-            s.progress.step(step, metrics)
+            s.record_step(step, metrics)
             if s.preempt_signal is not None:
-                return s.on_preempt(step, metrics)
+                return s.on_preempt()
         s.finish()
     return 0

@@ -40,6 +40,7 @@ class EngineSlot:
     last_ok_s: float = field(default_factory=time.monotonic)
     died_s: float | None = None
     cause: str = ""
+    lent: set[str] = field(default_factory=set)  # memory tags released to a colocated trainer
 
 
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -57,7 +58,6 @@ class EngineFleet:
         self._stop = threading.Event()
         self.num_reissued = 0
         self.num_errors = 0
-        self.weights_released = False
         self._thread = threading.Thread(target=self._monitor, name="hpcrl-fleet", daemon=True)
         self._thread.start()
 
@@ -165,14 +165,24 @@ class EngineFleet:
                         "memory-saver support for this model, or run disaggregated"
                     )
                 freed_total += freed or 0.0
-        self.weights_released = self.weights_released or "weights" in tags
+                slot.lent.add(tag)
         return {"fleet/released_bytes": freed_total}
 
     def resume_memory(self, tags: list[str]) -> None:
+        """Resume, on every live engine, those of `tags` it has released. An engine that fails here is
+        reported (and marked dead when it is gone): heal() restarts it with all its memory."""
         for slot in self.live():
-            slot.client.resume_memory_occupation(tags)
-        if "weights" in tags:
-            self.weights_released = False
+            wanted = [t for t in tags if t in slot.lent]
+            if not wanted:
+                continue
+            try:
+                slot.client.resume_memory_occupation(wanted)
+            except Exception as exc:
+                self.report_failure(slot, exc)
+                if slot.state == "live":
+                    raise
+                continue
+            slot.lent.difference_update(wanted)
 
     # ----- recovery -----
     def heal(self) -> list[EngineSlot]:
@@ -188,6 +198,7 @@ class EngineFleet:
                 self._give_up(slot)
             with self._lock:
                 slot.client, slot.state, slot.last_ok_s = client, "live", time.monotonic()
+                slot.lent = set()  # a fresh process holds all its memory
             restarted.append(slot)
         if not self.live():
             raise FleetError("no engine is left: " + "; ".join(f"engine {s.index}: {s.cause}" for s in self.slots))

@@ -43,7 +43,7 @@ def _slurm_env() -> SlurmEnv:
 
 
 def _config(run_dir: Path) -> RunConfig:
-    from hpcrl.session import prepare_model
+    from hpcrl.run.prepare import prepare_model
 
     path = run_dir / "config.yaml"
     if not path.is_file():

@@ -6,10 +6,17 @@ no value model is needed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "zero_std_group_share"]
+from hpcrl.trainer.batch import TrainBatch
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.generate import Group
+
+__all__ = ["batch_from_groups", "group_advantages", "zero_std_group_share"]
 
 
 def _check_rewards(rewards: Tensor) -> None:
@@ -53,3 +60,21 @@ def zero_std_group_share(rewards: Tensor) -> float:
     if rewards.shape[0] == 0:
         return 0.0
     return _constant_groups(rewards).float().mean().item()
+
+
+def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch:
+    """The trainer's batch of a step's scored groups: every sample, with its group-relative advantage."""
+    rewards = []
+    for g in groups:
+        valid = [s.reward for s in g.samples if s.reward_error is None]
+        fill = sum(valid) / len(valid) if valid else 0.0
+        # A sample whose reward failed gets the group mean: advantage 0, so it teaches nothing.
+        rewards.append([s.reward if s.reward_error is None else fill for s in g.samples])
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), normalize_std=normalize_std).flatten()
+    samples = [s for g in groups for s in g.samples]
+    return TrainBatch.from_sequences(
+        [s.prompt_ids for s in samples],
+        [s.output_ids for s in samples],
+        advantages=adv.tolist(),
+        rollout_logprobs=[s.logprobs for s in samples],
+    )

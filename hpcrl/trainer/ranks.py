@@ -13,7 +13,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,8 @@ from torch import Tensor
 
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.protocol import Trainer
 from hpcrl.trainer.torch_backend import TorchTrainer
-
-if TYPE_CHECKING:
-    from hpcrl.trainer.megatron.backend import MegatronTrainer
-
-    Trainer = TorchTrainer | MegatronTrainer
 
 CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD, CMD_WEIGHTS, CMD_STATE = 0, 1, 2, 3, 4, 5
 _KINDS = {
@@ -85,7 +81,8 @@ def build_trainer(cfg: TrainConfig, model_dir: str | Path, *, rank: int, world_s
     if cfg.backend == "megatron":
         from hpcrl.trainer.megatron.backend import MegatronTrainer
 
-        return MegatronTrainer(cfg, model_dir, rank=rank, world_size=world_size, sft_lr=sft_lr)
+        trainer: Trainer = MegatronTrainer(cfg, model_dir, rank=rank, world_size=world_size, sft_lr=sft_lr)
+        return trainer
     return TorchTrainer(cfg, model_dir, rank=rank, world_size=world_size, sft_lr=sft_lr)
 
 
@@ -125,14 +122,23 @@ class RankGroup:
         return self.trainer.export(out_dir)
 
     def _announce(self, cmd: int) -> None:
-        if self.trainer.world_size > 1 and getattr(self.trainer, "collective", False):
+        if self.trainer.world_size > 1 and self.trainer.collective:
             self._check_followers()
             _send(cmd, None)
 
-    def load_checkpoint_step(self, step: int) -> None:
-        """Tell followers to load the checkpoint of `step` (rank 0 loads its own)."""
+    # ----- a part of the run's checkpointed state (hpcrl/store/run_state.py) -----
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return self.state()
+
+    def load_state_dict(self, tensors: dict[str, Tensor], state: dict[str, Any], *, step: int) -> None:
+        """Rank 0 loads what it is given; the followers read the checkpoint of `step` themselves."""
+        self.trainer.load_state(tensors, state)
         if self.trainer.world_size > 1:
             _send(CMD_LOAD, None, extra=step)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.followers]
 
     def _check_followers(self) -> None:
         for i, p in enumerate(self.followers, start=1):

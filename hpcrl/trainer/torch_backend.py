@@ -26,6 +26,9 @@ from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 
 class TorchTrainer:
+    # Every rank holds the whole model: rank 0 answers weight and state requests alone.
+    collective = False
+
     def __init__(
         self, cfg: TrainConfig, model_dir: str | Path, *, rank: int = 0, world_size: int = 1, sft_lr: float = 1e-3
     ) -> None:

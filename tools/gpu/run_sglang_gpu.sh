@@ -4,7 +4,7 @@
 #   bash tools/gpu/run_sglang_gpu.sh [weights] [quickstart]
 # weights:    tools/gpu/sglang_weights.py (payload, memory rental, pushed == fresh server)
 # quickstart: the quickstart with engine.kind=sglang, colocated, memory rented every step
-# fault:      12 steps whose engine's scheduler is SIGKILLed as the 6th push begins
+# fault:      12 steps whose engine's scheduler is SIGKILLed at step 6 (FAULT_AT/FAULT_COUNT say when)
 # record:     tools/gpu/record_sglang.py (the answers under tests/golden/sglang-0.5.16/), as $OUT/golden.tgz
 # Sections run at once (each SGLang start is 130-150 s); every server caps its KV cache
 # (--max-total-tokens) so that several share the GPU.
@@ -28,9 +28,11 @@ if [[ $STEPS == *quickstart* ]]; then
   pids+=($!)
 fi
 if [[ $STEPS == *fault* ]]; then
-  # SIGKILL the SGLang scheduler of a run as its 6th weight push begins (the first pause_generation
-  # after 5 of them in its log): the fleet must see the engine die, restart it, push the current weights,
-  # and the run must finish every step.
+  # SIGKILL the SGLang scheduler of a run when its engine log shows FAULT_COUNT lines matching FAULT_AT
+  # (default: the 12th release_memory_occupation, i.e. step 6's second release: the trainer trains while
+  # the engine holds no memory, and the push comes next). The fleet must see the engine die, restart it,
+  # push the current weights, and the run must finish every step.
+  FAULT_AT=${FAULT_AT:-"POST /release_memory_occupation"}; FAULT_COUNT=${FAULT_COUNT:-12}
   rm -rf /tmp/fault-sglang
   timeout 560 python3 -m hpcrl.cli run experiments/quickstart.yaml num_steps=12 sft.num_steps=0 \
     model.path=/tmp/models/tiny-qwen3 engine.kind=sglang engine.device=cuda train.device=cuda \
@@ -41,8 +43,8 @@ if [[ $STEPS == *fault* ]]; then
   (
     log=/tmp/fault-sglang/logs/engine-0.log
     deadline=$((SECONDS + 420))  # the server's start (about 2 minutes) comes first
-    until [[ -f $log ]] && (( $(grep -c "POST /pause_generation" "$log") >= 6 )); do
-      (( SECONDS > deadline )) && { echo "fault: the 6th push never came" | tee -a "$OUT/fault.log"; exit 1; }
+    until [[ -f $log ]] && (( $(grep -c "$FAULT_AT" "$log") >= FAULT_COUNT )); do
+      (( SECONDS > deadline )) && { echo "fault: '$FAULT_AT' x$FAULT_COUNT never came" | tee -a "$OUT/fault.log"; exit 1; }
       sleep 0.01
     done
     pid=$(python3 -c "import json;print(json.load(open('/tmp/fault-sglang/engines/engine-0.json'))['pid'])")

@@ -1,0 +1,261 @@
+"""RunSession: every part of a run built from its config, wired, and closed in order.
+
+It validates what the user gave before anything is written to the run dir, claims the dir (one writer),
+starts the trainer ranks and the engines where the placement says, and registers every stateful part with
+the run state. The driver (hpcrl/driver.py) calls the parts directly; what is left here are the run's own
+decisions: the step's metrics row, preemption, the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl import preemption
+from hpcrl.config import dump_yaml
+from hpcrl.engine.fleet import EngineFleet, FleetError
+from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
+from hpcrl.model.hf import check_model_dir
+from hpcrl.rollout.data import PromptSource, build_examples
+from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
+from hpcrl.rollout.scoring import RewardScorer
+from hpcrl.run.placement import Placement
+from hpcrl.run.prepare import check_devices, git_commit, prepare_model
+from hpcrl.run_config import RunConfig
+from hpcrl.slurm.env import SlurmEnv
+from hpcrl.store.metrics import MetricsWriter
+from hpcrl.store.progress import Progress
+from hpcrl.store.run_dir import (
+    ResumePoint,
+    RunDirLock,
+    check_can_continue,
+    find_resume_point,
+    inspect_run_dir,
+    set_aside,
+)
+from hpcrl.store.run_state import JsonState, RngState, RunState
+from hpcrl.sync.publisher import WeightPublisher
+from hpcrl.sync.push import WeightSync
+from hpcrl.trainer.advantage import batch_from_groups
+from hpcrl.trainer.ranks import RankGroup
+from hpcrl.trainer.warm_start import WarmStart
+
+
+class RunSession:
+    trainer: RankGroup
+    store: MetricsWriter
+    state: RunState
+    fleet: EngineFleet
+    rollout: Rollout
+    publisher: WeightPublisher
+    rewards: RewardScorer
+    warm_start: WarmStart
+    data: PromptSource
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None, restart: bool = False) -> None:
+        self.cfg, self.run_dir, self.slurm, self.restart = cfg, run_dir, slurm, restart
+        self.progress = Progress(cfg.num_steps)
+        self.placement = Placement(cfg, run_dir, slurm=slurm, progress=self.progress)
+        self.guard: Guard = OffGuard()
+        self._closers: list[Any] = []
+        # The last row logged and whether the trainer has moved past it (then it cannot be checkpointed).
+        self._last_logged: tuple[int, dict[str, float]] | None = None
+        self._trained_past_last_logged = False
+        preemption.watch()
+
+    # ----- setup -----
+    def __enter__(self) -> RunSession:
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__(None, None, None)  # shut down what was started; a refused run touched nothing
+            raise
+        return self
+
+    def _build(self) -> None:
+        cfg, say = self.cfg, self.progress.say
+        # Validate everything the user gave (guard, devices, model, data, reward) before the run dir is touched.
+        guard_source = open_source(cfg.guard, warn=say)
+        check_devices(cfg, engines_here=self.placement.engines_here)
+        model_dir = prepare_model(cfg)
+        check_model_dir(model_dir)
+        examples = build_examples(
+            cfg.data.source,
+            **(
+                {"num_examples": cfg.data.num_examples, "digits": cfg.data.digits, "seed": cfg.seed}
+                if cfg.data.source == "addition"
+                else {"prompt_key": cfg.data.prompt_key, "answer_key": cfg.data.answer_key}
+            ),
+        )
+        self.rewards = RewardScorer(cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
+        from transformers import AutoTokenizer
+
+        formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), cfg.data)
+        formatter.check_encodable(examples, source=cfg.data.source, answers=cfg.sft.num_steps > 0)
+        self.data = PromptSource(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.seed)
+        resume_point = self._claim_run_dir()
+        self.store = MetricsWriter(
+            self.run_dir / "metrics.h5",
+            root_attrs={
+                "config": dump_yaml(cfg),
+                "versions": json.dumps({"python": platform.python_version(), "torch": torch.__version__}),
+                "git_commit": git_commit(),
+                "hosts": json.dumps([socket.gethostname()]),
+            },
+        )
+        self._closers.append(self.store.close)
+        self.trainer = self.placement.start_trainer(model_dir)
+        self._closers.append(self.trainer.close)
+        clients = self.placement.start_engines(model_dir)
+        self._closers.append(self.placement.stop_engines)
+        self.fleet = EngineFleet(cfg.engine, clients, launcher=self.placement.launcher, on_event=self._engine_event)
+        self._closers.append(self.fleet.close)
+        sync = WeightSync(
+            self.placement.sync_config(), clients, device=torch.device(cfg.train.device),
+            colocated=self.placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
+        )  # fmt: skip
+        self._closers.append(sync.close)
+        sync.connect()
+        self.publisher = WeightPublisher(cfg.engine, self.fleet, sync, self.trainer.named_weights, on_event=self._event)
+        self.rollout = Rollout(
+            cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines
+        )
+        self._closers.append(self.rollout.close)
+        if guard_source is not None:
+            guard = ThermalGuard(cfg.guard, guard_source, say=say, interrupted=self._preempted)
+            pids = self.placement.local_engine_pids() + self.trainer.pids
+            self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
+        sft_data = PromptSource(examples, batch_size=cfg.sft.batch_size, seed=cfg.seed + 1)
+        self.warm_start = WarmStart(
+            cfg.sft, self.trainer, formatter, sft_data, guard=self.guard, say=say, on_event=self._event
+        )
+        self.state = RunState(
+            self.run_dir, self.store, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
+            num_steps=cfg.num_steps, say=say, check_weights=self.publisher.check_finite,
+        )  # fmt: skip
+        self.state.register("trainer", self.trainer)
+        self.state.register("rng", RngState())
+        self.state.register("data", JsonState(self.data.state, self.data.load_state))
+        self.state.register("weights", self.publisher)
+        self.state.register("warm_start", self.warm_start)
+        self._resume_point = resume_point
+
+    def _claim_run_dir(self) -> ResumePoint:
+        """Lock the run dir, then decide, before anything is written, whether this config may run there."""
+        lock = RunDirLock.acquire(self.run_dir, job_id=self.placement.incarnation.job_id)
+        self._closers.insert(0, lock.release)  # last to close: nothing writes run_dir after it
+        if self.restart and (moved := set_aside(self.run_dir)) is not None:
+            self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
+        point = find_resume_point(self.run_dir / "checkpoints")
+        step = point.checkpoint.step if point.checkpoint is not None else None
+        check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=point.unreadable)
+        lock.record_owner()
+        path = self.run_dir / "config.yaml"
+        path.with_suffix(".yaml.tmp").write_text(dump_yaml(self.cfg))
+        os.replace(path.with_suffix(".yaml.tmp"), path)
+        return point
+
+    # ----- the run's own decisions -----
+    def resume(self) -> int:
+        """Load every part from the latest valid checkpoint (if any), give the engines its weights, and
+        return the first step to run."""
+        point, self._resume_point = self._resume_point, ResumePoint()  # do not hold its tensors twice
+        step = self.state.resume(point)
+        if step is None:
+            return 0
+        self.publisher.publish(self.publisher.version)
+        return step + 1
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """One trainer step on the scored groups; colocated engines lend their memory meanwhile."""
+        self.publisher.lend_memory()
+        self._trained_past_last_logged = True
+        batch = batch_from_groups(groups, normalize_std=self.cfg.train.normalize_advantage_std)
+        m = self.trainer.train_grpo(batch)
+        out = {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
+        out["timing/logprob_s"] = m.get("forward_s", 0.0)
+        return out
+
+    def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
+        """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""
+        return rollout_stats(groups, rollout_s, version=rollout_version) | self.fleet.pop_metrics()
+
+    def record_step(self, step: int, row: dict[str, float]) -> None:
+        """Log the step's row (after its checkpoint: a resume re-logs a row the process died before logging)."""
+        self.store.log(step, row)
+        self._last_logged, self._trained_past_last_logged = (step, row), False
+        if row.get("train/nan_skipped"):
+            detail = {"loss": row.get("train/loss"), "grad_norm": row.get("train/grad_norm")}
+            self.store.event("nan_skipped", step=step, detail=detail)
+        self.progress.step(step, row)
+
+    @property
+    def preempt_signal(self) -> int | None:
+        """SIGTERM/SIGUSR2 received since the process started (the loop checkpoints at its next safe point)."""
+        return preemption.received()
+
+    def _preempted(self) -> bool:
+        return self.preempt_signal is not None
+
+    def on_preempt(self) -> int:
+        """Checkpoint the last finished step (unless the trainer moved past it) and say how to exit."""
+        finished = None if self._trained_past_last_logged else self._last_logged
+        if finished is not None:
+            self.state.save(*finished)
+        step = finished[0] if finished else None
+        name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
+        job_id = self.placement.incarnation.job_id
+        self.store.event("preempted", step=step, detail={"signal": name, "job_id": job_id})
+        saved = f"checkpointed step {step + 1}" if step is not None else "the last checkpoint holds the last step"
+        if self.slurm:
+            # The requeued job (same id, SLURM_RESTART_COUNT + 1) resumes from this checkpoint.
+            out = subprocess.run(["scontrol", "requeue", self.slurm.job_id], capture_output=True, text=True)
+            self.progress.say(
+                f"received {name}: {saved}; scontrol requeue {self.slurm.job_id}: "
+                + ("ok" if out.returncode == 0 else f"failed ({out.stderr.strip()})")
+            )
+            return 0 if out.returncode == 0 else 1
+        self.progress.say(f"received {name}: {saved}; rerun the same command to resume")
+        return 128 + int(self.preempt_signal or signal.SIGTERM)
+
+    def finish(self) -> None:
+        out = self.trainer.export(self.run_dir / "model")
+        last = self.cfg.num_steps - 1 if self.cfg.num_steps else None
+        self.store.event("finished", step=last, detail={"model": str(out)})
+        self.progress.say(f"done: policy exported to {out}; metrics in {self.run_dir / 'metrics.h5'}")
+
+    def _event(self, kind: str, detail: dict[str, Any]) -> None:
+        self.store.event(kind, step=None, detail=detail)
+
+    def _engine_event(self, kind: str, detail: dict[str, Any]) -> None:
+        self.store.event(kind, step=None, detail=detail)
+        self.progress.say(f"{kind}: {detail}")
+
+    def _record_stop(self, step: int, detail: dict[str, Any]) -> None:
+        self.store.event("stopped", step=step, detail=detail)
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, FleetError) and self._last_logged and not self._trained_past_last_logged:
+            # An engine failure stops the run; keep the last finished step.
+            try:
+                step, row = self._last_logged
+                self.state.save(step, row)
+                self.progress.say(f"{type(exc).__name__}: checkpointed step {step + 1}; fix the cause and rerun")
+            except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
+                self.progress.say(f"warning: could not checkpoint before stopping: {err}")
+        # The guard first (stopped workers must get SIGCONT before they are shut down), then the parts in
+        # reverse order of their start; the run-dir lock last.
+        for closer in [self.guard.stop, *reversed(self._closers)]:
+            try:
+                closer()
+            except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
+                self.progress.say(f"warning during shutdown: {err}")
+        self._closers = []

@@ -1,0 +1,59 @@
+"""The supervised warm start (SFT on prompt -> answer) before GRPO; runs once per run, checkpointed as done."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hpcrl.guard import Guard
+from hpcrl.rollout.data import PromptSource
+from hpcrl.rollout.generate import PromptFormatter
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.config import SFTConfig
+from hpcrl.trainer.ranks import RankGroup
+
+
+class WarmStart:
+    def __init__(
+        self,
+        cfg: SFTConfig,
+        trainer: RankGroup,
+        formatter: PromptFormatter,
+        data: PromptSource,
+        *,
+        guard: Guard,
+        say: Callable[[str], None],
+        on_event: Callable[[str, dict[str, Any]], None],
+    ) -> None:
+        self.cfg, self.trainer, self.formatter, self.data = cfg, trainer, formatter, data
+        self.guard, self.say, self.on_event = guard, say, on_event
+        self.done = False
+
+    def run(self) -> bool:
+        """The SFT steps, unless done or not configured; True when they ran (the engines need the weights)."""
+        if self.done or self.cfg.num_steps == 0:
+            return False
+        eos = self.formatter.tokenizer.eos_token_id
+        t0 = time.perf_counter()
+        for step in range(self.cfg.num_steps):
+            self.guard.wait_until_cool(None)
+            examples = self.data.batch(step)
+            prompts = [self.formatter.encode(e.prompt) for e in examples]
+            answers = [self.formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
+            m = self.trainer.train_sft(TrainBatch.from_sequences(prompts, answers))
+            if (step + 1) % self.cfg.log_every_steps == 0 or step + 1 == self.cfg.num_steps:
+                elapsed_s = time.perf_counter() - t0
+                self.say(f"sft {step + 1:>4}/{self.cfg.num_steps} | loss {m['loss']:.3f} | {elapsed_s:.1f} s")
+        self.done = True
+        self.on_event("sft_done", {"num_steps": self.cfg.num_steps, "loss": m["loss"]})
+        return True
+
+    # ----- a part of the run's checkpointed state (hpcrl/store/run_state.py) -----
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {}, {"done": self.done}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], *, step: int) -> None:
+        self.done = bool(state["done"])
