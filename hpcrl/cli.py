@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.guard.cli import add_guard_commands
 from hpcrl.slurm.cli import add_slurm_commands
 from hpcrl.store.report_cli import add_report_commands
@@ -39,6 +40,9 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         group_timeout_s=ns.group_timeout_s,
         num_threads=ns.num_threads,
         ignore_sigterm=ns.ignore_sigterm,
+        decode_mode=ns.decode_mode,
+        overlap=ns.decode_overlap,
+        profile=ns.decode_profile,
     )
     if ns.parent_pid:
         _exit_with_parent(ns.parent_pid)
@@ -150,7 +154,12 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together (KV slots)")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="sequences decoded together (KV slots; default %(default)s)",
+    )
     p.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens (default: model's)")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens prefilled in one forward")
     p.add_argument(
@@ -173,6 +182,25 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         "--ignore-sigterm",
         action="store_true",
         help="keep serving on SIGTERM (Slurm TERMs all steps at once; stop with SIGINT)",
+    )
+    # Default None (not given): the deprecated HPCRL_ENGINE_* variables then still apply (server.decode_settings).
+    p.add_argument(
+        "--decode-mode",
+        choices=["auto", "eager", "triton", "graph", "compile"],
+        default=None,
+        help="auto (default): CUDA graphs of fused kernels on CUDA, eager on CPU; compile: torch.compile'd CPU step",
+    )
+    p.add_argument(
+        "--decode-overlap",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="launch decode step t+1 before reading step t (auto, the default: on for CUDA)",
+    )
+    p.add_argument(
+        "--decode-profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time every decode step; /server_info reports it under internal_states[0].profile",
     )
     p.set_defaults(func=_engine_serve)
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
@@ -99,7 +100,7 @@ class SeqRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     context_length: int = 1024
     max_prefill_tokens: int = 4096
     deterministic: bool = False

@@ -23,12 +23,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from aiohttp import web
 
 from hpcrl.engine import protocol as P
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
 from hpcrl.model.hf import load_model, parse_dtype
@@ -46,7 +47,7 @@ class ServerConfig:
     api_key: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    max_running_requests: int = 64
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     context_length: int | None = None
     max_prefill_tokens: int = 4096
     deterministic: bool = False
@@ -57,11 +58,10 @@ class ServerConfig:
     group_timeout_s: float = 300.0
     num_threads: int | None = None
     ignore_sigterm: bool = False
-    # Decode tuning; None takes HPCRL_ENGINE_DECODE (auto|eager|triton|graph|compile), HPCRL_ENGINE_OVERLAP
-    # (0|1) and HPCRL_ENGINE_PROFILE (0|1) from the environment, so benchmarks and tests can switch
-    # them without new CLI flags.
+    # Decode tuning (--decode-mode, --decode-overlap, --decode-profile; engine.decode_* in a run config).
+    # None means not given: then the deprecated HPCRL_ENGINE_DECODE / _OVERLAP / _PROFILE still apply.
     decode_mode: str | None = None
-    overlap: bool | None = None
+    overlap: Literal["auto", "on", "off"] | None = None
     profile: bool | None = None
 
 
@@ -94,9 +94,7 @@ class EmbeddedEngine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 deterministic=cfg.deterministic,
                 onpolicy_logprobs=cfg.onpolicy_logprobs,
-                decode_mode=cfg.decode_mode or os.environ.get("HPCRL_ENGINE_DECODE", "auto"),
-                overlap=cfg.overlap if cfg.overlap is not None else _env_flag("HPCRL_ENGINE_OVERLAP"),
-                profile=bool(cfg.profile if cfg.profile is not None else _env_flag("HPCRL_ENGINE_PROFILE")),
+                **decode_settings(cfg),
             ),
             device=self.device,
             dtype=self.dtype,
@@ -554,9 +552,44 @@ def _device_reserved(device: torch.device) -> int | None:
     return None
 
 
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
+def decode_settings(cfg: ServerConfig) -> dict[str, Any]:
+    """The scheduler's decode_mode, overlap and profile: the flags, else the deprecated environment switches.
+
+    The environment switches predate the flags; they are still read (with a warning) so that old benchmark
+    commands keep working, but a given flag always wins, so a run's engine.decode_* settings are what runs.
+    """
+    mode = _flag_or_env(cfg.decode_mode, "HPCRL_ENGINE_DECODE", "--decode-mode", "decode_mode")
+    overlap = _flag_or_env(cfg.overlap, "HPCRL_ENGINE_OVERLAP", "--decode-overlap", "decode_overlap")
+    profile = _flag_or_env(cfg.profile, "HPCRL_ENGINE_PROFILE", "--decode-profile", "decode_profile")
+    return {
+        "decode_mode": mode or "auto",
+        "overlap": _on_off(overlap),
+        "profile": profile if isinstance(profile, bool) else bool(_on_off(profile)),
+    }
+
+
+def _flag_or_env(given: Any, env_name: str, flag: str, setting: str) -> Any:
+    env_value = os.environ.get(env_name, "")
+    if given is not None:
+        if env_value:
+            log.warning("%s=%s is ignored: %s %s was given", env_name, env_value, flag, _flag_text(given))
+        return given
+    if env_value:
+        log.warning(
+            "%s is deprecated and will go: pass %s to hpcrl engine serve (engine.%s in a run config)",
+            env_name, flag, setting,
+        )  # fmt: skip
+        return env_value
+    return None
+
+
+def _flag_text(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def _on_off(value: str | None) -> bool | None:
+    """`auto` (or nothing) is None (for overlap: on for CUDA); on/off and the old 1/0 are fixed."""
+    if value is None or value.lower() == "auto":
         return None
     return value.lower() not in ("0", "false", "no", "off")
 
