@@ -8,6 +8,7 @@ hpcrl model init-tiny DIR                      # a tiny Qwen3-architecture model
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -241,9 +242,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# An override's key starts with a letter: `-x=1` stays an (unknown) option, `train.lr=-1` is an override.
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args`, except that `key=value` overrides may also follow options, as the README writes them.
+
+    argparse gives a positional `nargs="*"` only the words before the first option, so in
+    `hpcrl run CONFIG --run-dir DIR train.lr=1e-4` it would reject `train.lr=1e-4`. The words it leaves over
+    that look like overrides are appended, in order, to the command's overrides; anything else is an error.
+    """
+    ns, extras = parser.parse_known_args(argv)
+    if not extras:
+        return ns
+    overrides = getattr(ns, "overrides", None)
+    if overrides is None:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    strays = [word for word in extras if not _OVERRIDE.match(word)]
+    if strays:
+        command = " ".join(str(getattr(ns, key)) for key in ("cmd", "guard_cmd") if getattr(ns, key, None))
+        parser.error(
+            f"hpcrl {command}: {strays[0]!r} is neither an option of this command nor a key=value override "
+            f"(e.g. train.lr=1e-4); see hpcrl {command} --help"
+        )
+    ns.overrides = [*overrides, *extras]
+    return ns
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(parser, argv)
     if ns.cmd == "run" or ns.cmd == "role":
         from hpcrl import preemption
 
