@@ -166,8 +166,9 @@ class RunSession:
         from transformers import AutoTokenizer
 
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), self.cfg.data)
-        self.data = PromptSource(examples, batch_size=self.cfg.data.prompts_per_step, seed=self.cfg.seed)
-        self.sft_data = PromptSource(examples, batch_size=self.cfg.sft.batch_size, seed=self.cfg.seed + 1)
+        data, sft = self.cfg.data, self.cfg.sft
+        self.data = PromptSource(examples, batch_size=data.prompts_per_step, seed=self.cfg.seed, shuffle=data.shuffle)
+        self.sft_data = PromptSource(examples, batch_size=sft.batch_size, seed=self.cfg.seed + 1, shuffle=data.shuffle)
         self._write_config()
         self.store = MetricsWriter(
             self.run_dir / "metrics.h5",
