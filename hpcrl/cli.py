@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.guard.cli import add_guard_commands
+from hpcrl.report.cli import add_report_commands
 from hpcrl.slurm.cli import add_slurm_commands
-from hpcrl.store.report_cli import add_report_commands
 
 Command = Callable[[argparse.Namespace], int]
 
