@@ -215,7 +215,7 @@ class RunSession:
         tmp.write_text(dump_yaml(self.cfg))
         os.replace(tmp, path)
 
-    def _start_engines(self, model_dir: Path) -> list:  # type: ignore[type-arg]
+    def _start_engines(self, model_dir: Path) -> list:
         n = self.cfg.engine.num_engines
         if self.cfg.sync.transport == "mpi":
             from hpcrl.sync.mpi import mpi_world

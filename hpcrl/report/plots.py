@@ -390,9 +390,9 @@ def plot_thermal(run: RunData, out_dir: Path, max_points: int) -> Path | None:
         if spans:
             # One collection for all intervals: hundreds of axvspan patches take a second to draw.
             ranges = [(start, stop - start) for start, stop in spans]
-            label = "thermal pause" if i == 0 else None
+            pause_label = "thermal pause" if i == 0 else None
             ax_i.broken_barh(
-                ranges, (0, 1), transform=ax_i.get_xaxis_transform(), color="tab:red", alpha=0.15, label=label
+                ranges, (0, 1), transform=ax_i.get_xaxis_transform(), color="tab:red", alpha=0.15, label=pause_label
             )
     _finish(ax, "peak GPU temperature (C)")
     for key in others:

@@ -188,7 +188,7 @@ def run_agent(engines: Sequence[EngineClient], comm: Any | None = None) -> int:
             parts = flat.split([int(np.prod(s)) for s in shapes])
             named = [(e["name"], p.view(e["shape"])) for e, p in zip(header["tensors"], parts, strict=True)]
             with create_handover(named) as payload:
-                req = UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
+                req = UpdateWeightsFromTensor(serialized_named_tensors=(payload,), flush_cache=False)
                 for engine in engines:
                     engine.update_weights_from_tensor(req)
         except Exception as exc:  # noqa: BLE001 - reported through the agreement, details to this rank's log

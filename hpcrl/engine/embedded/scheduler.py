@@ -60,7 +60,8 @@ class SeqRequest:
     ignore_eos: bool
     return_logprob: bool
     return_sampling_mask: bool
-    on_done: Callable[[SeqRequest], None]
+    on_done: Callable[[SeqRequest], object]
+    logprob_scaled: bool = False  # report the temperature-scaled log-probs (return_scaled_logprob)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     scaled_logprobs: list[float] = field(default_factory=list)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -23,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from aiohttp import web
@@ -124,13 +125,13 @@ class EmbeddedEngine:
     def _prompts(self, req: P.GenerateRequest) -> list[list[int]]:
         if req.input_ids is not None:
             ids = req.input_ids
-            batch = ids if req.is_batch else [ids]
+            batch = cast("list[list[int]]", ids if req.is_batch else [ids])  # is_batch: a list of lists
         else:
             texts = req.text if isinstance(req.text, list) else [req.text]
             batch = [self.tokenizer.encode(t, add_special_tokens=False) if self.tokenizer else [] for t in texts]
         vocab = self.model.args.vocab_size
         limit = self.scheduler.cfg.context_length
-        for i, prompt in enumerate(batch):  # type: ignore[arg-type]
+        for i, prompt in enumerate(batch):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; send at least one token")
             bad = [t for t in prompt if t >= vocab]
@@ -143,7 +144,7 @@ class EmbeddedEngine:
                     f"{req.params_for(i if req.is_batch else 0).max_new_tokens} more: {need} > the context length "
                     f"{limit}; shorten the prompt or lower max_new_tokens"
                 )
-        return batch  # type: ignore[return-value]
+        return batch
 
     def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool) -> dict[str, Any]:
         lat = (r.finished_s or time.monotonic()) - r.created_s
@@ -201,7 +202,7 @@ class EmbeddedEngine:
                 fut: asyncio.Future[SeqRequest] = loop.create_future()
 
                 def done(r: SeqRequest, fut: asyncio.Future[SeqRequest] = fut) -> None:
-                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+                    loop.call_soon_threadsafe(_resolve, fut, r)
 
                 seq = SeqRequest(
                     rid=rid,
@@ -218,7 +219,7 @@ class EmbeddedEngine:
                     return_sampling_mask=req.return_sampling_mask,
                     on_done=done,
                 )
-                seq.logprob_scaled = logprob_scaled  # type: ignore[attr-defined]
+                seq.logprob_scaled = logprob_scaled
                 seqs.append(seq)
                 futures.append(fut)
         self.scheduler.submit(seqs)
@@ -227,7 +228,7 @@ class EmbeddedEngine:
         except asyncio.CancelledError:
             # The client went away: SGLang aborts a disconnected request, and so do we.
             for s in seqs:
-                self.scheduler.call(lambda rid=s.rid: self.scheduler.abort(rid))
+                self.scheduler.call(functools.partial(self.scheduler.abort, s.rid))
             raise
         want_text = self.tokenizer is not None
         results = [self._result(r, want_text, req.return_text_in_logprobs) for r in finished]
@@ -254,7 +255,7 @@ class EmbeddedEngine:
             ignore_eos=True,
             return_logprob=False,
             return_sampling_mask=False,
-            on_done=lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+            on_done=lambda r: loop.call_soon_threadsafe(_resolve, fut, r),
         )
         self.scheduler.submit([seq])
         try:
@@ -426,8 +427,8 @@ class EmbeddedEngine:
                     load_format=req.load_format,
                 )
             )
-            if req.weight_version is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+            if (version := req.weight_version) is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok(
@@ -448,8 +449,8 @@ class EmbeddedEngine:
             if req.abort_all_requests:
                 await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
             nbytes = await self._run(lambda: self.weights.load_handover(payload))
-            if req.weight_version is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+            if (version := req.weight_version) is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok("Succeeded to update parameter online from tensor.", bytes=nbytes, seconds=time.perf_counter() - t0)
@@ -550,6 +551,11 @@ def _device_reserved(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.memory_reserved(device))
     return None
+
+
+def _resolve(fut: asyncio.Future[SeqRequest], seq: SeqRequest) -> None:
+    if not fut.done():  # a cancelled request's future stays cancelled
+        fut.set_result(seq)
 
 
 def decode_settings(cfg: ServerConfig) -> dict[str, Any]:
