@@ -1,7 +1,7 @@
-"""Slurm jobs of a run: rendering and quoting (fast, no cluster), then real jobs on tools/slurm-dev's cluster.
+"""Slurm jobs of a run on tools/slurm-dev's cluster (rendering, quoting and goldens without a cluster:
+tests/unit/test_slurm_render.py).
 
     pytest tests/e2e/test_slurm.py                    # starts the cluster when it is not up (root)
-    HPCRL_UPDATE_GOLDEN=1 pytest tests/e2e/test_slurm.py -k golden   # accept new golden scripts
 
 The cluster tests replace `hpcrl role` by tests/e2e/stub_role.sh (same contract, milliseconds), so that
 they test the job's shape, quoting and signal flow; `test_real_roles_*` run the real roles end to end.
@@ -37,9 +37,7 @@ from tests.support import (
     wait_for,
 )
 
-# --------------------------------------------------------------------------------------------------
-# Fast: rendering, quoting, validation
-
+pytestmark = pytest.mark.slurm
 
 # --------------------------------------------------------------------------------------------------
 # A real cluster: plain and het jobs, generated scripts with the stub roles

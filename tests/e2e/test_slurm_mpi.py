@@ -2,9 +2,10 @@
 
     pytest tests/e2e/test_slurm_mpi.py          # starts tools/slurm-dev's cluster when it is not up (root)
 
-Fast: the rendered step and the checks that refuse a job that cannot form its MPI world. On the cluster:
-the step's shape with the stub roles (one MPI world: PMIx ranks over both components, each task told its
-component), a failing agent that ends the job instead of hanging it, and the shortened quickstart with the
+Without a cluster (tests/unit/test_slurm_mpi_render.py): the rendered step and the checks that refuse a
+job that cannot form its MPI world. Here: srun's MPI plugins, and on the cluster the step's shape with
+the stub roles (one MPI world: PMIx ranks over both components, each task told its component), a failing
+agent that ends the job instead of hanging it, and the shortened quickstart with the
 real roles, whose training must equal a local run's with the distributed transport.
 """
 
@@ -35,8 +36,10 @@ from tests.support import (
     skip_or_fail,
 )
 
+pytestmark = pytest.mark.slurm
+
 # --------------------------------------------------------------------------------------------------
-# Fast: the rendered step, and what is refused before anything is queued
+# srun: its MPI plugins
 
 
 def test_mpi_plugin_that_this_slurm_lacks_fails_at_render() -> None:
