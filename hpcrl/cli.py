@@ -8,12 +8,14 @@ hpcrl model init-tiny DIR                      # a tiny Qwen3-architecture model
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.guard.cli import add_guard_commands
+from hpcrl.report.cli import add_report_commands
 from hpcrl.slurm.cli import add_slurm_commands
-from hpcrl.store.report_cli import add_report_commands
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -39,6 +41,9 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         group_timeout_s=ns.group_timeout_s,
         num_threads=ns.num_threads,
         ignore_sigterm=ns.ignore_sigterm,
+        decode_mode=ns.decode_mode,
+        overlap=ns.decode_overlap,
+        profile=ns.decode_profile,
     )
     if ns.parent_pid:
         _exit_with_parent(ns.parent_pid)
@@ -171,7 +176,12 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together (KV slots)")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="sequences decoded together (KV slots; default %(default)s)",
+    )
     p.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens (default: model's)")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens prefilled in one forward")
     p.add_argument(
@@ -194,6 +204,25 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         "--ignore-sigterm",
         action="store_true",
         help="keep serving on SIGTERM (Slurm TERMs all steps at once; stop with SIGINT)",
+    )
+    # Default None (not given): the deprecated HPCRL_ENGINE_* variables then still apply (server.decode_settings).
+    p.add_argument(
+        "--decode-mode",
+        choices=["auto", "eager", "triton", "graph", "compile"],
+        default=None,
+        help="auto (default): CUDA graphs of fused kernels on CUDA, eager on CPU; compile: torch.compile'd CPU step",
+    )
+    p.add_argument(
+        "--decode-overlap",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="launch decode step t+1 before reading step t (auto, the default: on for CUDA)",
+    )
+    p.add_argument(
+        "--decode-profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time every decode step; /server_info reports it under internal_states[0].profile",
     )
     p.set_defaults(func=_engine_serve)
 
@@ -234,9 +263,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# An override's key starts with a letter: `-x=1` stays an (unknown) option, `train.lr=-1` is an override.
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args`, except that `key=value` overrides may also follow options, as the README writes them.
+
+    argparse gives a positional `nargs="*"` only the words before the first option, so in
+    `hpcrl run CONFIG --run-dir DIR train.lr=1e-4` it would reject `train.lr=1e-4`. The words it leaves over
+    that look like overrides are appended, in order, to the command's overrides; anything else is an error.
+    """
+    ns, extras = parser.parse_known_args(argv)
+    if not extras:
+        return ns
+    overrides = getattr(ns, "overrides", None)
+    if overrides is None:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    strays = [word for word in extras if not _OVERRIDE.match(word)]
+    if strays:
+        command = " ".join(str(getattr(ns, key)) for key in ("cmd", "guard_cmd") if getattr(ns, key, None))
+        parser.error(
+            f"hpcrl {command}: {strays[0]!r} is neither an option of this command nor a key=value override "
+            f"(e.g. train.lr=1e-4); see hpcrl {command} --help"
+        )
+    ns.overrides = [*overrides, *extras]
+    return ns
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(parser, argv)
     if ns.cmd == "run" or ns.cmd == "role":
         from hpcrl import preemption
 

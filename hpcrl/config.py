@@ -456,6 +456,13 @@ def _dict_value_type(tp: Any) -> Any | None:
 
 def _unknown_key_message(dotted: str, key: str, section: str, cls: type, hints: Mapping[str, Any]) -> str:
     valid = list(hints)
+    # A section lists the keys it dropped (`REMOVED_KEYS = {"key": "why"}`): an old config then hears why.
+    removed: Mapping[str, str] = getattr(cls, "REMOVED_KEYS", {})
+    if key in removed:
+        where = section or cls.__name__
+        return f"unknown key '{dotted}': it was removed ({removed[key]}); delete it. Valid keys of {where}: " + (
+            ", ".join(valid)
+        )
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     where = section or cls.__name__

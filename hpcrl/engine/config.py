@@ -7,6 +7,10 @@ from typing import Literal
 
 DEFAULT_STARTUP_TIMEOUT_S = {"embedded": 120.0, "sglang": 600.0}
 
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+"""Sequences an engine decodes together. The one default of `engine.max_running_requests`, `hpcrl engine serve
+--max-running-requests` and the embedded scheduler: a quickstart step (16 prompts x 8 samples) fits in one wave."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
@@ -16,7 +20,7 @@ class EngineConfig:
     num_engines: int = 1
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_running_requests: int = 256
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     deterministic: bool = True
     """Batches form only on an idle engine: a resumed run regenerates exactly what it would have."""
     onpolicy_logprobs: bool = False
@@ -47,6 +51,17 @@ class EngineConfig:
     back before the weight push), each release checked to have freed memory."""
     max_restarts: int = 2
     """Restarts per engine; after that the engine is given up, and with none left the run stops."""
+    decode_mode: Literal["auto", "eager", "triton", "graph", "compile"] = "auto"
+    """embedded: how a decode step runs (`hpcrl engine serve --decode-mode`). `auto` is CUDA graphs of the fused
+    Triton kernels on CUDA and the eager model on CPU; `eager` the plain torch model; `triton` the fused kernels
+    without graphs; `graph` fused kernels in CUDA graphs; `compile` a torch.compile'd CPU step (opt-in: it
+    compiles for seconds; ignored on CUDA)."""
+    decode_overlap: Literal["auto", "on", "off"] = "auto"
+    """embedded: launch decode step t+1 before reading step t's tokens (`--decode-overlap`); `auto` is on for
+    CUDA, where launches are asynchronous, and off on CPU."""
+    decode_profile: bool = False
+    """embedded: time every decode step (CUDA events and host timers), reported in /server_info under
+    internal_states[0].profile (`--decode-profile`)."""
 
     @property
     def start_timeout_s(self) -> float:
@@ -70,6 +85,13 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.kind == "embedded" and (self.tp_size != 1 or self.sglang_args or self.enable_memory_saver):
             raise ValueError("tp_size, sglang_args and enable_memory_saver apply to kind: sglang only")
+        if self.kind == "sglang" and (
+            self.decode_mode != "auto" or self.decode_overlap != "auto" or self.decode_profile
+        ):
+            raise ValueError(
+                "decode_mode, decode_overlap and decode_profile apply to kind: embedded only; "
+                "pass SGLang's own flags in sglang_args"
+            )
         if self.offload_during_train and self.kind == "sglang" and not self.enable_memory_saver:
             raise ValueError("offload_during_train with kind: sglang needs enable_memory_saver: true")
         if self.max_restarts < 0:

@@ -160,6 +160,8 @@ class LocalEngines:
                 "--model", self.model_dir, "--host", self.bind_host, "--port", str(port),
                 "--device", self.cfg.device, "--dtype", self.cfg.dtype,
                 "--max-running-requests", str(self.cfg.max_running_requests),
+                "--decode-mode", self.cfg.decode_mode, "--decode-overlap", self.cfg.decode_overlap,
+                "--decode-profile" if self.cfg.decode_profile else "--no-decode-profile",
                 "--random-seed", str(self.seed + i), "--num-threads", str(self.cfg.num_threads),
                 "--parent-pid", str(os.getpid()),
                 # Engines load the run's initial weights: version "0", what the driver calls them before a push.

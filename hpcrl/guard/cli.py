@@ -23,7 +23,7 @@ from hpcrl.guard.source import (
 )
 
 
-def add_guard_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_guard_commands(sub: argparse._SubParsersAction) -> None:
     guard = sub.add_parser("guard", help="GPU temperatures: watch them live, record a trace")
     cmds = guard.add_subparsers(dest="guard_cmd", required=True)
     p = cmds.add_parser(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +120,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
     )
@@ -279,6 +281,11 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers` as what they are: a type checker sees an nn.ModuleList's items as plain Modules."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
 
 class CausalLM(nn.Module):
     """Parameter names match transformers' `*ForCausalLM` (model.layers.N.self_attn.q_proj.weight, ...)."""
@@ -303,7 +310,7 @@ class CausalLM(nn.Module):
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             h = layer(h, cos, sin)
         return self.model.norm(h)
 
@@ -340,7 +347,7 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
         rows = slice(first_slot, first_slot + b)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers):
             h = h + layer.self_attn.forward_cached(
                 layer.input_layernorm(h), cos, sin, cache.k[i][rows], cache.v[i][rows], start_pos, attn_len, mask
             )

@@ -80,7 +80,8 @@ def qwen3_config(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> Any
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         bos_token_id=None,
-        rope_theta=1_000_000.0,
+        # transformers 5 takes it into rope_parameters (its signature lists only that); 4.x reads rope_theta.
+        rope_theta=1_000_000.0,  # type: ignore[call-arg]
     )
     config.architectures = ["Qwen3ForCausalLM"]
     return config
@@ -102,7 +103,7 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = qwen3_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to badly
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -20,6 +20,8 @@ class DataConfig:
     """How a prompt becomes model input; `{prompt}` is replaced. `chat` applies the tokenizer's chat template."""
     prompts_per_step: int = 16
     shuffle: bool = True
+    """Visit the examples in a fresh seeded permutation every epoch (GRPO and SFT batches alike); false keeps
+    the dataset's order (a curriculum file), epoch after epoch."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:

@@ -100,7 +100,9 @@ class RunSession:
 
         formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), cfg.data)
         formatter.check_encodable(examples, source=cfg.data.source, answers=cfg.sft.num_steps > 0)
-        self.data = PromptSource(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.seed)
+        self.data = PromptSource(
+            examples, batch_size=cfg.data.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle
+        )
         resume_point = self._claim_run_dir()
         self.store = MetricsWriter(
             self.run_dir / "metrics.h5",
@@ -133,7 +135,7 @@ class RunSession:
             guard = ThermalGuard(cfg.guard, guard_source, say=say, interrupted=self._preempted)
             pids = self.placement.local_engine_pids() + self.trainer.pids
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
-        sft_data = PromptSource(examples, batch_size=cfg.sft.batch_size, seed=cfg.seed + 1)
+        sft_data = PromptSource(examples, batch_size=cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle)
         self.warm_start = WarmStart(
             cfg.sft, self.trainer, formatter, sft_data, guard=self.guard, say=say, on_event=self._event
         )

@@ -98,8 +98,8 @@ def _submit(ns: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         job = submit_run(cfg, run_dir)  # sync.transport=mpi: it checks the MPI launch (errors, warnings)
-    for note in caught:
-        print(f"hpcrl submit: warning: {note.message}", file=sys.stderr)
+    for warning in caught:
+        print(f"hpcrl submit: warning: {warning.message}", file=sys.stderr)
     layout = (
         f"{cfg.slurm.trainer.nodes} node(s), engines and trainer colocated"
         if cfg.slurm.colocate

@@ -58,7 +58,7 @@ class HetSlurmInfoWatcher(submitit_slurm.SlurmInfoWatcher):
         return info
 
 
-class HetSlurmJob(submitit_slurm.SlurmJob):  # type: ignore[type-arg]
+class HetSlurmJob(submitit_slurm.SlurmJob):
     watcher = HetSlurmInfoWatcher(delay_s=600)
 
 
@@ -158,5 +158,6 @@ def submit_run(
         body=batch_body(cfg, str(run_dir), python=python, role_command=role_command),
         python=shlex.quote(python) if not python.endswith("/activate") else "python",
     )
-    job: HetSlurmJob = executor.submit(job_outcome, str(run_dir))
+    job = executor.submit(job_outcome, str(run_dir))
+    assert isinstance(job, HetSlurmJob)  # HetSlurmExecutor.job_class
     return job

@@ -222,7 +222,7 @@ def _escape(name: str) -> str:
 
 def _digest(dtype_name: str, array: np.ndarray) -> str:
     digest = hashlib.blake2b(f"{dtype_name}{array.shape}".encode(), digest_size=16)
-    digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     return digest.hexdigest()
 
 

@@ -9,6 +9,7 @@ tensor-parallel group. The store keys are prefixed the way SGLang's `init_custom
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ def init_weight_group(
         )
         prefixed = dist.PrefixStore(f"{backend}/", dist.PrefixStore(group_name, store))
         if backend == "gloo":
-            pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            # A bare backend: torch's stubs do not type it a ProcessGroup, though it has the calls used here.
+            pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -60,7 +62,7 @@ def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, *, src: int = 0) -> N
     pg.broadcast([tensor], opts).wait()
 
 
-def broadcast_many(pg: dist.ProcessGroup, tensors: list[torch.Tensor], *, src: int = 0) -> None:
+def broadcast_many(pg: Any, tensors: list[torch.Tensor], *, src: int = 0) -> None:
     """Broadcast tensors in order. On CUDA they go as one coalesced NCCL group: launched one by one,
     each broadcast costs tens of microseconds of host time, which for a model's few hundred tensors is
     several times the transfer itself. A peer that does not coalesce still matches: the order is the same."""

@@ -84,7 +84,7 @@ class WeightSync:
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
         self.last_metrics: dict[str, float] = {}
 
-    def _each(self, fn, *, what: str) -> list:  # type: ignore[no-untyped-def]
+    def _each(self, fn, *, what: str) -> list:
         futures = [self._pool.submit(fn, e) for e in self.engines]
         out = []
         for engine, fut in zip(self.engines, futures, strict=True):
@@ -188,9 +188,9 @@ class WeightSync:
         assert self.group is not None, "connect() first"
         flattened = self.cfg.flattened
         request = UpdateWeightsFromDistributed(
-            names=[n for n, _ in bucket],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            shapes=[list(t.shape) for _, t in bucket],
+            names=tuple(n for n, _ in bucket),
+            dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket),
+            shapes=tuple(tuple(t.shape) for _, t in bucket),
             group_name=GROUP_NAME,
             flush_cache=False,
             load_format="flattened_bucket" if flattened else None,

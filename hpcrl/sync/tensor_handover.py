@@ -25,7 +25,9 @@ def tensor_update_request(
     """The request for `bucket`; its buffer lives until the context exits (the engine maps it in place)."""
     if engine_kind == "sglang":
         with sglang_bucket_payload(bucket, tp_size=tp_size) as payloads:
-            yield UpdateWeightsFromTensor(serialized_named_tensors=payloads, load_format=LOAD_FORMAT, flush_cache=False)
+            yield UpdateWeightsFromTensor(
+                serialized_named_tensors=tuple(payloads), load_format=LOAD_FORMAT, flush_cache=False
+            )
         return
     with create_handover(bucket) as payload:
-        yield UpdateWeightsFromTensor(serialized_named_tensors=[payload], flush_cache=False)
+        yield UpdateWeightsFromTensor(serialized_named_tensors=(payload,), flush_cache=False)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "parallel": "it had one value (ddp) and nothing read it; the torch backend is always DDP",
+    }
     backend: Literal["torch", "megatron"] = "torch"
     """Trainer implementation: `torch` (hpcrl's model, DDP) runs anywhere; `megatron` (megatron-core GPTModel
     with tensor and pipeline parallelism) needs `pip install 'hpcrl[megatron]'`."""
@@ -38,7 +41,6 @@ class TrainConfig:
     normalize_advantage_std: bool = True
     num_ranks: int = 1
     """Trainer ranks (processes) on this node, joined by torch.distributed (gloo on CPU, nccl on GPU)."""
-    parallel: Literal["ddp"] = "ddp"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
     num_threads: int = 1

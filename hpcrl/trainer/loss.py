@@ -113,7 +113,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits: Tensor,
         targets: Tensor,

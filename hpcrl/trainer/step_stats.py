@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -48,6 +49,14 @@ class StepSums:
         self.sums[peak] = max(self.sums[peak], gap[peak])
 
 
+class SteppableOptimizer(Protocol):
+    """What NanGuard calls: torch's optimizers and hpcrl's Megatron optimizers both have it."""
+
+    def step(self) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = ...) -> None: ...
+
+
 class NanGuard:
     """Skip a step whose loss or gradient norm is not finite; stop after `max_in_a_row` such steps."""
 
@@ -55,7 +64,7 @@ class NanGuard:
         self.max_in_a_row = max_in_a_row
         self.in_a_row = 0
 
-    def step(self, optimizer: torch.optim.Optimizer, metrics: dict[str, float]) -> dict[str, float]:
+    def step(self, optimizer: SteppableOptimizer, metrics: dict[str, float]) -> dict[str, float]:
         """Apply the optimizer step, or skip it; records `nan_skipped` in metrics."""
         if math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["loss"]):
             self.in_a_row = 0

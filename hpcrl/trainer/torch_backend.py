@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ class TorchTrainer:
             logits = model(mb.input_ids)
             return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], with_entropy=True)
         rows = []
-        base = model.module if hasattr(model, "module") else model
+        base = cast(CausalLM, model.module if hasattr(model, "module") else model)  # DDP wraps the CausalLM
         for i in range(len(mb)):
             p, n = int(mb.prompt_lens[i]), int(mb.lengths[i])
             lp = (

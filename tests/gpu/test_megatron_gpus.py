@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.unit.test_megatron import run_ranks
+from tests.support import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,39 +13,16 @@ import numpy as np
 import pytest
 
 from hpcrl.store import load_events, load_metrics
-
-REPO = Path(__file__).resolve().parents[2]
-# Untrained tiny models rarely stop early, so rollouts last long enough to be hit mid-flight.
-LONG = [
-    "sft.num_steps=0", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=200",
-    "engine.num_engines=2",
-]  # fmt: skip
-
-
-def start_run(workdir: Path, model_dir: Path, *overrides: str) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "quickstart.yaml"),
-        f"model.path={model_dir}", *LONG, *overrides, "--run-dir", "r",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def read_until(proc: subprocess.Popen[str], marker: str, lines: list[str]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if marker in line:
-            return
-    raise AssertionError(f"never saw {marker!r}:\n{''.join(lines)}")
+from tests.support import (
+    first_event,
+    read_until,
+    sigkill_mid_push,
+    start_run,
+)
 
 
 def engine_pid(workdir: Path, index: int) -> int:
     return int(json.loads((workdir / "r" / "engines" / f"engine-{index}.json").read_text())["pid"])
-
-
-def first_event(workdir: Path, kind: str) -> dict:
-    return next(e for e in load_events(workdir / "r" / "metrics.h5") if e["kind"] == kind)
 
 
 def test_sigkill_mid_rollout_is_detected_restarted_and_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -184,50 +159,6 @@ def test_abort_all_reaches_every_engine_directly(engine_factory) -> None:
         t.join(30)
     fleet.close()
     assert len(results) == 2 and all(r.finish_reason.type == "abort" for r in results)
-
-
-def sigkill_mid_push(tmp_path: Path, model_dir: Path, engine: int, *overrides: str) -> None:
-    """Run, SIGKILL engine `engine` while it is paused for a push, and check that the run heals: the
-    trainer's broadcast fails instead of hanging, the fleet restarts the engine and pushes every weight."""
-    import urllib.request
-
-    # One tensor per bucket: a push is many HTTP calls + broadcasts, long enough to be hit mid-way.
-    proc = start_run(
-        tmp_path, model_dir, "num_steps=4", "rollout.max_new_tokens=8", "sync.transport=distributed",
-        "sync.bucket_mb=0.0001", "sync.flattened=false", "sync.group_timeout_s=150", *overrides,
-    )  # fmt: skip
-    lines: list[str] = []
-    read_until(proc, "step    1/4", lines)
-    record = json.loads((tmp_path / "r" / "engines" / f"engine-{engine}.json").read_text())
-    req = urllib.request.Request(record["url"] + "/server_info", headers={"Authorization": f"Bearer {record['token']}"})
-    deadline = time.time() + 60
-    try:
-        while time.time() < deadline:  # the engine is paused only while a push is in flight
-            with urllib.request.urlopen(req, timeout=5) as r:
-                if json.loads(r.read())["internal_states"][0]["paused"]:
-                    break
-            time.sleep(0.002)
-        else:
-            raise AssertionError(f"never saw engine {engine} paused for a push")
-    except (OSError, AssertionError) as exc:
-        proc.kill()
-        logs = sorted((tmp_path / "r" / "logs").glob("engine-*.log"))
-        tail = "".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
-        raise AssertionError(f"{exc}\n--- run\n{''.join(lines)}{proc.communicate()[0][-3000:]}\n{tail}") from exc
-    killed_s = time.time()
-    os.kill(record["pid"], signal.SIGKILL)
-    out = "".join(lines) + proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, out
-    dead = first_event(tmp_path, "engine_dead")
-    cause = dead["detail"]["cause"][:90]
-    print(f"SIGKILL mid-push -> engine_dead after {dead['time_s'] - killed_s:.2f} s; cause: {cause}")
-    assert dead["time_s"] - killed_s <= 30  # far inside the 150 s collective timeout: no hang
-    assert first_event(tmp_path, "engine_restarted")["detail"]["engine"] == engine
-    m = load_metrics(tmp_path / "r" / "metrics.h5")
-    assert list(m["step"]) == list(range(4))
-    assert (m["rollout/stale_token_share"] == 0).all()
-    # The restarted engine began from the model dir; only a full push makes its log-probs the trainer's.
-    assert m["train/train_rollout_logprob_abs_diff"].max() < 1e-4
 
 
 def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,14 @@ from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.store import load_events, load_metrics
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
-from tests.unit.test_run import SMALL, assert_same_metrics, hpcrl, signal_at_step
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import (
+    REPO,
+    SMALL,
+    assert_same_metrics,
+    hpcrl,
+    run_ranks,
+    signal_at_step,
+)
 
 
 def random_hf_state(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -84,29 +88,6 @@ def test_distributed_optimizer_on_cpu_is_refused_before_anything_runs(workdir: P
     assert not (workdir / "r").exists()
     with pytest.raises(ValueError, match="applies to backend: megatron only"):
         TrainConfig(megatron_optimizer="local")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(scenario: str, model_dir: Path, out: Path, tp: int, pp: int, world: int) -> dict:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "unit" / "megatron_ranks.py"), scenario, str(model_dir), str(out),
-             str(tp), str(pp)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
-    return json.loads((out / "result.json").read_text())
 
 
 def test_vocab_parallel_logprobs_equal_the_full_softmax(tiny_model_dir: Path, tmp_path: Path) -> None:

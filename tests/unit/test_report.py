@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -15,20 +16,12 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcrl.report.build import ReportResult, build_report, unique_names
+from hpcrl.report.cli import add_report_commands, main
+from hpcrl.report.plots import pause_spans, timing_layers
+from hpcrl.report.run import RunData, load_run
+from hpcrl.report.summary import WINDOW_METRICS, compare, fmt, largest_step_change, summarize
 from hpcrl.store.metrics import MetricsWriter, StoreError, load_events, load_metrics
-from hpcrl.store.plots import pause_spans
-from hpcrl.store.report import (
-    WINDOW_METRICS,
-    ReportResult,
-    build_report,
-    compare,
-    fmt,
-    largest_step_change,
-    load_run,
-    summarize,
-    unique_names,
-)
-from hpcrl.store.report_cli import add_report_commands, main
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 6
@@ -251,7 +244,7 @@ def test_truncated_foreign_and_missing_files_give_clear_errors(
     assert rc == 1 and "foreign" in err and "not an hpcrl metrics file" in err
     # The real entry point: exit status and one line on stderr, no traceback.
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcrl.store.report_cli", "report", str(tmp_path / "truncated"), "--no-plots"],
+        [sys.executable, "-m", "hpcrl.report.cli", "report", str(tmp_path / "truncated"), "--no-plots"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -318,7 +311,7 @@ def test_an_empty_run_reports_no_steps(tmp_path: Path) -> None:
 
 
 def test_long_runs_are_drawn_in_bins(real_run: Path, tmp_path: Path) -> None:
-    from hpcrl.store.plots import binned, plot_run
+    from hpcrl.report.plots import binned, plot_run
 
     steps, values = np.arange(10), np.arange(10, dtype=np.float64)
     values[3] = np.nan
@@ -334,11 +327,6 @@ def test_long_runs_are_drawn_in_bins(real_run: Path, tmp_path: Path) -> None:
 
 
 def test_cli_help_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    from hpcrl.store import report, report_cli
-
-    # report_cli repeats these defaults so that building hpcrl's parser imports neither numpy nor h5py.
-    assert report_cli.DEFAULT_WINDOW == report.DEFAULT_WINDOW
-    assert report_cli.DEFAULT_MAX_POINTS == report.DEFAULT_MAX_POINTS
     parser = argparse.ArgumentParser(prog="hpcrl")
     add_report_commands(parser.add_subparsers(dest="cmd", required=True))
     for command, words in [("report", ["RUN_DIR", "--window", "--no-plots", "thermal.png"]), ("compare", ["RUN_DIR"])]:
@@ -351,3 +339,71 @@ def test_cli_help_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["report", "x", "--window", "0"])
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_building_the_cli_imports_no_numpy_h5py_or_torch() -> None:
+    # `hpcrl --help` and every command's parsing must stay fast on a login node.
+    code = "import json, sys; from hpcrl.cli import build_parser; build_parser(); print(json.dumps(list(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = {name.split(".")[0] for name in json.loads(out)}
+    assert not loaded & {"numpy", "h5py", "torch", "matplotlib"}
+
+
+def test_report_modules_do_not_import_each_other_in_a_cycle() -> None:
+    import ast
+
+    paths = sorted((REPO / "hpcrl" / "report").glob("*.py"))
+    modules = {path.stem for path in paths}
+    imports: dict[str, set[str]] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        imports[path.stem] = {m.split(".")[2] for m in names if m.startswith("hpcrl.report.")} & modules - {path.stem}
+    order = ["__init__", "run", "summary", "plots", "build", "cli"]
+    assert sorted(imports) == sorted(order)
+    for module, used in imports.items():
+        assert used <= set(order[: order.index(module)]), f"hpcrl.report.{module} imports {used}: a cycle"
+
+
+def _timing_run(**columns: list[float]) -> RunData:
+    metrics = {"step": np.arange(len(next(iter(columns.values()))))}
+    metrics |= {f"timing/{k}_s": np.array(v, dtype=np.float64) for k, v in columns.items()}
+    return RunData(name="t", path=Path("t/metrics.h5"), metrics=metrics, events=[], attrs={})
+
+
+def test_the_timing_stack_counts_each_second_once() -> None:
+    # A step of 2 s: sync (1 s) is split into pause, send and commit; logprob is the forward inside train.
+    run = _timing_run(
+        rollout=[0.5, 0.4], reward=[0.1, 0.1], logprob=[0.1, 0.1], train=[0.3, 0.3], sync=[1.0, 0.6],
+        sync_pause=[0.2, 0.1], sync_send=[0.5, 0.3], sync_commit=[0.25, 0.1], checkpoint=[0.0, 0.2], total=[2.0, 1.7],
+    )  # fmt: skip
+    layers = dict(timing_layers(run))
+    assert list(layers) == [
+        "rollout", "reward", "logprob (forward part of train)", "train (rest)",
+        "sync_pause", "sync_send", "sync_commit", "sync (rest)", "checkpoint", "other",
+    ]  # fmt: skip
+    np.testing.assert_allclose(np.sum(list(layers.values()), axis=0), [2.0, 1.7], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(layers["sync (rest)"], [0.05, 0.1], atol=1e-12)
+    np.testing.assert_allclose(layers["other"], [0.1, 0.1], atol=1e-12)  # outside every phase
+
+
+def test_the_timing_stack_of_a_real_run_adds_up_to_the_step_time(real_run: Path) -> None:
+    run = load_run(real_run)
+    layers = dict(timing_layers(run))
+    assert "sync" not in layers and {"sync_pause", "sync_send", "sync_commit", "sync (rest)"} <= set(layers)
+    stacked = np.sum(list(layers.values()), axis=0)
+    # Each phase lies inside the step's total, so the stack is the step time (to float rounding).
+    np.testing.assert_allclose(stacked, run.metrics["timing/total_s"], rtol=1e-9)
+    sync = sum(layers[k] for k in ("sync_pause", "sync_send", "sync_commit", "sync (rest)"))
+    np.testing.assert_allclose(sync, run.metrics["timing/sync_s"], rtol=1e-9)
+
+
+def test_the_summary_names_sync_parts_as_parts(report: ReportResult) -> None:
+    rows = [line for line in report.markdown.splitlines() if line.startswith("| sync")]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "sync",
+        "sync_pause (part of sync)",
+        "sync_send (part of sync)",
+        "sync_commit (part of sync)",
+    ]

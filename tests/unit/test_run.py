@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,54 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl.store import load_events, load_metrics
-
-SMALL = [
-    "num_steps=6",
-    "sft.num_steps=20",
-    "sft.batch_size=16",
-    "data.prompts_per_step=4",
-    "rollout.n_samples_per_prompt=4",
-    "rollout.max_new_tokens=6",
-    "checkpoint.every_steps=2",
-]
-REPO = Path(__file__).resolve().parents[2]
-
-
-def hpcrl(*args: str, cwd: Path, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "hpcrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
-    )
-    if check and out.returncode != 0:
-        raise AssertionError(f"hpcrl {' '.join(args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
-    return out
-
-
-def signal_at_step(workdir: Path, args: list[str], run_dir: str, step: int, sig: int) -> subprocess.Popen[str]:
-    """Start `hpcrl run` and send `sig` once it prints the line of `step` (1-based); the caller waits."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", run_dir],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(f"step {step:>4}/"):
-            proc.send_signal(sig)
-            break
-    return proc
-
-
-def non_timing(metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    timing = ("sync/seconds", "rollout/tokens_per_s")
-    return {k: v for k, v in metrics.items() if not k.startswith("timing/") and k not in timing}
-
-
-def assert_same_metrics(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    a, b = non_timing(a), non_timing(b)
-    assert sorted(a) == sorted(b)
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+from tests.support import (
+    SMALL,
+    assert_same_metrics,
+    hpcrl,
+    signal_at_step,
+)
 
 
 def test_run_writes_metrics_checkpoints_and_model(workdir: Path) -> None:

@@ -17,7 +17,7 @@ load from other processes on a shared machine hits them alike):
 - ``pandas`` (read + summary): ``load_metrics_frame`` and a pandas summary (``head/tail/median/diff``).
 - ``per-row h5py`` (read + summary): a reader that walks the file row by row, ``ds[i]`` per dataset and
   step, as a line-per-step log parser would.
-Last line: the whole command, ``python -m hpcrl.store.report_cli report DIR`` in a fresh process
+Last line: the whole command, ``python -m hpcrl.report.cli report DIR`` in a fresh process
 (interpreter start, imports, read, summary, plots, markdown), as a user runs it.
 """
 
@@ -131,8 +131,9 @@ def synthesize(path: Path, num_steps: int, seed: int = 0) -> None:
 
 def time_report(path: Path, out_dir: Path, *, read: str, max_points: int | None) -> dict[str, float]:
     """Seconds per phase of one report; ``max_points=None`` skips the plots."""
-    from hpcrl.store.plots import plot_run
-    from hpcrl.store.report import load_run, render_markdown, summarize
+    from hpcrl.report.plots import plot_run
+    from hpcrl.report.run import load_run
+    from hpcrl.report.summary import render_markdown, summarize
 
     t0 = time.perf_counter()
     if read == "pandas":
@@ -157,7 +158,7 @@ def time_report(path: Path, out_dir: Path, *, read: str, max_points: int | None)
 @contextmanager
 def constrained_layout() -> Iterator[None]:
     """Makes hpcrl's figures use matplotlib's constrained layout engine, as the baseline does."""
-    from hpcrl.store import plots
+    from hpcrl.report import plots
 
     fixed = plots._figure
 
@@ -179,7 +180,7 @@ def time_constrained(path: Path, out_dir: Path) -> dict[str, float]:
 
 
 def time_cli(run_dir: Path, out_dir: Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "hpcrl.store.report_cli", "report", str(run_dir), "-o", str(out_dir)]
+    cmd = [sys.executable, "-m", "hpcrl.report.cli", "report", str(run_dir), "-o", str(out_dir)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return {"total": time.perf_counter() - t0}
@@ -209,8 +210,8 @@ def summarize_with_pandas(frame: Any) -> object:
 def read_per_row(path: Path) -> object:
     import h5py
 
+    from hpcrl.report.run import RunData
     from hpcrl.store.metrics import load_events, load_root_attrs
-    from hpcrl.store.report import RunData
 
     with h5py.File(path, "r", locking=False) as f:
         names: list[str] = []

@@ -48,6 +48,14 @@ def _gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tenso
     return -torch.log(-torch.log(u))
 
 
+# One layer's weights: in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gate_up_w, down_w (None: the
+# model has no such weight: no qkv bias, no q/k norm).
+LayerWeights = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+]  # fmt: skip
+
+
 def decode_step(
     tokens: torch.Tensor,  # [n] int64
     pos: torch.Tensor,  # [n] int64: each row's position (= tokens already in its cache slot)
@@ -60,7 +68,7 @@ def decode_step(
     final_norm: torch.Tensor,
     cos_t: torch.Tensor,  # [max_len, D]
     sin_t: torch.Tensor,  # [max_len, D], sign-folded (DecodeRunner._rope_tables)
-    layers: list[tuple[torch.Tensor | None, ...]],
+    layers: list[LayerWeights],
     *,
     dims: tuple[int, int, int, int, float, bool],
 ) -> tuple[torch.Tensor, ...]:

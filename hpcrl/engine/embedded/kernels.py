@@ -31,8 +31,8 @@ try:
 
     AVAILABLE = True
 except ImportError:  # CPU-only installs have no Triton; the engine then decodes eagerly
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
     AVAILABLE = False
 
 

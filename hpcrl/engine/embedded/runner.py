@@ -152,7 +152,7 @@ class DecodeRunner:
         self.profile = profile
         self.is_cuda = device.type == "cuda"
         self.fast_sampler = self.is_cuda and mode != "eager"
-        z = dict(device=device)
+        z: dict[str, Any] = dict(device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.seeds = torch.zeros(max_batch, dtype=torch.int64, **z)
@@ -202,8 +202,8 @@ class DecodeRunner:
         update path does) write into the fused tensors, so captured graphs stay valid. Releasing
         the weights replaces the parameters' storage; reset_graphs then drops these tensors too.
         """
-        fused = []
-        for layer in self.model.model.layers:
+        fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        for layer in self.model.model.decoder_layers:
             at, mlp = layer.self_attn, layer.mlp
             qkv_w = _fuse([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
             qkv_b = _fuse([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]) if at.q_proj.bias is not None else None
@@ -409,7 +409,7 @@ class DecodeRunner:
         pos = self.positions[:n]
         idx = pos.clamp(max=cache.max_len - 1)
         cos, sin = self._rope[0][idx], self._rope[1][idx]
-        layers = model.model.layers
+        layers = model.model.decoder_layers
         resid = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
         h = torch.empty_like(resid)
         kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
@@ -477,7 +477,7 @@ class DecodeRunner:
         bias.masked_fill_(key_pos > pos.repeat_interleave(nkv)[:, None, None], float("-inf"))
         scale = 1.0 / math.sqrt(hd)
         group = nh // nkv
-        layers = model.model.layers
+        layers = model.model.decoder_layers
         x = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
         for i, layer in enumerate(layers):
             at, norm = layer.self_attn, layer.input_layernorm
@@ -555,7 +555,7 @@ class DecodeRunner:
         cos, sin = rope[0][:t, None], rope[1][:t, None]  # [T, 1, D]
         rows = slice(first_slot, first_slot + b)
         batch = torch.arange(b, device=self.device)
-        layers = model.model.layers
+        layers = model.model.decoder_layers
         x = F.embedding(ids, model.model.embed_tokens.weight).view(b * t, hidden)
         for i, layer in enumerate(layers):
             at, norm = layer.self_attn, layer.input_layernorm
@@ -638,7 +638,7 @@ class DecodeRunner:
         self.stats["sample_ms"] += smp
 
 
-def _fuse(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+def _fuse(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """One tensor holding the params stacked on dim 0; each param becomes a view of its rows."""
     fused = torch.cat([p.detach() for p in params], dim=0)
     offset = 0

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
@@ -59,7 +60,8 @@ class SeqRequest:
     ignore_eos: bool
     return_logprob: bool
     return_sampling_mask: bool
-    on_done: Callable[[SeqRequest], None]
+    on_done: Callable[[SeqRequest], object]
+    logprob_scaled: bool = False  # report the temperature-scaled log-probs (return_scaled_logprob)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     scaled_logprobs: list[float] = field(default_factory=list)
@@ -99,7 +101,7 @@ class SeqRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     context_length: int = 1024
     max_prefill_tokens: int = 4096
     deterministic: bool = False

@@ -28,12 +28,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from aiohttp import web
 
 from hpcrl.engine import protocol as P
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
 from hpcrl.model.hf import load_model, parse_dtype
@@ -52,7 +53,7 @@ class ServerConfig:
     api_key: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    max_running_requests: int = 64
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     context_length: int | None = None
     max_prefill_tokens: int = 4096
     deterministic: bool = False
@@ -63,11 +64,10 @@ class ServerConfig:
     group_timeout_s: float = 300.0
     num_threads: int | None = None
     ignore_sigterm: bool = False
-    # Decode tuning; None takes HPCRL_ENGINE_DECODE (auto|eager|triton|graph|compile), HPCRL_ENGINE_OVERLAP
-    # (0|1) and HPCRL_ENGINE_PROFILE (0|1) from the environment, so benchmarks and tests can switch
-    # them without new CLI flags.
+    # Decode tuning (--decode-mode, --decode-overlap, --decode-profile; engine.decode_* in a run config).
+    # None means not given: then the deprecated HPCRL_ENGINE_DECODE / _OVERLAP / _PROFILE still apply.
     decode_mode: str | None = None
-    overlap: bool | None = None
+    overlap: Literal["auto", "on", "off"] | None = None
     profile: bool | None = None
 
     def __post_init__(self) -> None:
@@ -204,9 +204,7 @@ class EmbeddedEngine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 deterministic=cfg.deterministic,
                 onpolicy_logprobs=cfg.onpolicy_logprobs,
-                decode_mode=cfg.decode_mode or os.environ.get("HPCRL_ENGINE_DECODE", "auto"),
-                overlap=cfg.overlap if cfg.overlap is not None else _env_flag("HPCRL_ENGINE_OVERLAP"),
-                profile=bool(cfg.profile if cfg.profile is not None else _env_flag("HPCRL_ENGINE_PROFILE")),
+                **decode_settings(cfg),
             ),
             device=self.device,
             dtype=self.dtype,
@@ -250,13 +248,13 @@ class EmbeddedEngine:
     def _prompts(self, req: P.GenerateRequest) -> list[list[int]]:
         if req.input_ids is not None:
             ids = req.input_ids
-            batch = ids if req.is_batch else [ids]
+            batch = cast("list[list[int]]", ids if req.is_batch else [ids])  # is_batch: a list of lists
         else:
             texts = req.text if isinstance(req.text, list) else [req.text]
             batch = [self.tokenizer.encode(t, add_special_tokens=False) if self.tokenizer else [] for t in texts]
         vocab = self.model.args.vocab_size
         limit = self.scheduler.cfg.context_length
-        for i, prompt in enumerate(batch):  # type: ignore[arg-type]
+        for i, prompt in enumerate(batch):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; send at least one token")
             bad = [t for t in prompt if t >= vocab]
@@ -269,7 +267,7 @@ class EmbeddedEngine:
                     f"{req.params_for(i if req.is_batch else 0).max_new_tokens} more: {need} > the context length "
                     f"{limit}; shorten the prompt or lower max_new_tokens"
                 )
-        return batch  # type: ignore[return-value]
+        return batch
 
     def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool) -> dict[str, Any]:
         lat = (r.finished_s or time.monotonic()) - r.created_s
@@ -332,7 +330,7 @@ class EmbeddedEngine:
                 fut: asyncio.Future[SeqRequest] = loop.create_future()
 
                 def done(r: SeqRequest, fut: asyncio.Future[SeqRequest] = fut) -> None:
-                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+                    loop.call_soon_threadsafe(_resolve, fut, r)
 
                 seq = SeqRequest(
                     rid=rid,
@@ -349,7 +347,7 @@ class EmbeddedEngine:
                     return_sampling_mask=req.return_sampling_mask,
                     on_done=done,
                 )
-                seq.logprob_scaled = logprob_scaled  # type: ignore[attr-defined]
+                seq.logprob_scaled = logprob_scaled
                 seqs.append(seq)
                 futures.append(fut)
         self.scheduler.submit(seqs)
@@ -358,7 +356,7 @@ class EmbeddedEngine:
         except asyncio.CancelledError:
             # The client went away: SGLang aborts a disconnected request, and so do we.
             for s in seqs:
-                self.scheduler.call(lambda rid=s.rid: self.scheduler.abort(rid))
+                self.scheduler.call(functools.partial(self.scheduler.abort, s.rid))
             raise
         want_text = self.tokenizer is not None
         results = [self._result(r, want_text, req.return_text_in_logprobs) for r in finished]
@@ -385,7 +383,7 @@ class EmbeddedEngine:
             ignore_eos=True,
             return_logprob=False,
             return_sampling_mask=False,
-            on_done=lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+            on_done=lambda r: loop.call_soon_threadsafe(_resolve, fut, r),
         )
         self.scheduler.submit([seq])
         try:
@@ -559,8 +557,8 @@ class EmbeddedEngine:
                     load_format=req.load_format,
                 )
             )
-            if req.weight_version is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+            if (version := req.weight_version) is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
         except web.HTTPException:
             raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
@@ -583,8 +581,8 @@ class EmbeddedEngine:
             if req.abort_all_requests:
                 await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
             nbytes = await self._run(lambda: self.weights.load_handover(payload))
-            if req.weight_version is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(req.weight_version, False))
+            if (version := req.weight_version) is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
         except UntrustedHandoverError as exc:
             log.warning("refused a handover: %s", exc)
             return _error(f"{type(exc).__name__}: {exc}", status=403)
@@ -700,9 +698,49 @@ def _device_reserved(device: torch.device) -> int | None:
     return None
 
 
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
+def _resolve(fut: asyncio.Future[SeqRequest], seq: SeqRequest) -> None:
+    if not fut.done():  # a cancelled request's future stays cancelled
+        fut.set_result(seq)
+
+
+def decode_settings(cfg: ServerConfig) -> dict[str, Any]:
+    """The scheduler's decode_mode, overlap and profile: the flags, else the deprecated environment switches.
+
+    The environment switches predate the flags; they are still read (with a warning) so that old benchmark
+    commands keep working, but a given flag always wins, so a run's engine.decode_* settings are what runs.
+    """
+    mode = _flag_or_env(cfg.decode_mode, "HPCRL_ENGINE_DECODE", "--decode-mode", "decode_mode")
+    overlap = _flag_or_env(cfg.overlap, "HPCRL_ENGINE_OVERLAP", "--decode-overlap", "decode_overlap")
+    profile = _flag_or_env(cfg.profile, "HPCRL_ENGINE_PROFILE", "--decode-profile", "decode_profile")
+    return {
+        "decode_mode": mode or "auto",
+        "overlap": _on_off(overlap),
+        "profile": profile if isinstance(profile, bool) else bool(_on_off(profile)),
+    }
+
+
+def _flag_or_env(given: Any, env_name: str, flag: str, setting: str) -> Any:
+    env_value = os.environ.get(env_name, "")
+    if given is not None:
+        if env_value:
+            log.warning("%s=%s is ignored: %s %s was given", env_name, env_value, flag, _flag_text(given))
+        return given
+    if env_value:
+        log.warning(
+            "%s is deprecated and will go: pass %s to hpcrl engine serve (engine.%s in a run config)",
+            env_name, flag, setting,
+        )  # fmt: skip
+        return env_value
+    return None
+
+
+def _flag_text(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def _on_off(value: str | None) -> bool | None:
+    """`auto` (or nothing) is None (for overlap: on for CUDA); on/off and the old 1/0 are fixed."""
+    if value is None or value.lower() == "auto":
         return None
     return value.lower() not in ("0", "false", "no", "off")
 

@@ -84,7 +84,7 @@ class MegatronTrainer:
         )  # fmt: skip
         self.dtype = parse_dtype(cfg.dtype)
         hf = dict(iter_safetensors(self.model_dir))
-        self.model = self._build(hf)
+        self.model: Any = self._build(hf)  # a megatron GPTModel (untyped), maybe inside Megatron's DDP
         self.model.train()
         self.ref_model: torch.nn.Module | None = None
         if cfg.kl_coef > 0:
@@ -171,7 +171,7 @@ class MegatronTrainer:
         dist.all_reduce(t, group=self.dp_group)
         return float(t.item())
 
-    def _forward(self, model: torch.nn.Module, ids: Tensor, hidden_in: Tensor | None) -> Tensor:
+    def _forward(self, model: Any, ids: Tensor, hidden_in: Tensor | None) -> Tensor:
         """Hidden states [s, b, h] out of a middle stage, or logits [b, s, V/tp] out of the last."""
         if hidden_in is not None:
             model.set_input_tensor(hidden_in)

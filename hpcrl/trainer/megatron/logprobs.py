@@ -57,7 +57,7 @@ def _forward(
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: Tensor, targets: Tensor, vocab_start: int, vocab_size: int, group: Any, chunk_rows: int
     ) -> tuple[Tensor, Tensor]:
         lp, lse, ent = _forward(logits, targets, vocab_start, vocab_size, group, chunk_rows)

@@ -147,11 +147,11 @@ def _no_embedding_sync() -> Iterator[None]:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original = LanguageModule._is_in_embd_group
-    LanguageModule._is_in_embd_group = lambda self: False  # type: ignore[method-assign]
+    LanguageModule._is_in_embd_group = lambda self: False
     try:
         yield
     finally:
-        LanguageModule._is_in_embd_group = original  # type: ignore[method-assign]
+        LanguageModule._is_in_embd_group = original
 
 
 def _gpt_model(GPTModel: Any, config: Any, spec: Any, args: ModelArgs, tp_size: int, pp_size: int,

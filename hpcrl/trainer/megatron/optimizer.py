@@ -15,6 +15,7 @@ trainer writes checkpoints in HF layout whichever optimizer ran, and either can 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ class LocalOptimizer:
         st = self.torch_opt.state.get(param, {})
         return {m: st[m] if m in st else torch.zeros_like(param) for m in MOMENTS}
 
-    def load_param_states(self, states: dict[Tensor, dict[str, Tensor]], step: int) -> None:
+    def load_param_states(self, states: Mapping[Tensor, dict[str, Tensor]], step: int) -> None:
         """`states[param]` holds the moments (and maybe a `main` master copy, unused here)."""
         self.torch_opt.state.clear()
         if step > 0:
@@ -117,7 +118,7 @@ class LocalOptimizer:
 class DistributedOptimizer:
     kind = "distributed"
 
-    def __init__(self, ddp: torch.nn.Module, cfg: TrainConfig, lr: float, *, dtype: torch.dtype) -> None:
+    def __init__(self, ddp: Any, cfg: TrainConfig, lr: float, *, dtype: torch.dtype) -> None:  # Megatron DDP
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.ddp = ddp
@@ -130,7 +131,7 @@ class DistributedOptimizer:
         self.parts = list(getattr(self.opt, "chained_optimizers", [self.opt]))
 
     @staticmethod
-    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(model: Any) -> Any:
         """Megatron's DDP around the GPTModel: gradients land in one fp32 buffer per dtype, summed
         (not averaged) over DP, since hpcrl's losses are already scaled by the global token count."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -194,7 +195,7 @@ class DistributedOptimizer:
         dist.all_reduce(full, group=(part or self.parts[0]).data_parallel_group)
         return {k: full[i].view(param.shape) for i, k in enumerate(keys)}
 
-    def load_param_states(self, states: dict[Tensor, dict[str, Tensor]], step: int) -> None:
+    def load_param_states(self, states: Mapping[Tensor, dict[str, Tensor]], step: int) -> None:
         """Master shards from `main` (else from the model param), moments and the Adam step count."""
         # This rank's ranges first: the dummy step below may decay an fp32 model param in place.
         ranges: list[tuple[Any, Tensor, dict[str, Tensor]]] = []

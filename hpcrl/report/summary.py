@@ -1,11 +1,4 @@
-"""Post-hoc analysis of runs from their ``metrics.h5``: ``hpcrl report`` and ``hpcrl compare``.
-
-    hpcrl report runs/quickstart                    # summary on stdout; report.md + PNGs in runs/quickstart/report/
-    hpcrl compare runs/qs0 runs/qs1 runs/qs2 -o cmp # side by side: compare.md + compare.png in cmp/
-
-Everything here works on NumPy arrays from ``load_metrics`` (no pandas), reads a run that is still being
-written (SWMR, through ``hpcrl.store.metrics``) and never imports torch. Plots live in ``hpcrl.store.plots``
-and import matplotlib only when asked for, so a text summary works on a login node without it.
+"""The numbers of ``hpcrl report`` / ``hpcrl compare`` and their markdown, from ``RunData``.
 
 Window means: "first N" / "last N" are the NaN-ignoring means of a metric over the first and the last N
 rows. N is capped at half the rows so that the two windows never overlap (a 6-step run uses 3).
@@ -14,22 +7,16 @@ rows. N is capped at half the rows so that the two windows never overlap (a 6-st
 from __future__ import annotations
 
 import math
-import os
-import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcrl.store.metrics import StoreError, load_events, load_metrics, load_root_attrs
-
-METRICS_FILE = "metrics.h5"
-DEFAULT_WINDOW = 10
-# Past this many steps, plots draw bin means with min-max bands (hpcrl.store.plots).
-DEFAULT_MAX_POINTS = 1000
+from hpcrl.report import DEFAULT_WINDOW
+from hpcrl.report.run import RunData
 
 # (metric key, label) of the learning table, in the order the issue asks for.
 WINDOW_METRICS: tuple[tuple[str, str], ...] = (
@@ -41,97 +28,10 @@ WINDOW_METRICS: tuple[tuple[str, str], ...] = (
     ("rollout/zero_std_group_share", "groups with zero reward std"),
 )
 REWARD_KEY = "rollout/reward_mean"
-_LIVE_READ_RETRY_S = 5.0
-_WRITER_OUTSIDE_SWMR = "while it is being written"
-# timing/logprob_s is the forward pass inside timing/train_s: listed, never added to train.
-PHASE_ORDER = ("rollout", "reward", "logprob", "train", "sync", "checkpoint", "total")
-
-
-# -- reading -----------------------------------------------------------------------------------------
-
-
-def resolve_metrics_path(path: str | os.PathLike[str]) -> Path:
-    """Accepts a run directory or its ``metrics.h5`` and returns the metrics file's path."""
-    path = Path(path)
-    if path.is_dir():
-        metrics = path / METRICS_FILE
-        if not metrics.exists():
-            raise StoreError(
-                f"{path} is a directory without {METRICS_FILE}; pass an hpcrl run directory (the --run-dir of "
-                "`hpcrl run`) or the path of a metrics.h5"
-            )
-        return metrics
-    if not path.exists():
-        raise StoreError(f"{path} does not exist; pass an hpcrl run directory or the path of its {METRICS_FILE}")
-    return path
-
-
-@dataclass(frozen=True, slots=True)
-class RunData:
-    """Everything one ``metrics.h5`` holds, read once: metric columns, events and root attributes."""
-
-    name: str
-    path: Path
-    metrics: dict[str, np.ndarray]
-    events: list[dict[str, Any]]
-    attrs: dict[str, Any]
-
-    @property
-    def steps(self) -> np.ndarray:
-        return self.metrics["step"]
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.steps.shape[0])
-
-    def column(self, key: str) -> np.ndarray | None:
-        """The values of a metric key, or None when the run never logged it."""
-        return None if key == "step" else self.metrics.get(key)
-
-    def keys_under(self, prefix: str) -> list[str]:
-        """Metric keys below a group, e.g. ``keys_under("guard/")``, sorted."""
-        return sorted(k for k in self.metrics if k.startswith(prefix))
-
-    def config(self) -> dict[str, Any]:
-        """The resolved run config from the root attributes ({} when absent or unreadable)."""
-        text = self.attrs.get("config")
-        if not isinstance(text, str):
-            return {}
-        import yaml
-
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError:
-            # The config only labels the report (planned steps): a damaged one must not stop it.
-            return {}
-        return loaded if isinstance(loaded, dict) else {}
-
-
-def run_name(path: Path) -> str:
-    """The run's name: its directory (the parent of ``metrics.h5``)."""
-    return (path.parent if path.name == METRICS_FILE else path).name or str(path)
-
-
-def load_run(path: str | os.PathLike[str], *, name: str | None = None) -> RunData:
-    """Reads a run directory (or its ``metrics.h5``); works while the run is still writing."""
-    metrics_path = resolve_metrics_path(path)
-    deadline_s = time.monotonic() + _LIVE_READ_RETRY_S
-    while True:
-        try:
-            return RunData(
-                name=name or run_name(metrics_path),
-                path=metrics_path,
-                metrics=load_metrics(metrics_path),
-                events=load_events(metrics_path),
-                attrs=load_root_attrs(metrics_path),
-            )
-        except StoreError as error:
-            # A live writer leaves SWMR for milliseconds to add a key or an event; the store's readers give
-            # up at once when they open the file in that window (HDF5 then says "not already open for SWMR
-            # writing", which they do not treat as retryable), so a report of a running job retries here.
-            if _WRITER_OUTSIDE_SWMR not in str(error) or time.monotonic() > deadline_s:
-                raise
-        time.sleep(0.05)
+# The driver's phases in step order, with the parts that are timed inside a phase (see parent_phase).
+PHASE_ORDER = (
+    "rollout", "reward", "logprob", "train", "sync", "sync_pause", "sync_send", "sync_commit", "checkpoint", "total",
+)  # fmt: skip
 
 
 # -- numbers -----------------------------------------------------------------------------------------
@@ -294,15 +194,30 @@ class Summary:
     extras: dict[str, float | None] = field(default_factory=dict)
 
 
-def _phase_names(metrics: Mapping[str, np.ndarray]) -> list[str]:
+def parent_phase(phase: str, phases: Collection[str]) -> str | None:
+    """The phase that ``phase`` is timed inside, or None: logprob is inside train, ``sync_send`` inside sync.
+
+    A part's seconds are already in its parent's: a stack or a sum of phases must count them once.
+    """
+    if phase == "logprob":
+        return "train" if "train" in phases else None
+    parents = [p for p in phases if phase.startswith(p + "_")]
+    return max(parents, key=len) if parents else None
+
+
+def phase_names(metrics: Collection[str]) -> list[str]:
+    """The phases of the ``timing/<phase>_s`` keys: the driver's in its order, each followed by its parts
+    (``parent_phase``), then phases a future driver adds (e.g. "guard"), and "total" last."""
     found = [k[len("timing/") : -len("_s")] for k in metrics if k.startswith("timing/") and k.endswith("_s")]
-    known = [p for p in PHASE_ORDER if p in found]
-    # Phases a future driver adds (e.g. "guard") go between the known ones and the total.
-    others = sorted(p for p in found if p not in PHASE_ORDER)
-    if "total" in known:
-        known.remove("total")
-        return [*known, *others, "total"]
-    return [*known, *others]
+
+    def order(phase: str) -> tuple[int, str]:
+        return (PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER), phase)
+
+    tops = sorted((p for p in found if p != "total" and parent_phase(p, found) is None), key=order)
+    names: list[str] = []
+    for top in tops:
+        names += [top, *sorted((p for p in found if parent_phase(p, found) == top), key=order)]
+    return [*names, "total"] if "total" in found else names
 
 
 def _status(run: RunData) -> str:
@@ -359,7 +274,7 @@ def summarize(run: RunData, *, window: int = DEFAULT_WINDOW) -> Summary:
             window=n,
             means={key: window_means(run.column(key), n) for key, _ in WINDOW_METRICS},
             reward_change=largest_step_change(run.steps, run.column(REWARD_KEY)),
-            phase_median_s={p: nanmedian(run.metrics[f"timing/{p}_s"]) for p in _phase_names(run.metrics)},
+            phase_median_s={p: nanmedian(run.metrics[f"timing/{p}_s"]) for p in phase_names(run.metrics)},
             tokens_per_s_median=_median_of(run.column("rollout/tokens_per_s")),
             sync_median_s=_median_of(sync_s),
             sync_total_s=None if sync_s is None or np.isnan(sync_s).all() else float(np.nansum(sync_s)),
@@ -446,7 +361,9 @@ def _timing_lines(summary: Summary) -> list[str]:
     rows = []
     for phase, median in summary.phase_median_s.items():
         share = "" if total in (None, 0) or median is None or phase == "total" else f"{100 * median / total:.0f}%"
+        parent = parent_phase(phase, summary.phase_median_s)
         label = "logprob (forward, inside train)" if phase == "logprob" else phase
+        label += f" (part of {parent})" if parent is not None and phase != "logprob" else ""
         rows.append([label, fmt(median), share])
     lines = ["", "## Seconds per step (median over steps)", ""]
     lines.append(markdown_table(["phase", "median s", "of total"], rows) if rows else "No timing/* metrics recorded.")
@@ -483,60 +400,7 @@ def render_markdown(summary: Summary, attrs: Mapping[str, Any], plots: Sequence[
     return "\n".join(lines) + "\n"
 
 
-# -- report and compare ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReportResult:
-    summary: Summary
-    markdown: str
-    markdown_path: Path
-    plots: list[Path]
-
-
-def _prepare_out_dir(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise StoreError(
-            f"cannot create the output folder {out_dir} ({error}); pass -o DIR somewhere writable"
-        ) from error
-    if not os.access(out_dir, os.W_OK):
-        raise StoreError(f"the output folder {out_dir} is not writable; pass -o DIR somewhere writable")
-
-
-def build_report(
-    run_path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str] | None = None,
-    *,
-    window: int = DEFAULT_WINDOW,
-    plots: bool = True,
-    max_points: int = DEFAULT_MAX_POINTS,
-) -> ReportResult:
-    """Reads a run, writes ``report.md`` and the PNG plots into ``out_dir`` (default ``RUN_DIR/report``)."""
-    run = load_run(run_path)
-    out = Path(out_dir) if out_dir is not None else run.path.parent / "report"
-    _prepare_out_dir(out)
-    summary = summarize(run, window=window)
-    plot_paths: list[Path] = []
-    if plots and run.num_rows:
-        from hpcrl.store import plots as plotting
-
-        plot_paths = plotting.plot_run(run, out, max_points=max_points)
-    markdown = render_markdown(summary, run.attrs, plot_paths)
-    markdown_path = out / "report.md"
-    markdown_path.write_text(markdown)
-    return ReportResult(summary=summary, markdown=markdown, markdown_path=markdown_path, plots=plot_paths)
-
-
-def unique_names(paths: Sequence[Path]) -> list[str]:
-    """Short, distinct labels for runs: the directory name, with parents added until they differ."""
-    parts = [list((p.parent if p.name == METRICS_FILE else p).resolve().parts) for p in paths]
-    for depth in range(1, max(len(p) for p in parts) + 1):
-        names = ["/".join(p[-depth:]) for p in parts]
-        if len(set(names)) == len(names):
-            return names
-    return [str(p) for p in paths]
+# -- several runs ------------------------------------------------------------------------------------
 
 
 # (metric key, label) of the comparison table: each gives a first-N and a last-N row.
@@ -624,60 +488,17 @@ def render_compare_markdown(comparison: Comparison, paths: Sequence[Path], plots
     return "\n".join(lines) + "\n"
 
 
-@dataclass(frozen=True, slots=True)
-class CompareResult:
-    comparison: Comparison
-    markdown: str
-    markdown_path: Path
-    plots: list[Path]
-
-
-def build_compare(
-    run_paths: Sequence[str | os.PathLike[str]],
-    out_dir: str | os.PathLike[str],
-    *,
-    window: int = DEFAULT_WINDOW,
-    plots: bool = True,
-    max_points: int = DEFAULT_MAX_POINTS,
-) -> CompareResult:
-    """Reads several runs, writes ``compare.md`` and ``compare.png`` (overlaid curves) into ``out_dir``."""
-    metrics_paths = [resolve_metrics_path(p) for p in run_paths]
-    if len(set(p.resolve() for p in metrics_paths)) != len(metrics_paths):
-        raise ValueError("the same run is given twice; pass each run directory once")
-    names = unique_names(metrics_paths)
-    runs = [load_run(p, name=name) for p, name in zip(metrics_paths, names, strict=True)]
-    out = Path(out_dir)
-    _prepare_out_dir(out)
-    comparison = compare(runs, window=window)
-    plot_paths: list[Path] = []
-    if plots and any(r.num_rows for r in runs):
-        from hpcrl.store import plots as plotting
-
-        plot_paths = plotting.plot_compare(runs, out, max_points=max_points)
-    markdown = render_compare_markdown(comparison, metrics_paths, plot_paths)
-    markdown_path = out / "compare.md"
-    markdown_path.write_text(markdown)
-    return CompareResult(comparison=comparison, markdown=markdown, markdown_path=markdown_path, plots=plot_paths)
-
-
 __all__ = [
-    "DEFAULT_WINDOW",
-    "CompareResult",
     "Comparison",
     "Interruption",
-    "ReportResult",
-    "RunData",
     "StepChange",
     "Summary",
     "WindowMeans",
-    "build_compare",
-    "build_report",
     "compare",
     "fmt",
     "largest_step_change",
-    "load_run",
+    "render_compare_markdown",
     "render_markdown",
-    "resolve_metrics_path",
     "summarize",
     "window_size",
 ]

@@ -2,7 +2,7 @@
 
     hpcrl report RUN_DIR [-o DIR] [--window N] [--no-plots]
     hpcrl compare RUN_DIR RUN_DIR [...] [-o DIR] [--window N] [--no-plots]
-    python -m hpcrl.store.report_cli report RUN_DIR     # the same, without the hpcrl entry point
+    python -m hpcrl.report.cli report RUN_DIR     # the same, without the hpcrl entry point
 
 ``add_report_commands(sub)`` registers both on hpcrl's own parser; the commands print their errors
 (missing, truncated or foreign files; no matplotlib) as one line and return exit status 1.
@@ -15,10 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-# The same defaults as hpcrl.store.report (a test checks), written here so that building hpcrl's parser
-# imports neither numpy nor h5py.
-DEFAULT_WINDOW = 10
-DEFAULT_MAX_POINTS = 1000
+# hpcrl.report itself imports nothing, so that building hpcrl's parser imports neither numpy nor h5py.
+from hpcrl.report import DEFAULT_MAX_POINTS, DEFAULT_WINDOW
 
 _WINDOW_HELP = (
     "N of the 'first N / last N steps' means (default %(default)s); capped at half the recorded steps so that "
@@ -55,7 +53,7 @@ examples:
 
 
 def _report(ns: argparse.Namespace) -> int:
-    from hpcrl.store.report import build_report
+    from hpcrl.report.build import build_report
 
     result = build_report(ns.run_dir, ns.output, window=ns.window, plots=not ns.no_plots, max_points=ns.max_points)
     print(result.markdown, end="")
@@ -64,7 +62,7 @@ def _report(ns: argparse.Namespace) -> int:
 
 
 def _compare(ns: argparse.Namespace) -> int:
-    from hpcrl.store.report import build_compare
+    from hpcrl.report.build import build_compare
 
     if len(ns.run_dirs) < 2:
         raise ValueError("compare needs at least two runs; for one run use `hpcrl report RUN_DIR`")
@@ -144,7 +142,7 @@ def add_report_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point (``python -m hpcrl.store.report_cli``), until hpcrl's CLI registers the commands."""
+    """Standalone entry point (``python -m hpcrl.report.cli``): the same commands without the hpcrl entry point."""
     parser = argparse.ArgumentParser(
         prog="hpcrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hpcrl.store.report import DEFAULT_MAX_POINTS, RunData
+from hpcrl.report import DEFAULT_MAX_POINTS
+from hpcrl.report.run import RunData
+from hpcrl.report.summary import parent_phase, phase_names
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -210,28 +212,32 @@ def plot_reward(run: RunData, out_dir: Path, max_points: int) -> Path | None:
 
 
 def timing_layers(run: RunData) -> list[tuple[str, np.ndarray]]:
-    """Per-step seconds that add up to ``timing/total_s``: logprob split out of train, the rest as "other"."""
+    """Per-step seconds that add up to ``timing/total_s``, each second in one layer only.
 
-    def col(phase: str) -> np.ndarray | None:
-        values = run.column(f"timing/{phase}_s")
-        return None if values is None else np.nan_to_num(values, nan=0.0)
+    Some phases are timed inside others (``parent_phase``): logprob inside train, sync_pause, sync_send and
+    sync_commit inside sync. A phase with parts is drawn as its parts plus "<phase> (rest)", never as a
+    whole on top of them; the seconds no phase covers are "other".
+    """
 
-    layers = [(p, v) for p in ("rollout", "reward") if (v := col(p)) is not None]
-    logprob, train = col("logprob"), col("train")
-    # timing/logprob_s is the forward share of timing/train_s: stacking both would count it twice.
-    if logprob is not None:
-        layers.append(("logprob (forward part of train)", logprob))
-    if train is not None:
-        rest = train if logprob is None else np.clip(train - logprob, 0.0, None)
-        layers.append(("train" if logprob is None else "train (rest)", rest))
-    known = {"rollout", "reward", "logprob", "train", "sync", "checkpoint", "total"}
-    extra = sorted(k[len("timing/") : -len("_s")] for k in run.metrics if k.startswith("timing/") and k.endswith("_s"))
-    for phase in ["sync", "checkpoint", *(p for p in extra if p not in known)]:
-        if (values := col(phase)) is not None:
-            layers.append((phase, values))
-    total = col("total")
-    if total is not None and layers:
-        layers.append(("other", np.clip(total - np.sum([v for _, v in layers], axis=0), 0.0, None)))
+    def col(phase: str) -> np.ndarray:
+        values = run.metrics[f"timing/{phase}_s"]
+        return np.nan_to_num(values, nan=0.0)
+
+    phases = [p for p in phase_names(run.metrics) if p != "total"]
+    layers: list[tuple[str, np.ndarray]] = []
+    for phase in phases:
+        if parent_phase(phase, phases) is not None:
+            continue
+        parts = [p for p in phases if parent_phase(p, phases) == phase]
+        if not parts:
+            layers.append((phase, col(phase)))
+            continue
+        for part in parts:
+            layers.append(("logprob (forward part of train)" if part == "logprob" else part, col(part)))
+        rest = np.clip(col(phase) - np.sum([col(p) for p in parts], axis=0), 0.0, None)
+        layers.append((f"{phase} (rest)", rest))
+    if "timing/total_s" in run.metrics and layers:
+        layers.append(("other", np.clip(col("total") - np.sum([v for _, v in layers], axis=0), 0.0, None)))
     return layers
 
 
@@ -384,9 +390,9 @@ def plot_thermal(run: RunData, out_dir: Path, max_points: int) -> Path | None:
         if spans:
             # One collection for all intervals: hundreds of axvspan patches take a second to draw.
             ranges = [(start, stop - start) for start, stop in spans]
-            label = "thermal pause" if i == 0 else None
+            pause_label = "thermal pause" if i == 0 else None
             ax_i.broken_barh(
-                ranges, (0, 1), transform=ax_i.get_xaxis_transform(), color="tab:red", alpha=0.15, label=label
+                ranges, (0, 1), transform=ax_i.get_xaxis_transform(), color="tab:red", alpha=0.15, label=pause_label
             )
     _finish(ax, "peak GPU temperature (C)")
     for key in others:

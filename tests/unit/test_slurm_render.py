@@ -1,0 +1,217 @@
+"""Slurm jobs of a run without a cluster: rendering, quoting, golden scripts, placement checks, the CLI.
+
+    HPCRL_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_render.py -k golden   # accept new golden scripts
+
+The same jobs on a real Slurm cluster: tests/e2e/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcrl.cli import main
+from hpcrl.config import ConfigError, from_dict, load_yaml
+from hpcrl.run_config import RunConfig
+from hpcrl.slurm.cli import render_sbatch, sbatch_command_line
+from hpcrl.slurm.render import _config_heredoc, check_placement, directive_value, render_script
+from tests.support import (
+    GOLDEN,
+    HOSTILE_NAME,
+    REPO,
+    STUB,
+    make_config,
+)
+
+GOLDEN_CONFIGS = {
+    "disaggregated": {
+        "name": "golden",
+        "engine.num_engines": 4,
+        "engine.device": "cuda",
+        "train.device": "cuda",
+        "slurm.partition": "gpu",
+        "slurm.account": "rl-team",
+        "slurm.qos": "high",
+        "slurm.constraint": "h100&ib",
+        "slurm.time_limit": "04:00:00",
+        "slurm.signal_delay_s": 300,
+        "slurm.engines": {"nodes": 2, "gpus_per_node": 4, "gpus_per_engine": 2, "cpus_per_task": 8, "mem_gb": 200},
+        "slurm.engines.extra_sbatch": {"exclusive": ""},
+        "slurm.trainer": {"nodes": 2, "tasks_per_node": 4, "gpus_per_task": 1, "cpus_per_task": 16, "mem_gb": 400},
+        "slurm.extra_sbatch": {"mail_type": "END", "mail-user": "rl@example.org"},
+        "slurm.python": "/opt/venvs/hpcrl/bin/python",
+        "slurm.setup": ["module load cuda/12.4"],
+        "slurm.env": {"NCCL_DEBUG": "WARN"},
+    },
+    "colocated": {
+        "name": "golden-colocated",
+        "engine.num_engines": 4,
+        "engine.device": "cuda",
+        "train.device": "cuda",
+        "slurm.colocate": True,
+        "slurm.requeue": False,
+        "slurm.time_limit": "2-00:00:00",
+        "slurm.engines.gpus_per_engine": 2,
+        "slurm.engines.cpus_per_task": 4,
+        "slurm.trainer": {"nodes": 1, "tasks_per_node": 8, "gpus_per_task": 1, "cpus_per_task": 12, "mem_gb": 1.5},
+    },
+}
+
+
+def _mask_config(text: str) -> str:
+    # The embedded config lists every component's fields: the goldens pin the job's shape, not those.
+    return re.sub(
+        r"(<<'HPCRL_CONFIG_EOF'[^\n]*\n).*?\n(HPCRL_CONFIG_EOF\n)",
+        r"\1(the run's config.yaml: masked in the golden file)\n\2",
+        text,
+        flags=re.S,
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(GOLDEN_CONFIGS))
+def test_golden_sbatch(kind: str) -> None:
+    cfg = make_config(GOLDEN_CONFIGS[kind], model_path="/models/qwen3-8b")
+    text = _mask_config(render_script(cfg, f"runs/{cfg.name}", command_line=["hpcrl", "sbatch", f"{kind}.yaml"]))
+    path = GOLDEN / f"sbatch_{kind}.sbatch"
+    if os.environ.get("HPCRL_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}; create it: HPCRL_UPDATE_GOLDEN=1 pytest {__file__} -k golden"
+    assert text == path.read_text(), (
+        f"the rendered {kind} script differs from {path}; if the change is intended, refresh it: "
+        f"HPCRL_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_render.py -k golden (and review the diff)"
+    )
+
+
+def test_sbatch_dir_holds_every_experiment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the scripts name paths relative to the repository root, as users run them
+    stale, experiments = [], sorted(Path("experiments").glob("*.yaml"))
+    for config in experiments:
+        out = f"sbatch/{config.stem}.sbatch"
+        expected = render_sbatch(str(config), [], out, None)
+        if not Path(out).exists() or Path(out).read_text() != expected:
+            stale.append(shlex.join(sbatch_command_line(str(config), [], out, None)))
+    orphans = sorted({p.stem for p in Path("sbatch").glob("*.sbatch")} - {c.stem for c in experiments})
+    assert not stale, "sbatch/ is stale for some experiments; refresh with:\n  " + "\n  ".join(stale)
+    assert not orphans, f"sbatch/ has scripts without an experiments/*.yaml: {orphans}; delete them"
+
+
+def test_config_round_trips_through_the_script_and_values_stay_text(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(make_config(), name=HOSTILE_NAME)
+    text = render_script(cfg, str(tmp_path / "run dir $(x)"), role_command=STUB)
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    directive = next(line for line in text.splitlines() if line.startswith("#SBATCH --job-name="))
+    assert "\n" not in directive and directive.endswith('"')
+    # The body names RUN_DIR once, shell-quoted; the config is in a quoted heredoc.
+    assert "RUN_DIR='" in text and "<<'HPCRL_CONFIG_EOF'" in text
+    heredoc = text.split("<<'HPCRL_CONFIG_EOF' || exit 1\n", 1)[1].split("\nHPCRL_CONFIG_EOF\n", 1)[0]
+    (tmp_path / "embedded.yaml").write_text("\n".join(line[1:] for line in heredoc.split("\n")))
+    assert from_dict(RunConfig, load_yaml(tmp_path / "embedded.yaml")) == cfg
+
+
+def test_embedded_config_has_no_empty_line_and_cannot_end_the_heredoc() -> None:
+    # sbatch drops the empty lines of a het job's script (Slurm 22.05): a multi-line string would change.
+    lines = _config_heredoc("name: 'a\n\n  HPCRL_CONFIG_EOF\n\n  b'\nseed: 0\n")
+    body = lines[lines.index(next(line for line in lines if "<<'" in line)) + 1 : lines.index("HPCRL_CONFIG_EOF")]
+    assert body == ["|name: 'a", "|", "|  HPCRL_CONFIG_EOF", "|", "|  b'", "|seed: 0"]
+
+
+@pytest.mark.parametrize(
+    ("value", "rendered"),
+    [
+        ("quickstart", "quickstart"),
+        ("01:00:00", "01:00:00"),
+        ("a b", '"a b"'),
+        ('say "hi" #1', '"say \\"hi\\" #1"'),
+        ("back\\slash", '"back\\\\slash"'),
+        ("two\nlines", '"two lines"'),
+    ],
+)
+def test_directive_values_are_quoted_for_sbatch(value: str, rendered: str) -> None:
+    assert directive_value(value) == rendered
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"slurm.extra_sbatch": {"mial-type": "END"}}, "did you mean 'mail-type'"),
+        ({"slurm.extra_sbatch": {"partition": "gpu"}}, "set slurm.partition instead"),
+        ({"slurm.trainer.extra_sbatch": {"gpus-per-task": 1}}, "slurm.trainer.gpus_per_task"),
+        ({"slurm.time_limit": "1h"}, "not a Slurm time"),
+        ({"slurm.time_limit": "00:01:00", "slurm.signal_delay_s": 120}, "lower signal_delay_s"),
+        ({"slurm.engines.gpus_per_node": 4, "slurm.engines.gpus_per_engine": 3}, "multiple of gpus_per_engine"),
+        ({"slurm.partition": " "}, "partition is empty"),
+        ({"slurm.env": {"1BAD": "x"}}, "not a variable name"),
+    ],
+)
+def test_invalid_slurm_sections_name_the_fix(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_config(overrides)
+
+
+def test_placement_checks() -> None:
+    gpu = {"engine.device": "cuda", "train.device": "cuda", "slurm.trainer.gpus_per_task": 1}
+    cfg = make_config(gpu | {"slurm.engines.gpus_per_node": 8, "slurm.engines.gpus_per_engine": 2})
+    with pytest.raises(ConfigError, match=r"set engine.num_engines=4"):
+        check_placement(cfg)
+    assert check_placement(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, num_engines=4))) == []
+    with pytest.raises(ConfigError, match="gpus_per_task=0"):
+        check_placement(make_config({"train.device": "cuda"}))
+    with pytest.raises(ConfigError, match="set slurm.engines.gpus_per_node"):
+        check_placement(make_config({"engine.device": "cuda"}))
+    notes = check_placement(make_config({"slurm.colocate": True, "slurm.engines.nodes": 3, "train.num_ranks": 2}))
+    assert any("engines.nodes have no effect" in n for n in notes)
+    assert any("train.num_ranks=2 has no effect" in n for n in notes)
+
+
+def test_cli_sbatch_dry_run_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(REPO / "experiments" / "quickstart.yaml")
+    assert main(["sbatch", config, "slurm.trainer.tasks_per_node=2", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash") and "#SBATCH hetjob" in out and "dry run: the script is valid" in err
+    target = tmp_path / "sub" / "q.sbatch"
+    assert main(["sbatch", config, "-o", str(target), "--run-dir", "runs/x"]) == 0
+    assert target.stat().st_mode & 0o111 and "RUN_DIR=runs/x" in target.read_text()
+    assert main(["sbatch", config, "slurm.extra_sbatch.nodez=1", "--dry-run"]) == 2
+    assert "unknown sbatch option 'nodez'" in capsys.readouterr().err
+
+
+def test_doctor_reports_and_passes_for_local_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--run-dir", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    for name in ("python", "torch", "run dir", "slurm", "mpi4py", "nvml", "sglang", "megatron-core"):
+        assert re.search(rf"^  (ok  |miss|FAIL)  {re.escape(name)}\b", out, re.M), (name, out)
+    assert "ready for local runs" in out
+
+
+def test_doctor_fails_on_an_unwritable_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["doctor", "--run-dir", str(blocker / "runs")]) == 1
+    assert "FAIL  run dir" in capsys.readouterr().out
+
+
+def test_submit_refuses_a_run_dir_of_another_run(tmp_path: Path) -> None:
+    from hpcrl.slurm.executor import write_run_config
+
+    write_run_config(make_config(), tmp_path)
+    # Extending a run and changing its Slurm shape are resumes of the same run.
+    longer = make_config({"num_steps": 50, "slurm.time_limit": "12:00:00"})
+    write_run_config(longer, tmp_path)
+    assert from_dict(RunConfig, load_yaml(tmp_path / "config.yaml")) == longer
+    with pytest.raises(ConfigError, match="holds a run with a different config"):
+        write_run_config(make_config({"train.lr": 0.5}), tmp_path)
+
+
+def test_watcher_reads_het_jobs_from_component_zero() -> None:
+    from hpcrl.slurm.executor import HetSlurmInfoWatcher
+
+    sacct = "JobID|State|NodeList\n12+0|RUNNING|n1\n12+0.batch|RUNNING|n1\n12+1|RUNNING|n2\n13|PENDING|None\n"
+    info = HetSlurmInfoWatcher().read_info(sacct)
+    assert info["12"]["State"] == "RUNNING" and info["13"]["State"] == "PENDING"
