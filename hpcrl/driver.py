@@ -9,11 +9,11 @@ from pathlib import Path
 
 from hpcrl.run.session import RunSession
 from hpcrl.run_config import RunConfig
-from hpcrl.slurm.env import SlurmEnv
+from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import StepTimer
 
 
-def run(cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None, restart: bool = False) -> int:
+def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> int:
     """Run (or resume) GRPO in run_dir (restart: move its old contents aside first); returns the exit code."""
     with RunSession(cfg, run_dir, slurm=slurm, restart=restart) as s:
         start = s.resume()

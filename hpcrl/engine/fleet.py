@@ -7,9 +7,9 @@ A monitor thread probes every engine each `health_interval_s` and watches its pr
   (re)started is `starting`, not live: the launcher bounds that by the kind's start-up timeout instead
   (SGLang's port is silent for minutes while it starts).
 The rollout stops waiting on a dead engine's requests and re-issues them, with the same seeds, to live
-engines. At the next phase boundary `heal()` restarts dead engines (at most `max_restarts` each); a
+engines. At the next phase boundary `restart_dead()` restarts dead engines (at most `max_restarts` each); a
 restarted engine is routable only after it has the current weights and version (radixark/miles#1724):
-`heal` returns the engines that need them and the caller pushes before the next rollout. When an
+`restart_dead` returns the engines that need them and the caller pushes before the next rollout. When an
 engine has used up its restarts, or no engine is left, `FleetError` names the engine, the cause and
 its last log lines. No loop here retries without a bound.
 """
@@ -170,7 +170,7 @@ class EngineFleet:
 
     def resume_memory(self, tags: list[str]) -> None:
         """Resume, on every live engine, those of `tags` it has released. An engine that fails here is
-        reported (and marked dead when it is gone): heal() restarts it with all its memory."""
+        reported (and marked dead when it is gone): restart_dead() restarts it with all its memory."""
         for slot in self.live():
             wanted = [t for t in tags if t in slot.lent]
             if not wanted:
@@ -185,7 +185,7 @@ class EngineFleet:
             slot.lent.difference_update(wanted)
 
     # ----- recovery -----
-    def heal(self) -> list[EngineSlot]:
+    def restart_dead(self) -> list[EngineSlot]:
         """Restart dead engines (bounded); returns the restarted ones, which need the current weights."""
         restarted = []
         for slot in list(self.slots):

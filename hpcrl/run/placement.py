@@ -20,14 +20,14 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker, wait_for_rendezvous
 from hpcrl.run.errors import RunError
 from hpcrl.run_config import RunConfig
-from hpcrl.slurm.env import SlurmEnv
+from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import Progress
 from hpcrl.sync.config import SyncConfig
 from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
 
 
 class Placement:
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None, progress: Progress) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None, progress: Progress) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.slurm = slurm

@@ -30,7 +30,7 @@ from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, prepare_model
 from hpcrl.run_config import RunConfig
-from hpcrl.slurm.env import SlurmEnv
+from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.progress import Progress
 from hpcrl.store.run_dir import (
@@ -60,7 +60,7 @@ class RunSession:
     warm_start: WarmStart
     data: PromptSource
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: SlurmEnv | None = None, restart: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> None:
         self.cfg, self.run_dir, self.slurm, self.restart = cfg, run_dir, slurm, restart
         self.progress = Progress(cfg.num_steps)
         self.placement = Placement(cfg, run_dir, slurm=slurm, progress=self.progress)
@@ -217,7 +217,7 @@ class RunSession:
         job_id = self.placement.incarnation.job_id
         self.store.event("preempted", step=step, detail={"signal": name, "job_id": job_id})
         saved = f"checkpointed step {step + 1}" if step is not None else "the last checkpoint holds the last step"
-        if self.slurm:
+        if self.slurm and self.slurm.scheduler == "slurm":  # an mpiexec launch has no job to requeue
             # The requeued job (same id, SLURM_RESTART_COUNT + 1) resumes from this checkpoint.
             out = subprocess.run(["scontrol", "requeue", self.slurm.job_id], capture_output=True, text=True)
             self.progress.say(

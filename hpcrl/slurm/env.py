@@ -77,7 +77,10 @@ def _het_step_group(env: Mapping[str, str]) -> tuple[int, int, int] | None:
 
 
 @dataclass(frozen=True)
-class SlurmEnv:
+class LaunchEnv:
+    """How this task was launched, read from its environment: by srun (a Slurm step, maybe one het group) or
+    by an MPI launcher outside Slurm (`scheduler`). Ranks, world size and node names either way."""
+
     job_id: str
     restart_count: int
     rank: int
@@ -95,7 +98,7 @@ class SlurmEnv:
         return self.scheduler == "slurm"
 
     @classmethod
-    def from_mpi(cls) -> SlurmEnv | None:
+    def from_mpi(cls) -> LaunchEnv | None:
         """Rank and world from an MPI launcher's variables; rank 0's host becomes the rendezvous host."""
         from hpcrl.sync.mpi import comm_world, mpi_rank_env
 
@@ -124,7 +127,7 @@ class SlurmEnv:
         )
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> SlurmEnv | None:
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> LaunchEnv | None:
         env = os.environ if env is None else env
         if "SLURM_JOB_ID" not in env or "SLURM_PROCID" not in env:
             return None

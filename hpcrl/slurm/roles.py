@@ -28,15 +28,15 @@ from pathlib import Path
 from hpcrl import preemption
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker
 from hpcrl.run_config import RunConfig, load_run_config
-from hpcrl.slurm.env import SlurmEnv
+from hpcrl.slurm.env import LaunchEnv
 
 
 class RoleError(RuntimeError):
     pass
 
 
-def _slurm_env() -> SlurmEnv:
-    env = SlurmEnv.from_environ()
+def _slurm_env() -> LaunchEnv:
+    env = LaunchEnv.from_environ()
     if env is None:
         raise RoleError("`hpcrl role` runs inside a Slurm job step (srun); for a local run use `hpcrl run CONFIG`")
     return env
@@ -102,7 +102,7 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
     from hpcrl.sync.mpi import mpi_world, run_agent
 
     comm = mpi_world("agent")
-    slurm = SlurmEnv.from_environ()
+    slurm = LaunchEnv.from_environ()
     if slurm is not None:
         # Under Slurm the agents share the driver's step, so the batch shell's USR2 (forwarded to that step)
         # reaches them and their engines: it is the driver's to act on. Ignored here, and inherited as
@@ -139,7 +139,7 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
 
 def trainer_role(run_dir: Path) -> int:
     # srun (Slurm) or an MPI launcher (mpiexec, outside Slurm) started this task.
-    env = SlurmEnv.from_environ() or SlurmEnv.from_mpi()
+    env = LaunchEnv.from_environ() or LaunchEnv.from_mpi()
     if env is None:
         raise RoleError(
             "`hpcrl role trainer` runs under srun or an MPI launcher (mpiexec -n N); for a local run use `hpcrl run`"

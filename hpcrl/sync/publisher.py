@@ -57,9 +57,9 @@ class WeightPublisher:
         self.check_finite(weights, f"weight version {version}")
         t0 = time.perf_counter()
         for attempt in (0, 1):
-            # Engines that died with their memory lent are skipped here; heal() restarts them whole.
+            # Engines that died with their memory lent are skipped here; restart_dead() restarts them whole.
             self.fleet.resume_memory(["weights"])  # stale until the push below rewrites every weight
-            if self.fleet.heal() or attempt:
+            if self.fleet.restart_dead() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
                 pushed = self.sync.push(weights, version)

@@ -120,17 +120,17 @@ def _het_step_env(procid: int, group: int) -> dict[str, str]:
 
 
 def test_ranks_in_a_step_over_both_het_groups_count_from_their_component() -> None:
-    from hpcrl.slurm.env import SlurmEnv
+    from hpcrl.slurm.env import LaunchEnv
 
-    follower = SlurmEnv.from_environ(_het_step_env(3, 1))
+    follower = LaunchEnv.from_environ(_het_step_env(3, 1))
     assert follower is not None
     assert (follower.rank, follower.world_size, follower.local_rank) == (1, 2, 1)
     assert follower.step_nodes == ["n3"] and follower.master_addr == "n3" and follower.het_group == 1
-    agent = SlurmEnv.from_environ(_het_step_env(1, 0))
+    agent = LaunchEnv.from_environ(_het_step_env(1, 0))
     assert agent is not None and (agent.rank, agent.world_size, agent.step_nodes) == (1, 2, ["n1", "n2"])
     # A step of one component (the other transports): SLURM_PROCID is already the rank, whatever the hint says.
     alone = _het_step_env(1, 1) | {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n3"}
-    one = SlurmEnv.from_environ(alone)
+    one = LaunchEnv.from_environ(alone)
     assert one is not None and (one.rank, one.world_size, one.step_nodes) == (1, 2, ["n3"])
 
 
