@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,21 +58,16 @@ def start_engine(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float =
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     eng = EngineProcess(url=url, port=port, proc=proc, log_path=log_path)
-    deadline = time.monotonic() + timeout_s
-    import httpx
+    # The launcher's own wait (starting until the first healthy answer, bounded, the log's tail on failure).
+    from hpcrl.engine.local import LocalEngine, wait_started
 
-    headers = {"Authorization": f"Bearer {extra[extra.index('--api-key') + 1]}"} if "--api-key" in extra else {}
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}:\n{eng.log()}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0, headers=headers).status_code == 200:
-                return eng
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    eng.stop()
-    raise RuntimeError(f"engine did not become healthy in {timeout_s} s:\n{eng.log()}")
+    token = extra[extra.index("--api-key") + 1] if "--api-key" in extra else ""
+    try:
+        wait_started(LocalEngine("engine", url, token, proc, log_path), kind="embedded", limit_s=timeout_s, say=print)
+    except BaseException:
+        eng.stop()
+        raise
+    return eng
 
 
 @pytest.fixture

@@ -190,45 +190,12 @@ class LocalEngines:
         return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
 
     def _wait_started(self, eng: LocalEngine, *, stop_all: bool = True) -> None:
-        """Poll until the engine answers /health; it is `starting` meanwhile (a silent port is normal:
-        SGLang takes minutes), bounded by engine.startup_timeout_s from its launch, with a progress line."""
-        kind, limit_s = self.cfg.kind, self.cfg.start_timeout_s
-        probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
-        next_say_s = PROGRESS_EVERY_S
         try:
-            while True:
-                waited_s = time.monotonic() - eng.started_s
-                if eng.proc.poll() is not None:
-                    if stop_all:
-                        self.stop()
-                    raise EngineStartError(
-                        f"{kind} engine {eng.engine_id} exited with code {eng.proc.returncode} while starting "
-                        f"({waited_s:.0f} s after launch); last lines of {eng.log_path}:\n{tail(eng.log_path)}"
-                    )
-                try:
-                    if probe.health():
-                        if waited_s >= PROGRESS_EVERY_S:
-                            self.say(f"{kind} engine {eng.engine_id} is up after {waited_s:.0f} s")
-                        return
-                except Exception:  # noqa: BLE001 - not up yet
-                    pass
-                if waited_s > limit_s:
-                    if stop_all:
-                        self.stop()
-                    raise EngineStartError(
-                        f"{kind} engine {eng.engine_id} did not answer /health within {limit_s:.0f} s of its launch "
-                        f"(engine.startup_timeout_s; raise it if the engine is merely slow); last lines of "
-                        f"{eng.log_path}:\n{tail(eng.log_path)}"
-                    )
-                if waited_s >= next_say_s:
-                    self.say(
-                        f"{kind} engine {eng.engine_id} starting: {waited_s:.0f} s of at most {limit_s:.0f} s "
-                        f"(log: {eng.log_path})"
-                    )
-                    next_say_s += PROGRESS_EVERY_S
-                time.sleep(0.1)
-        finally:
-            probe.close()
+            wait_started(eng, kind=self.cfg.kind, limit_s=self.cfg.start_timeout_s, say=self.say)
+        except EngineStartError:
+            if stop_all:
+                self.stop()
+            raise
 
     def _write_rendezvous(self, eng: LocalEngine) -> None:
         record = {
@@ -264,6 +231,40 @@ class LocalEngines:
                 eng.proc.wait()
             (self.run_dir / "engines" / f"{eng.engine_id}.json").unlink(missing_ok=True)
         self.engines = []
+
+
+def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[str], None]) -> None:
+    """Poll until the engine answers /health; it is `starting` meanwhile (a silent port is normal: SGLang takes
+    minutes), bounded by `limit_s` from its launch, with a progress line every PROGRESS_EVERY_S."""
+    probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
+    next_say_s = PROGRESS_EVERY_S
+    try:
+        while True:
+            waited_s = time.monotonic() - eng.started_s
+            if eng.proc.poll() is not None:
+                raise EngineStartError(
+                    f"{kind} engine {eng.engine_id} exited with code {eng.proc.returncode} while starting "
+                    f"({waited_s:.0f} s after launch); last lines of {eng.log_path}:\n{tail(eng.log_path)}"
+                )
+            try:
+                if probe.health():
+                    if waited_s >= PROGRESS_EVERY_S:
+                        say(f"{kind} engine {eng.engine_id} is up after {waited_s:.0f} s")
+                    return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if waited_s > limit_s:
+                raise EngineStartError(
+                    f"{kind} engine {eng.engine_id} did not answer /health within {limit_s:.0f} s of its launch "
+                    f"(engine.startup_timeout_s; raise it if the engine is merely slow); last lines of "
+                    f"{eng.log_path}:\n{tail(eng.log_path)}"
+                )
+            if waited_s >= next_say_s:
+                say(f"{kind} engine {eng.engine_id} starting: {waited_s:.0f} s of at most {limit_s:.0f} s")
+                next_say_s += PROGRESS_EVERY_S
+            time.sleep(0.1)
+    finally:
+        probe.close()
 
 
 def wait_for_rendezvous(

@@ -27,8 +27,8 @@ def prepare_model(cfg: RunConfig) -> Path:
     import fcntl
 
     path = Path(cfg.model.path)
-    if (path / "config.json").is_file():
-        return path
+    if (path / "config.json").is_file() or cfg.model.init_tiny is None:
+        return _create_model_if_missing(cfg, path)  # refuses a missing model without writing a lock file
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -24,6 +24,7 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.group import broadcast, broadcast_many, init_weight_group
+from hpcrl.sync.sglang_payload import flatten_bucket
 from hpcrl.sync.tensor_handover import tensor_update_request
 
 GROUP_NAME = "hpcrl_weights"
@@ -201,7 +202,8 @@ class WeightSync:
         ]
         try:
             if flattened:
-                broadcast(self.group, torch.cat([t.reshape(-1) for _, t in bucket]).to(self.device))
+                # SGLang's layout: one uint8 buffer of the tensors' bytes (what 0.5.16 allocates to receive).
+                broadcast(self.group, flatten_bucket(bucket)[0].to(self.device))
             else:
                 broadcast_many(self.group, [t.contiguous().to(self.device) for _, t in bucket])
         except RuntimeError as exc:

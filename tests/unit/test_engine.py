@@ -281,7 +281,8 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
     send = threading.Thread(target=lambda: box.update(u=post(url, "/update_weights_from_distributed", body)))
     send.start()
     if flattened:
-        broadcast(pg, torch.cat([t.flatten() for _, t in named]))
+        # SGLang 0.5.16's layout (weight_sync/tensor_bucket.py): every tensor's bytes back to back, as uint8.
+        broadcast(pg, torch.cat([t.flatten().view(torch.uint8) for _, t in named]))
     else:
         for _, t in named:
             broadcast(pg, t.contiguous())

@@ -54,7 +54,7 @@ def test_engine_and_trainer_roles_rendezvous_and_finish(tmp_path: Path, tiny_mod
     ranks = [role("trainer", run_dir, step_env(r, 2)) for r in (0, 1)]
     outs = [p.communicate(timeout=240)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outs
-    assert "waiting for 2 engine(s) of job 4242" in outs[0] and "step    3/3" in outs[0]
+    assert "waiting for 2 embedded engine(s) of job 4242" in outs[0] and "step    3/3" in outs[0]
     engine_out = engines.communicate(timeout=60)[0]
     assert engines.returncode == 0, engine_out
     assert "engines 0..1 ready" in engine_out

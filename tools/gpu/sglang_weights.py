@@ -180,6 +180,40 @@ def main() -> int:
             print(f"pushed == fresh server ({key}): tokens {same}, max |dlogprob| {diff:.3g}", flush=True)
             ok &= same
 
+        # 2b. the disaggregated path, on one GPU: hpcrl's WeightSync over a gloo group (NCCL refuses two ranks
+        # on one device): init_weights_update_group + update_weights_from_distributed with flattened buckets,
+        # pushing the original weights W back; A must then generate what it generated on W at the start.
+        from hpcrl.sync.config import SyncConfig
+        from hpcrl.sync.push import WeightSync
+
+        sync = WeightSync(
+            SyncConfig(transport="distributed", master_address="127.0.0.1", group_timeout_s=120),
+            [client], device=torch.device("cpu"), engine_kind="sglang",
+        )  # fmt: skip
+        from safetensors.torch import load_file
+
+        original = [(k, v.to(torch.bfloat16)) for k, v in load_file(str(model_a / "model.safetensors")).items()]
+        t0 = time.perf_counter()
+        sync.connect()
+        connect_s = time.perf_counter() - t0
+        dist_metrics = sync.push(original, "w-dist")
+        again = generate(url_a, greedy=True)
+        same = tokens(again) == tokens(before)
+        diff = max(
+            abs(a - b)
+            for x, y in zip(logprobs(again), logprobs(before), strict=True)
+            for a, b in zip(x, y, strict=True)
+        )
+        report["distributed_push_restores_original"] = {
+            "tokens_equal": same, "max_abs_logprob_diff": diff, "connect_s": connect_s, **dist_metrics,
+        }  # fmt: skip
+        print(
+            f"distributed (gloo, flattened) push of W == A's first generation: tokens {same}, |dlp| {diff:.3g}",
+            flush=True,
+        )
+        ok &= same
+        sync.close()
+
         # 3. a request that lives through a version update
         result: dict[str, Any] = {}
 

@@ -125,13 +125,12 @@ class WeightReceiver:
         torch_dtypes = [parse_dtype(d) for d in dtypes]
         received: list[tuple[str, torch.Tensor]] = []
         if load_format == "flattened_bucket":
-            if len(set(torch_dtypes)) != 1:
-                raise ValueError("a flattened_bucket must hold tensors of one dtype")
-            numels = [int(torch.Size(s).numel()) for s in shapes]
-            flat = torch.empty(sum(numels), dtype=torch_dtypes[0], device=device)
+            # SGLang's layout (FlattenedTensorBucket): one uint8 buffer, each tensor's bytes back to back.
+            nbytes = [int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, torch_dtypes, strict=True)]
+            flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
             broadcast(pg, flat)
-            for name, shape, part in zip(names, shapes, flat.split(numels), strict=True):
-                received.append((name, part.view(shape)))
+            for name, shape, dtype, part in zip(names, shapes, torch_dtypes, flat.split(nbytes), strict=True):
+                received.append((name, part.view(dtype).view(shape)))
         elif load_format in (None, "", "default"):
             # Paused, nothing runs a forward: a tensor of the model's dtype lands straight in its
             # parameter (no receive buffer, no copy). Captured graphs stay valid: addresses do not move.
