@@ -1,15 +1,18 @@
 """The weight-update process group that joins trainer rank 0 (rank 0) with engine ranks.
 
-It is built directly on a TCPStore rather than `torch.distributed.init_process_group`, because both
-sides already have (or may have) a default group of their own: the trainer's DDP group, the engine's
-tensor-parallel group. The store keys are prefixed the way SGLang's `init_custom_process_group` does
-(group name, then backend), so the trainer side also rendezvouses with a real SGLang server.
+Both sides may already have a default group of their own (the trainer's DDP group, the engine's tensor-
+parallel group), so it is not `init_process_group`. It is formed exactly as SGLang 0.5.16's
+`init_custom_process_group` forms it (sglang/srt/utils/common.py:2424, called from weight_updater.py:81):
+a `tcp://` rendezvous, a `PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which adds
+its own `group_name/` and per-device prefixes. Copying only the outer prefixes is not enough: on the H200,
+a group keyed "group/gloo/" waited 120 s for a real SGLang server that had joined under torch's keys.
+The group name must be new in each process (torch refuses a name twice), so the pusher numbers them.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,24 +38,31 @@ def init_weight_group(
     if not 0 <= rank < world_size:
         raise WeightGroupError(f"rank {rank} is outside world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    host = f"[{master_address}]" if ":" in master_address else master_address
     try:
-        store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
-        prefixed = dist.PrefixStore(f"{backend}/", dist.PrefixStore(group_name, store))
-        if backend == "gloo":
-            # A bare backend: torch's stubs do not type it a ProcessGroup, though it has the calls used here.
-            pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=cast(Any, group_name),
+            backend_options=None, timeout=timeout,
+        )  # fmt: skip
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     except Exception as exc:  # noqa: BLE001 - torch raises several types for a failed rendezvous
         raise WeightGroupError(
             f"weight-update group {group_name!r} (rank {rank}/{world_size}, {backend}) could not form at "
             f"{master_address}:{master_port} within {timeout_s:.0f} s: {exc}"
         ) from exc
     return pg
+
+
+def destroy_weight_group(pg: Any) -> None:
+    """Unregister and shut the group down (best effort: a group whose peer died may refuse)."""
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # noqa: BLE001 - it is dropped either way
+        pass
 
 
 def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, *, src: int = 0) -> None:

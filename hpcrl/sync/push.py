@@ -12,6 +12,7 @@ A failure at any point raises with the engine's URL; nothing retries a weight ca
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 from hpcrl.sync.config import SyncConfig
-from hpcrl.sync.group import broadcast, broadcast_many, init_weight_group
+from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
 from hpcrl.sync.sglang_payload import flatten_bucket
 from hpcrl.sync.tensor_handover import tensor_update_request
 
@@ -77,6 +78,10 @@ class WeightSync:
         self.engines = list(engines)
         self.device = device
         self.group: dist.ProcessGroup | None = None
+        # Torch refuses a group name twice in one process: each (re)connect forms a newly named group.
+        self.num_groups = 0
+        self._name_token = secrets.token_hex(3)
+        self.group_name = GROUP_NAME
         self.mpi = None
         if self.transport == "mpi":
             from hpcrl.sync.mpi import MpiWeightSender
@@ -100,6 +105,9 @@ class WeightSync:
         if self.transport != "distributed" or self.group is not None:
             return
         port = self.cfg.master_port or _free_port()
+        self.num_groups += 1
+        # A name of this driver's own: an engine that outlived a crashed driver may still hold its groups.
+        self.group_name = f"{GROUP_NAME}_{self._name_token}_{self.num_groups}"
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         world = 1 + len(self.engines)
         futures = [
@@ -110,7 +118,7 @@ class WeightSync:
                     master_port=port,
                     rank_offset=1 + i,
                     world_size=world,
-                    group_name=GROUP_NAME,
+                    group_name=self.group_name,
                     backend=backend,
                 ),
                 timeout_s=self.cfg.group_timeout_s + 10,
@@ -122,7 +130,7 @@ class WeightSync:
             master_port=port,
             rank=0,
             world_size=world,
-            group_name=GROUP_NAME,
+            group_name=self.group_name,
             backend=backend,
             timeout_s=self.cfg.group_timeout_s,
         )
@@ -144,9 +152,10 @@ class WeightSync:
                 pass
             for e in self.engines:
                 try:
-                    e.destroy_weights_update_group(GROUP_NAME, timeout_s=5)
+                    e.destroy_weights_update_group(self.group_name, timeout_s=5)
                 except Exception:  # noqa: BLE001 - the dead engine cannot answer
                     pass
+            destroy_weight_group(self.group)
             self.group = None
         self.engines = list(engines)
         self.connect()
@@ -192,7 +201,7 @@ class WeightSync:
             names=tuple(n for n, _ in bucket),
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket),
             shapes=tuple(tuple(t.shape) for _, t in bucket),
-            group_name=GROUP_NAME,
+            group_name=self.group_name,
             flush_cache=False,
             load_format="flattened_bucket" if flattened else None,
         )
@@ -227,8 +236,9 @@ class WeightSync:
         if self.group is not None:
             for e in self.engines:
                 try:
-                    e.destroy_weights_update_group(GROUP_NAME, timeout_s=10)
+                    e.destroy_weights_update_group(self.group_name, timeout_s=10)
                 except Exception:  # noqa: BLE001 - engines may already be gone at shutdown
                     pass
+            destroy_weight_group(self.group)
             self.group = None
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ import torch
 
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
-from hpcrl.sync.group import broadcast, init_weight_group
+from hpcrl.sync.group import broadcast, destroy_weight_group, init_weight_group
 from hpcrl.sync.handover import create_handover
 from tests.conftest import EngineProcess, free_port
 
@@ -245,6 +245,7 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
     new = load_model(model_dir)
     named = list(new.state_dict().items())
     port = free_port()
+    group = f"g{port}"  # torch refuses a group name twice in this (the trainer's) process
     box: dict = {}
     join = threading.Thread(
         target=lambda: box.update(
@@ -256,7 +257,7 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
                     "master_port": port,
                     "rank_offset": 1,
                     "world_size": 2,
-                    "group_name": "g",
+                    "group_name": group,
                     "backend": "gloo",
                 },
             )
@@ -264,7 +265,13 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
     )
     join.start()
     pg = init_weight_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="g", backend="gloo", timeout_s=30
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=group,
+        backend="gloo",
+        timeout_s=30,
     )
     join.join(30)
     assert box["r"].json()["success"], box["r"].text
@@ -272,7 +279,7 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
         "names": [n for n, _ in named],
         "dtypes": ["float32"] * len(named),
         "shapes": [list(t.shape) for _, t in named],
-        "group_name": "g",
+        "group_name": group,
         "weight_version": "v1",
         "load_format": "flattened_bucket" if flattened else None,
     }
@@ -290,7 +297,8 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
     assert box["u"].json()["success"], box["u"].text
     if paused:
         assert post(url, "/continue_generation", {}).json()["status"] == "ok"
-    assert post(url, "/destroy_weights_update_group", {"group_name": "g"}).json()["success"]
+    assert post(url, "/destroy_weights_update_group", {"group_name": group}).json()["success"]
+    destroy_weight_group(pg)
 
 
 @pytest.mark.parametrize("how", ["distributed", "distributed_paused", "flattened_bucket", "tensor"])

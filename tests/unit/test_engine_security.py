@@ -28,7 +28,7 @@ from hpcrl.engine.local import LocalEngines
 from hpcrl.engine.sglang import sglang_command, write_sglang_config
 from hpcrl.model.hf import load_model
 from hpcrl.sync import handover
-from hpcrl.sync.group import broadcast, init_weight_group
+from hpcrl.sync.group import broadcast, destroy_weight_group, init_weight_group
 from hpcrl.sync.handover import UntrustedHandoverError, create_handover, private_dir
 from tests.conftest import EngineProcess, free_port, start_engine
 
@@ -249,16 +249,23 @@ def test_rendezvous_with_a_dead_master_is_bounded_by_the_group_timeout(engine: E
 
 def _in_place_push(url: str, named: list[tuple[str, torch.Tensor]]) -> httpx.Response:
     port = free_port()
+    name = f"g{port}"  # torch refuses a group name twice in this (the trainer's) process
     box: dict[str, httpx.Response] = {}
     group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
     join = threading.Thread(
         target=lambda: box.update(
-            r=post(url, "/init_weights_update_group", {**group, "group_name": "g", "backend": "gloo"})
+            r=post(url, "/init_weights_update_group", {**group, "group_name": name, "backend": "gloo"})
         )
     )
     join.start()
     pg = init_weight_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="g", backend="gloo", timeout_s=30
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=name,
+        backend="gloo",
+        timeout_s=30,
     )
     join.join(30)
     assert box["r"].json()["success"], box["r"].text
@@ -267,7 +274,7 @@ def _in_place_push(url: str, named: list[tuple[str, torch.Tensor]]) -> httpx.Res
         "names": [n for n, _ in named],
         "dtypes": ["float32"] * len(named),
         "shapes": [list(t.shape) for _, t in named],
-        "group_name": "g",
+        "group_name": name,
     }
     send = threading.Thread(target=lambda: box.update(u=post(url, "/update_weights_from_distributed", body)))
     send.start()
@@ -275,7 +282,8 @@ def _in_place_push(url: str, named: list[tuple[str, torch.Tensor]]) -> httpx.Res
         broadcast(pg, t.contiguous())
     send.join(30)
     assert post(url, "/continue_generation", {}).status_code == 200
-    assert post(url, "/destroy_weights_update_group", {"group_name": "g"}).json()["success"]
+    assert post(url, "/destroy_weights_update_group", {"group_name": name}).json()["success"]
+    destroy_weight_group(pg)
     return box["u"]
 
 

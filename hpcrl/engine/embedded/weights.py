@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler
-from hpcrl.sync.group import broadcast, broadcast_many, init_weight_group
+from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -72,7 +72,7 @@ class WeightReceiver:
             pg = self.groups.pop(group_name, None)
         if pg is None:
             raise EngineStateError(f"no weight-update group named {group_name!r}")
-        del pg  # ProcessGroup objects free their resources when the last reference goes
+        destroy_weight_group(pg)  # torch keeps a group registered under its name until it is destroyed
 
     # ----- checks shared by both paths -----
     def check_names(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:

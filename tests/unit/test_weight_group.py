@@ -1,0 +1,70 @@
+"""The weight-update group forms with a peer that joins the way stock SGLang 0.5.16 joins it, and carries
+SGLang's flattened-bucket layout (issue 14, item 2).
+
+The peer process below performs, call for call, what SGLang's `init_weights_update_group` runs:
+`init_custom_process_group(backend, init_method="tcp://host:port", world_size, rank, group_name)`
+(sglang/srt/utils/common.py:2424, called from model_executor/model_runner_components/weight_updater.py:81),
+then for `update_weights_from_distributed` with `load_format="flattened_bucket"` allocates one uint8 buffer of
+every tensor's bytes and `torch.distributed.broadcast`s into it (weight_updater.py:243). On the H200, hpcrl's
+earlier group (a TCPStore keyed "group/gloo/") waited 120 s for a real server that had joined this way.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from hpcrl.sync.group import broadcast, destroy_weight_group, init_weight_group
+from hpcrl.sync.sglang_payload import flatten_bucket
+from tests.conftest import free_port
+
+SGLANG_PEER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    port, names, nbytes = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3])
+    for group_name in names:
+        # sglang/srt/utils/common.py: init_custom_process_group
+        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=dist.default_pg_timeout))
+        store.set_timeout(dist.default_pg_timeout)
+        store = PrefixStore(group_name, store)
+        pg, _ = _new_process_group_helper(2, rank, [], Backend("gloo"), store, group_name=group_name,
+                                          backend_options=None, timeout=dist.default_pg_timeout)
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        # weight_updater.py: the flattened bucket arrives as one uint8 tensor
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=pg)
+        print(group_name, flat.view(torch.float32)[:3].tolist(), flat.sum().item(), flush=True)
+        dist.destroy_process_group(pg)
+    """
+)
+
+
+def test_a_peer_joining_like_sglang_forms_the_group_and_receives_the_flattened_bucket() -> None:
+    named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.full((4,), 0.5))]
+    flat, _ = flatten_bucket(named)
+    names = ["hpcrl_weights_1", "hpcrl_weights_2"]  # a reconnect forms a newly named group in the same process
+    ports = [free_port(), free_port()]
+    for port in ports[:1]:
+        peer = subprocess.Popen(
+            [sys.executable, "-c", SGLANG_PEER, str(port), ",".join(names), str(flat.numel())],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            for name in names:
+                pg = init_weight_group(
+                    master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name=name,
+                    backend="gloo", timeout_s=30,
+                )  # fmt: skip
+                broadcast(pg, flat)
+                destroy_weight_group(pg)
+            out, err = peer.communicate(timeout=60)
+        finally:
+            peer.kill()
+        assert peer.returncode == 0, err
+        lines = out.splitlines()
+        assert [ln.split()[0] for ln in lines] == names
+        assert all(f"[0.0, 1.0, 2.0] {int(flat.sum())}" in ln for ln in lines), out
