@@ -15,7 +15,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.launch import LaunchSlot, launch_for
 
 
 class EngineStartError(RuntimeError):
@@ -142,49 +142,13 @@ class LocalEngines:
         port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
         token = secrets.token_hex(16)
         log_path = self.run_dir / "logs" / f"engine-{i}.log"
-        # The key never goes on a command line: `ps` shows those to every user of the node.
-        key_env: dict[str, str] = {}
-        if self.cfg.kind == "sglang":
-            from hpcrl.engine.sglang import sglang_command, write_sglang_config
-
-            first_gpu = (i - self.first_index) * self.cfg.tp_size  # engines of a node take consecutive GPUs
-            config_file = write_sglang_config(self.run_dir / "engines" / f"engine-{i}.sglang.yaml", api_key=token)
-            cmd = sglang_command(
-                self.cfg, python=sys.executable, model_dir=self.model_dir, host=self.bind_host, port=port,
-                config_file=config_file, seed=self.seed + i, weight_version="0", base_gpu_id=first_gpu,
-            )  # fmt: skip
-        else:
-            key_env["HPCRL_ENGINE_API_KEY"] = token  # server.API_KEY_ENV; that module is slow to import
-            cmd = [
-                sys.executable, "-m", "hpcrl.cli", "engine", "serve",
-                "--model", self.model_dir, "--host", self.bind_host, "--port", str(port),
-                "--device", self.cfg.device, "--dtype", self.cfg.dtype,
-                "--max-running-requests", str(self.cfg.max_running_requests),
-                "--decode-mode", self.cfg.decode_mode, "--decode-overlap", self.cfg.decode_overlap,
-                "--decode-profile" if self.cfg.decode_profile else "--no-decode-profile",
-                "--random-seed", str(self.seed + i), "--num-threads", str(self.cfg.num_threads),
-                "--parent-pid", str(os.getpid()),
-                # Engines load the run's initial weights: version "0", what the driver calls them before a push.
-                "--weight-version", "0",
-            ]  # fmt: skip
-            if self.cfg.deterministic:
-                cmd.append("--deterministic")
-            if self.cfg.onpolicy_logprobs:
-                cmd.append("--onpolicy-logprobs")
-            if self.ignore_sigterm:
-                cmd.append("--ignore-sigterm")
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.num_threads), **self.extra_env, **key_env}
-        if self.cfg.kind == "sglang":
-            from hpcrl.engine.sglang import sglang_env
-
-            env.update(sglang_env())
-        # NVLink multicast can take a shared host's GPUs out of service: never on in engines hpcrl starts.
-        for key, value in (
-            ("NCCL_NVLS_ENABLE", "0"),
-            ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-            ("NVSHMEM_DISABLE_NVLS", "1"),
-        ):
-            env.setdefault(key, value)
+        slot = LaunchSlot(
+            index=i, position=i - self.first_index, model_dir=self.model_dir, host=self.bind_host, port=port,
+            api_key=token, seed=self.seed + i, run_dir=self.run_dir, ignore_sigterm=self.ignore_sigterm,
+        )  # fmt: skip
+        launch = launch_for(self.cfg, slot)
+        cmd = launch.cmd
+        env = {**os.environ, **launch.env, **self.extra_env}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.launch import Launch, LaunchSlot
 
 
 def sglang_env() -> dict[str, str]:
@@ -78,3 +80,15 @@ def sglang_command(
     if cfg.deterministic:
         cmd.append("--enable-deterministic-inference")
     return cmd + list(cfg.sglang_args)
+
+
+def sglang_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
+    """A stock SGLang server for one slot: its key in a 0600 --config file, /health without generation."""
+    config_file = write_sglang_config(
+        slot.run_dir / "engines" / f"engine-{slot.index}.sglang.yaml", api_key=slot.api_key
+    )
+    cmd = sglang_command(
+        cfg, python=sys.executable, model_dir=slot.model_dir, host=slot.host, port=slot.port,
+        config_file=config_file, seed=slot.seed, weight_version="0", base_gpu_id=slot.position * cfg.tp_size,
+    )  # fmt: skip
+    return Launch(cmd, {"OMP_NUM_THREADS": str(cfg.num_threads), **sglang_env()})

@@ -125,7 +125,13 @@ class MpiWeightSender:
         if self.comm.size < 2:
             raise MpiSyncError("sync.transport=mpi needs agents: launch ranks 1..N with `hpcrl role mpi-agent`")
 
-    def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def connect(self) -> None:
+        pass  # the agents joined MPI_Init with this process
+
+    def reconnect(self, engines: Sequence[EngineClient]) -> None:
+        pass  # the agents' engines cannot be restarted from here
+
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         dtype = str(bucket[0][1].dtype).removeprefix("torch.")
         header = {
             "cmd": CMD_BUCKET,
@@ -144,7 +150,7 @@ class MpiWeightSender:
         if failed:
             raise MpiSyncError(f"{failed} MPI agent(s) could not load a bucket into their engines; see their logs")
 
-    def stop(self) -> None:
+    def close(self) -> None:
         if not _sender_state["stopped"]:
             _bcast_json(self.comm, {"cmd": CMD_STOP})
             _sender_state["stopped"] = True

@@ -8,31 +8,24 @@ Ordering contract (what every engine sees, per push):
   4. continue_generation
   5. check: every engine reports version v (model_info)
 A failure at any point raises with the engine's URL; nothing retries a weight call.
+
+One module per transport: sync/distributed.py (a torch.distributed group), sync/tensor_handover.py (same-host
+handover, in each engine kind's format), sync/mpi.py (MPI broadcast to one agent per engine node).
 """
 
 from __future__ import annotations
 
-import secrets
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 from hpcrl.sync.config import SyncConfig
-from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
-from hpcrl.sync.sglang_payload import flatten_bucket
+from hpcrl.sync.errors import WeightSyncError
 from hpcrl.sync.tensor_handover import tensor_update_request
-
-GROUP_NAME = "hpcrl_weights"
-
-
-class WeightSyncError(RuntimeError):
-    pass
 
 
 def buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -48,12 +41,6 @@ def buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         size += nbytes
     if bucket:
         yield bucket
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class WeightSync:
@@ -77,17 +64,18 @@ class WeightSync:
             self.transport = "tensor" if colocated and device.type == "cuda" else "distributed"
         self.engines = list(engines)
         self.device = device
-        self.group: dist.ProcessGroup | None = None
-        # Torch refuses a group name twice in one process: each (re)connect forms a newly named group.
-        self.num_groups = 0
-        self._name_token = secrets.token_hex(3)
-        self.group_name = GROUP_NAME
-        self.mpi = None
-        if self.transport == "mpi":
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
+        self.sender: Sender
+        if self.transport == "distributed":
+            from hpcrl.sync.distributed import DistributedTransport
+
+            self.sender = DistributedTransport(cfg, self.engines, device=device, pool=self._pool)
+        elif self.transport == "mpi":
             from hpcrl.sync.mpi import MpiWeightSender
 
-            self.mpi = MpiWeightSender()
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
+            self.sender = MpiWeightSender()
+        else:
+            self.sender = _TensorSender(self)
         self.last_metrics: dict[str, float] = {}
 
     def _each(self, fn, *, what: str) -> list:
@@ -101,64 +89,13 @@ class WeightSync:
         return out
 
     def connect(self) -> None:
-        """Form the weight group: trainer rank 0 hosts it, engine i joins as rank 1 + i."""
-        if self.transport != "distributed" or self.group is not None:
-            return
-        port = self.cfg.master_port or _free_port()
-        self.num_groups += 1
-        # A name of this driver's own: an engine that outlived a crashed driver may still hold its groups.
-        self.group_name = f"{GROUP_NAME}_{self._name_token}_{self.num_groups}"
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        world = 1 + len(self.engines)
-        futures = [
-            self._pool.submit(
-                e.init_weights_update_group,
-                InitWeightsUpdateGroup(
-                    master_address=self.cfg.master_address,
-                    master_port=port,
-                    rank_offset=1 + i,
-                    world_size=world,
-                    group_name=self.group_name,
-                    backend=backend,
-                ),
-                timeout_s=self.cfg.group_timeout_s + 10,
-            )
-            for i, e in enumerate(self.engines)
-        ]
-        self.group = init_weight_group(
-            master_address=self.cfg.master_address,
-            master_port=port,
-            rank=0,
-            world_size=world,
-            group_name=self.group_name,
-            backend=backend,
-            timeout_s=self.cfg.group_timeout_s,
-        )
-        for engine, fut in zip(self.engines, futures, strict=True):
-            try:
-                fut.result(timeout=self.cfg.group_timeout_s + 20)
-            except Exception as exc:
-                raise WeightSyncError(f"engine {engine.url} could not join the weight group: {exc}") from exc
+        """Form the transport's group, where it has one (distributed: engine i joins as rank 1 + i)."""
+        self.sender.connect()
 
     def reconnect(self, engines: Sequence[EngineClient]) -> None:
-        """Re-form the weight group over `engines` (after a restart: a group's membership is fixed)."""
-        if self.group is not None:
-            # A peer that died mid-broadcast can leave NCCL kernels waiting on this GPU, with the compute
-            # stream behind them: abort the communicator so they end now, not at the watchdog's timeout
-            # (which would also take this process down).
-            try:
-                self.group.abort()
-            except Exception:  # noqa: BLE001 - an already broken group may refuse; it is dropped anyway
-                pass
-            for e in self.engines:
-                try:
-                    e.destroy_weights_update_group(self.group_name, timeout_s=5)
-                except Exception:  # noqa: BLE001 - the dead engine cannot answer
-                    pass
-            destroy_weight_group(self.group)
-            self.group = None
+        """Re-form the transport over `engines` (after a restart: a group's membership is fixed)."""
         self.engines = list(engines)
-        self.connect()
+        self.sender.reconnect(self.engines)
 
     def push(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -169,12 +106,7 @@ class WeightSync:
         for bucket in buckets(named, int(self.cfg.bucket_mb * 2**20)):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1
-            if self.transport == "distributed":
-                self._send_distributed(bucket)
-            elif self.mpi is not None:
-                self.mpi.send_bucket(bucket)
-            else:
-                self._send_tensor(bucket)
+            self.sender.send(bucket)
         t_sent = time.perf_counter()
         self._each(lambda e: e.update_weight_version(version, abort_all_requests=False), what="update_weight_version")
         self._each(lambda e: e.continue_generation(), what="continue_generation")
@@ -194,51 +126,39 @@ class WeightSync:
         }
         return self.last_metrics
 
-    def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        assert self.group is not None, "connect() first"
-        flattened = self.cfg.flattened
-        request = UpdateWeightsFromDistributed(
-            names=tuple(n for n, _ in bucket),
-            dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket),
-            shapes=tuple(tuple(t.shape) for _, t in bucket),
-            group_name=self.group_name,
-            flush_cache=False,
-            load_format="flattened_bucket" if flattened else None,
-        )
-        calls = [
-            self._pool.submit(e.update_weights_from_distributed, request, timeout_s=self.cfg.group_timeout_s)
-            for e in self.engines
-        ]
-        try:
-            if flattened:
-                # SGLang's layout: one uint8 buffer of the tensors' bytes (what 0.5.16 allocates to receive).
-                broadcast(self.group, flatten_bucket(bucket)[0].to(self.device))
-            else:
-                broadcast_many(self.group, [t.contiguous().to(self.device) for _, t in bucket])
-        except RuntimeError as exc:
-            # A peer that dies mid-broadcast resets the connection (gloo) or trips the group timeout (nccl):
-            # a failed push the caller can heal (restart, re-form the group, push everything again).
-            raise WeightSyncError(f"weight broadcast failed: {exc}") from exc
-        for engine, fut in zip(self.engines, calls, strict=True):
-            try:
-                fut.result(timeout=self.cfg.group_timeout_s)
-            except Exception as exc:
-                raise WeightSyncError(f"update_weights_from_distributed failed on {engine.url}: {exc}") from exc
+    def close(self) -> None:
+        self.sender.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        with tensor_update_request(bucket, engine_kind=self.engine_kind, tp_size=self.engine_tp_size) as request:
-            self._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
+
+class Sender(Protocol):
+    """What a transport does for the push: the session of calls around it stays in WeightSync."""
+
+    def connect(self) -> None: ...
+
+    def reconnect(self, engines: Sequence[EngineClient]) -> None: ...
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _TensorSender:
+    """Same-host handover: every engine maps one buffer per bucket (hpcrl/sync/tensor_handover.py)."""
+
+    def __init__(self, sync: WeightSync) -> None:
+        self.sync = sync
+
+    def connect(self) -> None:
+        pass
+
+    def reconnect(self, engines: Sequence[EngineClient]) -> None:
+        pass
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        s = self.sync
+        with tensor_update_request(bucket, engine_kind=s.engine_kind, tp_size=s.engine_tp_size) as request:
+            s._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
 
     def close(self) -> None:
-        if self.mpi is not None:
-            self.mpi.stop()
-            self.mpi = None
-        if self.group is not None:
-            for e in self.engines:
-                try:
-                    e.destroy_weights_update_group(self.group_name, timeout_s=10)
-                except Exception:  # noqa: BLE001 - engines may already be gone at shutdown
-                    pass
-            destroy_weight_group(self.group)
-            self.group = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        pass

@@ -521,6 +521,12 @@ class Scheduler:
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape, also while the weights are released (their tensors are then empty)."""
+        if self.weights_released:
+            return {n: tuple(shape) for n, (shape, _) in self._weight_shapes.items()}
+        return {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+
     def release_memory(self, tags: list[str], *, weights_cpu_backup: bool) -> dict[str, int]:
         if self.running or self.waiting:
             raise EngineStateError(

@@ -76,9 +76,7 @@ class WeightReceiver:
 
     # ----- checks shared by both paths -----
     def check_names(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
-        params = {n: tuple(p.shape) for n, p in self.scheduler.named_parameters().items()}
-        if self.scheduler.weights_released:
-            params = {n: tuple(s) for n, (s, _) in self.scheduler._weight_shapes.items()}
+        params = self.scheduler.weight_shapes()
         for name, shape in zip(names, shapes, strict=True):
             if name not in params:
                 raise ValueError(f"unknown weight {name!r}: the engine's model has no such parameter")
