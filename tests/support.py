@@ -345,3 +345,28 @@ MPI_LAYOUT = {
     "train.num_ranks": 2,
 }
 """Two engine nodes (an agent and an engine each) and two trainer ranks: 4 MPI processes, 3 virtual nodes."""
+
+
+def host_weight_group(url: str) -> tuple[Any, str]:
+    """Act as trainer rank 0: host a gloo weight group that the engine at `url` joins as rank 1.
+    Returns (group, its name); the name is new each call (torch refuses a name twice in one process)."""
+    import threading
+
+    import httpx
+
+    from hpcrl.sync.group import init_weight_group
+
+    port = free_port()
+    name = f"g{port}"
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": name, "backend": "gloo"}  # fmt: skip
+    box: dict[str, httpx.Response] = {}
+    join = threading.Thread(target=lambda: box.update(r=httpx.post(url + "/init_weights_update_group", json=body)))
+    join.start()
+    pg = init_weight_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name=name, backend="gloo",
+        timeout_s=30,
+    )  # fmt: skip
+    join.join(30)
+    assert box["r"].json()["success"], box["r"].text
+    return pg, name

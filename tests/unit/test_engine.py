@@ -14,9 +14,10 @@ import torch
 
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
-from hpcrl.sync.group import broadcast, destroy_weight_group, init_weight_group
+from hpcrl.sync.group import broadcast, destroy_weight_group
 from hpcrl.sync.handover import create_handover
-from tests.conftest import EngineProcess, free_port
+from tests.conftest import EngineProcess
+from tests.support import host_weight_group
 
 PROMPT = [1, 20, 21, 14, 22, 32]  # "<|im_start|>12+3="
 
@@ -244,37 +245,8 @@ def _push_distributed(url: str, model_dir: Path, flattened: bool, paused: bool =
     """Act as trainer rank 0: host the group, broadcast every parameter in list order."""
     new = load_model(model_dir)
     named = list(new.state_dict().items())
-    port = free_port()
-    group = f"g{port}"  # torch refuses a group name twice in this (the trainer's) process
+    pg, group = host_weight_group(url)
     box: dict = {}
-    join = threading.Thread(
-        target=lambda: box.update(
-            r=post(
-                url,
-                "/init_weights_update_group",
-                {
-                    "master_address": "127.0.0.1",
-                    "master_port": port,
-                    "rank_offset": 1,
-                    "world_size": 2,
-                    "group_name": group,
-                    "backend": "gloo",
-                },
-            )
-        )
-    )
-    join.start()
-    pg = init_weight_group(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank=0,
-        world_size=2,
-        group_name=group,
-        backend="gloo",
-        timeout_s=30,
-    )
-    join.join(30)
-    assert box["r"].json()["success"], box["r"].text
     body = {
         "names": [n for n, _ in named],
         "dtypes": ["float32"] * len(named),

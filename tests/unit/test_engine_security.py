@@ -28,9 +28,10 @@ from hpcrl.engine.local import LocalEngines
 from hpcrl.engine.sglang import sglang_command, write_sglang_config
 from hpcrl.model.hf import load_model
 from hpcrl.sync import handover
-from hpcrl.sync.group import broadcast, destroy_weight_group, init_weight_group
+from hpcrl.sync.group import broadcast, destroy_weight_group
 from hpcrl.sync.handover import UntrustedHandoverError, create_handover, private_dir
 from tests.conftest import EngineProcess, free_port, start_engine
+from tests.support import host_weight_group
 
 PROMPT = [1, 20, 21, 14, 22, 32]
 TARGET = "model.norm.weight"  # float32 [64]: 256 bytes, what an attacker maps a file into
@@ -248,27 +249,8 @@ def test_rendezvous_with_a_dead_master_is_bounded_by_the_group_timeout(engine: E
 
 
 def _in_place_push(url: str, named: list[tuple[str, torch.Tensor]]) -> httpx.Response:
-    port = free_port()
-    name = f"g{port}"  # torch refuses a group name twice in this (the trainer's) process
+    pg, name = host_weight_group(url)
     box: dict[str, httpx.Response] = {}
-    group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
-    join = threading.Thread(
-        target=lambda: box.update(
-            r=post(url, "/init_weights_update_group", {**group, "group_name": name, "backend": "gloo"})
-        )
-    )
-    join.start()
-    pg = init_weight_group(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank=0,
-        world_size=2,
-        group_name=name,
-        backend="gloo",
-        timeout_s=30,
-    )
-    join.join(30)
-    assert box["r"].json()["success"], box["r"].text
     assert post(url, "/pause_generation", {"mode": "abort"}).status_code == 200  # paused: received in place
     body = {
         "names": [n for n, _ in named],
