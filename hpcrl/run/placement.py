@@ -23,6 +23,7 @@ from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import Progress
 from hpcrl.sync.config import SyncConfig
+from hpcrl.sync.group import free_port
 from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
 
 
@@ -66,7 +67,7 @@ class Placement:
             )
         if world > 1:
             if not self.slurm:
-                port = _free_port()
+                port = free_port("127.0.0.1")
                 os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
                 followers = spawn_followers(self.run_dir, world, port)
             init_trainer_group(rank=0, world_size=world, device=device, timeout_s=self.cfg.sync.group_timeout_s)
@@ -102,9 +103,3 @@ class Placement:
             self.launcher.stop()
         if self.engines_elsewhere:
             done_marker(self.run_dir, self.incarnation).touch()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -9,7 +9,6 @@ layout) or one broadcast per tensor. Every rendezvous and broadcast is bounded b
 from __future__ import annotations
 
 import secrets
-import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,16 +19,10 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.errors import WeightSyncError
-from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
+from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, free_port, init_weight_group
 from hpcrl.sync.sglang_payload import flatten_bucket
 
 GROUP_NAME = "hpcrl_weights"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class DistributedTransport:
@@ -50,7 +43,7 @@ class DistributedTransport:
         """Form the weight group: trainer rank 0 hosts it, engine i joins as rank 1 + i."""
         if self.group is not None:
             return
-        port = self.cfg.master_port or _free_port()
+        port = self.cfg.master_port or free_port()
         self.num_groups += 1
         # A name of this driver's own: an engine that outlived a crashed driver may still hold its groups.
         self.group_name = f"{GROUP_NAME}_{self._name_token}_{self.num_groups}"

@@ -11,6 +11,7 @@ The group name must be new in each process (torch refuses a name twice), so the 
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Any, cast
 
@@ -20,6 +21,13 @@ import torch.distributed as dist
 
 class WeightGroupError(RuntimeError):
     pass
+
+
+def free_port(host: str = "") -> int:
+    """A port that is free now, for a group's rendezvous store (`host` "": every interface)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def init_weight_group(

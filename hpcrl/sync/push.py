@@ -25,7 +25,7 @@ import torch
 from hpcrl.engine.client import EngineClient
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.errors import WeightSyncError
-from hpcrl.sync.tensor_handover import tensor_update_request
+from hpcrl.sync.tensor_handover import TensorSender
 
 
 def buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -75,7 +75,9 @@ class WeightSync:
 
             self.sender = MpiWeightSender()
         else:
-            self.sender = _TensorSender(self)
+            self.sender = TensorSender(
+                lambda fn, what: self._each(fn, what=what), engine_kind=engine_kind, tp_size=engine_tp_size
+            )
         self.last_metrics: dict[str, float] = {}
 
     def _each(self, fn, *, what: str) -> list:
@@ -141,24 +143,3 @@ class Sender(Protocol):
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
 
     def close(self) -> None: ...
-
-
-class _TensorSender:
-    """Same-host handover: every engine maps one buffer per bucket (hpcrl/sync/tensor_handover.py)."""
-
-    def __init__(self, sync: WeightSync) -> None:
-        self.sync = sync
-
-    def connect(self) -> None:
-        pass
-
-    def reconnect(self, engines: Sequence[EngineClient]) -> None:
-        pass
-
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        s = self.sync
-        with tensor_update_request(bucket, engine_kind=s.engine_kind, tp_size=s.engine_tp_size) as request:
-            s._each(lambda e: e.update_weights_from_tensor(request), what="update_weights_from_tensor")
-
-    def close(self) -> None:
-        pass

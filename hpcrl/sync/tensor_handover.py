@@ -9,10 +9,12 @@ on anything else. Used by the driver's push (hpcrl/sync/push.py) and by the MPI 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import UpdateWeightsFromTensor
 from hpcrl.sync.handover import create_handover
 from hpcrl.sync.sglang_payload import LOAD_FORMAT, sglang_bucket_payload
@@ -31,3 +33,27 @@ def tensor_update_request(
         return
     with create_handover(bucket) as payload:
         yield UpdateWeightsFromTensor(serialized_named_tensors=(payload,), flush_cache=False)
+
+
+EachFn = Callable[[Callable[[EngineClient], Any], str], list[Any]]
+
+
+class TensorSender:
+    """The same-host transport of a push: every engine maps one buffer per bucket."""
+
+    def __init__(self, each: EachFn, *, engine_kind: str, tp_size: int) -> None:
+        self.each = each  # the push's fan-out: one call per engine, in parallel, failures named
+        self.engine_kind, self.tp_size = engine_kind, tp_size
+
+    def connect(self) -> None:
+        pass
+
+    def reconnect(self, engines: Sequence[EngineClient]) -> None:
+        pass  # nothing to form: each bucket is handed over on its own
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        with tensor_update_request(bucket, engine_kind=self.engine_kind, tp_size=self.tp_size) as request:
+            self.each(lambda e: e.update_weights_from_tensor(request), "update_weights_from_tensor")
+
+    def close(self) -> None:
+        pass

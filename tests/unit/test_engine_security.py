@@ -31,7 +31,7 @@ from hpcrl.sync import handover
 from hpcrl.sync.group import broadcast, destroy_weight_group
 from hpcrl.sync.handover import UntrustedHandoverError, create_handover, private_dir
 from tests.conftest import EngineProcess, free_port, start_engine
-from tests.support import host_weight_group
+from tests.support import host_weight_group, skip_or_fail
 
 PROMPT = [1, 20, 21, 14, 22, 32]
 TARGET = "model.norm.weight"  # float32 [64]: 256 bytes, what an attacker maps a file into
@@ -120,7 +120,7 @@ def test_a_file_of_another_mode_or_size_is_refused(engine: EngineProcess) -> Non
 
 def test_a_file_of_another_user_is_refused(engine: EngineProcess) -> None:
     if os.getuid() != 0:
-        pytest.skip("making a file of another uid needs root")
+        skip_or_fail("making a file of another uid needs root", missing="not root")
     path = _token_name()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"x" * 256)

@@ -53,6 +53,7 @@ def test_a_peer_joining_like_sglang_forms_the_group_and_receives_the_flattened_b
             [sys.executable, "-c", SGLANG_PEER, str(port), ",".join(names), str(flat.numel())],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+        groups = []
         try:
             for name in names:
                 pg = init_weight_group(
@@ -60,10 +61,13 @@ def test_a_peer_joining_like_sglang_forms_the_group_and_receives_the_flattened_b
                     backend="gloo", timeout_s=30,
                 )  # fmt: skip
                 broadcast(pg, flat)
-                destroy_weight_group(pg)
+                groups.append(pg)
+            # As in a push: the engine destroys its side first, rank 0 (which hosts the store) after it.
             out, err = peer.communicate(timeout=60)
         finally:
             peer.kill()
+            for pg in groups:
+                destroy_weight_group(pg)
         assert peer.returncode == 0, err
         lines = out.splitlines()
         assert [ln.split()[0] for ln in lines] == names
