@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,6 +198,15 @@ class LocalEngines:
         self.engines = []
 
 
+def _start_hint(kind: str, log: str) -> str:
+    if kind == "sglang" and "No module named 'sglang'" in log:
+        return (
+            f": sglang is not installed for {sys.executable}; install it on the engine nodes "
+            "(pip install 'hpcrl[sglang]', the verified sglang==0.5.16), or set engine.kind=embedded"
+        )
+    return ""
+
+
 def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[str], None]) -> None:
     """Poll until the engine answers /health; it is `starting` meanwhile (a silent port is normal: SGLang takes
     minutes), bounded by `limit_s` from its launch, with a progress line every PROGRESS_EVERY_S."""
@@ -206,9 +216,10 @@ def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[
         while True:
             waited_s = time.monotonic() - eng.started_s
             if eng.proc.poll() is not None:
+                log = tail(eng.log_path)
                 raise EngineStartError(
                     f"{kind} engine {eng.engine_id} exited with code {eng.proc.returncode} while starting "
-                    f"({waited_s:.0f} s after launch); last lines of {eng.log_path}:\n{tail(eng.log_path)}"
+                    f"({waited_s:.0f} s after launch){_start_hint(kind, log)}; last lines of {eng.log_path}:\n{log}"
                 )
             try:
                 if probe.health():

@@ -111,3 +111,14 @@ def test_an_engine_that_exits_while_starting_reports_its_code_and_log(tmp_path: 
     with pytest.raises(EngineStartError, match=r"sglang engine engine-0 exited with code 3 while starting") as err:
         engines.start()
     assert "failing as asked" in str(err.value)
+
+
+def test_sglang_missing_on_the_engine_node_names_the_install(tmp_path: Path) -> None:
+    cfg = EngineConfig(kind="sglang", device="cuda")
+    engines = LocalEngines(cfg, tmp_path / "model", tmp_path / "run", seed=0, say=lambda _: None)
+    engines.extra_env = {"PYTHONPATH": str(tmp_path / "empty")}  # no sglang importable (nor the stand-in)
+    with pytest.raises(EngineStartError) as err:
+        engines.start()
+    message = str(err.value)
+    assert "sglang is not installed for" in message and "pip install 'hpcrl[sglang]'" in message
+    assert "engine.kind=embedded" in message
