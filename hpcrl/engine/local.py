@@ -64,6 +64,17 @@ class LocalEngine:
     started_s: float = field(default_factory=time.monotonic)
 
 
+def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal an engine's process group, which may be gone already: the fleet's monitor thread polls the
+    same process and can reap it between our poll() and this call (seen on the H200 when SGLang's
+    scheduler was SIGKILLed during a push: the server exits on its own and the restart's kill found no
+    group). A group that is gone has nothing left to signal."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _client(url: str, token: str) -> EngineClient:
     return EngineClient(url, api_key=token, timeout_s=600.0, max_retries=2)
 
@@ -130,7 +141,7 @@ class LocalEngines:
         """SIGKILL engine `position`'s process group (a hung engine must not linger) and reap it."""
         proc = self.engines[position].proc
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             proc.wait()
 
     def log_path(self, position: int) -> Path:
@@ -187,12 +198,12 @@ class LocalEngines:
         for eng in self.engines:
             if eng.proc.poll() is None:
                 # SIGINT: an aiohttp server shuts down on it, also when it was told to ignore SIGTERM.
-                os.killpg(eng.proc.pid, signal.SIGINT)
+                signal_group(eng.proc, signal.SIGINT)
         for eng in self.engines:
             try:
                 eng.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(eng.proc.pid, signal.SIGKILL)
+                signal_group(eng.proc, signal.SIGKILL)
                 eng.proc.wait()
             (self.run_dir / "engines" / f"{eng.engine_id}.json").unlink(missing_ok=True)
         self.engines = []

@@ -13,13 +13,15 @@ import io
 import json
 import os
 import pickle
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.local import EngineStartError, LocalEngines
+from hpcrl.engine.local import EngineStartError, LocalEngines, signal_group
 from hpcrl.sync.tensor_handover import tensor_update_request
 
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
@@ -122,3 +124,15 @@ def test_sglang_missing_on_the_engine_node_names_the_install(tmp_path: Path) -> 
     message = str(err.value)
     assert "sglang is not installed for" in message and "pip install 'hpcrl[sglang]'" in message
     assert "engine.kind=embedded" in message
+
+
+def test_killing_an_engine_whose_process_another_thread_reaped_is_not_an_error() -> None:
+    # The fleet's monitor thread polls the same Popen as the restart does; when it reaps the exited server
+    # first, the process group is gone by the time the restart kills it (H200: SGLang's scheduler SIGKILLed
+    # mid-push, the run died with ProcessLookupError instead of restarting the engine).
+    proc = subprocess.Popen(["true"], start_new_session=True)
+    os.waitpid(proc.pid, 0)  # reaped behind Popen's back, as by the other thread
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # what the restart used to do
+    signal_group(proc, signal.SIGKILL)
+    assert proc.wait(timeout=5) == 0  # Popen learns the process is gone and the restart goes on

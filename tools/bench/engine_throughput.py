@@ -1,16 +1,22 @@
 """Output tokens/s of the embedded engine (a real `hpcrl engine serve` over HTTP) against transformers'
-`model.generate` on the same model, prompts and lengths, in one run.
+`model.generate` and, with --engine both, stock SGLang, on the same model, prompts and lengths, in one run.
 
     PYTHONPATH=. python tools/bench/engine_throughput.py --init-tiny --num-seqs 64 --prompt-len 32 \
         --max-new-tokens 64 --threads 2
     PYTHONPATH=. python tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda \
         --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512
+    # the embedded engine, then stock SGLang (installed; tools/gpu/run_engine_gpu.sh), with log-probs:
+    PYTHONPATH=. python tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda \
+        --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 --engine both --logprobs \
+        --skip-generate --sglang-arg=--attention-backend --sglang-arg=triton
 
 Both sides sample from the full distribution at temperature 1 (engine: ignore_eos; generate: do_sample,
 top_k=0, top_p=1, min_new_tokens = max_new_tokens), so every sequence has exactly max_new_tokens
 tokens. Each side runs once untimed first (warm-up: CUDA graphs, Triton compiles, allocator), then
 once timed; the engine's time is the wall time of one /generate batch call (or of all concurrent
-requests with --client concurrent), the server already started and its model loaded.
+requests with --client concurrent), the server already started and its model loaded. The engines run one
+after the other, never at once: each has the GPU to itself. SGLang runs with CUDA graphs up to batch
+--num-seqs, `--sampling-backend pytorch --grammar-backend none` and whatever --sglang-arg adds.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ def _prepare_model(ns: argparse.Namespace, workdir: Path) -> Path:
     if ns.init_tiny:
         return init_tiny_model(workdir / "tiny", overwrite=True)
     if ns.init_qwen3_0_6b_shape:
+        if (workdir / "qwen3-0.6b-shape" / "config.json").exists():  # a rerun in the same --workdir
+            print(f"reusing the model in {workdir / 'qwen3-0.6b-shape'}", flush=True)
+            return workdir / "qwen3-0.6b-shape"
         t0 = time.perf_counter()
         device = ns.device if ns.device.startswith("cuda") else "cpu"
         path = init_shaped_model(workdir / "qwen3-0.6b-shape", QWEN3_0_6B_SHAPE, dtype=ns.dtype, device=device)
@@ -62,33 +71,53 @@ def _prompts(ns: argparse.Namespace, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (ns.num_seqs, ns.prompt_len), generator=gen).tolist()
 
 
+def _sglang_command(ns: argparse.Namespace, model_dir: Path, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--port", str(port),
+        "--dtype", ns.dtype, "--random-seed", "0", "--max-running-requests", str(ns.num_seqs),
+        "--context-length", str(ns.prompt_len + ns.max_new_tokens + 8), "--cuda-graph-max-bs", str(ns.num_seqs),
+        # (SGLang keeps a few positions of the context back: 640 gave 510 new tokens of 512)
+        "--mem-fraction-static", str(ns.sglang_mem_fraction), "--sampling-backend", "pytorch",
+        "--grammar-backend", "none", "--skip-server-warmup", *ns.sglang_arg,
+    ]  # fmt: skip
+
+
+def _embedded_command(ns: argparse.Namespace, model_dir: Path, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "hpcrl.cli",
+        "engine",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--device",
+        ns.device,
+        "--dtype",
+        ns.dtype,
+        "--max-running-requests",
+        str(ns.num_seqs),
+        "--context-length",
+        str(ns.prompt_len + ns.max_new_tokens),
+        "--max-prefill-tokens",
+        str(max(ns.num_seqs * ns.prompt_len, 4096)),
+    ]
+
+
 class Engine:
-    def __init__(self, ns: argparse.Namespace, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, ns: argparse.Namespace, model_dir: Path, log_path: Path, *, kind: str = "embedded") -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [
-            sys.executable,
-            "-m",
-            "hpcrl.cli",
-            "engine",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(self.port),
-            "--device",
-            ns.device,
-            "--dtype",
-            ns.dtype,
-            "--max-running-requests",
-            str(ns.num_seqs),
-            "--context-length",
-            str(ns.prompt_len + ns.max_new_tokens),
-            "--max-prefill-tokens",
-            str(max(ns.num_seqs * ns.prompt_len, 4096)),
-        ]
-        if ns.threads:
+        self.kind = kind
+        cmd = (
+            _sglang_command(ns, model_dir, self.port)
+            if kind == "sglang"
+            else _embedded_command(ns, model_dir, self.port)
+        )
+        if ns.threads and kind == "embedded":
             cmd += ["--num-threads", str(ns.threads)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
@@ -98,7 +127,8 @@ class Engine:
             key, _, value = kv.partition("=")
             env[key] = value
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Its own process group: SGLang's scheduler and detokenizer are children that must go with it.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> None:
         import httpx
@@ -119,26 +149,33 @@ class Engine:
         return self.log_path.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
+        import signal
+
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        try:  # children that outlived their parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[list[int]]) -> tuple[float, int]:
     params = {"max_new_tokens": ns.max_new_tokens, "ignore_eos": True, "temperature": 1.0}
+    extra = {"return_logprob": True} if ns.logprobs else {}
     t0 = time.perf_counter()
     if ns.client == "batch":
-        r = client.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params})
+        r = client.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params, **extra})
         r.raise_for_status()
         outs = r.json()
     else:
 
         def one(p: list[int]) -> dict[str, Any]:
-            r = client.post(url + "/generate", json={"input_ids": p, "sampling_params": params})
+            r = client.post(url + "/generate", json={"input_ids": p, "sampling_params": params, **extra})
             r.raise_for_status()
             return r.json()
 
@@ -148,13 +185,18 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
     lengths = [o["meta_info"]["completion_tokens"] for o in outs]
     if any(n != ns.max_new_tokens for n in lengths):
         raise RuntimeError(f"engine returned lengths {sorted(set(lengths))}, expected {ns.max_new_tokens}")
+    if ns.logprobs and any(len(o["meta_info"].get("output_token_logprobs") or []) != ns.max_new_tokens for o in outs):
+        raise RuntimeError("--logprobs: the engine did not return one log-prob per output token")
     return dt, sum(lengths)
 
 
-def run_engine(ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]], workdir: Path) -> dict[str, Any]:
+def run_engine(
+    ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]], workdir: Path, *, kind: str = "embedded"
+) -> dict[str, Any]:
     import httpx
 
-    eng = Engine(ns, model_dir, workdir / "engine.log")
+    eng = Engine(ns, model_dir, workdir / f"{kind}.log", kind=kind)
+    key = "engine" if kind == "embedded" else kind
     try:
         t0 = time.perf_counter()
         eng.wait_ready(600)
@@ -164,7 +206,7 @@ def run_engine(ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         with httpx.Client(timeout=3600, limits=limits) as client:
             passes = [_engine_pass(ns, client, eng.url, prompts) for _ in range(ns.warmup_runs + ns.timed_runs)]
-            info = client.get(eng.url + "/server_info").json()["internal_states"][0]
+            info = client.get(eng.url + "/server_info").json()["internal_states"][0] if kind == "embedded" else {}
     except Exception:
         print(eng.log_tail(), file=sys.stderr)
         raise
@@ -173,14 +215,14 @@ def run_engine(ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
     timed = sorted(passes[ns.warmup_runs :])
     dt, tokens = timed[len(timed) // 2]  # the median timed pass
     return {
-        "engine_tok_s": tokens / dt,
-        "engine_s": dt,
-        "engine_tokens": tokens,
-        "engine_timed_passes_tok_s": [n / t for t, n in passes[ns.warmup_runs :]],
-        "engine_first_pass_tok_s": passes[0][1] / passes[0][0],
-        "engine_startup_s": startup,
-        "engine_decode_path": info.get("decode_path"),
-        "engine_profile": info.get("profile"),
+        f"{key}_tok_s": tokens / dt,
+        f"{key}_s": dt,
+        f"{key}_tokens": tokens,
+        f"{key}_timed_passes_tok_s": [n / t for t, n in passes[ns.warmup_runs :]],
+        f"{key}_first_pass_tok_s": passes[0][1] / passes[0][0],
+        f"{key}_startup_s": startup,
+        f"{key}_decode_path": info.get("decode_path"),
+        f"{key}_profile": info.get("profile"),
     }
 
 
@@ -259,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timed-runs", type=int, default=1, help="engine passes timed; the median is reported")
     p.add_argument("--generate-runs", type=int, default=1, help="generate passes timed; the median is reported")
     p.add_argument("--skip-generate", action="store_true", help="measure the engine only")
+    p.add_argument(
+        "--engine", choices=["embedded", "sglang", "both"], default="embedded",
+        help="which engine(s): both = the embedded engine, then stock SGLang (needs sglang installed)",
+    )  # fmt: skip
+    p.add_argument("--logprobs", action="store_true", help="ask every request for its output log-probs (RL)")
+    p.add_argument("--sglang-arg", action="append", default=[], help="an extra SGLang launch argument (repeat)")
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.5, help="SGLang --mem-fraction-static")
     p.add_argument("--engine-env", action="append", default=[], help="KEY=VALUE for the engine process (repeat)")
     p.add_argument("--workdir", default=None, help="where models and the engine log go (default: a temp dir)")
     p.add_argument("--json-out", default=None, help="also write the results as JSON here")
@@ -273,21 +322,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts = _prompts(ns, vocab)
     config = (
         f"{model_dir.name} {ns.device}/{ns.dtype} {ns.num_seqs} seqs x {ns.max_new_tokens} new tokens "
-        f"(prompt {ns.prompt_len}), threads={ns.threads or 'default'}, client={ns.client}"
+        f"(prompt {ns.prompt_len}), threads={ns.threads or 'default'}, client={ns.client}, "
+        f"logprobs={'yes' if ns.logprobs else 'no'}"
     )
     print(f"config: {config}", flush=True)
     results: dict[str, Any] = {"config": config, "argv": sys.argv[1:]}
-    results.update(run_engine(ns, model_dir, prompts, workdir))
-    print(
-        f"engine: {results['engine_tok_s']:.0f} tok/s ({results['engine_tokens']} tokens in "
-        f"{results['engine_s']:.2f} s, median of {ns.timed_runs}: "
-        f"{', '.join(f'{x:.0f}' for x in results['engine_timed_passes_tok_s'])}; "
-        f"first pass {results['engine_first_pass_tok_s']:.0f} tok/s; "
-        f"decode path {results['engine_decode_path']})",
-        flush=True,
-    )
-    if results.get("engine_profile"):
-        print("engine profile: " + json.dumps(results["engine_profile"]), flush=True)
+    kinds = ["embedded", "sglang"] if ns.engine == "both" else [ns.engine]
+    for kind in kinds:
+        key = "engine" if kind == "embedded" else kind
+        results.update(run_engine(ns, model_dir, prompts, workdir, kind=kind))
+        print(
+            f"{key}: {results[f'{key}_tok_s']:.0f} tok/s ({results[f'{key}_tokens']} tokens in "
+            f"{results[f'{key}_s']:.2f} s, median of {ns.timed_runs}: "
+            f"{', '.join(f'{x:.0f}' for x in results[f'{key}_timed_passes_tok_s'])}; "
+            f"first pass {results[f'{key}_first_pass_tok_s']:.0f} tok/s; started in {results[f'{key}_startup_s']:.0f} s"
+            + (f"; decode path {results['engine_decode_path']})" if kind == "embedded" else ")"),
+            flush=True,
+        )
+        if results.get(f"{key}_profile"):
+            print(f"{key} profile: " + json.dumps(results[f"{key}_profile"]), flush=True)
+    if ns.engine == "both":
+        results["embedded_over_sglang"] = results["engine_tok_s"] / results["sglang_tok_s"]
+        print(f"embedded / sglang: {results['embedded_over_sglang']:.2f}x", flush=True)
     if not ns.skip_generate:
         results.update(run_generate(ns, model_dir, prompts))
         passes = ", ".join(f"{x:.0f}" for x in results["generate_timed_passes_tok_s"])
@@ -306,10 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         pass
     gen_s = f"{results['generate_tok_s']:.0f}" if "ratio" in results else "-"
     ratio_s = f"{results['ratio']:.2f}x" if "ratio" in results else "-"
+    first = "engine" if "engine_tok_s" in results else "sglang"
+    sg_s = f"{results['sglang_tok_s']:.0f}" if "sglang_tok_s" in results else "-"
     print()
-    print("| engine tok/s | generate tok/s | ratio | config |")
-    print("|---:|---:|---:|---|")
-    print(f"| {results['engine_tok_s']:.0f} | {gen_s} | {ratio_s} | {config} |")
+    print("| embedded tok/s | sglang tok/s | generate tok/s | embedded/generate | config |")
+    print("|---:|---:|---:|---:|---|")
+    emb_s = f"{results['engine_tok_s']:.0f}" if first == "engine" else "-"
+    print(f"| {emb_s} | {sg_s} | {gen_s} | {ratio_s} | {config} |")
     if ns.json_out:
         Path(ns.json_out).write_text(json.dumps(results, indent=2))
     return 0

@@ -33,7 +33,7 @@ if [[ $STEPS == *bench* ]]; then
   timeout 480 python3 tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 \
     --num-seqs 256 --prompt-len 128 --max-new-tokens 512 "${ENGINE_ENV[@]}" ${BENCH_ARGS:-} \
     --workdir /tmp/hpcrl-gpu/bench --json-out "$OUT/bench.json" 2>&1 | tee -a "$OUT/all.log"
-  cp /tmp/hpcrl-gpu/bench/engine.log "$OUT/engine_bench.log" 2>/dev/null
+  cp /tmp/hpcrl-gpu/bench/embedded.log "$OUT/engine_bench.log" 2>/dev/null
 fi
 if [[ $STEPS == *ablation* ]]; then
   echo "=== engine only, eager decode path (the path before the fused kernels)" | tee -a "$OUT/all.log"

@@ -6,6 +6,8 @@
 # quickstart: the quickstart with engine.kind=sglang, colocated, memory rented every step
 # fault:      12 steps whose engine's scheduler is SIGKILLed at step 6 (FAULT_AT/FAULT_COUNT say when)
 # record:     tools/gpu/record_sglang.py (the answers under tests/golden/sglang-0.5.16/), as $OUT/golden.tgz
+# throughput: decode tok/s of the embedded engine, then of SGLang (triton attention, CUDA graphs), 256 x 512
+#             tokens with log-probs, Qwen3-0.6B shape bf16; runs alone, before the other sections start
 # Sections run at once (each SGLang start is 130-150 s); every server caps its KV cache
 # (--max-total-tokens) so that several share the GPU.
 set -u
@@ -15,6 +17,14 @@ OUT=${OUT:-/tmp/hpcrl-sglang-out}; mkdir -p "$OUT"
 STEPS=${*:-"weights quickstart"}
 SGLANG_ARGS='["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--max-total-tokens","65536"]'
 pids=()
+if [[ $STEPS == *throughput* ]]; then
+  timeout 560 python3 tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 \
+    --num-seqs 256 --prompt-len 128 --max-new-tokens 512 --engine both --logprobs --skip-generate \
+    --timed-runs 3 --sglang-arg=--attention-backend --sglang-arg=triton --workdir /tmp/tp \
+    --json-out "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1
+  echo "throughput exit $?" >> "$OUT/throughput.log"
+  tail -n 5 /tmp/tp/sglang.log > "$OUT/throughput_sglang_tail.log" 2>/dev/null
+fi
 if [[ $STEPS == *weights* ]]; then
   timeout 560 python3 tools/gpu/sglang_weights.py --workdir /tmp/sgw --out "$OUT/w" > "$OUT/weights.log" 2>&1 &
   pids+=($!)
@@ -43,14 +53,21 @@ if [[ $STEPS == *fault* ]]; then
   (
     log=/tmp/fault-sglang/logs/engine-0.log
     deadline=$((SECONDS + 420))  # the server's start (about 2 minutes) comes first
-    until [[ -f $log ]] && (( $(grep -c "$FAULT_AT" "$log") >= FAULT_COUNT )); do
-      (( SECONDS > deadline )) && { echo "fault: '$FAULT_AT' x$FAULT_COUNT never came" | tee -a "$OUT/fault.log"; exit 1; }
-      sleep 0.01
+    # The scheduler's pid is looked up once the server has answered, so that the kill itself follows the
+    # FAULT_COUNT-th FAULT_AT line within milliseconds (with FAULT_AT="POST /pause_generation": mid-push).
+    until [[ -f $log ]] && grep -q "POST /pause_generation" "$log"; do
+      (( SECONDS > deadline )) && { echo "fault: the engine never paused" >> "$OUT/fault_kill.log"; exit 1; }
+      sleep 0.05
     done
     pid=$(python3 -c "import json;print(json.load(open('/tmp/fault-sglang/engines/engine-0.json'))['pid'])")
     sched=$(ps -o pid=,args= --ppid "$pid" | grep -i scheduler | awk '{print $1}' | head -1)
-    echo "fault: killing scheduler $sched of sglang server $pid at $(date +%T.%N)" | tee -a "$OUT/fault.log"
+    until (( $(grep -c "$FAULT_AT" "$log") >= FAULT_COUNT )); do
+      (( SECONDS > deadline )) && { echo "fault: '$FAULT_AT' x$FAULT_COUNT never came" >> "$OUT/fault_kill.log"; exit 1; }
+      sleep 0.002
+    done
     kill -9 "$sched"
+    echo "fault: killed scheduler $sched of sglang server $pid at $(date +%T.%N) after '$FAULT_AT' x$FAULT_COUNT" \
+      >> "$OUT/fault_kill.log"  # not fault.log: the run's own writes to it would overwrite this line
   ) &
 fi
 if [[ $STEPS == *record* ]]; then
