@@ -58,6 +58,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if self.reward.fn == "reasoning_gym" and not self.data.source.startswith("reasoning_gym:"):
+            raise ValueError(
+                f"reward.fn=reasoning_gym scores with a reasoning-gym task's own scorer, but data.source is "
+                f"{self.data.source!r}: set data.source=reasoning_gym:TASK (e.g. reasoning_gym:chain_sum), or pick "
+                "another reward.fn"
+            )
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.train.onpolicy and not self.engine.onpolicy_logprobs:

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "addition"
-    """A .jsonl file with prompt/answer fields, or `addition` (a generated multi-digit addition task)."""
+    """`addition` (a generated multi-digit addition task); a .jsonl file; a local dataset read through Hugging
+    Face `datasets`: a .parquet, .arrow, .json or .csv file or a `save_to_disk` directory; or
+    `reasoning_gym:TASK`, a procedural reasoning-gym task such as `reasoning_gym:chain_sum` (score it with
+    reward.fn=reasoning_gym, the task's own scorer). Datasets and reasoning-gym need `pip install 'hpcrl[data]'`."""
     prompt_key: str = "prompt"
+    """The field (column) holding the prompt, for files and datasets."""
     answer_key: str = "answer"
     num_examples: int = 5000
-    """Examples generated for `addition`."""
+    """Examples generated for `addition` and for `reasoning_gym:TASK`."""
     digits: int = 2
     """Largest number of digits per operand for `addition`."""
     prompt_template: str = "{prompt}"

@@ -41,6 +41,8 @@ class Example:
 
     prompt: str
     answer: str
+    meta: str = ""
+    """JSON that a reward taking `meta` receives (a reasoning-gym entry's identity); empty for plain data."""
 
 
 def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
@@ -118,17 +120,39 @@ def make_addition_task(num_examples: int, digits: int, seed: int) -> list[Exampl
 _BUILDERS: dict[str, Callable[..., list[Example]]] = {"addition": make_addition_task}
 
 
+def source_options(
+    source: str, *, num_examples: int, digits: int, seed: int, prompt_key: str, answer_key: str
+) -> dict[str, Any]:
+    """The options of data.* that the source `source` reads (the others do not apply to it)."""
+    if source == "addition":
+        return {"num_examples": num_examples, "digits": digits, "seed": seed}
+    if source.startswith("reasoning_gym:"):
+        return {"num_examples": num_examples, "seed": seed}
+    return {"prompt_key": prompt_key, "answer_key": answer_key}
+
+
 def build_examples(source: str, **kwargs: Any) -> list[Example]:
-    """Examples from `source`: a path ending in .jsonl (kwargs of `load_jsonl`) or 'addition'
-    (kwargs of `make_addition_task`)."""
+    """Examples from `source`: 'addition' (kwargs of `make_addition_task`), a .jsonl path (`load_jsonl`), a
+    local dataset file (.parquet, .arrow, .json, .csv) or `save_to_disk` directory read through Hugging Face
+    `datasets`, or 'reasoning_gym:TASK' (a procedural reasoning-gym task)."""
+    from hpcrl.rollout import external_data
+
+    fixed: tuple[Any, ...] = ()
     if source in _BUILDERS:
         builder = _BUILDERS[source]
-        fixed: tuple[Any, ...] = ()
+    elif source.startswith(external_data.GYM_PREFIX):
+        name = source[len(external_data.GYM_PREFIX) :]
+        if not name:
+            raise DataError("data.source 'reasoning_gym:' names no task; write e.g. reasoning_gym:chain_sum")
+        builder, fixed = external_data.make_gym_task, (name,)
     elif source.endswith(".jsonl"):
         builder, fixed = load_jsonl, (source,)
+    elif Path(source).suffix in external_data.DATASET_SUFFIXES or Path(source).is_dir():
+        builder, fixed = external_data.load_dataset_file, (source,)
     else:
         raise DataError(
-            f"unknown data source {source!r}; expected a path ending in .jsonl or one of: {', '.join(_BUILDERS)}"
+            f"unknown data source {source!r}; expected one of: {', '.join(_BUILDERS)}, a .jsonl file, a dataset "
+            f"file ({', '.join(external_data.DATASET_SUFFIXES)}) or save_to_disk directory, or reasoning_gym:TASK"
         )
     accepted = list(inspect.signature(builder).parameters)[len(fixed) :]
     unknown = sorted(set(kwargs) - set(accepted))

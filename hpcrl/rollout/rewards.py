@@ -1,5 +1,8 @@
 """Reward functions: plain callables `fn(response: str, answer: str) -> float`, named in the config.
 
+A reward that also declares a keyword `meta` gets the example's meta JSON (`Example.meta`): the built-in
+`reasoning_gym` reward uses it to find the task entry its scorer needs.
+
 A reward is either a built-in name (see `BUILTIN_REWARDS`) or a dotted path to any importable callable,
 `package.module.func` or `package.module:func`. `score` runs one over a batch so that a crash or a bad
 value in one sample marks that sample failed instead of killing the step; `check_failures` then decides,
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import queue
@@ -100,11 +104,45 @@ def gsm8k_final_number(response: str, answer: str) -> float:
     return 1.0 if got is not None and abs(got - expected) <= _GSM8K_TOLERANCE else 0.0
 
 
+def math_verify(response: str, answer: str) -> float:
+    """1.0 when `math-verify` finds the response's final answer mathematically equal to the reference
+    (LaTeX or plain: "\\frac{1}{2}" equals "0.5"), else 0.0. Needs `pip install 'hpcrl[data]'`."""
+    try:
+        import math_verify as mv
+    except ImportError:
+        raise RewardError("reward.fn=math_verify needs the math-verify package: pip install 'hpcrl[data]'") from None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its timeout is off
+    gold = mv.parse(answer, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math_verify could not parse the reference answer {answer!r}")
+    # parsing_timeout/timeout_seconds use signal.alarm, which works only in the main thread; score() runs
+    # rewards in a worker thread and bounds them with reward.timeout_s instead.
+    return 1.0 if mv.verify(gold, mv.parse(response, parsing_timeout=None), timeout_seconds=None) else 0.0
+
+
+def reasoning_gym(response: str, answer: str, *, meta: str) -> float:
+    """The reasoning-gym task's own scorer (data.source: reasoning_gym:TASK), on the text inside
+    <answer>...</answer> when the response has one, else on the whole response."""
+    from hpcrl.rollout.external_data import score_gym
+
+    return score_gym(response, meta)
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "arithmetic_answer": arithmetic_answer,
     "gsm8k": gsm8k_final_number,
+    "math_verify": math_verify,
+    "reasoning_gym": cast(RewardFn, reasoning_gym),
 }
+
+
+def takes_meta(fn: Callable[..., object]) -> bool:
+    """Whether a reward declares the keyword `meta` (then it is called as fn(response, answer, meta=...))."""
+    try:
+        return "meta" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,6 +234,7 @@ def score(
     responses: Sequence[str],
     answers: Sequence[str],
     *,
+    metas: Sequence[str] | None = None,
     timeout_s: float | None = None,
     interrupted: Callable[[], bool] | None = None,
     poll_s: float = 0.05,
@@ -208,16 +247,23 @@ def score(
     """
     if len(responses) != len(answers):
         raise ValueError(f"score got {len(responses)} responses but {len(answers)} answers; pass one answer each")
-    if timeout_s is None and interrupted is None:
-        pairs = [_score_one(fn, response, answer) for response, answer in zip(responses, answers, strict=True)]
+    items: list[tuple[str, str, str | None]]
+    if takes_meta(fn):
+        if metas is None or len(metas) != len(answers):
+            raise ValueError("this reward takes each example's meta: pass metas, one per answer")
+        items = [(response, answer, meta) for response, answer, meta in zip(responses, answers, metas, strict=True)]
     else:
-        pairs = _score_watched(fn, list(zip(responses, answers, strict=True)), timeout_s, interrupted, poll_s)
+        items = [(response, answer, None) for response, answer in zip(responses, answers, strict=True)]
+    if timeout_s is None and interrupted is None:
+        pairs = [_score_one(fn, *item) for item in items]
+    else:
+        pairs = _score_watched(fn, items, timeout_s, interrupted, poll_s)
     return ScoreResult(rewards=[r for r, _ in pairs], errors=[e for _, e in pairs])
 
 
 def _score_watched(
     fn: RewardFn,
-    items: list[tuple[str, str]],
+    items: list[tuple[str, str, str | None]],
     timeout_s: float | None,
     interrupted: Callable[[], bool] | None,
     poll_s: float,
@@ -264,9 +310,9 @@ def _wait_for_one(
                 return None
 
 
-def _score_one(fn: RewardFn, response: str, answer: str) -> tuple[float, str | None]:
+def _score_one(fn: RewardFn, response: str, answer: str, meta: str | None = None) -> tuple[float, str | None]:
     try:
-        value: object = fn(response, answer)
+        value: object = fn(response, answer) if meta is None else fn(response, answer, meta=meta)  # type: ignore[call-arg]
     except Exception as exc:  # a user hook may raise anything; one bad sample must not end the step
         return math.nan, f"{type(exc).__name__}: {exc}"
     # numbers.Real admits numpy scalars; bool is an int, so True/False count as 1.0/0.0.

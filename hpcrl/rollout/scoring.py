@@ -29,10 +29,12 @@ class RewardScorer:
         """Score the groups in place; None when a preemption signal came while a reward was running."""
         samples = [s for g in groups for s in g.samples]
         answers = [g.example.answer for g in groups for _ in g.samples]
+        metas = [g.example.meta for g in groups for _ in g.samples]
         try:
             result = score(
-                self.fn, [s.text for s in samples], answers, timeout_s=self.cfg.timeout_s, interrupted=self.interrupted
-            )
+                self.fn, [s.text for s in samples], answers, metas=metas, timeout_s=self.cfg.timeout_s,
+                interrupted=self.interrupted,
+            )  # fmt: skip
         except ScoringInterrupted:
             return None
         for s, r, e in zip(samples, result.rewards, result.errors, strict=True):

@@ -24,7 +24,7 @@ from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
-from hpcrl.rollout.data import PromptSource, build_examples
+from hpcrl.rollout.data import PromptSource, build_examples, source_options
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run.placement import Placement
@@ -87,14 +87,14 @@ class RunSession:
         check_devices(cfg, engines_here=self.placement.engines_here)
         model_dir = prepare_model(cfg)
         check_model_dir(model_dir)
+        d = cfg.data
         examples = build_examples(
-            cfg.data.source,
-            **(
-                {"num_examples": cfg.data.num_examples, "digits": cfg.data.digits, "seed": cfg.seed}
-                if cfg.data.source == "addition"
-                else {"prompt_key": cfg.data.prompt_key, "answer_key": cfg.data.answer_key}
+            d.source,
+            **source_options(
+                d.source, num_examples=d.num_examples, digits=d.digits, seed=cfg.seed,
+                prompt_key=d.prompt_key, answer_key=d.answer_key,
             ),
-        )
+        )  # fmt: skip
         self.rewards = RewardScorer(cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
         from transformers import AutoTokenizer
 

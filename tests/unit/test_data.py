@@ -164,10 +164,8 @@ def test_build_examples_from_jsonl_and_addition(tmp_path: Path) -> None:
 
 
 def test_build_examples_unknown_source() -> None:
-    with pytest.raises(
-        DataError, match=r"unknown data source 'data.csv'; expected a path ending in .jsonl or one of: addition"
-    ):
-        build_examples("data.csv")
+    with pytest.raises(DataError, match=r"unknown data source 'data.txt'; expected one of: addition, a .jsonl file"):
+        build_examples("data.txt")
 
 
 def test_build_examples_unknown_option() -> None:
