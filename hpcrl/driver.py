@@ -36,8 +36,10 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restar
                 train = s.train(groups)
             with timer.phase("sync"):
                 sync = s.publisher.publish(str(step + 1))
+            with timer.phase("eval"):
+                evals = s.evaluate(step)
             metrics = s.step_metrics(groups, rollout_s=timer.seconds["rollout"], rollout_version=served)
-            metrics |= train | sync | s.guard.metrics()
+            metrics |= train | sync | evals | s.guard.metrics()
             with timer.phase("checkpoint"):
                 if s.state.due(step):
                     s.state.save(step, metrics | timer.metrics())

@@ -10,7 +10,7 @@ from hpcrl.config import dump_yaml, load_config
 from hpcrl.engine.config import EngineConfig
 from hpcrl.guard.config import GuardConfig
 from hpcrl.model.tiny import TinyModelSpec
-from hpcrl.rollout.config import DataConfig, RewardConfig, RolloutConfig
+from hpcrl.rollout.config import DataConfig, EvalConfig, RewardConfig, RolloutConfig
 from hpcrl.slurm.config import SlurmConfig
 from hpcrl.sync.config import SyncConfig
 from hpcrl.trainer.config import SFTConfig, TrainConfig
@@ -47,6 +47,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -58,6 +59,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        generated = self.data.source == "addition" or self.data.source.startswith("reasoning_gym:")
+        if self.eval.every_steps and self.eval.source is None and not generated:
+            raise ValueError(
+                f"eval.every_steps={self.eval.every_steps} needs held-out prompts: data.source "
+                f"{self.data.source!r} is a file, so set eval.source to a held-out file of the same format (only "
+                "generated sources, addition and reasoning_gym:TASK, can draw held-out prompts themselves)"
+            )
         if self.reward.fn == "reasoning_gym" and not self.data.source.startswith("reasoning_gym:"):
             raise ValueError(
                 f"reward.fn=reasoning_gym scores with a reasoning-gym task's own scorer, but data.source is "

@@ -411,6 +411,24 @@ def plot_async(run: RunData, out_dir: Path, max_points: int) -> Path | None:
     return _grid_plot(run, keys, out_dir / "async.png", "rollout queue and staleness per step", max_points)
 
 
+def plot_eval(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+    """The held-out figures at the steps evaluation ran (markers joined by lines; the other rows are NaN)."""
+    keys = [k for k in ("eval/accuracy_greedy", "eval/pass_at_k", "eval/mean_at_k") if k in run.metrics]
+    if not keys:
+        return None
+    fig, axes = _figure(1, row_height=3.6)
+    ax = axes[0, 0]
+    for key in keys:
+        values = run.metrics[key]
+        at = np.isfinite(values)
+        ax.plot(run.steps[at] + 1, values[at], marker="o", ms=3, lw=1.2, label=key[len("eval/") :])
+    mark_events(ax, run.events)
+    ax.set_xlabel("after step")
+    _finish(ax, "share of held-out prompts")
+    fig.suptitle(f"{run.name}: evaluation on held-out prompts")
+    return _save(fig, out_dir / "eval.png")
+
+
 def plot_memory(run: RunData, out_dir: Path, max_points: int) -> Path | None:
     keys = run.keys_under("memory/")
     if not keys:
@@ -433,6 +451,7 @@ PLOTTERS = (
     plot_throughput,
     plot_thermal,
     plot_async,
+    plot_eval,
     plot_memory,
 )
 

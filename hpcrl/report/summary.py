@@ -192,6 +192,29 @@ class Summary:
     interruptions: dict[str, Interruption]
     # Optional sections (guard/*, queue/*, staleness, memory/*): label -> value, only what was recorded.
     extras: dict[str, float | None] = field(default_factory=dict)
+    # The evaluated rows (eval.every_steps): (step, {eval key: value}), in step order.
+    evaluations: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+
+EVAL_METRICS: tuple[tuple[str, str], ...] = (
+    ("eval/accuracy_greedy", "greedy accuracy"),
+    ("eval/pass_at_k", "pass@k"),
+    ("eval/mean_at_k", "mean@k"),
+)
+
+
+def evaluations(run: RunData) -> list[tuple[int, dict[str, float]]]:
+    """The rows where evaluation ran (its metrics are NaN on the other rows)."""
+    first = run.column(EVAL_METRICS[0][0])
+    if first is None:
+        return []
+    rows = []
+    for i in np.flatnonzero(np.isfinite(first)):
+        values = {k: float(run.metrics[k][i]) for k, _ in EVAL_METRICS if k in run.metrics}
+        if "eval/k" in run.metrics:
+            values["eval/k"] = float(run.metrics["eval/k"][i])
+        rows.append((int(run.steps[i]), values))
+    return rows
 
 
 def parent_phase(phase: str, phases: Collection[str]) -> str | None:
@@ -281,6 +304,7 @@ def summarize(run: RunData, *, window: int = DEFAULT_WINDOW) -> Summary:
             sync_bytes_median=_median_of(run.column("sync/bytes")),
             interruptions=interruptions(run.events, run.metrics),
             extras=_extras(run),
+            evaluations=evaluations(run),
         )
 
 
@@ -388,11 +412,25 @@ def _interruption_lines(summary: Summary) -> list[str]:
     return lines
 
 
+def _eval_lines(summary: Summary, max_rows: int = 12) -> list[str]:
+    rows = summary.evaluations
+    if not rows:
+        return []
+    k = int(rows[-1][1].get("eval/k", 0)) or "k"
+    shown = rows if len(rows) <= max_rows else [*rows[: max_rows // 2], *rows[-max_rows // 2 :]]
+    table = markdown_table(
+        ["after step", *(label.replace("@k", f"@{k}") for _, label in EVAL_METRICS)],
+        [[str(step + 1), *(fmt(v.get(key)) for key, _ in EVAL_METRICS)] for step, v in shown],
+    )
+    note = f" ({len(rows) - len(shown)} rows in the middle left out)" if len(shown) < len(rows) else ""
+    return ["", f"## Evaluation: held-out prompts, {len(rows)} evaluations{note}", "", table]
+
+
 def render_markdown(summary: Summary, attrs: Mapping[str, Any], plots: Sequence[Path] = ()) -> str:
     """The report as markdown; the plots are linked relative to the report's folder."""
     lines = _header_lines(summary, attrs)
     if summary.num_rows:
-        lines += [*_learning_lines(summary), *_timing_lines(summary)]
+        lines += [*_learning_lines(summary), *_eval_lines(summary), *_timing_lines(summary)]
     lines += _interruption_lines(summary)
     if plots:
         lines += ["", "## Plots", ""]
@@ -473,6 +511,10 @@ def render_compare_markdown(comparison: Comparison, paths: Sequence[Path], plots
             "",
         ]
     )
+    for key, label in EVAL_METRICS:
+        last = [s.evaluations[-1][1].get(key) if s.evaluations else None for s in comparison.summaries]
+        if any(v is not None for v in last):
+            rows.append([f"eval {label}", "last evaluation", *map(fmt, last), _across(last)])
     for label in ("preemptions", "engine restarts", "thermal pauses"):
         counts = [s.interruptions[label].count for s in comparison.summaries]
         if any(counts):
@@ -495,6 +537,7 @@ __all__ = [
     "Summary",
     "WindowMeans",
     "compare",
+    "evaluations",
     "fmt",
     "largest_step_change",
     "render_compare_markdown",

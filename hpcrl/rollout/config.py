@@ -94,3 +94,29 @@ class RewardConfig:
             raise ValueError(f"max_failed_share must be in [0, 1], got {self.max_failed_share}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate after every N-th GRPO step (and after the last); 0 turns evaluation off."""
+    source: str | None = None
+    """Held-out prompts, in data.source's syntax (a file, a dataset, `addition`, `reasoning_gym:TASK`). None:
+    the training generator with another seed, minus every prompt the training data holds; a file or dataset
+    source must name its held-out file here."""
+    num_prompts: int = 64
+    """The first N held-out examples, the same ones at every evaluation."""
+    num_samples: int = 4
+    """k of pass@k and mean@k: samples per prompt at rollout.temperature (besides one greedy answer)."""
+    max_new_tokens: int | None = None
+    """None: rollout.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"every_steps must be >= 0 (0 = no evaluation), got {self.every_steps}")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples (the k of pass@k) must be >= 1, got {self.num_samples}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")

@@ -20,8 +20,10 @@ from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import DataError, Example
 
 
-def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    digest = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, namespace: str = "") -> int:
+    # A namespace (evaluation's "eval/") draws from seeds no training sample can have.
+    key = f"{namespace}{seed}/{step}/{prompt_index}/{sample_index}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2  # non-negative and inside int63
 
 
@@ -41,6 +43,16 @@ class Sample:
 class Group:
     example: Example
     samples: list[Sample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What a rollout call draws, where it differs from the training rollout's settings (None: the same)."""
+
+    n_samples: int | None = None
+    temperature: float | None = None  # 0: greedy
+    max_new_tokens: int | None = None
+    namespace: str = ""  # seeds and request ids of their own (see sample_seed)
 
 
 class PromptFormatter:
@@ -127,14 +139,16 @@ class Rollout:
         self.poll_s = poll_s
         self._pool = ThreadPoolExecutor(max_workers=2 * len(fleet.slots), thread_name_prefix="hpcrl-rollout")
 
-    def _call(self, slot: EngineSlot, step: int, items: list[tuple[int, int]], prompts: list[list[int]]) -> list:
+    def _call(
+        self, slot: EngineSlot, step: int, items: list[tuple[int, int]], prompts: list[list[int]], draw: Draw
+    ) -> list:
         params = [
             SamplingParams(
-                max_new_tokens=self.cfg.max_new_tokens,
-                temperature=self.cfg.temperature,
+                max_new_tokens=draw.max_new_tokens or self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature if draw.temperature is None else draw.temperature,
                 top_p=self.cfg.top_p,
                 top_k=self.cfg.top_k,
-                sampling_seed=sample_seed(self.seed, step, p, s),
+                sampling_seed=sample_seed(self.seed, step, p, s, draw.namespace),
             )
             for p, s in items
         ]
@@ -142,13 +156,15 @@ class Rollout:
             [prompts[p] for p, _ in items],
             params,
             return_logprob=True,
-            rid=[f"step{step}-p{p}-s{s}" for p, s in items],
+            rid=[f"{draw.namespace or 'step'}{step}-p{p}-s{s}" for p, s in items],
             timeout_s=self.cfg.request_timeout_s,
         )
         return out if isinstance(out, list) else [out]
 
-    def generate(self, step: int, examples: Sequence[Example]) -> list[Group]:
-        n = self.cfg.n_samples_per_prompt
+    def generate(self, step: int, examples: Sequence[Example], draw: Draw | None = None) -> list[Group]:
+        """The groups of `examples`; `draw` changes what is drawn (evaluation: greedy, k samples)."""
+        draw = draw or Draw()
+        n = draw.n_samples or self.cfg.n_samples_per_prompt
         prompts = [self.formatter.encode(e.prompt) for e in examples]
         results: dict[tuple[int, int], GenerateResult] = {}
         pending = [(p, s) for p in range(len(examples)) for s in range(n)]
@@ -161,7 +177,7 @@ class Rollout:
                 continue
             work = assign_least_loaded(pending, [len(prompts[p]) for p in range(len(prompts))], len(live))
             calls = {
-                self._pool.submit(self._call, live[k], step, items, prompts): (live[k], items)
+                self._pool.submit(self._call, live[k], step, items, prompts, draw): (live[k], items)
                 for k, items in work.items()
             }
             pending = []

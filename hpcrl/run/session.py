@@ -24,7 +24,8 @@ from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
-from hpcrl.rollout.data import PromptSource, build_examples, source_options
+from hpcrl.rollout.data import Example, PromptSource, build_examples, source_options
+from hpcrl.rollout.evaluate import Evaluator, held_out_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run.placement import Placement
@@ -48,6 +49,9 @@ from hpcrl.trainer.advantage import batch_from_groups
 from hpcrl.trainer.ranks import RankGroup
 from hpcrl.trainer.warm_start import WarmStart
 
+# Evaluation's generated prompts come from the training generator under this seed offset.
+EVAL_SEED_OFFSET = 1_000_003
+
 
 class RunSession:
     trainer: RankGroup
@@ -59,6 +63,7 @@ class RunSession:
     rewards: RewardScorer
     warm_start: WarmStart
     data: PromptSource
+    evaluator: Evaluator
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> None:
         self.cfg, self.run_dir, self.slurm, self.restart = cfg, run_dir, slurm, restart
@@ -95,6 +100,7 @@ class RunSession:
                 prompt_key=d.prompt_key, answer_key=d.answer_key,
             ),
         )  # fmt: skip
+        eval_examples = self._eval_examples(examples)
         self.rewards = RewardScorer(cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
         from transformers import AutoTokenizer
 
@@ -131,6 +137,10 @@ class RunSession:
             cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines
         )
         self._closers.append(self.rollout.close)
+        self.evaluator = Evaluator(
+            cfg.eval, self.rollout, self.rewards.fn, eval_examples, num_steps=cfg.num_steps,
+            timeout_s=cfg.reward.timeout_s,
+        )  # fmt: skip
         if guard_source is not None:
             guard = ThermalGuard(cfg.guard, guard_source, say=say, interrupted=self._preempted)
             pids = self.placement.local_engine_pids() + self.trainer.pids
@@ -149,6 +159,22 @@ class RunSession:
         self.state.register("weights", self.publisher)
         self.state.register("warm_start", self.warm_start)
         self._resume_point = resume_point
+
+    def _eval_examples(self, training: list[Example]) -> list[Example]:
+        """The held-out prompts of evaluation (none when it is off): from eval.source, or from the training
+        generator under another seed; training prompts are taken out either way."""
+        cfg, e = self.cfg, self.cfg.eval
+        if not e.every_steps:
+            return []
+        source = e.source or cfg.data.source
+        seed = cfg.seed + EVAL_SEED_OFFSET if e.source is None else cfg.seed
+        d = cfg.data
+        built = build_examples(
+            source,
+            **source_options(source, num_examples=max(d.num_examples, e.num_prompts), digits=d.digits, seed=seed,
+                             prompt_key=d.prompt_key, answer_key=d.answer_key),
+        )  # fmt: skip
+        return held_out_examples(e, training, built)
 
     def _claim_run_dir(self) -> ResumePoint:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
@@ -185,6 +211,10 @@ class RunSession:
         out = {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
         out["timing/logprob_s"] = m.get("forward_s", 0.0)
         return out
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluation's figures when it is due after `step` (the engines serve the step's new weights)."""
+        return self.evaluator.run(step) if self.evaluator.due(step) else {}
 
     def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
         """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""

@@ -53,6 +53,8 @@ class Progress:
             for name in ("rollout", "reward", "train", "sync", "checkpoint")
             if f"timing/{name}_s" in m
         )
+        if m.get("timing/eval_s", 0.0) > 0.005:
+            phases += f" eval {m['timing/eval_s']:.2f}s"
         self.say(
             f"step {step + 1:>4}/{self.num_steps} | reward {m['rollout/reward_mean']:.3f} "
             f"| len {m['rollout/response_len_mean']:.1f} (max {m['rollout/response_len_max']:.0f}, "
@@ -60,3 +62,9 @@ class Progress:
             f"| gap {m.get('train/train_rollout_logprob_abs_diff', float('nan')):.2e} "
             f"| {phases} | {m['timing/total_s']:.2f} s/step | ETA {_fmt_eta(eta)}"
         )
+        if "eval/accuracy_greedy" in m:
+            k = int(m["eval/k"])
+            self.say(
+                f"eval after step {step + 1}: greedy accuracy {m['eval/accuracy_greedy']:.3f} | pass@{k} "
+                f"{m['eval/pass_at_k']:.3f} | mean@{k} {m['eval/mean_at_k']:.3f} ({m['eval/num_prompts']:.0f} prompts)"
+            )
