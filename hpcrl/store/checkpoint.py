@@ -3,8 +3,9 @@
 Layout of one file, format version 2 (DESIGN.md §4), an HDF5 file that any HDF5 reader opens:
 - ``/blob``: one contiguous uint8 dataset holding every tensor's raw bytes (C order, little-endian), back to
   back. It is written outside HDF5 with ``os.pwritev`` at the dataset's file offset and read back with
-  ``os.preadv`` straight into each tensor's memory: one system call per 1,024 tensors each way, no copy
-  through NumPy or HDF5, which is what makes a checkpoint as fast as ``torch.save``.
+  ``os.preadv`` straight into each tensor's memory, in runs of 64 MiB (each written run is sent to disk with
+  ``sync_file_range`` while the next is written): no copy through NumPy or HDF5, which is what makes a
+  checkpoint as fast as ``torch.save``.
 - ``/crc32``: uint32 per tensor, the CRC-32 of its name, dtype, shape and bytes (``zlib.crc32``, 3-4 GB/s
   a core and computed in threads beside the write and the read; BLAKE2b at 0.8 GB/s was the bottleneck).
 - root attributes: ``hpcrl_format="checkpoint"``, ``hpcrl_format_version``, ``step``, ``num_tensors``,
@@ -20,6 +21,7 @@ complete unless the storage damaged it afterwards, which the checksums catch on 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hashlib
 import json
@@ -49,8 +51,9 @@ _V1_TENSORS_FORMAT_VERSION = 1
 _BLOB, _CRC32 = "blob", "crc32"
 # Linux accepts at most IOV_MAX (1024) buffers in one pwritev/preadv.
 _IOV_MAX = 1024
-# Tensors are read in runs of about this many bytes so that their checksums overlap the next run's read.
-_READ_RUN_BYTES = 64 << 20
+# Tensors are written and read in runs of about this many bytes: each written run is sent to disk while
+# the next is written, and each read run's checksums overlap the next run's read.
+_RUN_BYTES = 64 << 20
 # Two checksum threads: the machines this runs on have at least two cores, and more do not speed up a
 # write bound by the disk.
 _CHECKSUM_THREADS = 2
@@ -221,7 +224,10 @@ def _write_file(path: Path, step: int, tensors: Mapping[str, torch.Tensor], stat
         fd = os.open(path, os.O_WRONLY)
         try:
             if blob_offset is not None:
-                _pwritev_all(fd, views, blob_offset)
+                for first, last in _runs(views):
+                    run_offset = blob_offset + entries[first]["offset"]
+                    _pwritev_all(fd, views[first:last], run_offset)
+                    _start_writeback(fd, run_offset, sum(view.nbytes for view in views[first:last]))
             if crc_offset is not None:
                 table = np.array([future.result() for future in crcs], dtype="<u4")
                 _pwritev_all(fd, [table.view(np.uint8).data], crc_offset)
@@ -269,6 +275,41 @@ def _allocated_dataset(f: h5py.File, name: str, dtype: h5py.h5t.TypeID, length: 
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     space = h5py.h5s.create_simple((length,))
     return h5py.h5d.create(f.id, name.encode(), dtype, space, dcpl=dcpl)
+
+
+def _runs(views: list[memoryview]) -> list[tuple[int, int]]:
+    """Splits tensors into consecutive runs [first, last) of about _RUN_BYTES each."""
+    runs, first, run_bytes = [], 0, 0
+    for index, view in enumerate(views):
+        run_bytes += view.nbytes
+        if run_bytes >= _RUN_BYTES or index == len(views) - 1:
+            runs.append((first, index + 1))
+            first, run_bytes = index + 1, 0
+    return runs
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Asks Linux to start writing a run to disk now, so that the final fsync waits for the last run only.
+
+    Without it the dirty pages pile up until the kernel throttles the writer (measured: a 0.43 GB write
+    took 4-8 s on a busy disk, 0.7-2 s with it); elsewhere, or where it fails, the fsync does it all.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _load_sync_file_range() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
+_sync_file_range = _load_sync_file_range() if sys.platform.startswith("linux") else None
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
@@ -472,18 +513,14 @@ def _read_blob(
     fd = os.open(path, os.O_RDONLY)
     try:
         with ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="hpcrl-crc") as pool:
-            # Runs of ~64 MiB: the checksums of one run overlap the read of the next.
-            first, run_bytes = 0, 0
-            for index, view in enumerate(views):
-                run_bytes += view.nbytes
-                if run_bytes >= _READ_RUN_BYTES or index == len(views) - 1:
-                    start = blob_offset + entries[first]["offset"] if blob_offset is not None else 0
-                    if not _preadv_all(fd, views[first : index + 1], start):
-                        raise CheckpointError(
-                            f"checkpoint {path} ends inside its tensor data; the file is truncated or corrupt"
-                        )
-                    checks.append(pool.submit(verify, first, index + 1))
-                    first, run_bytes = index + 1, 0
+            # The checksums of one run overlap the read of the next.
+            for first, last in _runs(views):
+                start = blob_offset + entries[first]["offset"] if blob_offset is not None else 0
+                if not _preadv_all(fd, views[first:last], start):
+                    raise CheckpointError(
+                        f"checkpoint {path} ends inside its tensor data; the file is truncated or corrupt"
+                    )
+                checks.append(pool.submit(verify, first, last))
             failures = [message for check in checks if (message := check.result()) is not None]
     finally:
         os.close(fd)
