@@ -172,3 +172,17 @@ def test_a_process_killed_during_a_background_write_loses_nothing(tmp_path: Path
     assert said[0] == "removed a partial checkpoint left by an interrupted write: .step_00000001.h5.tmp"
     assert weights.loaded is not None and torch.equal(weights.loaded, torch.zeros(1000))
     assert [p.name for p in ckpt_dir.iterdir()] == ["step_00000000.h5"]
+
+
+def test_the_torch_trainer_hands_over_copies_that_training_does_not_change(tiny_model_dir: Path) -> None:
+    from hpcrl.trainer.config import TrainConfig
+    from hpcrl.trainer.torch_backend import TorchTrainer
+
+    trainer = TorchTrainer(TrainConfig(), tiny_model_dir, rank=0, world_size=1, sft_lr=1e-3)
+    tensors, _ = trainer.state()
+    before = {name: tensor.clone() for name, tensor in tensors.items()}
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.add_(1.0)  # what an optimizer step does to the live weights while the write goes on
+    assert all(torch.equal(tensors[name], tensor) for name, tensor in before.items())
+    assert any(name.startswith("model/") for name in tensors)

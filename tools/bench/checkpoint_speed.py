@@ -59,6 +59,7 @@ def training_state(scale: float = 1.0) -> dict[str, torch.Tensor]:
 def blocked_by_run_state(tensors: dict[str, torch.Tensor], work: Path, step: int) -> tuple[float, float]:
     """Seconds RunState.save keeps the loop waiting, and seconds of one plain copy of the same tensors."""
     part = CopyingPart(tensors)
+    work.mkdir(exist_ok=True)
     with MetricsWriter(work / "metrics.h5") as store:
         state = RunState(work, store, every_steps=1, keep_last=2, num_steps=step + 1, say=print,
                          check_weights=lambda *_: None)  # fmt: skip
@@ -118,7 +119,7 @@ def main() -> None:
                 times["torch.load" if side == "torch" else "load"].append(time.perf_counter() - start)
                 assert all(torch.equal(loaded[k], v) for k, v in tensors.items()), f"{side}: round trip differs"
                 del loaded
-            blocked_s, copy_s = blocked_by_run_state(tensors, work, args.repeats + round_index)
+            blocked_s, copy_s = blocked_by_run_state(tensors, work / "run", round_index)
             times["blocked"].append(blocked_s)
             times["copy"].append(copy_s)
     finally:
