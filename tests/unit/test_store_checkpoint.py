@@ -98,8 +98,8 @@ def test_a_checkpoint_written_before_format_version_2_still_loads() -> None:
 
 
 def test_reads_and_writes_split_into_many_calls_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A 0.6B model's state has more tensors than one pwritev/preadv takes (1,024) and is written and read in
-    # runs of 64 MiB; shrink both limits so that a small state crosses them.
+    # A 0.6B model's state has more tensors than one pwritev/preadv takes (1,024) and is read in runs of
+    # 64 MiB; shrink both limits so that a small state crosses them.
     monkeypatch.setattr(checkpoint_module, "_IOV_MAX", 3)
     monkeypatch.setattr(checkpoint_module, "_RUN_BYTES", 100)
     real_pwritev, real_preadv = os.pwritev, os.preadv
