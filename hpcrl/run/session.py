@@ -153,6 +153,7 @@ class RunSession:
             self.run_dir, self.store, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
             num_steps=cfg.num_steps, say=say, check_weights=self.publisher.check_finite,
         )  # fmt: skip
+        self._closers.append(self.state.close)  # before the parts it saves close, and the run-dir lock
         self.state.register("trainer", self.trainer)
         self.state.register("rng", RngState())
         self.state.register("data", JsonState(self.data.state, self.data.load_state))
@@ -242,6 +243,7 @@ class RunSession:
         finished = None if self._trained_past_last_logged else self._last_logged
         if finished is not None:
             self.state.save(*finished)
+        self.state.wait()  # the checkpoint is on disk before the job is requeued
         step = finished[0] if finished else None
         name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
         job_id = self.placement.incarnation.job_id
@@ -259,6 +261,7 @@ class RunSession:
         return 128 + int(self.preempt_signal or signal.SIGTERM)
 
     def finish(self) -> None:
+        self.state.wait()  # a failed last checkpoint is the error to report, before the export
         out = self.trainer.export(self.run_dir / "model")
         last = self.cfg.num_steps - 1 if self.cfg.num_steps else None
         self.store.event("finished", step=last, detail={"model": str(out)})
@@ -280,6 +283,7 @@ class RunSession:
             try:
                 step, row = self._last_logged
                 self.state.save(step, row)
+                self.state.wait()
                 self.progress.say(f"{type(exc).__name__}: checkpointed step {step + 1}; fix the cause and rerun")
             except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
                 self.progress.say(f"warning: could not checkpoint before stopping: {err}")

@@ -7,10 +7,16 @@ save: a resume re-logs it if the process died in between). Adding a part is one 
 Parts of a synchronous run: `trainer` (model, optimizer; the other ranks load their own copy), `rng` (python,
 numpy, torch, CUDA generators), `data` (the prompt cursor), `weights` (the version the engines serve),
 `warm_start` (whether SFT is done).
+
+`save` blocks the loop only while the parts hand over their state (the trainer's device-to-host copy); a
+background thread writes the file. The next `save`, `wait`, `resume` and `close` wait for that write and
+raise its error, if it had one; a write that fails leaves the previous checkpoint in place, and one cut
+short by a kill leaves only a temporary file that the next `resume` removes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +38,11 @@ ROW_KEY = "last_row"
 
 class Stateful(Protocol):
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Tensors (their keys unique across parts) and JSON; no pickle anywhere in a checkpoint."""
+        """Tensors (their keys unique across parts) and JSON; no pickle anywhere in a checkpoint.
+
+        The tensors must be copies the part never changes afterwards (a live parameter is not): the file is
+        written from them in the background while the loop goes on.
+        """
         ...
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], *, step: int) -> None:
@@ -85,6 +95,8 @@ class RunState:
         self.say = say
         self.check_weights = check_weights  # NaN/inf weights must never reach a checkpoint
         self.parts: dict[str, Stateful] = {}
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
 
     def register(self, name: str, part: Stateful) -> None:
         assert name not in self.parts and name != ROW_KEY, f"state part {name!r} registered twice"
@@ -94,7 +106,9 @@ class RunState:
         return (step + 1) % self.every_steps == 0 or step + 1 == self.num_steps
 
     def save(self, step: int, row: dict[str, float]) -> None:
-        """Write a checkpoint of every part at `step`, with the step's metrics row."""
+        """Start writing a checkpoint of every part at `step`, with the step's metrics row; returns once the
+        parts have handed over their state. Raises the previous write's error, if it failed."""
+        self.wait()
         self.store.flush()
         tensors: dict[str, torch.Tensor] = {}
         state: dict[str, Any] = {}
@@ -107,13 +121,35 @@ class RunState:
         keys = sorted(row)
         tensors[ROW_KEY] = torch.tensor([row[k] for k in keys], dtype=torch.float64)
         state["last_row_keys"] = keys
+        self._writer = threading.Thread(
+            target=self._write, args=(step, tensors, state), name=f"hpcrl-checkpoint-{step}"
+        )
+        self._writer.start()
+
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         try:
             save_checkpoint(self.ckpt_dir, step, tensors, state, keep_last=self.keep_last)
-        except CheckpointError as exc:
-            raise StateError(str(exc)) from None
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread by wait()
+            self._write_error = exc
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written, if any; raise StateError if its write failed."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        error, self._write_error = self._write_error, None
+        if isinstance(error, CheckpointError):
+            raise StateError(str(error)) from None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Wait for the last checkpoint: the process must not exit, nor release the run dir, before it is on disk."""
+        self.wait()
 
     def resume(self, point: ResumePoint) -> int | None:
         """Load every part from the checkpoint found before the run started; returns its step (None: none)."""
+        self.wait()
         for path in remove_temp_files(self.ckpt_dir) if self.ckpt_dir.exists() else []:
             self.say(f"removed a partial checkpoint left by an interrupted write: {path.name}")
         kept = keep_unreadable(self.ckpt_dir, list(point.unreadable))

@@ -167,12 +167,15 @@ class TorchTrainer:
         return [(k, v.detach()) for k, v in self.model.state_dict().items()]
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """Model and optimizer state as tensors + JSON skeleton (no pickle), for checkpoints."""
-        tensors = {f"model/{k}": v.detach().cpu() for k, v in self.model.state_dict().items()}
+        """Model and optimizer state as tensors + JSON skeleton (no pickle), for checkpoints.
+
+        Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
+        """
+        tensors = {f"model/{k}": _host_copy(v) for k, v in self.model.state_dict().items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
-        tensors.update({k: v.cpu() for k, v in opt_tensors.items()})
+        tensors.update({k: _host_copy(v) for k, v in opt_tensors.items()})
         if self.ref_model is not None:
-            tensors.update({f"ref_model/{k}": v.detach().cpu() for k, v in self.ref_model.state_dict().items()})
+            tensors.update({f"ref_model/{k}": _host_copy(v) for k, v in self.ref_model.state_dict().items()})
         return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
@@ -192,3 +195,7 @@ class TorchTrainer:
 
     def export(self, out_dir: str | Path) -> Path:
         return save_model(self.model, out_dir, source_dir=self.model_dir)
+
+
+def _host_copy(tensor: Tensor) -> Tensor:
+    return tensor.detach().to("cpu", copy=True)

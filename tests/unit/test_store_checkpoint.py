@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import warnings
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 import pytest
 import torch
 
+import hpcrl.store.checkpoint as checkpoint_module
 from hpcrl.store.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -72,10 +75,63 @@ def test_every_dtype_round_trips_bit_exact(tmp_path: Path) -> None:
     assert set(checkpoint.tensors) == set(tensors)
     for name, tensor in tensors.items():
         assert_bit_equal(checkpoint.tensors[name], tensor)
-    with h5py.File(path, "r") as f:
-        bf16 = f["tensors/bf16.special"]
-        assert bf16.dtype == np.uint16 and bf16.attrs["dtype"] == "bfloat16"
+    with h5py.File(path, "r") as f:  # any HDF5 reader sees every tensor's bytes in /blob, where the index says
+        (bf16,) = [e for e in json.loads(f.attrs["tensors_json"]) if e["name"] == "bf16.special"]
+        assert bf16["dtype"] == "bfloat16" and bf16["shape"] == [5]
+        raw = f["blob"][bf16["offset"] : bf16["offset"] + 10]
+        assert raw.tobytes() == tensors["bf16.special"].view(torch.int16).numpy().tobytes()
         assert json.loads(f.attrs["state_json"]) == state and f.attrs["step"] == 7
+
+
+def test_a_checkpoint_written_before_format_version_2_still_loads() -> None:
+    # Written by hpcrl at d7dfaee (format 1: a dataset per tensor, BLAKE2b) from sample_tensors() and this state.
+    old = Path(__file__).parents[1] / "data" / "checkpoint_v1" / "step_00000003.h5"
+    with h5py.File(old, "r") as f:
+        assert f.attrs["hpcrl_format_version"] == 1 and "tensors" in f
+    checkpoint = load_checkpoint(old)
+    assert checkpoint.step == 3
+    assert checkpoint.state == {"data": {"cursor": 17}, "weights": {"version": "3"}, "name": "run ☃"}
+    tensors = sample_tensors()
+    assert set(checkpoint.tensors) == set(tensors)
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+
+
+def test_reads_and_writes_split_into_many_calls_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 0.6B model's state has more tensors than one pwritev/preadv takes (1,024) and is read in runs of
+    # 64 MiB; shrink both limits so that a small state crosses them.
+    monkeypatch.setattr(checkpoint_module, "_IOV_MAX", 3)
+    monkeypatch.setattr(checkpoint_module, "_RUN_BYTES", 100)
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+
+    def short(call: Any) -> Any:  # the kernel may move fewer bytes than asked (signals, size limits)
+        return lambda fd, views, offset: call(fd, [views[0][: max(1, len(views[0]) // 2)]], offset)
+
+    monkeypatch.setattr(os, "pwritev", short(real_pwritev))
+    monkeypatch.setattr(os, "preadv", short(real_preadv))
+    tensors = sample_tensors()
+    checkpoint = load_checkpoint(save_checkpoint(tmp_path, 1, tensors, {}))
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+
+
+def test_damaged_checksums_and_index_are_named(tmp_path: Path) -> None:
+    weights = {"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(8, dtype=torch.float64)}
+    path = save_checkpoint(tmp_path, 1, weights, {})
+    with h5py.File(path, "r") as f:
+        crc_offset = f["crc32"].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(crc_offset + 4)  # the second tensor's checksum
+        f.write(b"\0\0\0\0")
+    with pytest.raises(CheckpointError, match="tensor 'b' of checkpoint .* fails its checksum.*corrupt"):
+        load_checkpoint(path)
+    path = save_checkpoint(tmp_path, 2, weights, {})
+    with h5py.File(path, "r+") as f:  # an index that claims more bytes than the file holds
+        entries = json.loads(f.attrs["tensors_json"])
+        entries[1]["shape"] = [10**12]
+        f.attrs["tensors_json"] = json.dumps(entries)
+    with pytest.raises(CheckpointError, match="damaged entry for tensor 'b'.*corrupt"):
+        load_checkpoint(path)
 
 
 def test_state_must_be_plain_json(tmp_path: Path) -> None:
@@ -185,7 +241,7 @@ def test_corrupt_latest_checkpoint_is_skipped_with_a_warning(tmp_path: Path) -> 
         save_checkpoint(tmp_path, step, weights, {"step": step}, keep_last=3)
     flipped, truncated = tmp_path / "step_00000003.h5", tmp_path / "step_00000002.h5"
     with h5py.File(flipped, "r") as f:
-        data_offset_bytes = f["tensors/w"].id.get_offset()
+        data_offset_bytes = f["blob"].id.get_offset()
     with open(flipped, "r+b") as f:
         f.seek(data_offset_bytes + 1000)
         byte = f.read(1)

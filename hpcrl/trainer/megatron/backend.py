@@ -357,7 +357,7 @@ class MegatronTrainer:
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Weights and Adam moments in HF layout (any TP/PP split can resume them); every rank calls it."""
         params = dict(self.model.named_parameters())
-        tensors = {f"model/{k}": v.cpu() for k, v in self._collect(lambda n: params[n])}
+        tensors = {f"model/{k}": v.to("cpu", copy=True) for k, v in self._collect(lambda n: params[n])}
         self._assert_grpo_optimizer()
         keys = list(MOMENTS) + (["main"] if isinstance(self.optimizer, DistributedOptimizer) else [])
         for key in keys:
@@ -366,10 +366,10 @@ class MegatronTrainer:
                 return self.optimizer.param_state(params[n])[key]
 
             prefix = "optimizer/main_params/" if key == "main" else f"optimizer/{key}/"
-            tensors.update({f"{prefix}{k}": v.cpu() for k, v in self._collect(lookup)})
+            tensors.update({f"{prefix}{k}": v.to("cpu", copy=True) for k, v in self._collect(lookup)})
         if self.ref_model is not None:
             ref = dict(self.ref_model.named_parameters())
-            tensors.update({f"ref_model/{k}": v.cpu() for k, v in self._collect(lambda n: ref[n])})
+            tensors.update({f"ref_model/{k}": v.to("cpu", copy=True) for k, v in self._collect(lambda n: ref[n])})
         state = {
             "backend": "megatron",
             "megatron_optimizer": self.optimizer.kind,
