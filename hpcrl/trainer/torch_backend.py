@@ -207,7 +207,8 @@ class TorchTrainer:
                 )
                 sums.add_rollout_gap(lp, mb, tokens)
             loss.backward()
-            sums.sums["loss"] += float(loss.detach().item()) * self.world_size
+            # Each rank's loss is scaled by the world size already (above): their sum is W x the batch mean.
+            sums.sums["loss"] += float(loss.detach().item())
             sums.add(stats, tokens)
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf")).item()

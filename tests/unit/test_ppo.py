@@ -3,8 +3,10 @@ and prompt ids with the tokenizer's special tokens (issue #20 items 1-3)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,11 +15,12 @@ from hpcrl.model.qwen3 import ModelArgs
 from hpcrl.rollout.config import DataConfig
 from hpcrl.rollout.generate import PromptFormatter
 from hpcrl.run_config import load_run_config
+from hpcrl.store import load_events, load_metrics
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.loss import PolicyLossConfig, importance_weights, policy_loss
 from hpcrl.trainer.torch_backend import TorchTrainer
-from tests.support import REPO
+from tests.support import REPO, SMALL, hpcrl
 
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 
@@ -67,15 +70,17 @@ def test_unknown_choices_name_the_valid_ones() -> None:
 
 
 def bos_tokenizer_dir(tiny_model_dir: Path, out: Path) -> Path:
-    """The tiny model's tokenizer given a `<s>` BOS that its post-processor puts first, as Llama's does."""
+    """A copy of the tiny model whose tokenizer puts a BOS first, as Llama's does (`<|im_start|>` plays the
+    BOS: a token the model already has, so the weights fit unchanged)."""
     from tokenizers import processors
     from transformers import AutoTokenizer
 
+    shutil.copytree(tiny_model_dir, out)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tok.add_special_tokens({"bos_token": "<s>"})
-    bos = tok.convert_tokens_to_ids("<s>")
+    tok.bos_token = "<|im_start|>"
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+        single="<|im_start|> $A", pair="<|im_start|> $A <|im_start|> $B", special_tokens=[("<|im_start|>", bos)]
     )
     tok.save_pretrained(out)
     return out
@@ -85,13 +90,13 @@ def test_auto_keeps_the_bos_a_tokenizer_adds_and_false_drops_it(tiny_model_dir: 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(bos_tokenizer_dir(tiny_model_dir, tmp_path / "tok"))  # read back from disk
-    bos = tok.convert_tokens_to_ids("<s>")
+    bos = tok.bos_token_id
     plain = tok.encode("12+34=", add_special_tokens=False)
     auto = PromptFormatter(tok, DataConfig()).encode("12+34=")
     assert auto == [bos, *plain] == tok.encode("12+34=")
     assert PromptFormatter(tok, DataConfig(add_special_tokens=True)).encode("12+34=") == auto
     assert PromptFormatter(tok, DataConfig(add_special_tokens=False)).encode("12+34=") == plain
-    assert PromptFormatter(tok, DataConfig()).describe(auto).endswith("['<s>', '1', '2', '+', '3', '4', '=']")
+    assert PromptFormatter(tok, DataConfig()).describe(auto).endswith("['<|im_start|>', '1', '2', '+', '3', '4', '=']")
     # A chat template writes its own markers: auto and false add nothing to them, true puts the BOS first.
     chat = PromptFormatter(tok, DataConfig(prompt_template="chat")).encode("1+1=")
     assert tok.convert_ids_to_tokens(chat[:2]) == ["<|im_start|>", "u"]
@@ -222,3 +227,24 @@ def test_tis_and_mis_in_the_trainer_weigh_by_the_ratios_to_the_engine(tiny_model
     assert mis["is_weight_mean"] == pytest.approx(0.5 * (1 - even), rel=1e-5)
     none = TorchTrainer(TrainConfig(), tiny_model_dir).train_grpo(engine)
     assert "is_weight_mean" not in none and none["loss"] != tis["loss"]
+
+
+def test_a_run_trains_on_bos_prompts_in_mini_batches_over_two_ranks(workdir: Path, tiny_model_dir: Path) -> None:
+    """One `hpcrl run` end to end: the BOS reaches the engine and the trainer (said and logged), and two ranks
+    taking each mini-batch half and half make the same updates as one rank."""
+    model = bos_tokenizer_dir(tiny_model_dir, workdir / "bos-model")
+    # The random model earns no arithmetic reward, and all-zero advantages would train nothing.
+    reward = "def reward(response: str, answer: str) -> float:\n    return len(response) % 2\n"
+    (workdir / "oddlen.py").write_text(reward)
+    common = [*SMALL, "num_steps=1", "sft.num_steps=0", f"model.path={model}", "reward.fn=oddlen:reward"]
+    common += ["train.global_batch_size=4", "train.ppo_epochs=2", "train.lr=3e-2"]  # batch 4 x 4 = 16: 8 steps
+    one = hpcrl("run", "qs.yaml", *common, "--run-dir", "one", cwd=workdir)
+    hpcrl("run", "qs.yaml", *common, "train.num_ranks=2", "--run-dir", "two", cwd=workdir)
+    assert "first prompt of this step as token ids (data.add_special_tokens=auto): [1, " in one.stdout
+    event = next(e for e in load_events(workdir / "one" / "metrics.h5") if e["kind"] == "prompt_ids")
+    assert event["detail"]["tokens"][0] == "<|im_start|>" and event["detail"]["ids"][0] == 1
+    a, b = load_metrics(workdir / "one" / "metrics.h5"), load_metrics(workdir / "two" / "metrics.h5")
+    assert a["train/num_optimizer_steps"][0] == b["train/num_optimizer_steps"][0] == 8
+    assert a["train/pg_clipfrac"][0] > 0
+    for key in ("train/loss", "train/pg_clipfrac", "train/ppo_kl", "train/grad_norm"):
+        np.testing.assert_allclose(b[key][0], a[key][0], rtol=1e-4, atol=1e-6, err_msg=key)
