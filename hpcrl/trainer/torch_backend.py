@@ -146,7 +146,13 @@ class TorchTrainer:
         """Log-probs of every target position [b, T-1] (and entropy), batched or one sequence at a time."""
         if not self.cfg.onpolicy:
             logits = model(mb.input_ids)
-            return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], with_entropy=with_entropy)
+            # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
+            # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
+            # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
+            # extra row of softmax.
+            targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
+            lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
+            return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
         rows = []
         base = cast(CausalLM, model.module if hasattr(model, "module") else model)  # DDP wraps the CausalLM
         for i in range(len(mb)):
