@@ -42,7 +42,8 @@ class RunConfig:
     name: str = "run"
     seed: int = 0
     num_steps: int = 20
-    """GRPO steps (one optimizer step per rollout batch)."""
+    """GRPO steps, one rollout batch each (train.global_batch_size and train.ppo_epochs say how many optimizer
+    steps a rollout batch makes; one by default)."""
     model: ModelConfig
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -74,6 +75,14 @@ class RunConfig:
             )
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt
+        gbs = self.train.global_batch_size
+        if gbs is not None and (gbs > batch or batch % gbs):
+            raise ValueError(
+                f"train.global_batch_size={gbs} must divide the rollout batch, data.prompts_per_step x "
+                f"rollout.n_samples_per_prompt = {self.data.prompts_per_step} x {self.rollout.n_samples_per_prompt} "
+                f"= {batch}; use one of {_divisors(batch, self.train.num_ranks)} (or null: the whole batch)"
+            )
         if self.train.onpolicy and not self.engine.onpolicy_logprobs:
             warnings.warn(
                 "train.onpolicy without engine.onpolicy_logprobs: the trainer scores sequences one by one, but the "
@@ -96,6 +105,10 @@ class RunConfig:
                         f"{key}={timeout_s:g} must be longer than guard.max_pause_s={self.guard.max_pause_s:g}, or "
                         f"a thermal pause could make it time out: raise {key} or lower guard.max_pause_s"
                     )
+
+
+def _divisors(n: int, multiple_of: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d % multiple_of == 0)
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -22,6 +23,11 @@ class DataConfig:
     """Largest number of digits per operand for `addition`."""
     prompt_template: str = "{prompt}"
     """How a prompt becomes model input; `{prompt}` is replaced. `chat` applies the tokenizer's chat template."""
+    add_special_tokens: bool | Literal["auto"] = "auto"
+    """Whether prompt ids get the tokenizer's special tokens (a Llama-style `<bos>` first). `auto` follows the
+    tokenizer's own convention: plain text is encoded as `tokenizer.encode(text)` does by default, and a chat
+    template (`prompt_template: chat`) adds exactly what the template writes. `true` adds them to chat prompts
+    too; `false` never adds them. The first step's prompt ids are written to the run's log."""
     prompts_per_step: int = 16
     shuffle: bool = True
     """Visit the examples in a fresh seeded permutation every epoch (GRPO and SFT batches alike); false keeps

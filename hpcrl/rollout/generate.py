@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,12 +61,26 @@ class PromptFormatter:
         self.cfg = cfg
 
     def encode(self, prompt: str) -> list[int]:
+        """The prompt's ids as the model sees them, special tokens per `data.add_special_tokens`."""
+        add = self.cfg.add_special_tokens
         if self.cfg.prompt_template == "chat":
+            if add is True:
+                return list(self.tokenizer.encode(self._model_text(prompt), add_special_tokens=True))
+            # The template writes its own markers (a BOS included, where the model wants one).
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return list(self.tokenizer.encode(self.cfg.prompt_template.format(prompt=prompt), add_special_tokens=False))
+            # transformers 5 returns a BatchEncoding (a Mapping, not a dict), whose list() would be its keys.
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        text = self.cfg.prompt_template.format(prompt=prompt)
+        if add == "auto":
+            return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add))
+
+    def describe(self, ids: Sequence[int]) -> str:
+        """`ids` and their tokens, special ones included: what a user checks the prompt's BOS with."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(ids))
+        return f"{list(ids)} = {tokens}"
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -64,6 +64,7 @@ class RunSession:
     warm_start: WarmStart
     data: PromptSource
     evaluator: Evaluator
+    formatter: PromptFormatter
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> None:
         self.cfg, self.run_dir, self.slurm, self.restart = cfg, run_dir, slurm, restart
@@ -74,6 +75,7 @@ class RunSession:
         # The last row logged and whether the trainer has moved past it (then it cannot be checkpointed).
         self._last_logged: tuple[int, dict[str, float]] | None = None
         self._trained_past_last_logged = False
+        self._prompt_ids_shown = False
         preemption.watch()
 
     # ----- setup -----
@@ -104,7 +106,7 @@ class RunSession:
         self.rewards = RewardScorer(cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
         from transformers import AutoTokenizer
 
-        formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), cfg.data)
+        self.formatter = formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), cfg.data)
         formatter.check_encodable(examples, source=cfg.data.source, answers=cfg.sft.num_steps > 0)
         self.data = PromptSource(
             examples, batch_size=cfg.data.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle
@@ -206,6 +208,7 @@ class RunSession:
     def train(self, groups: list[Group]) -> dict[str, float]:
         """One trainer step on the scored groups; colocated engines lend their memory meanwhile."""
         self.publisher.lend_memory()
+        self._show_prompt_ids(groups)
         self._trained_past_last_logged = True
         batch = batch_from_groups(groups, normalize_std=self.cfg.train.normalize_advantage_std)
         m = self.trainer.train_grpo(batch)
@@ -216,6 +219,18 @@ class RunSession:
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluation's figures when it is due after `step` (the engines serve the step's new weights)."""
         return self.evaluator.run(step) if self.evaluator.due(step) else {}
+
+    def _show_prompt_ids(self, groups: list[Group]) -> None:
+        """Once per process: the ids the policy is trained on, so a missing (or doubled) BOS is seen at once."""
+        if self._prompt_ids_shown or not groups or not groups[0].samples:
+            return
+        self._prompt_ids_shown = True
+        ids = groups[0].samples[0].prompt_ids
+        add = str(self.cfg.data.add_special_tokens).lower()
+        shown = self.formatter.describe(ids)
+        self.progress.say(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
+        tokens = self.formatter.tokenizer.convert_ids_to_tokens(list(ids))
+        self.store.event("prompt_ids", step=None, detail={"add_special_tokens": add, "ids": ids, "tokens": tokens})
 
     def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
         """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""

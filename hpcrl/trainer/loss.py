@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "PolicyLossConfig",
+    "importance_weights",
     "logprob_mismatch",
     "policy_loss",
     "sft_loss",
@@ -25,6 +26,7 @@ __all__ = [
 
 Aggregation = Literal["token", "sequence"]
 _AGGREGATIONS = ("token", "sequence")
+Correction = Literal["tis", "mis"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,6 +350,7 @@ def policy_loss(
     *,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
+    token_weights: Tensor | None = None,
     loss_scale_tokens: float | None = None,
     loss_scale_sequences: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -365,6 +368,8 @@ def policy_loss(
         cfg: the loss settings.
         ref_logprobs: ``[B, T]`` reference-policy log-probs; the KL term needs them and ``kl_coef > 0``.
         entropy: ``[B, T]`` per-token entropy (differentiable for the bonus to act).
+        token_weights: ``[B, T]`` constants multiplying each token's policy-gradient term (importance
+            weights, ``importance_weights``); the KL and entropy terms are not weighted.
         loss_scale_tokens: 'token' aggregation only. By default the sum is divided by this call's masked
             token count, so micro-batches of a step each get their own mean and tokens in short
             micro-batches weigh more. Passing the step's global masked token count instead makes the
@@ -400,6 +405,9 @@ def policy_loss(
     pg_clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
     clipped = (pg_clipped > pg_unclipped) & mask
+    if token_weights is not None:
+        _check_bt("token_weights", token_weights, shape)
+        pg = pg * _masked(token_weights.detach().to(pg.dtype), mask)
 
     per_token = pg
     kl: Tensor | None = None
@@ -436,6 +444,39 @@ def policy_loss(
         # One device sync for all stats instead of one per .item(); double so python floats lose nothing.
         stats = dict(zip(names, torch.stack([v.detach().double() for v in values]).tolist(), strict=True))
     return loss, stats
+
+
+@torch.no_grad()
+def importance_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, mode: Correction, is_clip: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token weights correcting for the engine sampling from a slightly different policy than the trainer's.
+
+    ``r = exp(old_logprobs - rollout_logprobs)``: the trainer's old-policy probability of the sampled token over
+    the engine's. ``tis`` (truncated IS) gives ``min(r, is_clip)``; ``mis`` (masked IS, IcePop-style) gives
+    ``r`` where ``r <= is_clip`` and 0 above, so a token the engine sampled far more readily than the trainer
+    would is left out instead of trained on at a capped weight. Weights are 0 off the mask.
+
+    Returns ``(weights [B, T], stats)``: ``is_weight_mean`` (mean weight over masked tokens) and
+    ``is_clipped_share`` (share of masked tokens with ``r > is_clip``: truncated or masked).
+    """
+    _check_bt("rollout_logprobs", rollout_logprobs, old_logprobs.shape)
+    _check_bt("mask", mask, old_logprobs.shape)
+    if mode not in ("tis", "mis"):
+        raise ValueError(f"mode must be 'tis' or 'mis', got {mode!r}")
+    if not is_clip > 1:
+        raise ValueError(f"is_clip must be > 1, got {is_clip}")
+    mask = _as_bool_mask(mask)
+    ratio = torch.exp(_masked(old_logprobs.float() - rollout_logprobs.float(), mask))
+    over = (ratio > is_clip) & mask
+    if mode == "tis":
+        weights = ratio.clamp(max=is_clip)
+    else:
+        weights = torch.where(over, torch.zeros_like(ratio), ratio)
+    weights = _masked(weights, mask)
+    denom = mask.sum().clamp_min(1)
+    values = torch.stack([weights.sum() / denom, over.sum() / denom]).double().tolist()
+    return weights, dict(zip(["is_weight_mean", "is_clipped_share"], values, strict=True))
 
 
 def sft_loss(

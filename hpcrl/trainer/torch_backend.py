@@ -3,6 +3,10 @@
 Every rank holds the full model (DDP); rank r trains on rows r, r+W, r+2W, ... of a step's batch.
 Losses are scaled by the global token count (all-reduced) times the world size, so that DDP's gradient
 average equals the gradient of the whole batch's token mean.
+
+A rollout batch makes `ppo_epochs` x (batch / global_batch_size) optimizer steps, each on one mini-batch
+split over the ranks like the whole batch is; the old policy's log-probs are scored once, before the first
+step, unless that single step's own forward gives them (the default: one step, no extra pass).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from hpcrl.model.qwen3 import CausalLM, token_logprobs_of_sequence
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss, token_logprobs
+from hpcrl.trainer.loss import PolicyLossConfig, importance_weights, policy_loss, sft_loss, token_logprobs
 from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 
@@ -74,8 +78,50 @@ class TorchTrainer:
 
     # ----- steps -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's share of a GRPO batch."""
-        return self._step(self._shard(batch), mode="grpo", optimizer=self.optimizer)
+        """The PPO updates of one rollout batch on this rank's share of it: `ppo_epochs` passes over its
+        mini-batches of `global_batch_size` samples, one optimizer step each."""
+        local = self._shard(batch).to(self.device)
+        minis = self._mini_batches(len(batch), len(local))
+        num_updates = len(minis) * self.cfg.ppo_epochs
+        t0 = time.perf_counter()
+        old = self._old_logprobs(local, num_updates)
+        old_s = time.perf_counter() - t0
+        steps = []
+        for _ in range(self.cfg.ppo_epochs):
+            for rows in minis:
+                mb_old = None if old is None else old[rows]
+                steps.append(self._step(local.select(rows), mode="grpo", optimizer=self.optimizer, old=mb_old))
+        return _combine_updates(steps, len(minis), old_s)
+
+    def _mini_batches(self, num_samples: int, num_local: int) -> list[slice]:
+        """This rank's rows of each mini-batch: mini-batch j is rows [j*g, (j+1)*g) of the rollout batch and
+        rank r holds its rows r, r+W, ...; with the strided shard those are local rows [j*g/W, (j+1)*g/W)."""
+        gbs = self.cfg.global_batch_size
+        if gbs is None:
+            return [slice(0, num_local)]
+        if num_samples % gbs:
+            raise ValueError(
+                f"train.global_batch_size={gbs} does not divide this rollout batch of {num_samples} samples"
+            )
+        per_rank = gbs // self.world_size
+        return [slice(j * per_rank, (j + 1) * per_rank) for j in range(num_samples // gbs)]
+
+    def _old_logprobs(self, local: TrainBatch, num_updates: int) -> Tensor | None:
+        """The old policy's log-probs [n, T-1], or None when the first update's own forward gives them."""
+        if self.cfg.old_logprobs == "rollout":
+            return local.rollout_logprobs
+        if num_updates == 1:
+            # Nothing has changed the weights yet: the ratio is 1 by construction and the old log-probs
+            # are the training forward detached, so a second (no-grad) forward would only cost time.
+            return None
+        out = torch.zeros(local.loss_mask.shape, dtype=torch.float32, device=self.device)
+        mbs = self.cfg.micro_batch_size
+        with torch.no_grad():
+            for start in range(0, len(local), mbs):
+                mb = local.select(slice(start, min(start + mbs, len(local))))
+                lp, _ = self._logprobs(self.model, mb, with_entropy=False)
+                out[start : start + len(mb), : lp.shape[1]] = lp
+        return out
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         if self._sft_optimizer is None:
@@ -94,11 +140,19 @@ class TorchTrainer:
         dist.all_reduce(t)
         return float(t.item())
 
-    def _logprobs(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[Tensor, Tensor | None]:
+    def _logprobs(
+        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of every target position [b, T-1] (and entropy), batched or one sequence at a time."""
         if not self.cfg.onpolicy:
             logits = model(mb.input_ids)
-            return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], with_entropy=True)
+            # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
+            # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
+            # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
+            # extra row of softmax.
+            targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
+            lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
+            return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
         rows = []
         base = cast(CausalLM, model.module if hasattr(model, "module") else model)  # DDP wraps the CausalLM
         for i in range(len(mb)):
@@ -110,7 +164,10 @@ class TorchTrainer:
             rows.append(torch.cat([row[: p - 1], lp, row[p - 1 + lp.numel() :]]))
         return torch.stack(rows), None
 
-    def _step(self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    def _step(
+        self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer, old: Tensor | None = None
+    ) -> dict[str, float]:
+        """One optimizer step; `old` [n, >= T-1] are the old-policy log-probs (None: this forward's, detached)."""
         batch = batch.to(self.device)
         optimizer.zero_grad(set_to_none=True)
         forward_s = 0.0
@@ -135,19 +192,29 @@ class TorchTrainer:
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref, _ = self._logprobs(self.ref_model, mb)
+                mb_old = lp.detach() if old is None else old[start : start + len(mb), : lp.shape[1]]
+                weights = None
+                if self.cfg.off_policy_correction != "none":
+                    weights, is_stats = importance_weights(
+                        mb_old, mb.rollout_logprobs, mb.loss_mask,
+                        mode=self.cfg.off_policy_correction, is_clip=self.cfg.is_clip,
+                    )  # fmt: skip
+                    sums.add(is_stats, tokens)
                 loss, stats = policy_loss(
                     lp,
-                    lp.detach(),
+                    mb_old,
                     mb.advantages,
                     mb.loss_mask,
                     self.loss_cfg,
                     ref_logprobs=ref,
                     entropy=entropy,
+                    token_weights=weights,
                     loss_scale_tokens=scale_tokens,
                 )
                 sums.add_rollout_gap(lp, mb, tokens)
             loss.backward()
-            sums.sums["loss"] += float(loss.detach().item()) * self.world_size
+            # Each rank's loss is scaled by the world size already (above): their sum is W x the batch mean.
+            sums.sums["loss"] += float(loss.detach().item())
             sums.add(stats, tokens)
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf")).item()
@@ -199,3 +266,28 @@ class TorchTrainer:
 
 def _host_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
+
+
+def _combine_updates(steps: list[dict[str, float]], num_minis: int, old_logprob_s: float) -> dict[str, float]:
+    """One row for a rollout batch's updates: statistics averaged over the updates; the trainer/engine gap
+    and the token count over the first epoch (each sample once; mini-batch j measured after j updates)."""
+    if len(steps) == 1:
+        out = dict(steps[0])
+    else:
+        first = steps[:num_minis]
+        tokens = [m["num_tokens"] for m in first]
+        out = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0] if k in _MEAN_OVER_UPDATES}
+        for k in ("train_rollout_logprob_abs_diff", "train_rollout_kl"):
+            out[k] = sum(m[k] * t for m, t in zip(first, tokens, strict=True)) / sum(tokens)
+        out["train_rollout_logprob_max_abs_diff"] = max(m["train_rollout_logprob_max_abs_diff"] for m in first)
+        out["num_tokens"] = sum(tokens)
+        out["forward_s"] = sum(m["forward_s"] for m in steps)
+        out["nan_skipped"] = sum(m["nan_skipped"] for m in steps)
+    out["forward_s"] += old_logprob_s
+    out["num_optimizer_steps"] = float(len(steps))
+    return out
+
+
+_MEAN_OVER_UPDATES = (
+    "loss", "grad_norm", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl", "is_weight_mean", "is_clipped_share",
+)  # fmt: skip

@@ -10,6 +10,12 @@ the weight push and HDF5 logging. Target on a 2-core machine: median step <= 0.5
 Baseline "hf-inproc": the same step done the plain way in one process — transformers `generate`
 (num_return_sequences=8) for the rollout, the same reward, one forward/backward + AdamW step of the
 transformers model; no engine, no weight push, no logging.
+
+Peer "trl" (issue #20): `--peer trl [--rounds 3]` runs TRL 1.16's GRPOTrainer (tools/bench/trl_peer.py) on
+the same model dir and the same prompts (those of hpcrl's steps, in order), alternating with hpcrl, round by
+round, and prints s/step of both per round. TRL lives in its own venv (`--trl-venv`, default /tmp/trl-venv),
+made on first use with `pip install trl==1.16.*`; that venv sees this interpreter's site-packages through
+a .pth file, so both sides run the very same torch and transformers builds. Target: hpcrl <= 0.8x TRL.
 """
 
 from __future__ import annotations
@@ -147,6 +153,67 @@ def baseline_step_times(model_dir: Path, ns: argparse.Namespace) -> dict[str, li
     return times
 
 
+TRL_VERSION = "1.16.*"
+
+
+def trl_python(venv: Path) -> Path:
+    """The python of a venv with trl, made on first use; it imports torch and transformers from ours."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import trl"], capture_output=True).returncode == 0:
+        return python
+    print(f"installing trl=={TRL_VERSION} into {venv} (once)", flush=True)
+    # The same base interpreter as ours: the .pth below makes our (version-specific) packages importable.
+    subprocess.run([str(Path(sys.base_prefix) / "bin" / "python3"), "-m", "venv", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    ours = [p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir()]
+    (site / "hpcrl-bench-base.pth").write_text("\n".join(ours) + "\n")
+    subprocess.run([python, "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
+    return python
+
+
+def step_prompts(num_steps: int) -> dict[str, list[str]]:
+    """The prompts (and answers) of hpcrl's first `num_steps` steps under experiments/quickstart.yaml, in order."""
+    from hpcrl.rollout.data import PromptSource, make_addition_task
+
+    data = PromptSource(make_addition_task(5000, 2, 0), batch_size=16, seed=0)
+    examples = [e for step in range(num_steps) for e in data.batch(step)]
+    return {"prompts": [e.prompt for e in examples], "answers": [e.answer for e in examples]}
+
+
+def trl_step_times(model_dir: Path, tmp: Path, ns: argparse.Namespace) -> dict[str, list[float]]:
+    import json
+
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(step_prompts(ns.steps)))
+    here = Path(__file__).resolve()
+    cmd = [str(trl_python(Path(ns.trl_venv))), str(here.with_name("trl_peer.py")), "--model", str(model_dir)]
+    cmd += ["--prompts", str(prompts), "--steps", str(ns.steps), "--threads", str(ns.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(ns.threads), "PYTHONPATH": str(here.parents[2])}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the TRL peer exited with {out.returncode}:\n{out.stderr[-4000:]}")
+    return {"total": json.loads(out.stdout.strip().splitlines()[-1])["total"]}
+
+
+def peer_rounds(model_dir: Path, tmp: Path, ns: argparse.Namespace) -> int:
+    rows = []
+    for r in range(ns.rounds):
+        ours = statistics.median(hpcrl_step_times(model_dir, tmp / f"run{r}", ns)["total"])
+        trl = statistics.median(trl_step_times(model_dir, tmp, ns)["total"])
+        rows.append((r + 1, ours, trl))
+        print(f"round {r + 1}: hpcrl {ours:.3f} s/step, TRL {trl:.3f} s/step", flush=True)
+    print(
+        f"\nGRPO step, shape={ns.shape} threads={ns.threads}, 16 prompts x 8 samples x <=8 tokens, median over "
+        f"{ns.steps - 3} steps (first 3 dropped), hpcrl and TRL {TRL_VERSION} alternating"
+    )
+    print("| round | hpcrl (s/step) | TRL GRPOTrainer (s/step) | hpcrl / TRL |\n|---|---|---|---|")
+    for r, ours, trl in rows:
+        print(f"| {r} | {ours:.3f} | {trl:.3f} | {ours / trl:.2f} |")
+    ratio = statistics.median(ours / trl for _, ours, trl in rows)
+    print(f"median hpcrl / TRL: {ratio:.2f} (target <= 0.80: {'met' if ratio <= 0.8 else 'NOT met'})")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -163,6 +230,9 @@ def main() -> int:
         help="extra config override, e.g. --set train.num_ranks=2 --set train.tensor_parallel_size=2",
     )  # fmt: skip
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--peer", choices=["trl"], help="compare with TRL's GRPOTrainer in rounds instead")
+    ap.add_argument("--rounds", type=int, default=3, help="--peer: alternating hpcrl/peer rounds")
+    ap.add_argument("--trl-venv", default="/tmp/trl-venv", help="--peer trl: venv holding trl (made if missing)")
     ap.add_argument("--quiet", action="store_true")
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
@@ -170,6 +240,10 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
         model_dir = init_tiny_model(Path(tmp) / "model", TinyModelSpec(**SHAPES[ns.shape], max_position_embeddings=512))
+        if ns.peer == "trl":
+            if ns.device != "cpu" or ns.dtype != "float32" or ns.backend != "torch":
+                raise SystemExit("--peer trl compares the CPU float32 torch step: drop --device/--dtype/--backend")
+            return peer_rounds(model_dir, Path(tmp), ns)
         ours = hpcrl_step_times(model_dir, Path(tmp) / "run", ns)
         base = {} if ns.no_baseline else baseline_step_times(model_dir, ns)
     med = {k: statistics.median(v) for k, v in ours.items()}
