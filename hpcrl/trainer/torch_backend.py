@@ -21,7 +21,7 @@ from hpcrl.model.qwen3 import CausalLM, token_logprobs_of_sequence
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss, token_logprobs
+from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss, support_token_logprobs, token_logprobs
 from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 
@@ -98,6 +98,9 @@ class TorchTrainer:
         """Log-probs of every target position [b, T-1] (and entropy), batched or one sequence at a time."""
         if not self.cfg.onpolicy:
             logits = model(mb.input_ids)
+            supports = mb.padded_supports()
+            if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
+                return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=True)
             return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], with_entropy=True)
         rows = []
         base = cast(CausalLM, model.module if hasattr(model, "module") else model)  # DDP wraps the CausalLM
