@@ -111,12 +111,6 @@ def _check_replayable(cfg: RunConfig) -> None:
             f"{filters} replays the sampling support, but train.onpolicy / engine.onpolicy_logprobs re-score "
             f"sequences over the full vocabulary; set both to false, {off}"
         )
-    if cfg.train.backend == "megatron":
-        raise ValueError(
-            f"{filters} replays the sampling support, which the megatron backend does not do yet (its log-probs "
-            f"are vocab-parallel and have no support restriction, so it would train on the full vocabulary); "
-            f"use train.backend=torch, {off}"
-        )
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

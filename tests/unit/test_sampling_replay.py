@@ -31,7 +31,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.loss import support_mask_from_ids, support_token_logprobs, token_logprobs
 from hpcrl.trainer.torch_backend import TorchTrainer
-from tests.support import SMALL, hpcrl
+from tests.support import SMALL, hpcrl, run_ranks
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "sglang-0.5.16" / "generate_sampling_mask.json"
 REPLAY = ["rollout.top_k=8", "rollout.top_p=0.9", "rollout.temperature=1"]
@@ -128,7 +128,6 @@ def test_support_logprobs_equal_the_dense_masked_softmax_with_its_gradient() -> 
         ([*REPLAY, "rollout.temperature=0.7"], r"rollout.temperature=0.7 differs from the trainer's temperature"),
         ([*REPLAY, "train.kl_coef=0.1"], r"train.kl_coef=0.1 adds a KL to the reference policy"),
         ([*REPLAY, "train.onpolicy=true", "engine.onpolicy_logprobs=true"], r"re-score sequences over the full"),
-        ([*REPLAY, "train.backend=megatron"], r"the megatron backend does not do yet"),
     ],
 )
 def test_what_replay_cannot_reproduce_is_refused_at_load(workdir: Path, overrides: list[str], message: str) -> None:
@@ -310,3 +309,34 @@ def test_run_with_top_k_top_p_replays_on_every_trainer_rank(workdir: Path) -> No
     # The gap is summed over both ranks' tokens: a rank scoring the full vocabulary would show here.
     assert m["train/train_rollout_logprob_abs_diff"].max() <= 1e-6
     assert (m["rollout/support_size_max"] <= 8).all() and (m["rollout/support_size_mean"] >= 1).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the Megatron backend: supports joined over the vocab-parallel logits
+
+
+def test_megatron_vocab_parallel_support_logprobs_and_step_match_the_torch_backend(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two TP ranks, each with half of a padded vocabulary: support-restricted log-probs, entropy and gradients
+    equal the single-process computation, and one GRPO step with supports matches the torch backend."""
+    from hpcrl.model.qwen3 import ModelArgs
+    from tests.unit.megatron_ranks import NO_KL, fixed_batch, with_supports
+
+    result = run_ranks("support", tiny_model_dir, tmp_path, 2, 1, 2)
+    got = load_file(tmp_path / "support.safetensors")
+    full = got["full"].double()[..., :11].requires_grad_(True)
+    lp, ent = support_token_logprobs(full, got["targets"], got["ids"], got["valid"], with_entropy=True)
+    assert ent is not None
+    (lp.sum() * 0.7 + ent.sum() * 0.3).backward()
+    torch.testing.assert_close(got["lp"].double(), lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["ent"].double(), ent.detach(), rtol=1e-5, atol=1e-5)
+    assert full.grad is not None
+    torch.testing.assert_close(got["grad"].double()[..., :11], full.grad, rtol=1e-5, atol=1e-5)
+    assert (got["grad"][..., 11:] == 0).all()
+
+    vocab = ModelArgs.from_dir(tiny_model_dir).vocab_size
+    ref = TorchTrainer(TrainConfig(**NO_KL), tiny_model_dir).train_grpo(with_supports(fixed_batch(vocab), vocab))
+    (step,) = result["metrics"]
+    for key in ("loss", "grad_norm", "entropy", "pg_loss", "train_rollout_logprob_abs_diff"):
+        np.testing.assert_allclose(step[key], ref[key], rtol=2e-5, atol=1e-6, err_msg=key)
