@@ -137,7 +137,9 @@ class Rollout:
         self.poll_s = poll_s
         self._pool = ThreadPoolExecutor(max_workers=2 * len(fleet.slots), thread_name_prefix="hpcrl-rollout")
 
-    def _call(self, slot: EngineSlot, step: int, items: list[tuple[int, int]], prompts: list[list[int]]) -> list:
+    def _call(
+        self, slot: EngineSlot, step: int, items: list[tuple[int, int]], prompts: list[list[int]]
+    ) -> list[tuple[GenerateResult, TokenSupports | None]]:
         params = [
             SamplingParams(
                 max_new_tokens=self.cfg.max_new_tokens,
@@ -157,15 +159,14 @@ class Rollout:
             timeout_s=self.cfg.request_timeout_s,
         )
         results = out if isinstance(out, list) else [out]
-        if self.cfg.replays_support:
-            for r in results:
-                _check_support(r, slot.client.url)
-        return results
+        if not self.cfg.replays_support:
+            return [(r, None) for r in results]
+        return [(r, _checked_supports(r, slot.client.url)) for r in results]
 
     def generate(self, step: int, examples: Sequence[Example]) -> list[Group]:
         n = self.cfg.n_samples_per_prompt
         prompts = [self.formatter.encode(e.prompt) for e in examples]
-        results: dict[tuple[int, int], GenerateResult] = {}
+        results: dict[tuple[int, int], tuple[GenerateResult, TokenSupports | None]] = {}
         pending = [(p, s) for p in range(len(examples)) for s in range(n)]
         while pending:
             live = self.fleet.live()
@@ -202,17 +203,17 @@ class Rollout:
         groups = [Group(example=e) for e in examples]
         for p in range(len(examples)):
             for s in range(n):
-                r = results[(p, s)]
-                replay = self.cfg.replays_support
+                r, supports = results[(p, s)]
                 groups[p].samples.append(
                     Sample(
                         prompt_ids=prompts[p],
                         output_ids=list(r.output_ids),
-                        logprobs=list((r.support_logprobs if replay else r.output_token_logprobs) or []),
+                        # With supports, the behaviour policy's log-prob is the one renormalised over them.
+                        logprobs=list((r.support_logprobs if supports is not None else r.output_token_logprobs) or []),
                         text=self.formatter.decode(r.output_ids),
                         finish=r.finish_reason.type if r.finish_reason else "abort",
                         weight_versions=r.token_weight_versions(),
-                        supports=TokenSupports.from_lists(r.sampling_mask or []) if replay else None,
+                        supports=supports,
                     )
                 )
         return groups
@@ -221,9 +222,9 @@ class Rollout:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_support(r: GenerateResult, url: str) -> None:
-    """Refuse a result that cannot be replayed: no supports (an engine without return_sampling_mask), or a
-    support that does not hold its sampled token (the trainer would score an impossible token)."""
+def _checked_supports(r: GenerateResult, url: str) -> TokenSupports:
+    """A result's sampling supports; refused when it cannot be replayed: no supports (an engine without
+    return_sampling_mask), or a support without its sampled token (the trainer would score an impossible one)."""
     if r.sampling_mask is None or r.support_logprobs is None:
         raise EngineRequestError(
             f"the engine answered request {r.rid!r} without meta_info.output_token_sampling_mask / "
@@ -231,10 +232,12 @@ def _check_support(r: GenerateResult, url: str) -> None:
             "engine that returns sampling supports (hpcrl's embedded engine, SGLang 0.5.16)",
             url=url,
         )
+    supports = TokenSupports.from_lists(r.sampling_mask)
     try:
-        TokenSupports.from_lists(r.sampling_mask).check_tokens(r.output_ids, where=f"request {r.rid!r}")
+        supports.check_tokens(r.output_ids, where=f"request {r.rid!r}")
     except ValueError as exc:
         raise EngineRequestError(str(exc), url=url) from None
+    return supports
 
 
 def assign_least_loaded(
