@@ -85,6 +85,11 @@ class TokenSupports:
             first = int(np.argmin(sizes))
             raise ValueError(f"{where}: token {first} has an empty sampling support")
         rows = np.repeat(np.arange(self.num_tokens), sizes)
+        order = np.lexsort((self.ids, rows))
+        same = (np.diff(rows[order]) == 0) & (np.diff(self.ids[order]) == 0)
+        if same.any():
+            first = int(rows[order][1:][same][0])
+            raise ValueError(f"{where}: the sampling support of token {first} lists an id twice")
         hit = np.zeros(self.num_tokens, dtype=bool)
         hit[rows[self.ids == np.asarray(token_ids, dtype=np.int64)[rows]]] = True
         if not hit.all():

@@ -249,9 +249,9 @@ def support_token_logprobs(
     """Log-probs of ``targets`` under ``softmax(logits / temperature)`` restricted to each position's support.
 
     Sampling-support replay: top-k/top-p drew token t from ``exp(z_t / T) / sum_{j in S} exp(z_j / T)``, so the
-    trainer scores exactly that, with its own logits ``z``. The support is given compactly, as ``support_ids``
-    ``[B, T, K]`` (any id where ``support_valid`` ``[B, T, K]`` is False), K being the largest support (about
-    top_k), so nothing of size ``[B, T, V]`` is built but the gradient of ``logits`` itself. A position without
+    trainer scores exactly that, with its own logits ``z``. The support (distinct ids) is given compactly, as
+    ``support_ids`` ``[B, T, K]`` (any id where ``support_valid`` ``[B, T, K]`` is False), K being the largest
+    support (about top_k), so nothing of size ``[B, T, V]`` is built but the gradient of ``logits``. A position without
     any valid slot (prompt, padding) gets log-prob 0 and entropy 0 (a singleton support of its target), never
     NaN; a position whose support lacks its target raises.
 
@@ -287,7 +287,9 @@ def support_token_logprobs(
     z = logits.gather(-1, ids).to(cdt) / temperature
     z = z.masked_fill(~valid, -math.inf)
     lse = torch.logsumexp(z, dim=-1)
-    lp = logits.gather(-1, targets[..., None]).squeeze(-1).to(cdt) / temperature - lse
+    # The target's logit from the same gather (it is in its support): one [B, T, V] gradient, not two.
+    at_target = (ids == targets[..., None]) & valid
+    lp = torch.where(at_target, z, torch.zeros_like(z)).sum(dim=-1) - lse
     if not with_entropy:
         return lp, None
     logp = z - lse[..., None]

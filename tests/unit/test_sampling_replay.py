@@ -52,6 +52,8 @@ def test_supports_round_trip_through_plain_arrays_and_hdf5(tmp_path: Path) -> No
         sample.check_tokens([9, 7, 5, 11, 12, 8], where="sample 0")
     with pytest.raises(ValueError, match="token 1 has an empty sampling support"):
         TokenSupports.from_lists([[1], []]).check_tokens([1, 2], where="r")
+    with pytest.raises(ValueError, match="support of token 1 lists an id twice"):
+        TokenSupports.from_lists([[1], [2, 3, 2]]).check_tokens([1, 2], where="r")
 
     arrays = sample.to_arrays()
     assert arrays["support_offsets"].dtype == np.int64 and arrays["support_ids"].dtype == np.int32
