@@ -94,6 +94,8 @@ class RunConfig:
             and self.sync.transport == "tensor"
         ):
             raise ValueError("sync.transport=tensor needs the engines and the trainer on the same kind of device")
+        if self.rollout.replays_support:
+            _check_replayable(self)
         if self.guard.mode != "off":
             # A thermal pause holds collectives and engine calls up to max_pause_s (hpcrl/guard/guard.py).
             for key, timeout_s in (
@@ -109,6 +111,33 @@ class RunConfig:
 
 def _divisors(n: int, multiple_of: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d % multiple_of == 0)
+
+
+def _check_replayable(cfg: RunConfig) -> None:
+    """Refuse what sampling-support replay cannot reproduce faithfully (docs/sampling-replay.md).
+
+    The trainer scores softmax(z) restricted to each token's support. That equals the engine's sampling
+    distribution only if the engine drew from softmax(z / T) over the same ids with T = 1 (the trainer has no
+    temperature of its own), and every term of the loss must be a score over that support.
+    """
+    filters = f"rollout.top_k={cfg.rollout.top_k} / rollout.top_p={cfg.rollout.top_p:g}"
+    off = "or turn replay off with rollout.top_k=-1 rollout.top_p=1"
+    if cfg.rollout.temperature != 1.0:
+        raise ValueError(
+            f"{filters} replays the sampling support, but rollout.temperature={cfg.rollout.temperature:g} differs "
+            f"from the trainer's temperature (1: it scores softmax(logits)), so the trainer would renormalise a "
+            f"different distribution than the engine sampled; set rollout.temperature=1, {off}"
+        )
+    if cfg.train.kl_coef > 0:
+        raise ValueError(
+            f"{filters} replays the sampling support, but train.kl_coef={cfg.train.kl_coef:g} adds a KL to the "
+            f"reference policy, which needs a full-vocabulary score; set train.kl_coef=0, {off}"
+        )
+    if cfg.train.onpolicy or cfg.engine.onpolicy_logprobs:
+        raise ValueError(
+            f"{filters} replays the sampling support, but train.onpolicy / engine.onpolicy_logprobs re-score "
+            f"sequences over the full vocabulary; set both to false, {off}"
+        )
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

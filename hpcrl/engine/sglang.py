@@ -79,6 +79,9 @@ def sglang_command(
         cmd.append("--enable-memory-saver")
     if cfg.deterministic:
         cmd.append("--enable-deterministic-inference")
+    # Sampling supports (top-k/top-p replay) need no launch flag here: 0.5.16's server arguments (its
+    # /server_info, tests/golden/sglang-0.5.16/server_info.json) have none for them; each request's top_k
+    # bounds its supports, and SGLang refuses return_sampling_mask without a finite top_k.
     return cmd + list(cfg.sglang_args)
 
 

@@ -68,8 +68,16 @@ class RolloutConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    """Top-p (nucleus) filter; < 1 turns on sampling-support replay and needs a positive top_k."""
     top_k: int = -1
+    """Top-k filter; -1 is off (the whole vocabulary), >= 1 turns on sampling-support replay: the trainer
+    renormalises over the ids each token was drawn from (docs/sampling-replay.md)."""
     request_timeout_s: float = 600.0
+
+    @property
+    def replays_support(self) -> bool:
+        """True when top-k/top-p filtering shrinks the sampling support, so the trainer must score over it."""
+        return self.top_p < 1 or self.top_k > 0
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
@@ -82,6 +90,13 @@ class RolloutConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (no top-k filter) or >= 1, got {self.top_k}")
+        if self.top_p < 1 and self.top_k < 1:
+            # The support travels with every token to the trainer; top-p alone can keep most of the vocabulary
+            # in a flat tail (SGLang 0.5.16 refuses return_sampling_mask without a finite top_k for that reason).
+            raise ValueError(
+                f"top_p={self.top_p:g} needs a positive top_k to bound the sampling support that replay sends to "
+                "the trainer; set rollout.top_k (e.g. rollout.top_k=64), or rollout.top_p=1"
+            )
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 

@@ -2,6 +2,10 @@
 
 Every sample carries an explicit sampling seed derived from (run seed, step, prompt, sample), so the
 same step produces the same samples after a resume, whichever engine serves it.
+
+With top-k/top-p filtering (`RolloutConfig.replays_support`) every request asks for the sampling support of
+each token (`return_sampling_mask`); the sample keeps it (`Sample.supports`) and its log-probs are the
+support-normalised ones, i.e. the behaviour policy's (docs/sampling-replay.md).
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from hpcrl.engine.client import EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot, FleetError
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import DataError, Example
+from hpcrl.rollout.support import TokenSupports
 
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, namespace: str = "") -> int:
@@ -37,6 +44,9 @@ class Sample:
     weight_versions: list[str | None]
     reward: float = 0.0
     reward_error: str | None = None
+    supports: TokenSupports | None = None
+    """Per output token, the ids top-k/top-p let the engine draw from (None without filtering); `logprobs`
+    are then renormalised over them. Plain arrays for a buffer or checkpoint: `supports.to_arrays()`."""
 
 
 @dataclass
@@ -155,7 +165,7 @@ class Rollout:
 
     def _call(
         self, slot: EngineSlot, step: int, items: list[tuple[int, int]], prompts: list[list[int]], draw: Draw
-    ) -> list:
+    ) -> list[tuple[GenerateResult, TokenSupports | None]]:
         params = [
             SamplingParams(
                 max_new_tokens=draw.max_new_tokens or self.cfg.max_new_tokens,
@@ -171,16 +181,20 @@ class Rollout:
             params,
             return_logprob=True,
             rid=[f"{draw.namespace or 'step'}{step}-p{p}-s{s}" for p, s in items],
+            return_sampling_mask=self.cfg.replays_support,
             timeout_s=self.cfg.request_timeout_s,
         )
-        return out if isinstance(out, list) else [out]
+        results = out if isinstance(out, list) else [out]
+        if not self.cfg.replays_support:
+            return [(r, None) for r in results]
+        return [(r, _checked_supports(r, slot.client.url)) for r in results]
 
     def generate(self, step: int, examples: Sequence[Example], draw: Draw | None = None) -> list[Group]:
         """The groups of `examples`; `draw` changes what is drawn (evaluation: greedy, k samples)."""
         draw = draw or Draw()
         n = draw.n_samples or self.cfg.n_samples_per_prompt
         prompts = [self.formatter.encode(e.prompt) for e in examples]
-        results: dict[tuple[int, int], GenerateResult] = {}
+        results: dict[tuple[int, int], tuple[GenerateResult, TokenSupports | None]] = {}
         pending = [(p, s) for p in range(len(examples)) for s in range(n)]
         while pending:
             live = self.fleet.live()
@@ -217,21 +231,41 @@ class Rollout:
         groups = [Group(example=e) for e in examples]
         for p in range(len(examples)):
             for s in range(n):
-                r = results[(p, s)]
+                r, supports = results[(p, s)]
                 groups[p].samples.append(
                     Sample(
                         prompt_ids=prompts[p],
                         output_ids=list(r.output_ids),
-                        logprobs=list(r.output_token_logprobs or []),
+                        # With supports, the behaviour policy's log-prob is the one renormalised over them.
+                        logprobs=list((r.support_logprobs if supports is not None else r.output_token_logprobs) or []),
                         text=self.formatter.decode(r.output_ids),
                         finish=r.finish_reason.type if r.finish_reason else "abort",
                         weight_versions=r.token_weight_versions(),
+                        supports=supports,
                     )
                 )
         return groups
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _checked_supports(r: GenerateResult, url: str) -> TokenSupports:
+    """A result's sampling supports; refused when it cannot be replayed: no supports (an engine without
+    return_sampling_mask), or a support without its sampled token (the trainer would score an impossible one)."""
+    if r.sampling_mask is None or r.support_logprobs is None:
+        raise EngineRequestError(
+            f"the engine answered request {r.rid!r} without meta_info.output_token_sampling_mask / "
+            "output_token_sampling_logprobs although it asked return_sampling_mask; top-k/top-p replay needs an "
+            "engine that returns sampling supports (hpcrl's embedded engine, SGLang 0.5.16)",
+            url=url,
+        )
+    supports = TokenSupports.from_lists(r.sampling_mask)
+    try:
+        supports.check_tokens(r.output_ids, where=f"request {r.rid!r}")
+    except ValueError as exc:
+        raise EngineRequestError(str(exc), url=url) from None
+    return supports
 
 
 def assign_least_loaded(
@@ -277,4 +311,16 @@ def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | Non
         "rollout/stale_token_share": (sum(v != version for v in versions) / len(versions))
         if version is not None and versions
         else 0.0,
+        **support_stats(samples),
     }
+
+
+def support_stats(samples: Sequence[Sample]) -> dict[str, float]:
+    """`rollout/support_size_mean` / `_max` over the step's generated tokens (none without replay)."""
+    sizes = [s.supports.sizes() for s in samples if s.supports is not None]
+    if not sizes:
+        return {}
+    flat = np.concatenate(sizes)
+    if not flat.size:
+        return {"rollout/support_size_mean": float("nan"), "rollout/support_size_max": float("nan")}
+    return {"rollout/support_size_mean": float(flat.mean()), "rollout/support_size_max": float(flat.max())}

@@ -72,9 +72,13 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
         rewards.append([s.reward if s.reward_error is None else fill for s in g.samples])
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), normalize_std=normalize_std).flatten()
     samples = [s for g in groups for s in g.samples]
+    with_supports = [s.supports is not None for s in samples]
+    if any(with_supports) and not all(with_supports):
+        raise ValueError("some samples carry sampling supports and others do not; a batch is replayed whole or not")
     return TrainBatch.from_sequences(
         [s.prompt_ids for s in samples],
         [s.output_ids for s in samples],
         advantages=adv.tolist(),
         rollout_logprobs=[s.logprobs for s in samples],
+        supports=[s.supports for s in samples if s.supports is not None] if any(with_supports) else None,
     )

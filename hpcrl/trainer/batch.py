@@ -1,12 +1,22 @@
-"""The trainer's input: prompt + response sequences, right-padded, with targets shifted by one."""
+"""The trainer's input: prompt + response sequences, right-padded, with targets shifted by one.
+
+Sampling supports (top-k/top-p replay) ride along ragged: `support_sizes[i, t]` ids for target position t of
+row i (0 off the response), their ids back to back in `support_ids` in row-major (row, position) order. That is
+about top_k int32 per response token, never a [tokens x vocab] mask; `padded_supports` widens one micro-batch
+to [b, T-1, K] (K its largest support) for the loss.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.support import TokenSupports
 
 
 @dataclass
@@ -17,6 +27,8 @@ class TrainBatch:
     loss_mask: Tensor  # [N, T-1] bool: target position t predicts input_ids[:, t+1]; True on response tokens
     advantages: Tensor  # [N] float32
     rollout_logprobs: Tensor  # [N, T-1] float32, the engine's log-probs on response positions, 0 elsewhere
+    support_sizes: Tensor | None = None  # [N, T-1] int32: support size per target position (0 off the response)
+    support_ids: Tensor | None = None  # [support_sizes.sum()] int32, row-major over (row, position)
 
     @classmethod
     def from_sequences(
@@ -26,6 +38,7 @@ class TrainBatch:
         *,
         advantages: Sequence[float] | None = None,
         rollout_logprobs: Sequence[Sequence[float]] | None = None,
+        supports: Sequence[TokenSupports] | None = None,
     ) -> TrainBatch:
         n = len(prompts)
         if len(responses) != n:
@@ -45,6 +58,17 @@ class TrainBatch:
                     raise ValueError(f"sequence {i}: {len(rollout_logprobs[i])} log-probs for {len(r)} tokens")
                 lps[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
         adv = torch.tensor(list(advantages) if advantages is not None else [0.0] * n, dtype=torch.float32)
+        sizes = support_ids = None
+        if supports is not None:
+            if len(supports) != n:
+                raise ValueError(f"{n} sequences but {len(supports)} sampling supports")
+            sizes = torch.zeros(n, width - 1, dtype=torch.int32)
+            for i, (p, r, sup) in enumerate(zip(prompts, responses, supports, strict=True)):
+                if sup.num_tokens != len(r):
+                    raise ValueError(f"sequence {i}: {sup.num_tokens} sampling supports for {len(r)} tokens")
+                sizes[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.from_numpy(sup.sizes()).to(torch.int32)
+            support_ids = torch.cat([torch.from_numpy(sup.ids) for sup in supports]) if n else torch.zeros(0)
+            support_ids = support_ids.to(torch.int32)
         return cls(
             input_ids=ids,
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
@@ -52,6 +76,8 @@ class TrainBatch:
             loss_mask=mask,
             advantages=adv,
             rollout_logprobs=lps,
+            support_sizes=sizes,
+            support_ids=support_ids,
         )
 
     def __len__(self) -> int:
@@ -61,6 +87,17 @@ class TrainBatch:
         """Rows `index`, trimmed to the longest selected sequence."""
         lengths = self.lengths[index]
         width = max(int(lengths.max().item()) if lengths.numel() else 2, 2)
+        sizes = support_ids = None
+        if self.support_sizes is not None and self.support_ids is not None:
+            # Columns past `width` are beyond every selected sequence, so trimming them drops no ids.
+            sizes = self.support_sizes[index, : width - 1]
+            row_ends = self.support_sizes.sum(dim=1, dtype=torch.long).cumsum(0)
+            row_starts = row_ends - self.support_sizes.sum(dim=1, dtype=torch.long)
+            rows = torch.arange(len(self))[index]
+            support_ids = torch.cat(
+                [self.support_ids[int(row_starts[r]) : int(row_ends[r])] for r in rows.tolist()]
+                or [self.support_ids[:0]]
+            )
         return TrainBatch(
             input_ids=self.input_ids[index, :width],
             prompt_lens=self.prompt_lens[index],
@@ -68,13 +105,30 @@ class TrainBatch:
             loss_mask=self.loss_mask[index, : width - 1],
             advantages=self.advantages[index],
             rollout_logprobs=self.rollout_logprobs[index, : width - 1],
+            support_sizes=sizes,
+            support_ids=support_ids,
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return replace(self, **{name: t.to(device) for name, t in self.tensors().items() if t is not None})
 
-    def tensors(self) -> dict[str, Tensor]:
+    def tensors(self) -> dict[str, Tensor | None]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def padded_supports(self) -> tuple[Tensor, Tensor] | None:
+        """This batch's supports as ``(ids [N, T-1, K] long, valid [N, T-1, K] bool)``, K the largest support.
+
+        Padding slots hold id 0 and valid False; a position without a support (prompt, padding) has no valid
+        slot. None when the batch carries no supports. Meant for one micro-batch: K is at most top_k.
+        """
+        if self.support_sizes is None or self.support_ids is None:
+            return None
+        sizes = self.support_sizes.long()
+        k = max(int(sizes.max().item()) if sizes.numel() else 0, 1)
+        valid = torch.arange(k, device=sizes.device) < sizes[..., None]
+        ids = torch.zeros(valid.shape, dtype=torch.long, device=sizes.device)
+        ids[valid] = self.support_ids.long()  # boolean indexing walks (row, position, slot) row-major
+        return ids, valid
 
     @property
     def num_response_tokens(self) -> int:

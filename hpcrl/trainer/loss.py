@@ -21,6 +21,7 @@ __all__ = [
     "policy_loss",
     "sft_loss",
     "support_mask_from_ids",
+    "support_token_logprobs",
     "token_logprobs",
 ]
 
@@ -236,6 +237,66 @@ def token_logprobs(
             logits.detach(), flat_targets, flat_support, float(temperature), with_entropy, chunk_rows
         )
     return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
+
+
+def support_token_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    support_ids: Tensor,
+    support_valid: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` under ``softmax(logits / temperature)`` restricted to each position's support.
+
+    Sampling-support replay: top-k/top-p drew token t from ``exp(z_t / T) / sum_{j in S} exp(z_j / T)``, so the
+    trainer scores exactly that, with its own logits ``z``. The support (distinct ids) is given compactly, as
+    ``support_ids`` ``[B, T, K]`` (any id where ``support_valid`` ``[B, T, K]`` is False), K being the largest
+    support (about top_k), so nothing of size ``[B, T, V]`` is built but the gradient of ``logits``. A position without
+    any valid slot (prompt, padding) gets log-prob 0 and entropy 0 (a singleton support of its target), never
+    NaN; a position whose support lacks its target raises.
+
+    Returns ``(logprobs [B, T], entropy [B, T] | None)`` in float32 (float64 for float64 logits),
+    differentiable w.r.t. ``logits``.
+    """
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise ValueError(f"logits must be floating [B, T, V], got {logits.dtype} {tuple(logits.shape)}")
+    b, t, v = logits.shape
+    if targets.shape != (b, t):
+        raise ValueError(f"targets must be [B, T] = {(b, t)}, got {tuple(targets.shape)}")
+    if support_ids.dim() != 3 or support_ids.shape[:2] != (b, t) or support_valid.shape != support_ids.shape:
+        raise ValueError(
+            f"support_ids and support_valid must both be [B, T, K] with [B, T] = {(b, t)}, got "
+            f"{tuple(support_ids.shape)} and {tuple(support_valid.shape)}"
+        )
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    targets = targets.long()
+    ids = support_ids.long()
+    if bool(support_valid.any()) and (ids[support_valid].min() < 0 or ids[support_valid].max() >= v):
+        raise ValueError(f"support ids must lie in [0, {v})")
+    has = support_valid.any(dim=-1)
+    if bool((has & ~((ids == targets[..., None]) & support_valid).any(dim=-1)).any()):
+        raise ValueError("a sampling support excludes its target token")
+    # A position without a support becomes the singleton {target}: log 1 = 0 with finite gradients.
+    empty = ~has
+    slot0 = torch.zeros_like(support_valid)
+    slot0[..., 0] = True
+    valid = support_valid | (empty[..., None] & slot0)
+    ids = torch.where(empty[..., None] & slot0, targets[..., None], ids.clamp(0, v - 1))
+    cdt = _compute_dtype(logits.dtype)
+    z = logits.gather(-1, ids).to(cdt) / temperature
+    z = z.masked_fill(~valid, -math.inf)
+    lse = torch.logsumexp(z, dim=-1)
+    # The target's logit from the same gather (it is in its support): one [B, T, V] gradient, not two.
+    at_target = (ids == targets[..., None]) & valid
+    lp = torch.where(at_target, z, torch.zeros_like(z)).sum(dim=-1) - lse
+    if not with_entropy:
+        return lp, None
+    logp = z - lse[..., None]
+    entropy = -(logp.exp() * _finite_or_zero(logp)).sum(dim=-1)
+    return lp, entropy
 
 
 def support_mask_from_ids(

@@ -49,16 +49,21 @@ def init_trainer_group(*, rank: int, world_size: int, device: torch.device, time
 
 def _send(cmd: int, batch: TrainBatch | None, extra: int = 0) -> None:
     n, t = (len(batch), int(batch.input_ids.shape[1])) if batch is not None else (0, 0)
-    dist.broadcast(torch.tensor([cmd, n, t, extra], dtype=torch.long), src=0)
+    # Sampling supports travel ragged (sizes per position + the ids back to back); -1: the batch has none.
+    num_ids = -1 if batch is None or batch.support_ids is None else int(batch.support_ids.numel())
+    dist.broadcast(torch.tensor([cmd, n, t, extra, num_ids], dtype=torch.long), src=0)
     if batch is not None:
         for name in _KINDS:
             dist.broadcast(getattr(batch, name).contiguous(), src=0)
+        if batch.support_sizes is not None and batch.support_ids is not None:
+            dist.broadcast(batch.support_sizes.to(torch.int32).contiguous(), src=0)
+            dist.broadcast(batch.support_ids.to(torch.int32).contiguous(), src=0)
 
 
 def _recv() -> tuple[int, TrainBatch | None, int]:
-    header = torch.zeros(4, dtype=torch.long)
+    header = torch.zeros(5, dtype=torch.long)
     dist.broadcast(header, src=0)
-    cmd, n, t, extra = (int(x) for x in header)
+    cmd, n, t, extra, num_ids = (int(x) for x in header)
     if cmd not in (CMD_GRPO, CMD_SFT):
         return cmd, None, extra
     shapes = {
@@ -74,6 +79,11 @@ def _recv() -> tuple[int, TrainBatch | None, int]:
         buf = torch.empty(shapes[name], dtype=dtype)
         dist.broadcast(buf, src=0)
         tensors[name] = buf
+    if num_ids >= 0:
+        tensors["support_sizes"] = torch.empty((n, t - 1), dtype=torch.int32)
+        tensors["support_ids"] = torch.empty((num_ids,), dtype=torch.int32)
+        dist.broadcast(tensors["support_sizes"], src=0)
+        dist.broadcast(tensors["support_ids"], src=0)
     return cmd, TrainBatch(**tensors), extra
 
 

@@ -25,7 +25,14 @@ from hpcrl.model.qwen3 import CausalLM, token_logprobs_of_sequence
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import PolicyLossConfig, importance_weights, policy_loss, sft_loss, token_logprobs
+from hpcrl.trainer.loss import (
+    PolicyLossConfig,
+    importance_weights,
+    policy_loss,
+    sft_loss,
+    support_token_logprobs,
+    token_logprobs,
+)
 from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 
@@ -146,6 +153,9 @@ class TorchTrainer:
         """Log-probs of every target position [b, T-1] (and entropy), batched or one sequence at a time."""
         if not self.cfg.onpolicy:
             logits = model(mb.input_ids)
+            supports = mb.padded_supports()
+            if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
+                return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=with_entropy)
             # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
             # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
             # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the

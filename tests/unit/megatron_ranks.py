@@ -6,6 +6,8 @@ Scenarios write their results to OUT_DIR from rank 0 (JSON metrics, safetensors 
 - grpo: three GRPO steps on a fixed batch, then the weights in HF layout;
 - bf16: one step in bfloat16; the dtypes of the pushed weights and of the checkpoint's;
 - logprobs: vocab-parallel log-probs, entropy and their gradients on random fp64-checked logits;
+- support: the same restricted to sampling supports (top-k/top-p replay), then one GRPO step (no KL) on the
+  fixed batch with supports;
 - reshard: two steps under TP x PP, then the checkpoint state moves to a single-rank trainer, which must
   hold the same weights and take the same next step as the sharded one;
 - resume: two steps, the checkpoint state, a third step; a fresh trainer of the same split loads the
@@ -30,6 +32,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 
 TRAIN = dict(lr=1e-2, micro_batch_size=4, kl_coef=0.1, entropy_coef=0.01)
+NO_KL = dict(TRAIN, kl_coef=0.0)  # replay refuses the KL to the reference (a full-vocabulary score)
 
 
 def fixed_batch(vocab: int) -> TrainBatch:
@@ -51,11 +54,64 @@ DEVICE = os.environ.get("HPCRL_TEST_DEVICE", "cpu")
 OPTIMIZER = os.environ.get("HPCRL_TEST_MEGATRON_OPTIMIZER", "auto")
 
 
-def config(tp: int, pp: int, world: int, dtype: str = "float32") -> TrainConfig:
+def config(tp: int, pp: int, world: int, dtype: str = "float32", train: dict | None = None) -> TrainConfig:
     return TrainConfig(
         backend="megatron", num_ranks=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype,
-        device=DEVICE, megatron_optimizer=OPTIMIZER, **TRAIN,  # type: ignore[arg-type]
+        device=DEVICE, megatron_optimizer=OPTIMIZER, **(train or TRAIN),  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def random_supports(targets: list[int], vocab: int, seed: int) -> list[list[int]]:
+    """A support per target of 1 to 4 distinct ids, the target among them (what top-k/top-p hands the trainer)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in targets:
+        others = [i for i in torch.randperm(vocab, generator=g).tolist() if i != t]
+        out.append([t, *others[: int(torch.randint(0, 4, (1,), generator=g))]])
+    return out
+
+
+def with_supports(batch: TrainBatch, vocab: int) -> TrainBatch:
+    from hpcrl.rollout.support import TokenSupports
+
+    prompts = [batch.input_ids[i, : int(batch.prompt_lens[i])].tolist() for i in range(len(batch))]
+    responses = [
+        batch.input_ids[i, int(batch.prompt_lens[i]) : int(batch.lengths[i])].tolist() for i in range(len(batch))
+    ]
+    return TrainBatch.from_sequences(
+        prompts, responses, advantages=batch.advantages.tolist(),
+        rollout_logprobs=[[-0.5] * len(r) for r in responses],
+        supports=[TokenSupports.from_lists(random_supports(r, vocab, i)) for i, r in enumerate(responses)],
+    )  # fmt: skip
+
+
+def vocab_parallel_support_check(out_dir: Path, rank: int, world: int) -> None:
+    """This rank's slice of padded logits through vocab_parallel_support_logprobs; rank 0 writes values and grads."""
+    from hpcrl.trainer.megatron.logprobs import vocab_parallel_support_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    vocab, padded = 11, 12
+    full = torch.randn(2, 5, padded, generator=g) * 3
+    targets = torch.randint(0, vocab, (2, 5), generator=g)
+    lists = random_supports(targets.flatten().tolist(), vocab, 3)
+    lists[4] = []  # a position without a support (prompt, padding)
+    ids = torch.zeros(10, 4, dtype=torch.long)
+    valid = torch.zeros(10, 4, dtype=torch.bool)
+    for i, s in enumerate(lists):
+        ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
+    ids, valid = ids.view(2, 5, 4), valid.view(2, 5, 4)
+    width = padded // world
+    mine = full[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_support_logprobs(
+        mine, targets, ids, valid, vocab_start=rank * width, group=dist.group.WORLD
+    )
+    (lp.sum() * 0.7 + ent.sum() * 0.3).backward()
+    grads = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(grads, mine.grad)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {"full": full, "targets": targets, "ids": ids, "valid": valid, "lp": lp.detach(), "ent": ent.detach()}
+        save_file(tensors | {"grad": torch.cat(grads, dim=-1)}, str(out_dir / "support.safetensors"))
 
 
 def vocab_parallel_check(out_dir: Path, rank: int, world: int) -> None:
@@ -96,7 +152,16 @@ def main() -> int:
     from hpcrl.model.qwen3 import ModelArgs
     from hpcrl.trainer.megatron.backend import MegatronTrainer
 
-    batch = fixed_batch(ModelArgs.from_dir(model_dir).vocab_size)
+    vocab = ModelArgs.from_dir(model_dir).vocab_size
+    batch = fixed_batch(vocab)
+    if scenario == "support":
+        vocab_parallel_support_check(out_dir, rank, world)
+        trainer = MegatronTrainer(config(tp, pp, world, train=NO_KL), model_dir, rank=rank, world_size=world)
+        step = trainer.train_grpo(with_supports(batch, vocab))
+        if rank == 0:
+            (out_dir / "result.json").write_text(json.dumps({"metrics": [step]}))
+        dist.destroy_process_group()
+        return 0
     dtype = "bfloat16" if scenario == "bf16" else "float32"
     trainer = MegatronTrainer(config(tp, pp, world, dtype), model_dir, rank=rank, world_size=world)
     if scenario == "bf16":

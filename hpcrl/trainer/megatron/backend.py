@@ -39,7 +39,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
-from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs
+from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs, vocab_parallel_support_logprobs
 from hpcrl.trainer.megatron.model import build_gpt_model, init_parallel_state
 from hpcrl.trainer.megatron.optimizer import MOMENTS, DistributedOptimizer, LocalOptimizer
 from hpcrl.trainer.step_stats import NanGuard, StepSums
@@ -178,8 +178,14 @@ class MegatronTrainer:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return model(ids, positions, None)
 
-    def _logprobs(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _logprobs(
+        self, logits: Tensor, ids: Tensor, supports: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         width = logits.shape[-1]
+        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
+            return vocab_parallel_support_logprobs(
+                logits[:, :-1], ids[:, 1:], *supports, vocab_start=self.shard.tp_rank * width, group=self.tp_group
+            )
         return vocab_parallel_logprobs(
             logits[:, :-1], ids[:, 1:], vocab_start=self.shard.tp_rank * width, vocab_size=self.args.vocab_size,
             group=self.tp_group,
@@ -252,7 +258,7 @@ class MegatronTrainer:
 
     def _loss(self, logits: Tensor, mb: TrainBatch, mode: str, ref: Tensor | None, global_tokens: float,
               sums: StepSums) -> Tensor:  # fmt: skip
-        lp, entropy = self._logprobs(logits, mb.input_ids)
+        lp, entropy = self._logprobs(logits, mb.input_ids, mb.padded_supports())
         tokens = float(mb.num_response_tokens)
         if mode == "sft":
             loss, stats = sft_loss(lp, mb.loss_mask, loss_scale_tokens=global_tokens)

@@ -108,3 +108,83 @@ def vocab_parallel_logprobs(
     else:
         lp, _, ent = _forward(logits.detach(), flat, vocab_start, vocab_size, group, chunk_rows)
     return lp.view(b, t), ent.view(b, t)
+
+
+class _VocabParallelSupportLogprobs(torch.autograd.Function):
+    """Log-probs and entropy over each position's sampling support, the support's ids spread over TP ranks.
+
+    Forward: every rank gathers the logits of the support ids in its slice (at most K per position), then
+    one all-reduce of the max and one of (sum of exp, target logit, sum of exp x logit) complete the row, as
+    in `_forward`. Backward needs no communication: the support's softmax q is known on every rank, and a
+    rank's logits get `onehot - q` (and the entropy term) at the ids it holds, 0 elsewhere.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, ids: Tensor, valid: Tensor, vocab_start: int, group: Any
+    ) -> tuple[Tensor, Tensor]:
+        width = logits.shape[-1]
+        local = ids - vocab_start
+        inside = valid & (local >= 0) & (local < width)
+        local = local.clamp(0, width - 1)
+        z = logits.gather(-1, local).to(torch.float32).masked_fill(~inside, -math.inf)  # [B, T, K]
+        has = valid.any(dim=-1)
+        top = z.max(dim=-1).values
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        top = torch.where(has, top, torch.zeros_like(top))  # a position without support: nothing to normalise
+        x = z - top[..., None]
+        e = x.exp()
+        t_local = targets - vocab_start
+        t_inside = (t_local >= 0) & (t_local < width)
+        t_local = t_local.clamp(0, width - 1)
+        picked = logits.gather(-1, t_local[..., None]).squeeze(-1).to(torch.float32)
+        stats = torch.stack(
+            [e.sum(dim=-1), torch.where(t_inside, picked, torch.zeros_like(picked)), (e * _finite_or_zero(x)).sum(-1)]
+        )
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(stats, group=group)
+        total = torch.where(has, stats[0], torch.ones_like(stats[0]))
+        lse = top + total.log()
+        lp = torch.where(has, stats[1] - lse, torch.zeros_like(lse))
+        entropy = torch.where(has, total.log() - stats[2] / total, torch.zeros_like(lse))
+        ctx.save_for_backward(z, lse, entropy, local, inside, t_local, t_inside & has)
+        ctx.logits_meta = (logits.shape, logits.dtype, logits.device)
+        ctx.set_materialize_grads(False)
+        return lp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_lp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:
+        z, lse, entropy, local, inside, t_local, t_hit = ctx.saved_tensors
+        shape, dtype, device = ctx.logits_meta
+        logq = z - lse[..., None]
+        q = logq.exp()  # 0 at ids this rank does not hold (and at padding slots)
+        g = torch.zeros_like(q)
+        if grad_lp is not None:
+            g.addcmul_(q, grad_lp[..., None], value=-1.0)
+        if grad_ent is not None:
+            # d H / d z = -q * (log q + H)
+            g.addcmul_(q * (_finite_or_zero(logq) + entropy[..., None]), grad_ent[..., None], value=-1.0)
+        g = torch.where(inside, g, torch.zeros_like(g))
+        grad_logits = torch.zeros(shape, dtype=torch.float32, device=device)
+        grad_logits.scatter_add_(-1, local, g)
+        if grad_lp is not None:
+            hit = torch.where(t_hit, grad_lp, torch.zeros_like(grad_lp))
+            grad_logits.scatter_add_(-1, t_local[..., None], hit[..., None])
+        return grad_logits.to(dtype), None, None, None, None, None
+
+
+def vocab_parallel_support_logprobs(
+    logits: Tensor, targets: Tensor, support_ids: Tensor, support_valid: Tensor, *, vocab_start: int, group: Any
+) -> tuple[Tensor, Tensor]:
+    """`hpcrl.trainer.loss.support_token_logprobs` (temperature 1) from this rank's logits [B, T, V/tp].
+
+    `support_ids` / `support_valid` [B, T, K] are the whole support (every rank gets the same); each rank
+    scores the ids of its own slice. A position without a support gets log-prob 0 and entropy 0."""
+    if support_ids.shape[:2] != targets.shape or support_valid.shape != support_ids.shape:
+        raise ValueError(f"support_ids / support_valid must be [B, T, K] with [B, T] = {tuple(targets.shape)}")
+    lp, ent = _VocabParallelSupportLogprobs.apply(
+        logits, targets.long(), support_ids.long(), support_valid, vocab_start, group
+    )
+    return lp, ent
