@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,11 +59,11 @@ class RunConfig:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.train.onpolicy and not self.engine.onpolicy_logprobs:
-            warnings.warn(
-                "train.onpolicy without engine.onpolicy_logprobs: the trainer scores sequences one by one, but the "
-                "engines report decode-time log-probs, so the gap will not be zero",
-                stacklevel=2,
+        if self.train.onpolicy and not self.engine.batch_invariant:
+            raise ValueError(
+                "train.onpolicy needs engine.batch_invariant: true: the trainer's batch-invariant log-probs equal "
+                "the engine's only when the engine samples from the same forward; set engine.batch_invariant=true "
+                "(CPU, float32), or train.onpolicy=false"
             )
         if (
             self.engine.device.startswith("cuda") != self.train.device.startswith("cuda")

@@ -328,16 +328,31 @@ def logprob_rows(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def token_logprobs(model: CausalLM, input_ids: Tensor) -> Tensor:
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
     """Log-probs [B, T-1] of input_ids[:, 1:] given what precedes them, through the invariant forward.
 
-    Right-padded rows are fine (attention is causal); differentiable, with standard-kernel backward.
+    The trainer's `train.onpolicy` scorer: `model` is the CausalLM or its DDP wrapper (called, so DDP
+    prepares its gradient reduction). Right-padded rows are fine (attention is causal); differentiable,
+    with a standard-kernel backward.
     """
-    lp = logprob_rows(logits(model, input_ids)[:, :-1])
+    lp = logprob_rows(model(input_ids, invariant=True)[:, :-1])
     return lp.gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
-def check_model(args: ModelArgs) -> None:
-    """Refuse a model the invariant forward does not cover (dense attention is all it implements)."""
+def unsupported_model(args: ModelArgs) -> str | None:
+    """None when the invariant forward covers this model, else why not.
+
+    Odd widths would leave ATen's vectorised loops a scalar tail whose place depends on the row count
+    (CHUNK_ROWS x an even width is a multiple of the 32-float loop step); every released dense model is even.
+    """
+    widths = {
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "head_dim": args.head_dim,
+    }
+    odd = [f"{k}={v}" for k, v in widths.items() if v % 2]
+    if odd:
+        return f"the batch-invariant forward needs even layer widths, this model has {', '.join(odd)}"
     if args.num_heads % args.num_kv_heads:
-        raise ValueError("num_heads must be a multiple of num_kv_heads")
+        return f"num_heads {args.num_heads} is not a multiple of num_kv_heads {args.num_kv_heads}"
+    return None

@@ -57,6 +57,13 @@ class Progress:
             f"step {step + 1:>4}/{self.num_steps} | reward {m['rollout/reward_mean']:.3f} "
             f"| len {m['rollout/response_len_mean']:.1f} (max {m['rollout/response_len_max']:.0f}, "
             f"trunc {m['rollout/truncated_share']:.2f}) "
-            f"| gap {m.get('train/train_rollout_logprob_abs_diff', float('nan')):.2e} "
+            f"| {_gap(m)} "
             f"| {phases} | {m['timing/total_s']:.2f} s/step | ETA {_fmt_eta(eta)}"
         )
+
+
+def _gap(m: dict[str, float]) -> str:
+    """The train/rollout gap, or, for re-scored log-probs, the sampled-vs-reported difference, labelled."""
+    if "rollout/recompute_abs_diff" in m:
+        return f"gap n/a (recompute: sampled vs reported {m['rollout/recompute_abs_diff']:.2e})"
+    return f"gap {m.get('train/train_rollout_logprob_abs_diff', float('nan')):.2e}"

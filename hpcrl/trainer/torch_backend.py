@@ -10,14 +10,15 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_model
-from hpcrl.model.qwen3 import CausalLM, token_logprobs_of_sequence
+from hpcrl.model.qwen3 import CausalLM
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
@@ -40,6 +41,8 @@ class TorchTrainer:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
+        if cfg.onpolicy and (reason := invariant.unsupported_model(self.model.args)) is not None:
+            raise ValueError(f"train.onpolicy: {reason}")
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -95,20 +98,13 @@ class TorchTrainer:
         return float(t.item())
 
     def _logprobs(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of every target position [b, T-1] (and entropy), batched or one sequence at a time."""
-        if not self.cfg.onpolicy:
-            logits = model(mb.input_ids)
-            return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], with_entropy=True)
-        rows = []
-        base = cast(CausalLM, model.module if hasattr(model, "module") else model)  # DDP wraps the CausalLM
-        for i in range(len(mb)):
-            p, n = int(mb.prompt_lens[i]), int(mb.lengths[i])
-            lp = (
-                token_logprobs_of_sequence(base, mb.input_ids[i, :n], p) if n > p else mb.input_ids.new_zeros(0).float()
-            )
-            row = torch.zeros(mb.input_ids.shape[1] - 1, dtype=torch.float32, device=lp.device)
-            rows.append(torch.cat([row[: p - 1], lp, row[p - 1 + lp.numel() :]]))
-        return torch.stack(rows), None
+        """Log-probs of every target position [b, T-1] (and entropy)."""
+        if self.cfg.onpolicy:
+            # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
+            # the loss ratio's denominator and the gap compare the trainer with the sampler itself.
+            return invariant.token_logprobs(model, mb.input_ids), None
+        logits = model(mb.input_ids)
+        return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], with_entropy=True)
 
     def _step(self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         batch = batch.to(self.device)
