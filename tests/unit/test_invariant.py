@@ -223,3 +223,53 @@ def test_the_invariant_http_engine_alone_vs_full_batch(engine_factory, model: Ca
     with torch.no_grad():
         trainer = invariant.token_logprobs(model, torch.tensor([prompt + one["output_ids"]]))[0, len(prompt) - 1 :]
     assert torch.equal(torch.tensor(lps, dtype=torch.float32), trainer)
+
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
+
+
+def test_the_old_onpolicy_logprobs_key_is_refused_with_the_new_settings() -> None:
+    from hpcrl.config import ConfigError
+    from hpcrl.run_config import load_run_config
+
+    with pytest.raises(ConfigError) as error:
+        load_run_config(QUICKSTART, ["engine.onpolicy_logprobs=true"])
+    message = str(error.value)
+    assert "unknown key 'engine.onpolicy_logprobs': it was removed" in message
+    assert "engine.logprobs: recompute" in message and "engine.batch_invariant: true" in message
+
+
+def test_train_onpolicy_needs_the_invariant_engine_and_the_cpu() -> None:
+    from hpcrl.run_config import load_run_config
+
+    with pytest.raises(
+        ValueError, match="train.onpolicy needs engine.batch_invariant: true.*engine.batch_invariant=true"
+    ):
+        load_run_config(QUICKSTART, ["train.onpolicy=true"])
+    with pytest.raises(ValueError, match="batch_invariant is verified on the CPU in float32 only"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.device=cuda"])
+    with pytest.raises(ValueError, match="onpolicy is verified on the CPU in float32 only"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", "train.dtype=bfloat16"])
+    with pytest.raises(ValueError, match="would replace the sampled log-probs"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.logprobs=recompute"])
+    from hpcrl.trainer.config import TrainConfig
+
+    with pytest.raises(ValueError, match="the megatron backend runs megatron-core's own kernels"):
+        TrainConfig(backend="megatron", onpolicy=True)
+    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true"])
+    assert cfg.engine.batch_invariant and cfg.train.onpolicy and cfg.engine.logprobs == "sampled"
+
+
+def test_the_old_engine_flag_is_refused_before_a_model_loads(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(tmp_path), "--onpolicy-logprobs"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "hpcrl: error: --onpolicy-logprobs was removed" in out.stderr
+    assert "--logprobs recompute" in out.stderr and "--batch-invariant" in out.stderr
