@@ -273,3 +273,54 @@ def test_the_old_engine_flag_is_refused_before_a_model_loads(tmp_path: Path) -> 
     assert out.returncode != 0
     assert "hpcrl: error: --onpolicy-logprobs was removed" in out.stderr
     assert "--logprobs recompute" in out.stderr and "--batch-invariant" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("family", "qk_norm", "bias"), [("qwen2", False, True), ("llama", False, False)], ids=["qwen2", "llama"]
+)
+def test_qwen2_and_llama_layouts_hold_too(family: str, qk_norm: bool, bias: bool) -> None:
+    """No QK-norm (both), q/k/v biases (Qwen2), untied LM head: engine at batch 7 vs trainer micro-batches."""
+    from hpcrl.model.qwen3 import ModelArgs
+
+    torch.manual_seed(3)
+    args = ModelArgs(
+        vocab_size=99, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, qk_norm=qk_norm, attention_bias=bias, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = CausalLM(args).eval()
+    if bias:
+        for layer in model.model.decoder_layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias)  # nonzero: the bias add is on the path
+    reqs = _generate(model, _requests(7, seed=4), max_running=4)
+    for r, lp in zip(reqs, _trainer_logprobs(model, reqs, 2), strict=True):
+        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp), (family, r.rid)
+
+
+def test_the_progress_line_never_shows_a_recompute_gap_as_a_measurement() -> None:
+    import io
+
+    from hpcrl.store.progress import Progress
+
+    row = {
+        "timing/total_s": 0.1,
+        "rollout/reward_mean": 0.5,
+        "rollout/response_len_mean": 3.0,
+        "rollout/response_len_max": 4.0,
+        "rollout/truncated_share": 0.0,
+        "train/train_rollout_logprob_abs_diff": float("nan"),
+        "rollout/recompute_abs_diff": 3.25e-7,
+    }
+    out = io.StringIO()
+    Progress(2, stream=out).step(0, row)
+    assert "gap n/a (recompute: sampled vs reported 3.25e-07)" in out.getvalue()
+    out = io.StringIO()
+    Progress(2, stream=out).step(
+        0, {**row, "train/train_rollout_logprob_abs_diff": 0.0} | {"rollout/recompute_abs_diff": 0.0}
+    )
+    assert "gap n/a" in out.getvalue()  # a recompute run says so even when the re-score matched
+    plain = {k: v for k, v in row.items() if k != "rollout/recompute_abs_diff"} | {
+        "train/train_rollout_logprob_abs_diff": 0.0
+    }
+    out = io.StringIO()
+    Progress(2, stream=out).step(0, plain)
+    assert "| gap 0.00e+00 |" in out.getvalue()
