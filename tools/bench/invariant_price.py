@@ -76,6 +76,7 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
 
     tokens = ns.num_seqs * ns.max_new_tokens
     engine = {bi: tokens / _median_s(lambda bi=bi: generate(bi), ns.repeats) for bi in (False, True)}
+    print(f"{model_dir.name}: engine tok/s {engine}", flush=True)
     seqs = torch.tensor(generate(True))
     model = load_model(model_dir)
     micro = [seqs[i : i + ns.micro_batch] for i in range(0, len(seqs), ns.micro_batch)]
@@ -96,6 +97,7 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
 
     fwd = {bi: _median_s(lambda bi=bi: run(bi, False), ns.repeats) for bi in (False, True)}
     fwd_bwd = {bi: _median_s(lambda bi=bi: run(bi, True), ns.repeats) for bi in (False, True)}
+    print(f"{model_dir.name}: trainer forward s {fwd}, forward + backward s {fwd_bwd}", flush=True)
     return engine, fwd, fwd_bwd
 
 

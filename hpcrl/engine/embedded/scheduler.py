@@ -35,6 +35,7 @@ import torch
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
+from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ def resolve_decode_mode(
     requested: str, model: CausalLM, device: torch.device, dtype: torch.dtype, *, batch_invariant: bool = False
 ) -> str:
     if batch_invariant:
-        from hpcrl.model import invariant
-
         reason = invariant.supported_reason(device, dtype) or invariant.unsupported_model(model.args)
         if reason is not None:
             raise ValueError(f"--batch-invariant: {reason}")
