@@ -23,6 +23,12 @@ Command = Callable[[argparse.Namespace], int]
 def _engine_serve(ns: argparse.Namespace) -> int:
     from hpcrl.engine.embedded.server import ServerConfig, resolve_api_key, serve
 
+    if ns.onpolicy_logprobs:
+        raise ValueError(
+            "--onpolicy-logprobs was removed: it re-scored finished sequences, a relabel rather than on-policy; "
+            "use --logprobs recompute for the re-score, or --batch-invariant (run config: engine.logprobs: recompute, "
+            "engine.batch_invariant: true with train.onpolicy: true)"
+        )
     cfg = ServerConfig(
         model=ns.model,
         host=ns.host,
@@ -34,7 +40,8 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         context_length=ns.context_length,
         max_prefill_tokens=ns.max_prefill_tokens,
         deterministic=ns.deterministic,
-        onpolicy_logprobs=ns.onpolicy_logprobs,
+        logprobs=ns.logprobs,
+        batch_invariant=ns.batch_invariant,
         random_seed=ns.random_seed,
         weight_version=ns.weight_version,
         enable_weights_cpu_backup=ns.enable_weights_cpu_backup,
@@ -189,10 +196,20 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="form batches only on an idle engine, so a /generate call gives bit-identical results every time",
     )
+    p.add_argument("--onpolicy-logprobs", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
-        "--onpolicy-logprobs",
+        "--logprobs",
+        choices=("sampled", "recompute"),
+        default="sampled",
+        help="sampled: report the log-probs of the distribution sampled from; recompute: re-score finished "
+        "sequences with the standard forward (a relabel: the tokens still come from decode) and send the sampled "
+        "ones as meta_info.hpcrl_sampled_logprobs",
+    )
+    p.add_argument(
+        "--batch-invariant",
         action="store_true",
-        help="score finished sequences with the trainer's forward, so the train/rollout log-prob gap is zero",
+        help="prefill, decode and sample with hpcrl.model.invariant (CPU, float32): a token's log-prob does not "
+        "depend on its batch, and equals the trainer's train.onpolicy forward bit for bit",
     )
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests that carry no sampling_seed")
     p.add_argument("--weight-version", default="default", help="initial weight version")

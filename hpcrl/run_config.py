@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,11 +82,11 @@ class RunConfig:
                 f"rollout.n_samples_per_prompt = {self.data.prompts_per_step} x {self.rollout.n_samples_per_prompt} "
                 f"= {batch}; use one of {_divisors(batch, self.train.num_ranks)} (or null: the whole batch)"
             )
-        if self.train.onpolicy and not self.engine.onpolicy_logprobs:
-            warnings.warn(
-                "train.onpolicy without engine.onpolicy_logprobs: the trainer scores sequences one by one, but the "
-                "engines report decode-time log-probs, so the gap will not be zero",
-                stacklevel=2,
+        if self.train.onpolicy and not self.engine.batch_invariant:
+            raise ValueError(
+                "train.onpolicy needs engine.batch_invariant: true: the trainer's batch-invariant log-probs equal "
+                "the engine's only when the engine samples from the same forward; set engine.batch_invariant=true "
+                "(CPU, float32), or train.onpolicy=false"
             )
         if (
             self.engine.device.startswith("cuda") != self.train.device.startswith("cuda")
@@ -133,9 +132,9 @@ def _check_replayable(cfg: RunConfig) -> None:
             f"{filters} replays the sampling support, but train.kl_coef={cfg.train.kl_coef:g} adds a KL to the "
             f"reference policy, which needs a full-vocabulary score; set train.kl_coef=0, {off}"
         )
-    if cfg.train.onpolicy or cfg.engine.onpolicy_logprobs:
+    if cfg.train.onpolicy or cfg.engine.logprobs == "recompute":
         raise ValueError(
-            f"{filters} replays the sampling support, but train.onpolicy / engine.onpolicy_logprobs re-score "
+            f"{filters} replays the sampling support, but train.onpolicy / engine.logprobs=recompute score "
             f"sequences over the full vocabulary; set both to false, {off}"
         )
 

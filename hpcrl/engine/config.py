@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 DEFAULT_STARTUP_TIMEOUT_S = {"embedded": 120.0, "sglang": 600.0}
 
@@ -14,6 +14,13 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "onpolicy_logprobs": (
+            "it re-scored finished sequences with the trainer's forward, which relabels the log-probs but leaves "
+            "the tokens sampled from the engine's own distribution; re-scoring is now engine.logprobs: recompute, "
+            "and true on-policy is engine.batch_invariant: true with train.onpolicy: true"
+        ),
+    }
     kind: Literal["embedded", "sglang"] = "embedded"
     """`embedded` runs hpcrl's own engine (`hpcrl engine serve`); `sglang` runs `python -m sglang.launch_server`
     (install the `sglang` extra on the GPU nodes)."""
@@ -23,8 +30,16 @@ class EngineConfig:
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     deterministic: bool = True
     """Batches form only on an idle engine: a resumed run regenerates exactly what it would have."""
-    onpolicy_logprobs: bool = False
-    """Engines score finished sequences with the trainer's forward (pair with train.onpolicy)."""
+    logprobs: Literal["sampled", "recompute"] = "sampled"
+    """embedded: which log-probs an engine reports. `sampled`: those of the distribution it sampled from.
+    `recompute`: a finished sequence re-scored by the model's standard full-sequence forward (the tokens still
+    come from the decode distribution, so this is a relabel, not on-policy); the sampled-vs-reported difference
+    is recorded as rollout/recompute_abs_diff and the train/rollout gap metrics are NaN (they would compare the
+    trainer with a re-score, not with the sampler)."""
+    batch_invariant: bool = False
+    """embedded, CPU float32: prefill, decode and sampling run hpcrl.model.invariant, whose logits for a token do
+    not depend on batch size, batch composition or prefill vs decode; with train.onpolicy the trainer scores with
+    the same forward and the train/rollout gap is exactly 0.0 (docs/numerics.md)."""
     num_threads: int = 1
     startup_timeout_s: float | None = None
     """Bound on an engine's start (process launch to its first healthy answer); while it runs the engine
@@ -92,6 +107,28 @@ class EngineConfig:
                 "decode_mode, decode_overlap and decode_profile apply to kind: embedded only; "
                 "pass SGLang's own flags in sglang_args"
             )
+        if self.kind == "sglang" and (self.batch_invariant or self.logprobs != "sampled"):
+            raise ValueError(
+                "batch_invariant and logprobs: recompute apply to kind: embedded only (SGLang's own "
+                "--enable-deterministic-inference goes in sglang_args)"
+            )
+        if self.batch_invariant:
+            if not self.device.startswith("cpu") or self.dtype != "float32":
+                raise ValueError(
+                    f"batch_invariant is verified on the CPU in float32 only (device {self.device!r}, dtype "
+                    f"{self.dtype!r}); use device: cpu and dtype: float32, or batch_invariant: false "
+                    "(the GPU path is not built yet: docs/numerics.md)"
+                )
+            if self.logprobs == "recompute":
+                raise ValueError(
+                    "batch_invariant with logprobs: recompute would replace the sampled log-probs by a re-score; "
+                    "use logprobs: sampled (the invariant engine's sampled log-probs already equal the trainer's)"
+                )
+            if self.decode_mode not in ("auto", "eager"):
+                raise ValueError(
+                    f"batch_invariant runs its own decode step; decode_mode {self.decode_mode!r} would not be "
+                    "used: leave decode_mode at auto"
+                )
         if self.offload_during_train and self.kind == "sglang" and not self.enable_memory_saver:
             raise ValueError("offload_during_train with kind: sglang needs enable_memory_saver: true")
         if self.max_restarts < 0:

@@ -4,8 +4,8 @@ Qwen3 and Llama-family dense models (GQA, RMSNorm, SwiGLU, RoPE, optional QK-nor
 embeddings). Parameter names equal the Hugging Face names, so a state dict loads from and saves to an
 HF directory unchanged, and the weight push sends exactly the names an SGLang server loads.
 
-Sharing one implementation is what lets the on-policy mode make the train/rollout log-prob gap
-exactly zero: the engine scores a finished sequence with the same `forward` the trainer uses.
+The batch-invariant forward (`hpcrl.model.invariant`) runs on these same modules' parameters; with
+`engine.batch_invariant` and `train.onpolicy` the engine samples from it and the trainer scores with it.
 """
 
 from __future__ import annotations
@@ -314,7 +314,12 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin)
         return self.model.norm(h)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
+        """Logits [B, T, V]; `invariant` runs the batch-invariant forward (through here, so DDP sees it)."""
+        if invariant:
+            from hpcrl.model import invariant as inv
+
+            return inv.logits(self, input_ids)
         return self.logits(self.hidden_states(input_ids))
 
     def forward_cached(
@@ -357,10 +362,7 @@ class CausalLM(nn.Module):
 
 
 def token_logprobs_of_sequence(model: CausalLM, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Log-probs (temperature 1, fp32) of tokens ids[prompt_len:] given everything before them.
-
-    The on-policy scorer: the engine and the trainer both call this on one unpadded sequence, so the
-    values agree bit for bit.
-    """
+    """Log-probs (temperature 1, fp32) of tokens ids[prompt_len:] given everything before them, by the
+    standard forward of one unpadded sequence: the engine's `logprobs: recompute` re-score."""
     logits = model(ids[None])[0, prompt_len - 1 : -1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[prompt_len:, None])[:, 0]

@@ -47,6 +47,7 @@ class Sample:
     supports: TokenSupports | None = None
     """Per output token, the ids top-k/top-p let the engine draw from (None without filtering); `logprobs`
     are then renormalised over them. Plain arrays for a buffer or checkpoint: `supports.to_arrays()`."""
+    sampled_logprobs: list[float] | None = None  # engine.logprobs: recompute: what `logprobs` replaced
 
 
 @dataclass
@@ -242,6 +243,7 @@ class Rollout:
                         finish=r.finish_reason.type if r.finish_reason else "abort",
                         weight_versions=r.token_weight_versions(),
                         supports=supports,
+                        sampled_logprobs=_sampled_logprobs(r),
                     )
                 )
         return groups
@@ -289,8 +291,29 @@ def assign_least_loaded(
     return work
 
 
+def _sampled_logprobs(r: GenerateResult) -> list[float] | None:
+    """The log-probs an engine in `logprobs: recompute` mode sampled with (sent next to the re-score)."""
+    raw = r.meta_info.get("hpcrl_sampled_logprobs")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != len(r.output_ids):
+        raise ValueError(f"meta_info.hpcrl_sampled_logprobs must be one number per output token, got {raw!r:.80}")
+    return [float(x) for x in raw]
+
+
+def recompute_abs_diff(samples: Sequence[Sample]) -> float | None:
+    """Mean |sampled - reported| log-prob over the tokens of re-scored samples; None when none was re-scored."""
+    total, count = 0.0, 0
+    for s in samples:
+        if s.sampled_logprobs is not None:
+            total += sum(abs(a - b) for a, b in zip(s.sampled_logprobs, s.logprobs, strict=True))
+            count += len(s.logprobs)
+    return total / count if count else None
+
+
 def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | None = None) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
+    recompute = recompute_abs_diff(samples)
     versions = [v for s in samples for v in s.weight_versions]
     lengths = [len(s.output_ids) for s in samples]
     rewards = [s.reward for s in samples if s.reward_error is None]
@@ -312,7 +335,7 @@ def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | Non
         if version is not None and versions
         else 0.0,
         **support_stats(samples),
-    }
+    } | ({"rollout/recompute_abs_diff": recompute} if recompute is not None else {})
 
 
 def support_stats(samples: Sequence[Sample]) -> dict[str, float]:

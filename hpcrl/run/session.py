@@ -51,6 +51,12 @@ from hpcrl.trainer.warm_start import WarmStart
 
 # Evaluation's generated prompts come from the training generator under this seed offset.
 EVAL_SEED_OFFSET = 1_000_003
+RECOMPUTE_HIDDEN_KEYS = (
+    "train/train_rollout_logprob_abs_diff",
+    "train/train_rollout_logprob_max_abs_diff",
+    "train/train_rollout_kl",
+)
+"""NaN under engine.logprobs: recompute (see RunSession.train)."""
 
 
 class RunSession:
@@ -214,6 +220,12 @@ class RunSession:
         m = self.trainer.train_grpo(batch)
         out = {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
         out["timing/logprob_s"] = m.get("forward_s", 0.0)
+        if self.cfg.engine.logprobs == "recompute":
+            # The engines reported a re-score, not the log-probs they sampled with: trainer vs re-score is
+            # no measure of the sampling gap, so it is not shown as one (rollout/recompute_abs_diff is).
+            for key in RECOMPUTE_HIDDEN_KEYS:
+                if key in out:
+                    out[key] = float("nan")
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -59,7 +59,7 @@ class Progress:
             f"step {step + 1:>4}/{self.num_steps} | reward {m['rollout/reward_mean']:.3f} "
             f"| len {m['rollout/response_len_mean']:.1f} (max {m['rollout/response_len_max']:.0f}, "
             f"trunc {m['rollout/truncated_share']:.2f}) "
-            f"| gap {m.get('train/train_rollout_logprob_abs_diff', float('nan')):.2e} "
+            f"| {_gap(m)} "
             f"| {phases} | {m['timing/total_s']:.2f} s/step | ETA {_fmt_eta(eta)}"
         )
         if "eval/accuracy_greedy" in m:
@@ -68,3 +68,10 @@ class Progress:
                 f"eval after step {step + 1}: greedy accuracy {m['eval/accuracy_greedy']:.3f} | pass@{k} "
                 f"{m['eval/pass_at_k']:.3f} | mean@{k} {m['eval/mean_at_k']:.3f} ({m['eval/num_prompts']:.0f} prompts)"
             )
+
+
+def _gap(m: dict[str, float]) -> str:
+    """The train/rollout gap, or, for re-scored log-probs, the sampled-vs-reported difference, labelled."""
+    if "rollout/recompute_abs_diff" in m:
+        return f"gap n/a (recompute: sampled vs reported {m['rollout/recompute_abs_diff']:.2e})"
+    return f"gap {m.get('train/train_rollout_logprob_abs_diff', float('nan')):.2e}"

@@ -62,8 +62,9 @@ class TrainConfig:
     num_threads: int = 1
     """torch CPU threads per rank."""
     onpolicy: bool = False
-    """Score every sequence alone and unpadded, exactly as an engine started with --onpolicy-logprobs
-    does, so train_rollout_logprob_abs_diff is exactly 0 (slower: no batching of the forward)."""
+    """Compute the log-probs of the loss and of the train/rollout gap with the batch-invariant forward
+    (hpcrl.model.invariant) that engines with engine.batch_invariant sample from, so the gap is exactly 0.0
+    in any micro-batch; needs engine.batch_invariant: true, CPU and float32 (docs/numerics.md)."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
@@ -103,7 +104,9 @@ class TrainConfig:
                 )
             if self.onpolicy:
                 raise ValueError(
-                    "onpolicy scores with hpcrl's own model, which the megatron backend does not use; "
+                    "onpolicy needs the trainer to compute its log-probs with the engine's batch-invariant "
+                    "forward (hpcrl.model.invariant); the megatron backend runs megatron-core's own kernels, "
+                    "whose GEMMs, attention and tensor-parallel reductions differ from it; "
                     "set onpolicy: false or backend: torch"
                 )
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -143,6 +146,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.onpolicy and (not self.device.startswith("cpu") or self.dtype != "float32"):
+            raise ValueError(
+                f"onpolicy is verified on the CPU in float32 only (device {self.device!r}, dtype {self.dtype!r}); "
+                "use device: cpu and dtype: float32, or onpolicy: false (docs/numerics.md)"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

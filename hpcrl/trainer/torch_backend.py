@@ -14,14 +14,15 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_model
-from hpcrl.model.qwen3 import CausalLM, token_logprobs_of_sequence
+from hpcrl.model.qwen3 import CausalLM
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
@@ -51,6 +52,8 @@ class TorchTrainer:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
+        if cfg.onpolicy and (reason := invariant.unsupported_model(self.model.args)) is not None:
+            raise ValueError(f"train.onpolicy: {reason}")
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -150,29 +153,22 @@ class TorchTrainer:
     def _logprobs(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of every target position [b, T-1] (and entropy), batched or one sequence at a time."""
-        if not self.cfg.onpolicy:
-            logits = model(mb.input_ids)
-            supports = mb.padded_supports()
-            if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
-                return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=with_entropy)
-            # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
-            # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
-            # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
-            # extra row of softmax.
-            targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
-            lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
-            return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
-        rows = []
-        base = cast(CausalLM, model.module if hasattr(model, "module") else model)  # DDP wraps the CausalLM
-        for i in range(len(mb)):
-            p, n = int(mb.prompt_lens[i]), int(mb.lengths[i])
-            lp = (
-                token_logprobs_of_sequence(base, mb.input_ids[i, :n], p) if n > p else mb.input_ids.new_zeros(0).float()
-            )
-            row = torch.zeros(mb.input_ids.shape[1] - 1, dtype=torch.float32, device=lp.device)
-            rows.append(torch.cat([row[: p - 1], lp, row[p - 1 + lp.numel() :]]))
-        return torch.stack(rows), None
+        """Log-probs of every target position [b, T-1] (and entropy)."""
+        if self.cfg.onpolicy:
+            # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
+            # the loss ratio's denominator and the gap compare the trainer with the sampler itself.
+            return invariant.token_logprobs(model, mb.input_ids), None
+        logits = model(mb.input_ids)
+        supports = mb.padded_supports()
+        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
+            return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=with_entropy)
+        # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
+        # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
+        # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
+        # extra row of softmax.
+        targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
+        lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
+        return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
 
     def _step(
         self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer, old: Tensor | None = None

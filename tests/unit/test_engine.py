@@ -349,8 +349,8 @@ def test_api_key_guards_every_endpoint(engine_factory) -> None:
     assert wrong.status_code == 401
 
 
-def test_deterministic_mode_and_onpolicy_logprobs(engine_factory, tiny_model_dir: Path) -> None:
-    eng = engine_factory("--deterministic", "--onpolicy-logprobs")
+def test_deterministic_mode_and_recomputed_logprobs(engine_factory, tiny_model_dir: Path) -> None:
+    eng = engine_factory("--deterministic", "--logprobs", "recompute")
     body = {
         "input_ids": [PROMPT, PROMPT[:4], [7, 8, 9, 10, 11]],
         "sampling_params": {"max_new_tokens": 20, "ignore_eos": True},
@@ -361,7 +361,7 @@ def test_deterministic_mode_and_onpolicy_logprobs(engine_factory, tiny_model_dir
     a, b = gen(eng.url, body).json(), gen(eng.url, body).json()
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert [o["meta_info"]["output_token_logprobs"] for o in a] == [o["meta_info"]["output_token_logprobs"] for o in b]
-    # On-policy log-probs equal the trainer's scoring of the same sequence bit for bit.
+    # Recompute mode reports the standard forward's re-score of the finished sequence...
     from hpcrl.model.qwen3 import token_logprobs_of_sequence
 
     model = load_model(tiny_model_dir)
@@ -370,6 +370,14 @@ def test_deterministic_mode_and_onpolicy_logprobs(engine_factory, tiny_model_dir
         with torch.no_grad():
             trainer_lp = token_logprobs_of_sequence(model, ids, len(prompt)).tolist()
         assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == trainer_lp
+    # ...and sends what it sampled with: an engine without the re-score reports exactly those.
+    plain = gen(engine_factory("--deterministic").url, body).json()
+    for rescored, sampled in zip(a, plain, strict=True):
+        assert rescored["output_ids"] == sampled["output_ids"]
+        assert rescored["meta_info"]["hpcrl_sampled_logprobs"] == [
+            x[0] for x in sampled["meta_info"]["output_token_logprobs"]
+        ]
+        assert "hpcrl_sampled_logprobs" not in sampled["meta_info"]
 
 
 def test_health_generate_and_info(shared_engine: EngineProcess) -> None:

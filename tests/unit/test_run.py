@@ -91,13 +91,19 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(workdir: Path) -> 
 
 
 def test_onpolicy_mode_makes_the_logprob_gap_exactly_zero(workdir: Path) -> None:
-    hpcrl(
-        "run", "qs.yaml", *SMALL, "num_steps=3", "engine.onpolicy_logprobs=true", "train.onpolicy=true",
+    # 16 samples on an engine of 5 slots: batches of 5, shrinking and refilled as rows finish; the trainer
+    # scores them in micro-batches of 3. The gap is the trainer's log-prob vs the one the engine sampled from.
+    out = hpcrl(
+        "run", "qs.yaml", *SMALL, "num_steps=3", "engine.batch_invariant=true", "train.onpolicy=true",
+        "engine.max_running_requests=5", "engine.deterministic=false", "train.micro_batch_size=3",
         "--run-dir", "r", cwd=workdir,
     )  # fmt: skip
     m = load_metrics(workdir / "r" / "metrics.h5")
+    assert len(m["train/train_rollout_logprob_abs_diff"]) == 3
     assert (m["train/train_rollout_logprob_abs_diff"] == 0.0).all()
+    assert (m["train/train_rollout_logprob_max_abs_diff"] == 0.0).all()
     assert (m["train/train_rollout_kl"] == 0.0).all()
+    assert "gap 0.00e+00" in out.stdout
 
 
 def test_two_trainer_ranks_match_one(workdir: Path) -> None:

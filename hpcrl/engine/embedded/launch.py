@@ -26,8 +26,10 @@ def embedded_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
     ]  # fmt: skip
     if cfg.deterministic:
         cmd.append("--deterministic")
-    if cfg.onpolicy_logprobs:
-        cmd.append("--onpolicy-logprobs")
+    if cfg.logprobs != "sampled":
+        cmd += ["--logprobs", cfg.logprobs]
+    if cfg.batch_invariant:
+        cmd.append("--batch-invariant")
     if slot.ignore_sigterm:
         cmd.append("--ignore-sigterm")
     return Launch(cmd, {API_KEY_ENV: slot.api_key, "OMP_NUM_THREADS": str(cfg.num_threads)})

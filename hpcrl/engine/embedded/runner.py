@@ -11,7 +11,9 @@ Four ways to run the step, picked once per engine (`mode`):
 - "compile": the CPU step and its unit-temperature sampler compiled by torch.compile (`compiled.py`;
   opt-in: the first step compiles for several seconds); prefill as in "eager";
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
-- "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default).
+- "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default);
+- "invariant": `hpcrl.model.invariant` for prefill and decode, sampling from its log-prob rows
+  (`--batch-invariant`, CPU float32): a token's log-prob does not depend on its batch or on prefill vs decode.
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
 """
 
@@ -29,11 +31,12 @@ import torch.nn.functional as F
 
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.sampling import RowParams, SampleOutput, sample
+from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin
 
 log = logging.getLogger(__name__)
 
-MODES = ("eager", "triton", "graph", "compile")
+MODES = ("eager", "triton", "graph", "compile", "invariant")
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,8 @@ class DecodeRunner:
         """Launch one decode step for slots 0..n-1 (asynchronous on CUDA)."""
         assert self.cache is not None and 0 < n <= self.max_batch
         timing = self._events() if self.profile else None
+        if self.mode == "invariant":
+            return self._invariant_step(n, timing, want_support=want_support)
         if self.mode == "compile" and n >= 2 and self.cache.max_len > 2:
             done = self._compiled_step(n, timing, torch_sampler=torch_sampler, want_support=want_support)
             if done is not None:
@@ -263,6 +268,23 @@ class DecodeRunner:
         if timing is not None:
             self._mark(timing, 2)
         return self._handle(n, support_lp, support_mask, timing)
+
+    def _invariant_step(self, n: int, timing: Any, *, want_support: bool) -> StepHandle:
+        """The batch-invariant step: the invariant forward, then sampling from its log-prob rows."""
+        assert self.cache is not None
+        lp = invariant.logprob_rows(invariant.decode(self.model, self.cache, self.tokens[:n], self.positions[:n]))
+        if timing is not None:
+            self._mark(timing, 1)
+        out = sample(
+            lp, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature, logprobs=lp
+        )
+        self.tokens[:n].copy_(out.token_ids)
+        self.positions[:n] += 1
+        self.steps[:n] += 1
+        if timing is not None:
+            self._mark(timing, 2)
+            self._record_timing(timing)
+        return ReadyStep(_host_output(out))
 
     def _compiled_step(self, n: int, timing: Any, *, torch_sampler: bool, want_support: bool) -> StepHandle | None:
         """The "compile" mode's step (CPU, n >= 2: batch 1 would compile a second graph); None when
@@ -536,6 +558,8 @@ class DecodeRunner:
         the logits at `last` [B] of each row (the position that predicts the next token), [B, V]."""
         assert self.cache is not None
         b = ids.shape[0]
+        if self.mode == "invariant":
+            return invariant.prefill(self.model, self.cache, ids, first_slot, last)
         if self.mode not in ("eager", "compile") or self.is_cuda:
             start = torch.zeros(b, dtype=torch.long, device=self.device)
             return self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
@@ -591,7 +615,9 @@ class DecodeRunner:
         temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
         seeds = torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev)
         steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
-        if torch_sampler or not self.fast_sampler:
+        # The invariant engine samples from the log-prob row itself and reports its entries.
+        lp = invariant.logprob_rows(logits) if self.mode == "invariant" else None
+        if torch_sampler or not self.fast_sampler or lp is not None:
             params = RowParams(
                 temperature=temperature,
                 top_k=torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=dev),
@@ -601,7 +627,15 @@ class DecodeRunner:
                 steps=steps,
             )
             unit = all(r.temperature == 1.0 and not r.filtered for r in rows)
-            return _host_output(sample(logits, params, want_support=want_support, unit_temperature=unit))
+            return _host_output(
+                sample(
+                    lp if lp is not None else logits,
+                    params,
+                    want_support=want_support,
+                    unit_temperature=unit,
+                    logprobs=lp,
+                )
+            )
         tok = torch.empty(n, dtype=torch.int64, device=dev)
         lp = torch.empty(n, 2, dtype=torch.float32, device=dev)
         kernels.sample_rows(logits, temperature, seeds, steps, tok, lp)

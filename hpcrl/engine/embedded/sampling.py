@@ -142,11 +142,22 @@ def support_mask(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
     return mask
 
 
-def sample(logits: torch.Tensor, p: RowParams, *, want_support: bool, unit_temperature: bool = False) -> SampleOutput:
+def sample(
+    logits: torch.Tensor,
+    p: RowParams,
+    *,
+    want_support: bool,
+    unit_temperature: bool = False,
+    logprobs: torch.Tensor | None = None,
+) -> SampleOutput:
     """Sample one token per row. `unit_temperature` is the caller's promise that every row has
-    temperature 1 and no top-k/top-p/min-p (the usual RL setting): the same tokens, fewer ops."""
+    temperature 1 and no top-k/top-p/min-p (the usual RL setting): the same tokens, fewer ops.
+
+    `logprobs` is the batch-invariant engine's log-softmax row, passed as `logits` too: the token is then
+    drawn from that row (softmax(lp / T) = softmax(logits / T)) and the reported log-prob is its entry,
+    not a second log-softmax of it."""
     logits = logits.float()
-    logprobs_t1 = torch.log_softmax(logits, dim=-1)
+    logprobs_t1 = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
     gumbel = gumbel_noise(p.seeds, p.steps, logits.shape[-1])
     if unit_temperature and not want_support:
         # logits / 1 == logits exactly, so this is the general path's arithmetic for such rows.

@@ -35,6 +35,7 @@ import torch
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
+from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class SeqRequest:
     created_s: float = field(default_factory=time.monotonic)
     finished_s: float | None = None
     cached_len: int = 0  # tokens of prompt+output whose K/V are in the cache
+    sampled_logprobs: list[float] | None = None  # the sampled log-probs, when `logprobs` holds a re-score
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,7 +107,8 @@ class SchedulerConfig:
     context_length: int = 1024
     max_prefill_tokens: int = 4096
     deterministic: bool = False
-    onpolicy_logprobs: bool = False
+    logprobs: str = "sampled"  # "recompute": re-score finished sequences (see _complete)
+    batch_invariant: bool = False  # the "invariant" decode mode (hpcrl.model.invariant)
     # "auto": CUDA graphs of the fused kernels on CUDA when Triton is there, else the eager model.
     decode_mode: str = "auto"
     # Launch step t+1 before reading step t (None: on for CUDA, where launches are asynchronous).
@@ -113,7 +116,16 @@ class SchedulerConfig:
     profile: bool = False
 
 
-def resolve_decode_mode(requested: str, model: CausalLM, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_decode_mode(
+    requested: str, model: CausalLM, device: torch.device, dtype: torch.dtype, *, batch_invariant: bool = False
+) -> str:
+    if batch_invariant:
+        reason = invariant.supported_reason(device, dtype) or invariant.unsupported_model(model.args)
+        if reason is not None:
+            raise ValueError(f"--batch-invariant: {reason}")
+        if requested not in ("auto", "eager"):
+            raise ValueError(f"--batch-invariant runs its own decode step; --decode-mode {requested} cannot apply")
+        return "invariant"
     if requested not in ("auto", "eager", "triton", "graph", "compile"):
         raise ValueError(f"decode mode must be auto, eager, triton, graph or compile, got {requested!r}")
     if requested == "compile":
@@ -154,7 +166,7 @@ class Scheduler:
             self.cache,
             max_batch=cfg.max_running_requests,
             device=device,
-            mode=resolve_decode_mode(cfg.decode_mode, model, device, dtype),
+            mode=resolve_decode_mode(cfg.decode_mode, model, device, dtype, batch_invariant=cfg.batch_invariant),
             profile=cfg.profile,
         )
         self.overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
@@ -178,9 +190,13 @@ class Scheduler:
 
     @property
     def decode_path(self) -> str:
-        return {"graph": "cuda_graph", "triton": "triton_eager", "eager": "eager", "compile": "cpu_compiled"}[
-            self.runner.mode
-        ]
+        return {
+            "graph": "cuda_graph",
+            "triton": "triton_eager",
+            "eager": "eager",
+            "compile": "cpu_compiled",
+            "invariant": "batch_invariant",
+        }[self.runner.mode]
 
     def profile_summary(self) -> dict[str, Any] | None:
         if not self.cfg.profile:
@@ -450,10 +466,12 @@ class Scheduler:
 
     def _complete(self, r: SeqRequest) -> None:
         r.finished_s = time.monotonic()
-        if self.cfg.onpolicy_logprobs and r.output_ids and r.return_logprob and not self.weights_released:
-            # Score the finished sequence exactly as the trainer does (one unpadded sequence through
-            # the same forward), so the train/rollout log-prob gap is zero, not merely small.
+        if self.cfg.logprobs == "recompute" and r.output_ids and r.return_logprob and not self.weights_released:
+            # A relabel, not on-policy: the tokens were drawn from the decode step's distribution, the reported
+            # log-probs are the standard forward's of the whole sequence. The sampled ones travel along, so
+            # the difference is measured (rollout/recompute_abs_diff), never hidden.
             ids = torch.tensor(r.all_ids, device=self.device)
+            r.sampled_logprobs = list(r.logprobs)
             r.logprobs = token_logprobs_of_sequence(self.model, ids, len(r.prompt_ids)).tolist()
         try:
             r.on_done(r)

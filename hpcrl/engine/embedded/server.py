@@ -57,7 +57,8 @@ class ServerConfig:
     context_length: int | None = None
     max_prefill_tokens: int = 4096
     deterministic: bool = False
-    onpolicy_logprobs: bool = False
+    logprobs: Literal["sampled", "recompute"] = "sampled"
+    batch_invariant: bool = False
     random_seed: int = 0
     weight_version: str = "default"
     enable_weights_cpu_backup: bool = False
@@ -83,6 +84,13 @@ class ServerConfig:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
+        if self.batch_invariant and (not self.device.startswith("cpu") or self.dtype != "float32"):
+            raise ValueError(
+                f"--batch-invariant is verified on the CPU in float32 only, not --device {self.device} --dtype "
+                f"{self.dtype}; use --device cpu --dtype float32 (docs/numerics.md)"
+            )
+        if self.batch_invariant and self.logprobs == "recompute":
+            raise ValueError("--batch-invariant reports its sampled log-probs; drop --logprobs recompute")
         if not (math.isfinite(self.group_timeout_s) and self.group_timeout_s > 0):
             raise ValueError(f"--group-timeout-s {self.group_timeout_s} must be a positive number of seconds")
         if self.api_key is not None and not self.api_key.strip():
@@ -203,7 +211,8 @@ class EmbeddedEngine:
                 context_length=context_length,
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 deterministic=cfg.deterministic,
-                onpolicy_logprobs=cfg.onpolicy_logprobs,
+                logprobs=cfg.logprobs,
+                batch_invariant=cfg.batch_invariant,
                 **decode_settings(cfg),
             ),
             device=self.device,
@@ -291,6 +300,9 @@ class EmbeddedEngine:
             support_logprobs=list(r.support_logprobs) if r.return_sampling_mask else None,
             num_retractions=r.num_retractions,
             e2e_latency_s=lat,
+            meta_info={"hpcrl_sampled_logprobs": r.sampled_logprobs}
+            if r.sampled_logprobs is not None and r.return_logprob
+            else {},
         )
         return result.to_response(token_texts=texts)
 

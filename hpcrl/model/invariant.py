@@ -1,0 +1,358 @@
+"""The batch-invariant forward: one implementation for the engine's prefill and decode and the trainer.
+
+A token's logits come out of the same floating-point operations, in the same order, whether its row
+is decoded alone, decoded beside 255 others, prefilled with its prompt, re-prefilled after a retract,
+or scored by the trainer in a padded micro-batch. That is what makes `engine.batch_invariant: true`
+with `train.onpolicy: true` truly on-policy: the engine samples from the very log-prob row the
+trainer computes, bit for bit (docs/numerics.md says what is guaranteed where).
+
+How each operation gets there (CPU; fp32 is what was verified):
+- GEMM (every projection and the LM head): rows are cut into fixed chunks of `CHUNK_ROWS`, the last one
+  zero-padded, so every matrix product has the shape [CHUNK_ROWS, K] x [K, N] whatever the number of
+  rows. MKL's `mm` is not batch-invariant (its blocking depends on M); for a fixed shape a row's result
+  did not depend on its place in the chunk (probed, and checked by tests/unit/test_invariant.py).
+- Reductions (RMSNorm's sum of squares, q.k, the softmax sum, p.v): a pairwise tree of elementwise adds
+  in one fixed order (`tree_sum`). Elementwise IEEE adds give the same bits in vector and scalar code.
+- RMSNorm: fp32, `1 / sqrt(mean + eps)` (two correctly rounded ops), transformers' cast order
+  (`weight * x_normed.to(dtype)`).
+- RoPE: fp32 cos/sin tables built in fixed blocks of `ROPE_BLOCK` positions, so a position's entry never
+  depends on the table's length; x*cos and rotate_half(x)*sin as separate mul/mul/add (no FMA).
+- Attention: a query row walks key tiles of `KV_TILE` from key 0 in order; keys past the row's position
+  (the tail of its last tile, later tiles) are masked to -inf, never cut away, so a decode row and the
+  trainer's row t make the same tiles. Two passes: the exact row max over all visible scores, then
+  `exp(s - max)` summed tile by tile; no running rescale, so a fully masked tile adds exact zeros.
+- One log-softmax (`logprob_rows`): the engine's sampler draws from that row (Gumbel-max on it) and
+  reports its entry; the trainer takes the same entry.
+Every tensor a transcendental op (exp, silu, cos, sin) sees has a row count padded to a multiple of
+`CHUNK_ROWS` or a fixed inner width, so ATen's vectorised loops leave no row-dependent scalar tail.
+
+The backward uses standard kernels: `linear` is an autograd Function whose backward is two plain GEMMs,
+and `attention`'s backward differentiates ordinary causal SDPA (same math; it only needs to be a
+gradient, the log-probs that the loss ratio and the gap compare come from this forward).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+
+CHUNK_ROWS = 16
+"""Rows per GEMM: every matrix product of the invariant forward is [CHUNK_ROWS, K] x [K, N]."""
+KV_TILE = 32
+"""Keys per attention tile, walked from key 0."""
+Q_TILE = 16
+"""Query positions per attention step in a prefill (memory only: rows are independent)."""
+ROPE_BLOCK = 16
+"""Positions per block of the cos/sin tables."""
+
+
+def supported_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """None when the invariant forward's guarantee holds for this device and dtype, else why not."""
+    if torch.device(device).type != "cpu":
+        return (
+            "the batch-invariant forward is verified on the CPU only; a GPU path (fixed-tile Triton GEMM and "
+            "attention) is not built yet (docs/numerics.md)"
+        )
+    if dtype != torch.float32:
+        return f"the batch-invariant forward is verified in float32 only, not {dtype}"
+    return None
+
+
+# ----- building blocks -----
+def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """Sum over `dim` as a pairwise tree of elementwise adds (odd widths get a zero): one fixed order."""
+    dim = dim % x.dim()
+    while x.shape[dim] > 1:
+        n = x.shape[dim]
+        if n % 2:
+            pad = x.new_zeros(*x.shape[:dim], 1, *x.shape[dim + 1 :])
+            x = torch.cat([x, pad], dim=dim)
+            n += 1
+        half = n // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x.squeeze(dim)
+
+
+def pad_rows(x: Tensor, multiple: int = CHUNK_ROWS) -> Tensor:
+    """x [M, ...] with zero rows appended up to a multiple of `multiple`."""
+    extra = -x.shape[0] % multiple
+    if not extra:
+        return x
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+def _chunked_mm(x: Tensor, w: Tensor) -> Tensor:
+    """x [M, K] (M a multiple of CHUNK_ROWS) @ w.T, one [CHUNK_ROWS, K] x [K, N] product per chunk."""
+    wt = w.t()
+    return torch.cat([torch.mm(x[i : i + CHUNK_ROWS], wt) for i in range(0, x.shape[0], CHUNK_ROWS)])
+
+
+class _InvariantLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return _chunked_mm(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, w = ctx.saved_tensors
+        gx = grad @ w if ctx.needs_input_grad[0] else None
+        gw = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """F.linear for x [M, K] with M a multiple of CHUNK_ROWS, on fixed row chunks."""
+    if x.shape[0] % CHUNK_ROWS:
+        raise ValueError(f"linear needs a multiple of {CHUNK_ROWS} rows (pad_rows), got {x.shape[0]}")
+    out = _InvariantLinear.apply(x, w) if torch.is_grad_enabled() else _chunked_mm(x, w)
+    return out + b if b is not None else out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    h = x.float()
+    var = tree_sum(h * h) / h.shape[-1]
+    h = h * (1.0 / torch.sqrt(var + eps))[..., None]
+    return weight * h.to(dtype)
+
+
+_ROPE_CACHE: dict[tuple[int, float, str], tuple[Tensor, Tensor]] = {}
+
+
+def rope_tables(length: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """fp32 cos and sin [>= length, head_dim], built block by block (cached, grown on demand)."""
+    key = (head_dim, float(theta), str(device))
+    have = _ROPE_CACHE.get(key)
+    if have is not None and have[0].shape[0] >= length:
+        return have
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    total = -(-max(length, 256) // 256) * 256
+    cos, sin = [], []
+    for start in range(0, total, ROPE_BLOCK):
+        pos = torch.arange(start, start + ROPE_BLOCK, device=device).float()
+        freqs = pos[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos.append(emb.cos())
+        sin.append(emb.sin())
+    tables = (torch.cat(cos), torch.cat(sin))
+    _ROPE_CACHE[key] = tables
+    return tables
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [..., D] rotated by fp32 cos/sin broadcast against it; the result in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, scale: float) -> Tensor:
+    """q [B, KVH, R, D] (R query rows per kv head) at positions qpos [B, R]; k, v [B, KVH, L, D], key j at
+    position j. Each row sees keys 0..qpos; returns [B, KVH, R, D]."""
+    b, kvh, r, d = q.shape
+    length = int(qpos.max()) + 1
+    num_tiles = -(-length // KV_TILE)
+    need = num_tiles * KV_TILE
+    if k.shape[2] < need:
+        pad = k.new_zeros(b, kvh, need - k.shape[2], d)
+        k, v = torch.cat([k, pad], dim=2), torch.cat([v, pad], dim=2)
+    visible_pos = qpos[:, None, :, None]  # [B, 1, R, 1]
+    scores = []
+    for t in range(num_tiles):
+        kt = k[:, :, t * KV_TILE : (t + 1) * KV_TILE]
+        s = tree_sum(q[:, :, :, None, :] * kt[:, :, None, :, :]) * scale  # [B, KVH, R, KV_TILE]
+        key_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
+        scores.append(torch.where(key_pos <= visible_pos, s, float("-inf")))
+    m = scores[0].amax(-1)
+    for s in scores[1:]:
+        m = torch.maximum(m, s.amax(-1))
+    total = q.new_zeros(b, kvh, r)
+    acc = q.new_zeros(b, kvh, r, d)
+    for t, s in enumerate(scores):
+        p = torch.exp(s - m[..., None])
+        total = total + tree_sum(p)
+        vt = v[:, :, t * KV_TILE : (t + 1) * KV_TILE]
+        acc = acc + tree_sum(p[..., None] * vt[:, :, None, :, :], dim=-2)
+    return acc / total[..., None]
+
+
+class _InvariantCausalAttention(torch.autograd.Function):
+    """Causal self-attention of full sequences: the tiled forward, the gradient of standard SDPA."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return _prefill_attention(q, k, v, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = _grouped_sdpa(q_, k_, v_, ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad)
+        return gq, gk, gv, None
+
+
+def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """The standard kernel on _prefill_attention's layout: q [B, KVH, T, G, D], k, v [B, KVH, T, D]."""
+    b, kvh, t, g, d = q.shape
+    qh = q.permute(0, 1, 3, 2, 4).reshape(b, kvh * g, t, d)
+    out = F.scaled_dot_product_attention(
+        qh, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal=True, scale=scale
+    )
+    return out.reshape(b, kvh, g, t, d).permute(0, 1, 3, 2, 4)
+
+
+def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q [B, KVH, T, G, D] (G query heads per kv head), k, v [B, KVH, T, D]: causal, Q_TILE positions at a time."""
+    b, kvh, t, g, d = q.shape
+    out = []
+    for start in range(0, t, Q_TILE):
+        stop = min(start + Q_TILE, t)
+        qt = q[:, :, start:stop].reshape(b, kvh, (stop - start) * g, d)
+        qpos = torch.arange(start, stop, device=q.device).repeat_interleave(g)[None].expand(b, -1)
+        out.append(_tiled_attention(qt, k, v, qpos, scale).reshape(b, kvh, stop - start, g, d))
+    return torch.cat(out, dim=2)
+
+
+# ----- the model -----
+def _layer(model: CausalLM, i: int, x: Tensor, positions: Tensor, attend: Any, *, rows: int) -> Tensor:
+    """Decoder layer i on token rows x [Mpad, hidden] (the first `rows` real) at `positions` [rows];
+    `attend(q, k, v)` gets q [rows, H, D], k and v [rows, KVH, D] and returns [rows, H * D]."""
+    a = model.args
+    layer = model.model.decoder_layers[i]
+    at = layer.self_attn
+    nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+    h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+    q = linear(h, at.q_proj.weight, at.q_proj.bias).view(-1, nh, hd)
+    k = linear(h, at.k_proj.weight, at.k_proj.bias).view(-1, nkv, hd)
+    v = linear(h, at.v_proj.weight, at.v_proj.bias).view(-1, nkv, hd)
+    if a.qk_norm:
+        q = rms_norm(q, at.q_norm.weight, at.q_norm.eps)
+        k = rms_norm(k, at.k_norm.weight, at.k_norm.eps)
+    cos_t, sin_t = rope_tables(int(positions.max()) + 1, hd, a.rope_theta, x.device)
+    cos, sin = pad_rows(cos_t[positions])[:, None], pad_rows(sin_t[positions])[:, None]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = pad_rows(attend(q[:rows], k[:rows], v[:rows]))
+    x = x + linear(o, at.o_proj.weight)
+    mlp, post = layer.mlp, layer.post_attention_layernorm
+    h = rms_norm(x, post.weight, post.eps)
+    act = F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight)
+    return x + linear(act, mlp.down_proj.weight)
+
+
+def _head(model: CausalLM, x: Tensor) -> Tensor:
+    norm = model.model.norm
+    return linear(rms_norm(pad_rows(x), norm.weight, norm.eps), model.output_weight)
+
+
+def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
+    """Logits [B, T, V] of right-padded sequences [B, T] from position 0 (trainer and engine prefill).
+
+    `kv_out`, when given, receives each layer's K and V [B, KVH, T, D] (the engine writes them to its cache).
+    """
+    a = model.args
+    b, t = input_ids.shape
+    g = a.num_heads // a.num_kv_heads
+    scale = 1.0 / math.sqrt(a.head_dim)
+    positions = torch.arange(t, device=input_ids.device).repeat(b)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q5 = q.view(b, t, a.num_kv_heads, g, a.head_dim).permute(0, 2, 1, 3, 4)
+        k4 = k.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v4 = v.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        if kv_out is not None:
+            kv_out.append((k4, v4))
+        if torch.is_grad_enabled():
+            o = _InvariantCausalAttention.apply(q5, k4, v4, scale)
+        else:
+            o = _prefill_attention(q5, k4, v4, scale)
+        return o.permute(0, 2, 1, 3, 4).reshape(b * t, a.num_heads * a.head_dim)
+
+    x = pad_rows(F.embedding(input_ids.reshape(-1), model.model.embed_tokens.weight))
+    for i in range(a.num_layers):
+        x = _layer(model, i, x, positions, attend, rows=b * t)
+    return _head(model, x[: b * t])[: b * t].view(b, t, -1)
+
+
+def prefill(model: CausalLM, cache: KVCache, input_ids: Tensor, first_slot: int, last: Tensor) -> Tensor:
+    """The engine's prefill: right-padded prompts [B, T] into cache slots first_slot.., logits [B, V] at `last`."""
+    b, t = input_ids.shape
+    kv: list[tuple[Tensor, Tensor]] = []
+    out = logits(model, input_ids, kv_out=kv)
+    rows = slice(first_slot, first_slot + b)
+    for i, (k, v) in enumerate(kv):
+        cache.k[i][rows, :, :t] = k
+        cache.v[i][rows, :, :t] = v
+    return out[torch.arange(b, device=input_ids.device), last]
+
+
+def decode(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+    """The engine's decode step: token [n] of cache slots 0..n-1 at `positions` [n]; logits [n, V]."""
+    a = model.args
+    n = tokens.shape[0]
+    g = a.num_heads // a.num_kv_heads
+    scale = 1.0 / math.sqrt(a.head_dim)
+    rows = torch.arange(n, device=tokens.device)
+    layer_i = 0
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kc, vc = cache.k[layer_i], cache.v[layer_i]
+        kc[rows, :, positions] = k
+        vc[rows, :, positions] = v
+        length = int(positions.max()) + 1
+        qg = q.view(n, a.num_kv_heads, g, a.head_dim)
+        qpos = positions[:, None].expand(n, g)
+        o = _tiled_attention(qg, kc[:n, :, :length], vc[:n, :, :length], qpos, scale)
+        return o.reshape(n, a.num_heads * a.head_dim)
+
+    x = pad_rows(F.embedding(tokens, model.model.embed_tokens.weight))
+    for i in range(a.num_layers):
+        layer_i = i
+        x = _layer(model, i, x, positions, attend, rows=n)
+    return _head(model, x[:n])[:n]
+
+
+def logprob_rows(logits: Tensor) -> Tensor:
+    """The one log-softmax (fp32, temperature 1) that the engine samples from and the trainer scores with."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
+    """Log-probs [B, T-1] of input_ids[:, 1:] given what precedes them, through the invariant forward.
+
+    The trainer's `train.onpolicy` scorer: `model` is the CausalLM or its DDP wrapper (called, so DDP
+    prepares its gradient reduction). Right-padded rows are fine (attention is causal); differentiable,
+    with a standard-kernel backward.
+    """
+    lp = logprob_rows(model(input_ids, invariant=True)[:, :-1])
+    return lp.gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def unsupported_model(args: ModelArgs) -> str | None:
+    """None when the invariant forward covers this model, else why not.
+
+    Odd widths would leave ATen's vectorised loops a scalar tail whose place depends on the row count
+    (CHUNK_ROWS x an even width is a multiple of the 32-float loop step); every released dense model is even.
+    """
+    widths = {
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "head_dim": args.head_dim,
+    }
+    odd = [f"{k}={v}" for k, v in widths.items() if v % 2]
+    if odd:
+        return f"the batch-invariant forward needs even layer widths, this model has {', '.join(odd)}"
+    if args.num_heads % args.num_kv_heads:
+        return f"num_heads {args.num_heads} is not a multiple of num_kv_heads {args.num_kv_heads}"
+    return None

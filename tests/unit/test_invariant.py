@@ -1,0 +1,326 @@
+"""The batch-invariant forward: engine-sampled log-probs equal the trainer's bit for bit (torch.equal)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
+from hpcrl.model import invariant
+from hpcrl.model.hf import load_model
+from hpcrl.model.qwen3 import CausalLM, KVCache
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> CausalLM:
+    torch.set_num_threads(1)
+    return load_model(tiny_model_dir).eval()
+
+
+def _requests(n: int, *, seed: int = 0, max_new_tokens: int = 10) -> list[SeqRequest]:
+    rng = random.Random(seed)
+    return [
+        SeqRequest(
+            rid=f"r{i}",
+            prompt_ids=[rng.randrange(3, 99) for _ in range(rng.randrange(2, 14))],
+            # Different lengths: rows finish at different steps, so the decode batch shrinks and refills.
+            max_new_tokens=max_new_tokens - i % 4,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            seed=1000 + i,
+            stop_token_ids=frozenset(),
+            ignore_eos=True,
+            return_logprob=True,
+            return_sampling_mask=False,
+            on_done=lambda r: None,
+        )
+        for i in range(n)
+    ]
+
+
+def _generate(
+    model: CausalLM, reqs: list[SeqRequest], *, max_running: int, retract_after_steps: int | None = None, **cfg: object
+) -> list[SeqRequest]:
+    """Drive a real scheduler on this thread (what its loop does) until every request finished."""
+    sched = Scheduler(
+        model,
+        SchedulerConfig(
+            max_running_requests=max_running,
+            context_length=64,
+            batch_invariant=True,
+            deterministic=False,  # admit while others run: batches change size every few steps
+            **cfg,  # type: ignore[arg-type]
+        ),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    sched.submit(reqs)
+    steps = 0
+    with torch.inference_mode():
+        while sched.waiting or sched.running:
+            sched._step()
+            steps += 1
+            if steps == retract_after_steps:
+                sched.pause("retract")
+                assert sched.waiting and not sched.running
+                sched.resume_generation()
+        sched._drain()
+    assert all(r.finish_reason is not None for r in reqs)
+    return reqs
+
+
+def _trainer_logprobs(model: CausalLM, reqs: list[SeqRequest], micro_batch: int) -> list[torch.Tensor]:
+    """What train.onpolicy computes: right-padded micro-batches through invariant.token_logprobs."""
+    out = []
+    for start in range(0, len(reqs), micro_batch):
+        mb = reqs[start : start + micro_batch]
+        width = max(len(r.all_ids) for r in mb)
+        ids = torch.tensor([r.all_ids + [0] * (width - len(r.all_ids)) for r in mb])
+        with torch.no_grad():
+            lp = invariant.token_logprobs(model, ids)
+        for i, r in enumerate(mb):
+            p = len(r.prompt_ids)
+            out.append(lp[i, p - 1 : p - 1 + len(r.output_ids)])
+    return out
+
+
+@pytest.mark.parametrize(("batch_size", "micro_batch"), [(1, 1), (7, 3), (64, 16)])
+def test_engine_sampled_logprobs_equal_the_trainers(model: CausalLM, batch_size: int, micro_batch: int) -> None:
+    reqs = _generate(model, _requests(batch_size), max_running=min(batch_size, 24))
+    trainer = _trainer_logprobs(model, reqs, micro_batch)
+    for r, lp in zip(reqs, trainer, strict=True):
+        assert len(r.output_ids) == r.max_new_tokens
+        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp), r.rid
+
+
+def test_prefill_equals_decode_at_every_position(model: CausalLM) -> None:
+    torch.manual_seed(0)
+    t = 70  # three key tiles: the tail tile of every length is masked, never cut
+    ids = torch.randint(3, 99, (5, t))
+    with torch.no_grad():
+        whole = invariant.logits(model, ids)
+        cache = KVCache.allocate(model.args, 5, 96, torch.float32, torch.device("cpu"))
+        first = invariant.prefill(model, cache, ids[:, :1], 0, torch.zeros(5, dtype=torch.long))
+        assert torch.equal(first, whole[:, 0])
+        for pos in range(1, t):
+            step = invariant.decode(model, cache, ids[:, pos], torch.full((5,), pos))
+            assert torch.equal(step, whole[:, pos]), pos
+        # A prefill of any prefix (what a re-prefill after a retract does) ends on the same row.
+        for pos in range(1, t, 7):
+            again = invariant.prefill(model, cache, ids[:2, : pos + 1], 0, torch.full((2,), pos))
+            assert torch.equal(again, whole[:2, pos]), pos
+
+
+def test_decode_rows_of_different_lengths_in_one_step(model: CausalLM) -> None:
+    """Rows at positions 3 and 40 decoded together equal each one decoded alone."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 99, (2, 41))
+    with torch.no_grad():
+        whole = invariant.logits(model, ids)
+        cache = KVCache.allocate(model.args, 2, 64, torch.float32, torch.device("cpu"))
+        invariant.prefill(model, cache, torch.stack([ids[0, :40], ids[1, :40]]), 0, torch.full((2,), 39))
+        # Row 0 decodes position 3 again (its later cache entries are masked), row 1 its next token.
+        step = invariant.decode(model, cache, torch.tensor([ids[0, 3], ids[1, 40]]), torch.tensor([3, 40]))
+    assert torch.equal(step[0], whole[0, 3]) and torch.equal(step[1], whole[1, 40])
+
+
+def test_a_request_alone_equals_it_in_a_full_batch(model: CausalLM) -> None:
+    alone = _generate(model, _requests(1, seed=5), max_running=1)[0]
+    crowd = _requests(64, seed=6)
+    crowd[37] = _requests(1, seed=5)[0]
+    full = _generate(model, crowd, max_running=64)[37]
+    assert full.output_ids == alone.output_ids
+    assert torch.equal(torch.tensor(full.logprobs), torch.tensor(alone.logprobs))
+
+
+def test_a_retracted_request_continues_with_the_same_bits(model: CausalLM) -> None:
+    plain = _generate(model, _requests(12, seed=3), max_running=12)
+    retracted = _generate(model, _requests(12, seed=3), max_running=12, retract_after_steps=4)
+    for a, b in zip(plain, retracted, strict=True):
+        assert b.num_retractions == 1
+        assert a.output_ids == b.output_ids
+        assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs)), a.rid
+    trainer = _trainer_logprobs(model, retracted, 5)
+    for r, lp in zip(retracted, trainer, strict=True):
+        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp)
+
+
+def test_the_gradient_flows_through_the_invariant_forward(tiny_model_dir: Path) -> None:
+    """train.onpolicy trains on these log-probs: their gradient is the standard forward's, to rounding."""
+    ids = torch.randint(3, 99, (3, 20), generator=torch.Generator().manual_seed(2))
+    m = load_model(tiny_model_dir)
+    invariant.token_logprobs(m, ids).sum().backward()
+    inv_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    lp = torch.log_softmax(m(ids)[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    lp.sum().backward()
+    for g, p in zip(inv_grads, m.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_recompute_mode_reports_the_rescore_and_keeps_the_sampled(tiny_model_dir: Path) -> None:
+    from hpcrl.model.qwen3 import token_logprobs_of_sequence
+    from hpcrl.rollout.generate import Sample, recompute_abs_diff
+
+    model = load_model(tiny_model_dir).eval()  # the plain CPU engine fuses its weights: not the shared model
+    sched = Scheduler(
+        model,
+        SchedulerConfig(max_running_requests=8, context_length=64, logprobs="recompute"),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    reqs = _requests(6, seed=9)
+    sched.submit(reqs)
+    with torch.inference_mode():
+        while sched.waiting or sched.running:
+            sched._step()
+        sched._drain()
+    samples = []
+    for r in reqs:
+        with torch.inference_mode():
+            rescore = token_logprobs_of_sequence(model, torch.tensor(r.all_ids), len(r.prompt_ids)).tolist()
+        assert r.logprobs == rescore and r.sampled_logprobs is not None
+        assert len(r.sampled_logprobs) == len(r.output_ids)
+        samples.append(
+            Sample(r.prompt_ids, r.output_ids, r.logprobs, "", "length", [], sampled_logprobs=r.sampled_logprobs)
+        )
+    diff = recompute_abs_diff(samples)
+    expected = sum(abs(a - b) for r in reqs for a, b in zip(r.sampled_logprobs or [], r.logprobs, strict=True))
+    assert diff == pytest.approx(expected / sum(len(r.output_ids) for r in reqs))
+    assert recompute_abs_diff([Sample([1], [2], [0.0], "", "stop", [])]) is None
+
+
+def test_the_invariant_http_engine_alone_vs_full_batch(engine_factory, model: CausalLM) -> None:
+    """The real server with --batch-invariant: one request alone and inside a batch of 64 give the same
+    tokens and log-probs, and they equal the trainer's onpolicy log-probs."""
+    eng = engine_factory("--batch-invariant", "--max-running-requests", "64")
+    prompt = [5, 17, 23, 40, 41]
+    params = {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 11}
+    one = httpx.post(
+        eng.url + "/generate", json={"input_ids": prompt, "sampling_params": params, "return_logprob": True}, timeout=60
+    ).json()
+    others = [[(i * 7 + j) % 90 + 5 for j in range(3 + i % 9)] for i in range(63)]
+    batch = httpx.post(
+        eng.url + "/generate",
+        json={
+            "input_ids": [*others[:20], prompt, *others[20:]],
+            "sampling_params": [{**params, "sampling_seed": 100 + i} for i in range(20)]
+            + [params]
+            + [{**params, "sampling_seed": 200 + i} for i in range(43)],
+            "return_logprob": True,
+        },
+        timeout=120,
+    ).json()[20]
+    assert batch["output_ids"] == one["output_ids"]
+    lps = [x[0] for x in one["meta_info"]["output_token_logprobs"]]
+    assert [x[0] for x in batch["meta_info"]["output_token_logprobs"]] == lps
+    with torch.no_grad():
+        trainer = invariant.token_logprobs(model, torch.tensor([prompt + one["output_ids"]]))[0, len(prompt) - 1 :]
+    assert torch.equal(torch.tensor(lps, dtype=torch.float32), trainer)
+
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
+
+
+def test_the_old_onpolicy_logprobs_key_is_refused_with_the_new_settings() -> None:
+    from hpcrl.config import ConfigError
+    from hpcrl.run_config import load_run_config
+
+    with pytest.raises(ConfigError) as error:
+        load_run_config(QUICKSTART, ["engine.onpolicy_logprobs=true"])
+    message = str(error.value)
+    assert "unknown key 'engine.onpolicy_logprobs': it was removed" in message
+    assert "engine.logprobs: recompute" in message and "engine.batch_invariant: true" in message
+
+
+def test_train_onpolicy_needs_the_invariant_engine_and_the_cpu() -> None:
+    from hpcrl.run_config import load_run_config
+
+    with pytest.raises(
+        ValueError, match="train.onpolicy needs engine.batch_invariant: true.*engine.batch_invariant=true"
+    ):
+        load_run_config(QUICKSTART, ["train.onpolicy=true"])
+    with pytest.raises(ValueError, match="batch_invariant is verified on the CPU in float32 only"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.device=cuda"])
+    with pytest.raises(ValueError, match="onpolicy is verified on the CPU in float32 only"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", "train.dtype=bfloat16"])
+    with pytest.raises(ValueError, match="would replace the sampled log-probs"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.logprobs=recompute"])
+    from hpcrl.trainer.config import TrainConfig
+
+    with pytest.raises(ValueError, match="the megatron backend runs megatron-core's own kernels"):
+        TrainConfig(backend="megatron", onpolicy=True)
+    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true"])
+    assert cfg.engine.batch_invariant and cfg.train.onpolicy and cfg.engine.logprobs == "sampled"
+
+
+def test_the_old_engine_flag_is_refused_before_a_model_loads(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(tmp_path), "--onpolicy-logprobs"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "hpcrl: error: --onpolicy-logprobs was removed" in out.stderr
+    assert "--logprobs recompute" in out.stderr and "--batch-invariant" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("family", "qk_norm", "bias"), [("qwen2", False, True), ("llama", False, False)], ids=["qwen2", "llama"]
+)
+def test_qwen2_and_llama_layouts_hold_too(family: str, qk_norm: bool, bias: bool) -> None:
+    """No QK-norm (both), q/k/v biases (Qwen2), untied LM head: engine at batch 7 vs trainer micro-batches."""
+    from hpcrl.model.qwen3 import ModelArgs
+
+    torch.manual_seed(3)
+    args = ModelArgs(
+        vocab_size=99, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, qk_norm=qk_norm, attention_bias=bias, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = CausalLM(args).eval()
+    if bias:
+        for layer in model.model.decoder_layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias)  # nonzero: the bias add is on the path
+    reqs = _generate(model, _requests(7, seed=4), max_running=4)
+    for r, lp in zip(reqs, _trainer_logprobs(model, reqs, 2), strict=True):
+        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp), (family, r.rid)
+
+
+def test_the_progress_line_never_shows_a_recompute_gap_as_a_measurement() -> None:
+    import io
+
+    from hpcrl.store.progress import Progress
+
+    row = {
+        "timing/total_s": 0.1,
+        "rollout/reward_mean": 0.5,
+        "rollout/response_len_mean": 3.0,
+        "rollout/response_len_max": 4.0,
+        "rollout/truncated_share": 0.0,
+        "train/train_rollout_logprob_abs_diff": float("nan"),
+        "rollout/recompute_abs_diff": 3.25e-7,
+    }
+    out = io.StringIO()
+    Progress(2, stream=out).step(0, row)
+    assert "gap n/a (recompute: sampled vs reported 3.25e-07)" in out.getvalue()
+    out = io.StringIO()
+    Progress(2, stream=out).step(
+        0, {**row, "train/train_rollout_logprob_abs_diff": 0.0} | {"rollout/recompute_abs_diff": 0.0}
+    )
+    assert "gap n/a" in out.getvalue()  # a recompute run says so even when the re-score matched
+    plain = {k: v for k, v in row.items() if k != "rollout/recompute_abs_diff"} | {
+        "train/train_rollout_logprob_abs_diff": 0.0
+    }
+    out = io.StringIO()
+    Progress(2, stream=out).step(0, plain)
+    assert "| gap 0.00e+00 |" in out.getvalue()
