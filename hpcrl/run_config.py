@@ -86,7 +86,6 @@ class RunConfig:
                         f"a thermal pause could make it time out: raise {key} or lower guard.max_pause_s"
                     )
 
-
     @property
     def inflight_groups(self) -> int:
         return self.buffer.max_inflight_groups or self.data.prompts_per_step
@@ -98,7 +97,9 @@ class RunConfig:
     def _check_async(self) -> None:
         if self.rollout.mode == "sync":
             if self.buffer != BufferConfig():
-                raise ValueError("the buffer section applies to rollout.mode=async; remove it, or set rollout.mode=async")
+                raise ValueError(
+                    "the buffer section applies to rollout.mode=async; remove it, or set rollout.mode=async"
+                )
             if self.sync.every_steps != 1:
                 raise ValueError(
                     "sync.every_steps applies to rollout.mode=async (the synchronous loop pushes after every step); "
