@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,11 +28,12 @@ from hpcrl.rollout.ledger import ledger_problems
 from hpcrl.rollout.producer import AsyncRollout, oldest_version
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run_config import load_run_config
+from hpcrl.store import load_metrics
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
 from tests.conftest import EngineProcess, start_engine
-from tests.support import REPO
+from tests.support import REPO, SMALL, hpcrl, signal_at_step
 
 ENGINE_ARGS = ("--weight-version", "0", "--max-running-requests", "512")
 
@@ -44,9 +47,7 @@ class Parts:
         self.model_dir = model_dir
         self.clients = [EngineClient(u) for u in urls]
         self.events: list[tuple[str, dict[str, Any]]] = []
-        self.fleet = EngineFleet(
-            EngineConfig(health_interval_s=0.2), self.clients, launcher=None, on_event=self._event
-        )
+        self.fleet = EngineFleet(EngineConfig(health_interval_s=0.2), self.clients, launcher=None, on_event=self._event)
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), DataConfig())
         self.data = PromptSource(make_addition_task(500, 2, 0), batch_size=2, seed=0)
         self.sync = WeightSync(SyncConfig(transport="tensor"), self.clients, device=torch.device("cpu"))
@@ -122,7 +123,9 @@ def test_a_full_buffer_stops_submission_and_drops_nothing(parts: Parts) -> None:
         assert groups is not None and len(groups) == 2
         rollout.commit(step)
     metrics = rollout.pop_metrics()
-    assert metrics["buffer/dropped_aborted"] == metrics["buffer/dropped_filtered"] == metrics["buffer/dropped_stale"] == 0
+    assert (
+        metrics["buffer/dropped_aborted"] == metrics["buffer/dropped_filtered"] == metrics["buffer/dropped_stale"] == 0
+    )
     assert metrics["buffer/producer_blocked_s"] > 0
     rollout.stop()
     counts = rollout.ledger.counts()
@@ -267,10 +270,9 @@ def test_pause_and_push_50_times_with_hundreds_of_requests_in_flight(parts: Part
         until(lambda: len(rollout._calls) >= 30, "30 groups in flight")
         seen_in_flight = max(seen_in_flight, 8 * len(rollout._calls))
         done = threading.Event()
-        result: dict[str, float] = {}
 
-        def push(v: int = version) -> None:
-            result.update(rollout.publish(str(v)))
+        def push(v: int = version, done: threading.Event = done) -> None:
+            rollout.publish(str(v))
             done.set()
 
         threading.Thread(target=push, daemon=True).start()
@@ -287,15 +289,15 @@ def test_pause_and_push_50_times_with_hundreds_of_requests_in_flight(parts: Part
     assert straddling, "requests in flight across a push carry both versions"
 
 
-def test_an_engine_death_reissues_its_groups(tiny_model_dir: Path, engine_factory: Any) -> None:
-    engines = [engine_factory(*ENGINE_ARGS) for _ in range(2)]
+def test_an_engine_death_reissues_its_groups(tiny_model_dir: Path, engine: EngineProcess, engine_factory: Any) -> None:
+    engines = [engine, engine_factory(*ENGINE_ARGS)]
     parts = Parts(tiny_model_dir, [e.url for e in engines])
     try:
-        rollout = parts.make(inflight=4, capacity=8, max_new_tokens=200)
+        rollout = parts.make(inflight=4, capacity=8, max_new_tokens=64)
         rollout.start()
         until(lambda: sum(c.slot.index == 1 for c in rollout._calls.values()) >= 1, "a group on engine 1")
         engines[1].proc.kill()
-        for step in range(4):
+        for step in range(2):
             groups = rollout.collect(step, interrupted=never_interrupted)
             assert groups is not None and all(s.finish != "abort" for g in groups for s in g.samples)
             rollout.commit(step)
@@ -305,3 +307,31 @@ def test_an_engine_death_reissues_its_groups(tiny_model_dir: Path, engine_factor
         assert rollout.ledger.counts()["dropped"] == 0
     finally:
         parts.close()
+
+
+BUFFER_METRICS = [
+    f"buffer/{name}"
+    for name in (
+        "queue_groups", "inflight_groups", "staleness_mean", "staleness_max", "waiting_staleness_max",
+        "dropped_aborted", "dropped_filtered", "dropped_stale", "mixed_version_token_share", "trainer_wait_s",
+        "producer_blocked_s",
+    )
+]  # fmt: skip
+
+
+def test_quickstart_in_async_mode_survives_sigterm_and_every_prompt_is_accounted_for(workdir: Path) -> None:
+    args = [*SMALL, "rollout.mode=async", "buffer.max_staleness=2"]
+    proc = signal_at_step(workdir, args, "r", 3, signal.SIGTERM)
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    out = hpcrl("run", "qs.yaml", *args, "--run-dir", "r", cwd=workdir)
+    assert "resumed from" in out.stdout and "step    6/6" in out.stdout
+    metrics = load_metrics(workdir / "r" / "metrics.h5")
+    assert list(metrics["step"]) == list(range(6))
+    for key in BUFFER_METRICS:
+        assert key in metrics and not np.isnan(metrics[key]).any(), key
+    assert metrics["buffer/staleness_max"].max() <= 2
+    ledger = json.loads((workdir / "r" / "prompt_ledger.json").read_text())
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
+    trained_steps = sorted({s for s in ledger["step"] if s is not None})
+    assert trained_steps == list(range(6))
