@@ -9,8 +9,9 @@ trainer trains, and the trainer collects each step's batch from the group buffer
 - Arrive: score with the reward, judge (aborted, reward failed, filter), then `put` into the buffer, waiting
   while it is full: a full buffer stops new submissions (backpressure).
 - Collect (the trainer): take groups oldest first, dropping those staler than `max_staleness`.
-- Publish: the driver pushes weights through `publish()`, which never runs concurrently with the producer's
-  own recovery push (`publisher.restore_engines` when no engine is live). Requests stay in flight.
+- Publish: the driver pushes weights through `publish()`; requests stay in flight. With no engine live the
+  producer waits, and the trainer's thread restarts them (`publisher.restore_engines`) in `collect()`: a
+  push reads the trainer's weights, so it never runs while the trainer trains, nor beside another push.
 - Checkpoint (the state part "rollout_buffer"): the buffered groups as tensors (token ids, log-probs) and
   JSON (rewards, finish, per-token version spans), the positions pending, the next position and the ledger.
   A resume restores the buffer, re-issues the pending positions with the same seeds, and draws on after.
@@ -93,6 +94,7 @@ class AsyncRollout:
         self._publish_lock = threading.Lock()  # one push at a time: the driver's or the producer's recovery
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._need_engines = False  # no engine is live: collect() restarts them (the trainer is idle there)
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_inflight_groups, thread_name_prefix="hpcrl-async")
         self.trainer_step = 0  # the step being collected or trained (the reward's stop event names it)
@@ -137,10 +139,9 @@ class AsyncRollout:
         while len(self._calls) < self.max_inflight and not self._stop.is_set():
             live = self.fleet.live()
             if not live:
-                with self._publish_lock:
-                    if not self.fleet.live():
-                        self.publisher.restore_engines()  # FleetError when none can be restarted
-                continue
+                # The restart push reads the trainer's weights: it runs on the trainer's thread, in collect().
+                self._need_engines = True
+                return
             with self._lock:
                 if self._queue:
                     position = self._queue.popleft()
@@ -266,6 +267,8 @@ class AsyncRollout:
                     raise self._error
                 if interrupted():
                     return None
+                if self._need_engines:
+                    self._restore_engines()
                 item = self.buffer.pop()
                 if item is None:
                     t0 = time.perf_counter()
@@ -286,6 +289,12 @@ class AsyncRollout:
                 "buffer/trainer_wait_s": wait_s,
             }
         return [g.group for g in taken]
+
+    def _restore_engines(self) -> None:
+        with self._publish_lock:
+            if not self.fleet.live():
+                self.publisher.restore_engines()  # FleetError when none can be restarted
+        self._need_engines = False
 
     def commit(self, step: int) -> None:
         """The collected groups were trained at `step`."""

@@ -335,3 +335,34 @@ def test_quickstart_in_async_mode_survives_sigterm_and_every_prompt_is_accounted
     assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
     trained_steps = sorted({s for s in ledger["step"] if s is not None})
     assert trained_steps == list(range(6))
+
+
+def test_with_no_engine_left_the_trainers_thread_restarts_them(
+    parts: Parts, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    lone = start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS)
+    fresh: list[EngineProcess] = []
+    try:
+        parts.fleet.slots[0].client = EngineClient(lone.url)
+        rollout = parts.make(inflight=2, capacity=4, max_new_tokens=64)
+        threads: list[str] = []
+
+        def restore_engines() -> None:  # what the publisher does with a launcher: restart, push, then serve
+            threads.append(threading.current_thread().name)
+            fresh.append(start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS))
+            slot = parts.fleet.slots[0]
+            slot.client, slot.state = EngineClient(fresh[0].url), "live"
+
+        rollout.publisher = type("P", (), {"version": "0", "restore_engines": staticmethod(restore_engines)})()
+        rollout.start()
+        until(lambda: len(rollout._calls) == 2, "two groups in flight")
+        lone.proc.kill()
+        groups = rollout.collect(0, interrupted=never_interrupted)
+        rollout.stop()
+        assert groups is not None and len(groups) == 2
+        assert threads == [threading.current_thread().name]  # the push ran where the trainer would, once
+        assert rollout.ledger.counts()["dropped"] == 0
+    finally:
+        lone.stop()
+        for eng in fresh:
+            eng.stop()
