@@ -59,6 +59,7 @@ class _Call:
     position: int
     attempt: int
     submit_version: str
+    prompt: list[int]
 
 
 class AsyncRollout:
@@ -156,13 +157,14 @@ class AsyncRollout:
                 if id(call.slot) in busy:
                     busy[id(call.slot)] += 1
             slot = min(live, key=lambda s: (busy[id(s)], s.index))
-            call = _Call(slot, position, attempt, self.publisher.version)
+            # The tokenizer is used on this thread only (a fast tokenizer is not safe across threads).
+            prompt = self.formatter.encode(self.data.at(position).prompt)
+            call = _Call(slot, position, attempt, self.publisher.version, prompt)
             self._calls[self._pool.submit(self._generate, call)] = call
 
     def _generate(self, call: _Call) -> list[GenerateResult]:
         n = self.cfg.n_samples_per_prompt
         step, index = divmod(call.position, self.prompts_per_step)
-        prompt = self.formatter.encode(self.data.at(call.position).prompt)
         params = [
             SamplingParams(
                 max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
@@ -171,7 +173,7 @@ class AsyncRollout:
             for s in range(n)
         ]  # fmt: skip
         out = call.slot.client.generate(
-            [prompt] * n, params, return_logprob=True,
+            [call.prompt] * n, params, return_logprob=True,
             rid=[f"pos{call.position}-a{call.attempt}-s{s}" for s in range(n)], timeout_s=self.cfg.request_timeout_s,
         )  # fmt: skip
         return out if isinstance(out, list) else [out]
@@ -208,7 +210,7 @@ class AsyncRollout:
 
     def _arrive(self, call: _Call, results: Sequence[GenerateResult]) -> None:
         example = self.data.at(call.position)
-        prompt = self.formatter.encode(example.prompt)
+        prompt = call.prompt
         group = Group(example=example)
         for r in results:
             group.samples.append(

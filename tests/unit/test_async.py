@@ -81,7 +81,7 @@ class Parts:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    eng = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine"), *ENGINE_ARGS)
+    eng = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine"), *ENGINE_ARGS, timeout_s=180)
     yield eng
     eng.stop()
 
@@ -340,7 +340,7 @@ def test_quickstart_in_async_mode_survives_sigterm_and_every_prompt_is_accounted
 def test_with_no_engine_left_the_trainers_thread_restarts_them(
     parts: Parts, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    lone = start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS)
+    lone = start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS, timeout_s=180)
     fresh: list[EngineProcess] = []
     try:
         parts.fleet.slots[0].client = EngineClient(lone.url)
@@ -349,7 +349,7 @@ def test_with_no_engine_left_the_trainers_thread_restarts_them(
 
         def restore_engines() -> None:  # what the publisher does with a launcher: restart, push, then serve
             threads.append(threading.current_thread().name)
-            fresh.append(start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS))
+            fresh.append(start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS, timeout_s=180))
             slot = parts.fleet.slots[0]
             slot.client, slot.state = EngineClient(fresh[0].url), "live"
 
