@@ -5,8 +5,11 @@ hpcrl run experiments/quickstart.yaml [--run-dir DIR] [key=value ...]
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
+from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.run.session import RunSession
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import LaunchEnv
@@ -22,6 +25,8 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restar
             return 0
         if s.warm_start.run():
             s.publisher.publish("sft")
+        if s.async_rollout is not None:
+            return run_async(s, start)
         for step in range(start, cfg.num_steps):
             s.guard.wait_until_cool(step)
             timer = StepTimer()
@@ -49,3 +54,62 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restar
                 return s.on_preempt()
         s.finish()
     return 0
+
+
+def run_async(s: RunSession, start: int) -> int:
+    """rollout.mode=async: the producer generates while the trainer trains (hpcrl/rollout/producer.py)."""
+    cfg, rollout = s.cfg, s.async_rollout
+    assert rollout is not None
+    ledger_path = s.run_dir / "prompt_ledger.json"
+    rollout.start()
+    for step in range(start, cfg.num_steps):
+        s.guard.wait_until_cool(step)
+        timer = StepTimer()
+        served = s.publisher.version  # what the engines serve as this step collects
+        with timer.phase("rollout"):
+            groups = rollout.collect(step, interrupted=lambda: s.preempt_signal is not None)
+        if groups is None:  # a preemption signal came while the trainer waited for groups
+            return _preempt_async(s, ledger_path)
+        with timer.phase("train"):
+            train = s.train(groups)
+        rollout.commit(step)
+        sync: dict[str, float] = {}
+        if (step + 1) % cfg.sync.every_steps == 0 or step + 1 == cfg.num_steps:
+            with timer.phase("sync"):
+                sync = rollout.publish(str(step + 1))
+        with timer.phase("eval"):  # beside the producer's requests, with seeds and ids of its own
+            evals = s.evaluate(step)
+        metrics = s.step_metrics(groups, rollout_s=timer.seconds["rollout"], rollout_version=served)
+        metrics |= train | sync | evals | rollout.pop_metrics() | s.guard.metrics()
+        with timer.phase("checkpoint"):
+            if s.state.due(step):
+                s.state.save(step, metrics | timer.metrics())
+                _write_ledger(rollout, ledger_path)
+        metrics |= timer.metrics()
+        s.record_step(step, metrics)
+        if s.preempt_signal is not None:
+            return _preempt_async(s, ledger_path)
+    _write_json(ledger_path, rollout.finish())
+    s.finish()
+    return 0
+
+
+def _preempt_async(s: RunSession, ledger_path: Path) -> int:
+    assert s.async_rollout is not None
+    s.async_rollout.stop()
+    code = s.on_preempt()
+    _write_ledger(s.async_rollout, ledger_path)
+    return code
+
+
+def _write_ledger(rollout: AsyncRollout, path: Path) -> None:
+    """The ledger of the checkpoint just written, where a user (or a test) can read it."""
+    ledger = rollout.saved_ledger()
+    if ledger is not None:
+        _write_json(path, ledger)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # a reader sees the previous ledger or this one, never half of one

@@ -406,8 +406,10 @@ def plot_thermal(run: RunData, out_dir: Path, max_points: int) -> Path | None:
 
 
 def plot_async(run: RunData, out_dir: Path, max_points: int) -> Path | None:
-    staleness = sorted(k for k in run.metrics if "staleness" in k and not k.startswith("queue/"))
-    keys = [*run.keys_under("queue/"), *staleness]
+    # rollout.mode=async logs buffer/* (queue, in flight, staleness, drops, waits: docs/async.md).
+    buffer = run.keys_under("buffer/")
+    staleness = sorted(k for k in run.metrics if "staleness" in k and not k.startswith(("queue/", "buffer/")))
+    keys = [*buffer, *run.keys_under("queue/"), *staleness]
     return _grid_plot(run, keys, out_dir / "async.png", "rollout queue and staleness per step", max_points)
 
 

@@ -64,6 +64,10 @@ def _check_template(template: str) -> None:
 
 @dataclass(kw_only=True, frozen=True)
 class RolloutConfig:
+    mode: Literal["sync", "async"] = "sync"
+    """`sync`: every step generates its batch with the current weights, then trains (bitwise reproducible).
+    `async`: a producer keeps groups in flight on the engines while the trainer trains, through a bounded
+    buffer (the `buffer:` section; docs/async.md)."""
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -99,6 +103,41 @@ class RolloutConfig:
             )
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class BufferConfig:
+    """The group buffer of `rollout.mode: async` (hpcrl/rollout/buffer.py)."""
+
+    max_inflight_groups: int | None = None
+    """Whole groups (all samples of one prompt) generating on the engines at once; null: data.prompts_per_step."""
+    capacity_groups: int | None = None
+    """Finished groups the buffer holds; when full, the producer submits nothing new (backpressure, never a
+    drop). null: 2 x data.prompts_per_step."""
+    max_staleness: int | None = None
+    """Drop a group, when the trainer collects it, whose oldest token is more than this many weight versions
+    behind the policy the step trains; null: no limit."""
+    filter: str | None = None
+    """Reject groups on arrival: `zero_std` (all rewards equal: no GRPO signal), a dotted path
+    `package.module:function` taking a Group and returning bool (true keeps it), or null (keep all)."""
+    on_drop: Literal["drop", "retry"] = "drop"
+    """What becomes of a dropped prompt: `drop` records it in the ledger and moves on; `retry` regenerates it
+    from scratch (fresh seeds), up to 3 attempts in all, then it is dropped."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_inflight_groups", "capacity_groups"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1 (or null for the default), got {value}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(
+                f"max_staleness must be >= 0 weight versions (0: only groups of the step's own policy), or null "
+                f"for no limit; got {self.max_staleness}"
+            )
+        if self.filter is not None and self.filter != "zero_std" and ":" not in self.filter:
+            raise ValueError(
+                f"filter {self.filter!r} is neither `zero_std` nor a dotted path `package.module:function`"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -193,13 +193,13 @@ class PromptSource:
         """The `batch_size` examples of `step` (0-based)."""
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
-        n = self.num_examples
         start = step * self.batch_size
-        batch = []
-        for position in range(start, start + self.batch_size):
-            epoch, index = divmod(position, n)
-            batch.append(self.examples[int(self._order(epoch)[index])])
-        return batch
+        return [self.at(position) for position in range(start, start + self.batch_size)]
+
+    def at(self, position: int) -> Example:
+        """The example at global `position` of the data order (step s's batch holds s * batch_size onwards)."""
+        epoch, index = divmod(position, self.num_examples)
+        return self.examples[int(self._order(epoch)[index])]
 
     def _order(self, epoch: int) -> npt.NDArray[np.int64]:
         if epoch not in self._orders:

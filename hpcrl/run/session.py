@@ -24,9 +24,11 @@ from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
+from hpcrl.rollout.buffer import load_filter
 from hpcrl.rollout.data import Example, PromptSource, build_examples, source_options
 from hpcrl.rollout.evaluate import Evaluator, held_out_examples
 from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
+from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, prepare_model
@@ -71,6 +73,7 @@ class RunSession:
     data: PromptSource
     evaluator: Evaluator
     formatter: PromptFormatter
+    async_rollout: AsyncRollout | None = None  # rollout.mode: async
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> None:
         self.cfg, self.run_dir, self.slurm, self.restart = cfg, run_dir, slurm, restart
@@ -110,6 +113,7 @@ class RunSession:
         )  # fmt: skip
         eval_examples = self._eval_examples(examples)
         self.rewards = RewardScorer(cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
+        load_filter(cfg.buffer.filter)  # a bad buffer.filter is refused before the run dir is touched
         from transformers import AutoTokenizer
 
         self.formatter = formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), cfg.data)
@@ -167,6 +171,14 @@ class RunSession:
         self.state.register("data", JsonState(self.data.state, self.data.load_state))
         self.state.register("weights", self.publisher)
         self.state.register("warm_start", self.warm_start)
+        if cfg.rollout.mode == "async":
+            self.async_rollout = AsyncRollout(
+                cfg.rollout, cfg.buffer, self.fleet, formatter, self.data, self.rewards, self.publisher,
+                seed=cfg.seed, prompts_per_step=cfg.data.prompts_per_step,
+                max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups,
+            )  # fmt: skip
+            self._closers.append(self.async_rollout.close)
+            self.state.register("rollout_buffer", self.async_rollout)
         self._resume_point = resume_point
 
     def _eval_examples(self, training: list[Example]) -> list[Example]:
@@ -208,7 +220,9 @@ class RunSession:
         step = self.state.resume(point)
         if step is None:
             return 0
-        self.publisher.publish(self.publisher.version)
+        # With sync.every_steps > 1 the engines served an older version than the trainer's weights: label the
+        # weights pushed now with their own version (the number of optimizer steps behind them).
+        self.publisher.publish(self.publisher.version if self.cfg.sync.every_steps == 1 else str(step + 1))
         return step + 1
 
     def train(self, groups: list[Group]) -> dict[str, float]:

@@ -18,6 +18,9 @@ class SyncConfig:
     flattened: bool = True
     """Send each bucket as one flat buffer (one collective) instead of one broadcast per tensor."""
     pause_mode: Literal["retract", "in_place", "abort"] = "retract"
+    every_steps: int = 1
+    """Push new weights after every N-th trainer step (rollout.mode: async only; the synchronous loop pushes
+    after every step)."""
     group_timeout_s: float = 300.0
     """Bound on forming the weight group and on every broadcast; longer than any allowed thermal pause."""
     master_address: str = "127.0.0.1"
@@ -27,6 +30,8 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {self.every_steps}")
         if self.group_timeout_s <= 0:
             raise ValueError("group_timeout_s must be > 0")
         if not 0 <= self.master_port <= 65535:

@@ -298,3 +298,32 @@ def test_real_roles_partition_preemption_requeues_and_resumes(
     assert [e for e in events if e["kind"] == "preempted"], events
     reference, resumed = final_weights(reference_run), final_weights(run_dir)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ from the reference"
+
+
+@pytest.mark.slow
+def test_real_roles_async_requeued_at_random_points_keeps_the_prompt_ledger(
+    slurm_cluster: SlurmCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 16: an async run (engines generating while the trainer trains) requeued twice at random steps;
+    every prompt drawn is trained exactly once or dropped with a recorded reason (docs/async.md)."""
+    import json
+    import random
+
+    from hpcrl.rollout.ledger import ledger_problems
+    from hpcrl.slurm.executor import submit_run
+
+    run_dir = tmp_path / "async"
+    cfg = real_config(tiny_model_dir, **{"rollout.mode": "async", "buffer.max_staleness": 2})
+    job = submit_run(cfg, run_dir)
+    rng = random.Random()
+    for restart in (1, 2):
+        at = progress(run_dir) + rng.randint(1, 20)
+        wait_for(lambda at=at: progress(run_dir) >= at, 300, f"step {at}")
+        subprocess.run(["scontrol", "requeue", job.job_id], check=True)
+        wait_for(lambda r=restart: slurm_cluster.restart_count(job.job_id) >= r, 60, f"requeue {restart}")
+    outcome = result(job, slurm_cluster, 300)
+    assert outcome["restart_count"] == 2 and outcome["final_model"]
+    check_metrics(run_dir, NUM_REAL_STEPS)
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
+    assert sorted({s for s in ledger["step"] if s is not None}) == list(range(NUM_REAL_STEPS))

@@ -1,0 +1,122 @@
+"""The bounded group buffer of an asynchronous run, and the verdicts that drop a group.
+
+Finished groups wait here until the trainer collects them. `put` blocks while the buffer is full
+(backpressure: the producer then submits nothing new, and no group is ever dropped for want of space).
+Verdicts: on arrival, a group with an aborted sample or one whose reward failed (`aborted`), and one the
+filter rejects (`filtered`); on collection, one whose staleness exceeds `buffer.max_staleness` (`stale`).
+
+Versions are ordered by `version_ordinal`: "0", "1", ... are the number of optimizer steps behind them, and
+"sft" (the warm-started weights, served before GRPO step 0) counts as 0. Staleness of a group consumed by
+step s (which trains the policy of version s) is s minus the oldest version of any of its tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from hpcrl.rollout.generate import Group
+
+GroupFilter = Callable[[Group], bool]
+
+
+def version_ordinal(version: str | None) -> int | None:
+    """The position of a weight version in the run's order; None for a label outside it (e.g. "default")."""
+    if version is None:
+        return None
+    if version.isdigit():
+        return int(version)
+    return 0 if version == "sft" else None
+
+
+@dataclass
+class BufferedGroup:
+    position: int  # in the data order
+    attempt: int  # 0 first; a retried prompt is regenerated with fresh seeds
+    group: Group
+    oldest_version: int | None  # the oldest version of any of its tokens (version_ordinal)
+
+    def staleness(self, trainer_version: int) -> int | None:
+        return None if self.oldest_version is None else trainer_version - self.oldest_version
+
+
+def zero_std(group: Group) -> bool:
+    """Keep a group only if its rewards differ (equal rewards give GRPO no advantage to learn from)."""
+    return len({s.reward for s in group.samples}) > 1
+
+
+def load_filter(spec: str | None) -> GroupFilter | None:
+    if spec is None:
+        return None
+    if spec == "zero_std":
+        return zero_std
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"buffer.filter {spec!r}: cannot load it ({type(exc).__name__}: {exc}); use `zero_std` or a dotted path "
+            "`package.module:function` importable from the run's PYTHONPATH"
+        ) from None
+    if not callable(fn):
+        raise ValueError(f"buffer.filter {spec!r} is a {type(fn).__name__}, not a function of a Group")
+    return fn
+
+
+def arrival_verdict(group: Group, keep: GroupFilter | None) -> str | None:
+    """The reason to drop a group as it arrives, None to keep it."""
+    if any(s.finish == "abort" for s in group.samples):
+        return "aborted"
+    if any(s.reward_error is not None for s in group.samples):
+        return "reward_failed"  # counted with the aborted: a sample without a true reward
+    if keep is not None and not keep(group):
+        return "filtered"
+    return None
+
+
+class GroupBuffer:
+    """A FIFO of at most `capacity` groups. Its condition's lock is the owner's state lock (`lock`), so a
+    group leaves the owner's in-flight set and enters the buffer in one step that a snapshot cannot split."""
+
+    def __init__(self, capacity: int, lock: threading.RLock) -> None:
+        self.capacity = capacity
+        self.cond = threading.Condition(lock)
+        self._items: deque[BufferedGroup] = deque()
+        self.blocked_s = 0.0  # time put() waited for room, since the last reset
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[BufferedGroup]:
+        return iter(list(self._items))
+
+    def put(self, item: BufferedGroup, stop: threading.Event, on_added: Callable[[], None]) -> bool:
+        """Wait for room and append (calling `on_added` under the lock); False if `stop` was set first."""
+        with self.cond:
+            t0 = time.perf_counter()
+            while len(self._items) >= self.capacity and not stop.is_set():
+                self.cond.wait(0.05)
+            self.blocked_s += time.perf_counter() - t0
+            if stop.is_set():
+                return False
+            self._items.append(item)
+            on_added()
+            self.cond.notify_all()
+            return True
+
+    def pop(self) -> BufferedGroup | None:
+        """The oldest group, None when empty (the caller holds `cond` and waits on it)."""
+        if not self._items:
+            return None
+        item = self._items.popleft()
+        self.cond.notify_all()  # room for a blocked put
+        return item
+
+    def restore(self, items: list[BufferedGroup]) -> None:
+        """Groups of a checkpoint, in order, ahead of anything new (may exceed capacity until collected)."""
+        with self.cond:
+            self._items.extendleft(reversed(items))

@@ -1,0 +1,368 @@
+"""rollout.mode=async: the producer, the group buffer and the ledger against real embedded engines on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcrl.config import ConfigError
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.fleet import EngineFleet
+from hpcrl.engine.protocol import FinishReason, GenerateResult, WeightVersionSpan
+from hpcrl.rollout.buffer import BufferedGroup, version_ordinal
+from hpcrl.rollout.config import BufferConfig, DataConfig, RewardConfig, RolloutConfig
+from hpcrl.rollout.data import PromptSource, make_addition_task
+from hpcrl.rollout.generate import Group, PromptFormatter
+from hpcrl.rollout.ledger import ledger_problems
+from hpcrl.rollout.producer import AsyncRollout, oldest_version
+from hpcrl.rollout.scoring import RewardScorer
+from hpcrl.run_config import load_run_config
+from hpcrl.store import load_metrics
+from hpcrl.sync.config import SyncConfig
+from hpcrl.sync.publisher import WeightPublisher
+from hpcrl.sync.push import WeightSync
+from tests.conftest import EngineProcess, start_engine
+from tests.support import REPO, SMALL, hpcrl, signal_at_step
+
+ENGINE_ARGS = ("--weight-version", "0", "--max-running-requests", "512")
+
+
+class Parts:
+    """An AsyncRollout over real engines, with a real publisher (same-host tensor handover)."""
+
+    def __init__(self, model_dir: Path, urls: list[str]) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = model_dir
+        self.clients = [EngineClient(u) for u in urls]
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.fleet = EngineFleet(EngineConfig(health_interval_s=0.2), self.clients, launcher=None, on_event=self._event)
+        self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), DataConfig())
+        self.data = PromptSource(make_addition_task(500, 2, 0), batch_size=2, seed=0)
+        self.sync = WeightSync(SyncConfig(transport="tensor"), self.clients, device=torch.device("cpu"))
+        weights = list(load_file(str(model_dir / "model.safetensors")).items())
+        self.publisher = WeightPublisher(EngineConfig(), self.fleet, self.sync, lambda: weights, on_event=self._event)
+        self.made: list[AsyncRollout] = []
+
+    def _event(self, kind: str, detail: dict[str, Any]) -> None:
+        self.events.append((kind, detail))
+
+    def make(
+        self, *, n: int = 4, prompts_per_step: int = 2, inflight: int = 2, capacity: int = 4, max_new_tokens: int = 6,
+        reward: str = "arithmetic_answer", **buffer: Any,
+    ) -> AsyncRollout:  # fmt: skip
+        self.data.batch_size = prompts_per_step
+        scorer = RewardScorer(RewardConfig(fn=reward), interrupted=lambda: False, on_stop=lambda s, d: None)
+        rollout = AsyncRollout(
+            RolloutConfig(mode="async", n_samples_per_prompt=n, max_new_tokens=max_new_tokens),
+            BufferConfig(**buffer), self.fleet, self.formatter, self.data, scorer, self.publisher,
+            seed=0, prompts_per_step=prompts_per_step, max_inflight_groups=inflight, capacity_groups=capacity,
+        )  # fmt: skip
+        self.made.append(rollout)
+        return rollout
+
+    def close(self) -> None:
+        for r in self.made:
+            r.close()
+        self.sync.close()
+        self.fleet.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    eng = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine"), *ENGINE_ARGS, timeout_s=180)
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def parts(tiny_model_dir: Path, engine: EngineProcess) -> Iterator[Parts]:
+    p = Parts(tiny_model_dir, [engine.url])
+    p.publisher.publish("0")  # a test before may have pushed other versions (always the same weights)
+    yield p
+    p.close()
+
+
+def until(condition: Any, what: str, limit_s: float = 60.0) -> None:
+    """Wait for `condition` (a deadlock guard, not a timing assertion)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never saw {what} within {limit_s:.0f} s")
+        time.sleep(0.01)
+
+
+def never_interrupted() -> bool:
+    return False
+
+
+def trained_positions(rollout: AsyncRollout) -> dict[int, int]:
+    return {p: e.step for p, e in rollout.ledger.entries.items() if e.status == "trained"}  # type: ignore[misc]
+
+
+def test_a_full_buffer_stops_submission_and_drops_nothing(parts: Parts) -> None:
+    rollout = parts.make(inflight=2, capacity=2)
+    rollout.start()
+    until(lambda: rollout.buffer.blocked_s > 0 and len(rollout.buffer) == 2, "the producer blocked on a full buffer")
+    drawn = rollout.next_position
+    # Full: the producer holds at most one finished group per in-flight slot and draws nothing new.
+    assert drawn <= 2 + 2
+    for step in range(4):
+        groups = rollout.collect(step, interrupted=never_interrupted)
+        assert groups is not None and len(groups) == 2
+        rollout.commit(step)
+    metrics = rollout.pop_metrics()
+    assert (
+        metrics["buffer/dropped_aborted"] == metrics["buffer/dropped_filtered"] == metrics["buffer/dropped_stale"] == 0
+    )
+    assert metrics["buffer/producer_blocked_s"] > 0
+    rollout.stop()
+    counts = rollout.ledger.counts()
+    assert counts["trained"] == 8 and counts["dropped"] == 0
+    assert len(rollout.ledger.entries) == rollout.next_position  # every drawn position is accounted for
+
+
+def test_each_drop_reason_is_counted_and_retry_regenerates(parts: Parts) -> None:
+    # aborted: abort every request in flight (long answers keep them in flight)
+    rollout = parts.make(inflight=2, capacity=8, max_new_tokens=200)
+    rollout.start()
+    until(lambda: len(rollout._calls) == 2, "two groups in flight")
+    parts.clients[0].abort_request(abort_all=True)
+    until(lambda: rollout._counts["aborted"] >= 1, "an aborted group")
+    rollout.stop()
+    assert any(e.reason == "aborted" for e in rollout.ledger.entries.values())
+    assert rollout.pop_metrics()["buffer/dropped_aborted"] >= 1
+
+    # filtered: the untrained tiny model never answers right, so every group has all rewards 0
+    rollout = parts.make(filter="zero_std")
+    rollout.start()
+    until(lambda: rollout._counts["filtered"] >= 3, "three filtered groups")
+    rollout.stop()
+    assert len(rollout.buffer) == 0 and rollout.pop_metrics()["buffer/dropped_filtered"] >= 3
+    assert {e.reason for e in rollout.ledger.entries.values() if e.status == "dropped"} == {"filtered"}
+
+    # stale, with retry: groups of version 0 are too old for step 1 with max_staleness 0
+    rollout = parts.make(max_staleness=0, on_drop="retry", capacity=4)
+    rollout.start()
+    until(lambda: len(rollout.buffer) == 4, "a full buffer of version-0 groups")
+    rollout.publish("1")
+    groups = rollout.collect(1, interrupted=never_interrupted)
+    assert groups is not None
+    metrics = rollout.pop_metrics()
+    assert metrics["buffer/dropped_stale"] >= 4 and metrics["buffer/staleness_max"] == 0
+    assert all(v == "1" for g in groups for s in g.samples for v in s.weight_versions)
+    rollout.commit(1)
+    # The stale prompts go again, from scratch, under the new weights.
+    until(lambda: any(e.drops == ["stale"] and e.status == "buffered" for e in rollout.ledger.entries.values()),
+          "a stale prompt regenerated")  # fmt: skip
+    rollout.stop()
+    retried = [e for e in rollout.ledger.entries.values() if e.drops == ["stale"]]
+    assert retried and all(e.attempts == 2 for e in retried)
+
+
+def _result(n: int, spans: list[tuple[str, int, int]] | None, version: str = "9") -> GenerateResult:
+    return GenerateResult(
+        text="", rid="r", output_ids=list(range(n)), finish_reason=FinishReason(type="length"), weight_version=version,
+        weight_versions=None if spans is None else [WeightVersionSpan(version=v, start=s, end=e) for v, s, e in spans],
+    )  # fmt: skip
+
+
+def test_staleness_is_the_oldest_token_version_of_the_group() -> None:
+    assert [version_ordinal(v) for v in ("0", "7", "sft", "default", None)] == [0, 7, 0, None, None]
+    # Per-token spans: one sample straddles a push from 3 to 4, the other is all 4; submitted under 3.
+    spans = [_result(5, [("3", 0, 2), ("4", 2, 5)]), _result(4, [("4", 0, 4)])]
+    assert oldest_version(spans, submit_version="3") == 3
+    # Queued through a push before its first token: its tokens are all 4, whatever was served at submit.
+    assert oldest_version([_result(4, [("4", 0, 4)])], submit_version="3") == 4
+    # One version per request (SGLang reports the server's version when the response is built): read as the
+    # version served at submit, which no token of the request predates.
+    assert oldest_version([_result(5, None, version="5")], submit_version="3") == 3
+    group = BufferedGroup(0, 0, Group(example=None), oldest_version(spans, submit_version="3"))  # type: ignore[arg-type]
+    assert group.staleness(5) == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["rollout.mode=async", "engine.offload_during_train=true"], ["both stages", "offload_during_train=false"]),
+        (["rollout.mode=async", "sync.pause_mode=abort"], ["pause_mode=abort", "retract"]),
+        (["rollout.mode=async", "buffer.capacity_groups=8"], ["smaller than one step", "capacity_groups >= 16"]),
+        (["rollout.mode=async", "buffer.max_staleness=-1"], ["max_staleness must be >= 0", "null"]),
+    ],
+)
+def test_bad_async_configs_are_refused_at_load_with_the_fix(overrides: list[str], names: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_run_config(REPO / "experiments" / "quickstart.yaml", overrides)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_async_on_a_shared_device_without_the_rental_is_allowed() -> None:
+    with pytest.warns(UserWarning, match="off-policy correction"):
+        cfg = load_run_config(
+            REPO / "experiments" / "quickstart.yaml", ["rollout.mode=async", "engine.device=cpu", "train.device=cpu"]
+        )
+    assert cfg.capacity_groups == 32 and cfg.inflight_groups == 16
+
+
+def test_checkpoint_mid_flight_and_resume_trains_every_position_exactly_once(parts: Parts) -> None:
+    first = parts.make(inflight=3, capacity=4)
+    first.start()
+    trained: dict[int, list[int]] = {}
+    for step in range(2):
+        groups = first.collect(step, interrupted=never_interrupted)
+        assert groups is not None
+        first.commit(step)
+    tensors, state = first.state_dict()  # the checkpoint of step 1, taken while groups are in flight
+    assert state["pending"], "the checkpoint should hold prompts in flight"
+    saved_groups = {g["position"] for g in state["groups"]}
+    for p, s in trained_positions(first).items():
+        trained.setdefault(p, []).append(s)
+    # The job goes on past the checkpoint, then is preempted: its later work is lost with it.
+    after: dict[int, list[int]] = {}
+    groups = first.collect(2, interrupted=never_interrupted)
+    assert groups is not None
+    for item in first._taken:
+        after[item.position] = item.group.samples[0].output_ids
+    first.stop()
+
+    state = json.loads(json.dumps(state))  # what the checkpoint's JSON holds
+    second = parts.make(inflight=3, capacity=4)
+    second.load_state_dict({k: v.clone() for k, v in tensors.items()}, state, step=1)
+    restored = {item.position: item for item in second.buffer}
+    assert set(restored) == saved_groups
+    second.start()
+    regenerated: dict[int, list[int]] = {}
+    for step in range(2, 6):
+        groups = second.collect(step, interrupted=never_interrupted)
+        assert groups is not None
+        for item in second._taken:
+            regenerated[item.position] = item.group.samples[0].output_ids
+        second.commit(step)
+    for p, s in trained_positions(second).items():
+        if s >= 2:
+            trained.setdefault(p, []).append(s)
+    ledger = second.finish()
+    assert all(len(steps) == 1 for steps in trained.values()), trained
+    assert sorted(p for p, e in second.ledger.entries.items() if e.status == "trained") == sorted(trained)
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=2) == []
+    # Same weights and the same seeds: a prompt the lost job generated comes out the same when re-issued.
+    common = [p for p in after if p in regenerated]
+    assert common and all(after[p] == regenerated[p] for p in common)
+
+
+def test_pause_and_push_50_times_with_hundreds_of_requests_in_flight(parts: Parts) -> None:
+    rollout = parts.make(n=8, inflight=40, capacity=10_000, max_new_tokens=24, prompts_per_step=8)
+    rollout.start()
+    seen_in_flight = 0
+    for version in range(1, 51):
+        until(lambda: len(rollout._calls) >= 30, "30 groups in flight")
+        seen_in_flight = max(seen_in_flight, 8 * len(rollout._calls))
+        done = threading.Event()
+
+        def push(v: int = version, done: threading.Event = done) -> None:
+            rollout.publish(str(v))
+            done.set()
+
+        threading.Thread(target=push, daemon=True).start()
+        assert done.wait(60), f"push {version} did not return: deadlock"
+        assert parts.clients[0].weight_version() == str(version)
+    assert seen_in_flight >= 240
+    groups = rollout.collect(50, interrupted=never_interrupted)
+    rollout.stop()
+    assert groups is not None
+    metrics = rollout.pop_metrics()
+    assert metrics["buffer/dropped_aborted"] == 0  # a push never aborts a request
+    assert all(s.finish in ("stop", "length") for g in groups for s in g.samples)
+    straddling = [s for g in rollout.buffer for s in g.group.samples if len(set(s.weight_versions)) > 1]
+    assert straddling, "requests in flight across a push carry both versions"
+
+
+def test_an_engine_death_reissues_its_groups(tiny_model_dir: Path, engine: EngineProcess, engine_factory: Any) -> None:
+    engines = [engine, engine_factory(*ENGINE_ARGS)]
+    parts = Parts(tiny_model_dir, [e.url for e in engines])
+    try:
+        rollout = parts.make(inflight=4, capacity=8, max_new_tokens=64)
+        rollout.start()
+        until(lambda: sum(c.slot.index == 1 for c in rollout._calls.values()) >= 1, "a group on engine 1")
+        engines[1].proc.kill()
+        for step in range(2):
+            groups = rollout.collect(step, interrupted=never_interrupted)
+            assert groups is not None and all(s.finish != "abort" for g in groups for s in g.samples)
+            rollout.commit(step)
+        rollout.stop()
+        assert any(kind == "engine_dead" for kind, _ in parts.events)
+        assert parts.fleet.pop_metrics()["fleet/reissued_requests"] >= 4
+        assert rollout.ledger.counts()["dropped"] == 0
+    finally:
+        parts.close()
+
+
+BUFFER_METRICS = [
+    f"buffer/{name}"
+    for name in (
+        "queue_groups", "inflight_groups", "staleness_mean", "staleness_max", "waiting_staleness_max",
+        "dropped_aborted", "dropped_filtered", "dropped_stale", "mixed_version_token_share", "trainer_wait_s",
+        "producer_blocked_s",
+    )
+]  # fmt: skip
+
+
+def test_quickstart_in_async_mode_survives_sigterm_and_every_prompt_is_accounted_for(workdir: Path) -> None:
+    args = [*SMALL, "rollout.mode=async", "buffer.max_staleness=2"]
+    proc = signal_at_step(workdir, args, "r", 3, signal.SIGTERM)
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    out = hpcrl("run", "qs.yaml", *args, "--run-dir", "r", cwd=workdir)
+    assert "resumed from" in out.stdout and "step    6/6" in out.stdout
+    metrics = load_metrics(workdir / "r" / "metrics.h5")
+    assert list(metrics["step"]) == list(range(6))
+    for key in BUFFER_METRICS:
+        assert key in metrics and not np.isnan(metrics[key]).any(), key
+    assert metrics["buffer/staleness_max"].max() <= 2
+    ledger = json.loads((workdir / "r" / "prompt_ledger.json").read_text())
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
+    trained_steps = sorted({s for s in ledger["step"] if s is not None})
+    assert trained_steps == list(range(6))
+
+
+def test_with_no_engine_left_the_trainers_thread_restarts_them(
+    parts: Parts, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    lone = start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS, timeout_s=180)
+    fresh: list[EngineProcess] = []
+    try:
+        parts.fleet.slots[0].client = EngineClient(lone.url)
+        rollout = parts.make(inflight=2, capacity=4, max_new_tokens=64)
+        threads: list[str] = []
+
+        def restore_engines() -> None:  # what the publisher does with a launcher: restart, push, then serve
+            threads.append(threading.current_thread().name)
+            fresh.append(start_engine(tiny_model_dir, tmp_path, *ENGINE_ARGS, timeout_s=180))
+            slot = parts.fleet.slots[0]
+            slot.client, slot.state = EngineClient(fresh[0].url), "live"
+
+        rollout.publisher = type("P", (), {"version": "0", "restore_engines": staticmethod(restore_engines)})()
+        rollout.start()
+        until(lambda: len(rollout._calls) == 2, "two groups in flight")
+        lone.proc.kill()
+        groups = rollout.collect(0, interrupted=never_interrupted)
+        rollout.stop()
+        assert groups is not None and len(groups) == 2
+        assert threads == [threading.current_thread().name]  # the push ran where the trainer would, once
+        assert rollout.ledger.counts()["dropped"] == 0
+    finally:
+        lone.stop()
+        for eng in fresh:
+            eng.stop()
