@@ -29,6 +29,24 @@ def _family_check(ns: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def _sessions_serve(ns: argparse.Namespace) -> int:
+    from hpcrl.sessions.config import SessionServerConfig
+    from hpcrl.sessions.server import serve
+
+    cfg = SessionServerConfig(
+        model_family=ns.family,
+        model=ns.model,
+        engine_urls=tuple(ns.engine),
+        host=ns.host,
+        port=ns.port,
+        max_turns=ns.max_turns,
+        max_tokens_per_turn=ns.max_tokens_per_turn,
+        max_episode_tokens=ns.max_episode_tokens,
+    )
+    serve(cfg)
+    return 0
+
+
 def add_session_commands(sub: argparse._SubParsersAction) -> None:
     family = sub.add_parser("family", help="model families for multi-turn sessions")
     cmds = family.add_subparsers(dest="family_cmd", required=True)
@@ -44,3 +62,22 @@ def add_session_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="a registered family: qwen3, tiny")
     p.add_argument("--model", required=True, help="model directory holding the tokenizer")
     p.set_defaults(func=_family_check)
+
+    sessions = sub.add_parser("sessions", help="the multi-turn session server")
+    scmds = sessions.add_subparsers(dest="sessions_cmd", required=True)
+    s = scmds.add_parser(
+        "serve",
+        help="serve OpenAI chat completions per session, driving engines with token ids",
+        description="Start the session server: POST /sessions, then POST /sessions/ID/v1/chat/completions with any "
+        "OpenAI client (base_url=http://HOST:PORT/sessions/ID/v1); GET /sessions/ID shows the turns and training "
+        "sequences; DELETE /sessions/ID ends it. Tokenization is the server's, with the named family.",
+    )
+    s.add_argument("--engine", action="append", required=True, help="engine URL (repeat for several engines)")
+    s.add_argument("--model", required=True, help="model directory holding the tokenizer")
+    s.add_argument("--family", required=True, help="model family: qwen3, tiny (never detected)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback only)")
+    s.add_argument("--port", type=int, default=30100)
+    s.add_argument("--max-turns", type=int, default=8)
+    s.add_argument("--max-tokens-per-turn", type=int, default=256)
+    s.add_argument("--max-episode-tokens", type=int, default=4096)
+    s.set_defaults(func=_sessions_serve)

@@ -1,0 +1,156 @@
+"""The session server driven by the `openai` client against a real embedded engine on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from hpcrl.sessions.cli import load_tokenizer
+from hpcrl.sessions.config import SessionServerConfig
+from hpcrl.sessions.families import get_family
+from hpcrl.sessions.messages import parse_messages, parse_tools
+from hpcrl.sessions.server import SessionServer
+
+CALC = {
+    "type": "function",
+    "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {}}}},
+}
+
+
+@pytest.fixture(scope="module")
+def server(shared_engine: Any, tiny_model_dir: Path) -> Iterator[SessionServer]:
+    cfg = SessionServerConfig(model_family="tiny", model=str(tiny_model_dir), engine_urls=(shared_engine.url,))
+    with SessionServer(cfg) as srv:
+        yield srv
+
+
+def new_session(server: SessionServer, **body: Any) -> tuple[str, openai.OpenAI]:
+    r = httpx.post(f"{server.url}/sessions", json=body, trust_env=False)
+    assert r.status_code == 200, r.text
+    sid = r.json()["session_id"]
+    return sid, openai.OpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key="unused", max_retries=0)
+
+
+def read(server: SessionServer, sid: str) -> dict[str, Any]:
+    r = httpx.get(f"{server.url}/sessions/{sid}", trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def as_dict(message: Any) -> dict[str, Any]:
+    return message.model_dump(exclude_none=True)
+
+
+def two_turns(server: SessionServer, **create: Any) -> tuple[str, openai.OpenAI, list[dict[str, Any]], Any]:
+    sid, client = new_session(server, **create)
+    first = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12*34?"}]
+    r1 = client.chat.completions.create(model="tiny", messages=first, tools=[CALC], max_tokens=6, seed=1)
+    history = [*first, as_dict(r1.choices[0].message), {"role": "user", "content": "And 5*6?"}]
+    r2 = client.chat.completions.create(
+        model="tiny", messages=history, tools=[CALC], max_tokens=6, seed=2, logprobs=True
+    )
+    return sid, client, [*history, as_dict(r2.choices[0].message)], r2
+
+
+def test_two_turns_record_sampled_tokens_and_mask_everything_else(server: SessionServer, tiny_model_dir: Path) -> None:
+    sid, _, history, r2 = two_turns(server)
+    state = read(server, sid)
+    assert state["num_turns"] == 2 and len(state["sequences"]) == 1
+    t1, t2 = state["turns"]
+    seq = state["sequences"][0]
+    for turn in (t1, t2):
+        n = len(turn["output_ids"])
+        assert 1 <= n <= 6 and len(turn["logprobs"]) == n and all(lp <= 0 for lp in turn["logprobs"])
+        assert turn["weight_versions"] == ["default"] * n and turn["finish_reason"] in ("stop", "length")
+    # The client saw exactly the recorded log-probs of turn 2.
+    assert [c.logprob for c in r2.choices[0].logprobs.content] == pytest.approx(t2["logprobs"])
+    # Token ids: turn-1 prompt, sampled turn 1, splice + appended user message, sampled turn 2; only sampled train.
+    n1, o1, n2, o2 = t1["num_prompt_tokens"], t1["output_ids"], t2["num_prompt_tokens"], t2["output_ids"]
+    ids = seq["token_ids"]
+    assert len(ids) == n1 + len(o1) + n2 + len(o2)
+    assert ids[n1 : n1 + len(o1)] == o1 and ids[-len(o2) :] == o2
+    assert seq["loss_mask"] == [0] * n1 + [1] * len(o1) + [0] * n2 + [1] * len(o2)
+    assert seq["logprobs"] == [0.0] * n1 + t1["logprobs"] + [0.0] * n2 + t2["logprobs"]
+    tok = load_tokenizer(str(tiny_model_dir))
+    family = get_family("tiny")
+    messages = parse_messages(history)
+    assert tok.decode(ids[:n1]) == family.render(messages[:2], parse_tools([CALC]), add_generation_prompt=True)
+    spliced = tok.decode(ids[n1 + len(o1) : n1 + len(o1) + n2])
+    closing = "\n" if o1[-1] == tok.convert_tokens_to_ids("<|im_end|>") else "<|im_end|>\n"
+    assert spliced == closing + "<|im_start|>user\nAnd 5*6?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_token_fields_a_client_sends_are_ignored(server: SessionServer, tiny_model_dir: Path) -> None:
+    sid, client = new_session(server)
+    messages = [{"role": "user", "content": "Hi"}]
+    client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, extra_body={"input_ids": [5, 6, 7], "prompt_token_ids": [1]}
+    )
+    turn = read(server, sid)["turns"][0]
+    tok = load_tokenizer(str(tiny_model_dir))
+    prompt = read(server, sid)["sequences"][0]["token_ids"][: turn["num_prompt_tokens"]]
+    assert tok.decode(prompt) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_linear_session_refuses_a_diverged_history_with_400(server: SessionServer) -> None:
+    sid, client, history, _ = two_turns(server)
+    edited = [*history[:3], {"role": "user", "content": "And 7*8?"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=edited, tools=[CALC], max_tokens=4)
+    message = str(err.value)
+    assert "message 3 diverges (content: stored 'And 5*6?', sent 'And 7*8?')" in message
+    assert "mode 'branching'" in message
+    assert read(server, sid)["num_turns"] == 2, "a refused request records nothing"
+
+
+def test_branching_session_starts_a_branch_and_trains_the_shared_turn_once(server: SessionServer) -> None:
+    sid, client, history, _ = two_turns(server, mode="branching")
+    edited = [*history[:3], {"role": "user", "content": "And 7*8?"}]
+    client.chat.completions.create(model="tiny", messages=edited, tools=[CALC], max_tokens=4, seed=3)
+    state = read(server, sid)
+    t1, t2, t3 = state["turns"]
+    assert (t2["parent"], t3["parent"]) == (0, 0), "the edited request branches from turn 0"
+    a, b = state["sequences"]
+    assert (a["turns"], b["turns"]) == ([0, 1], [0, 2])
+    n1, o1 = t1["num_prompt_tokens"], len(t1["output_ids"])
+    assert a["token_ids"][: n1 + o1] == b["token_ids"][: n1 + o1], "the branches share turn 0's tokens"
+    assert a["loss_mask"][n1 : n1 + o1] == [1] * o1 and b["loss_mask"][n1 : n1 + o1] == [0] * o1
+    assert sum(b["loss_mask"]) == len(t3["output_ids"])
+
+
+def test_episode_limits_end_the_session_with_a_recorded_reason(server: SessionServer) -> None:
+    sid, client = new_session(server, limits={"max_turns": 1})
+    first = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model="tiny", messages=first, max_tokens=3)
+    with pytest.raises(openai.ConflictError, match=r"episode has ended \(max_turns"):
+        client.chat.completions.create(
+            model="tiny", messages=[*first, as_dict(r.choices[0].message), {"role": "user", "content": "more"}]
+        )
+    assert read(server, sid)["end_reason"] == "max_turns"
+
+    sid, client = new_session(server, limits={"max_tokens_per_turn": 2})
+    r = client.chat.completions.create(model="tiny", messages=first, max_tokens=50, temperature=1.0, seed=0)
+    turn = read(server, sid)["turns"][0]
+    if turn["finish_reason"] == "length":  # the random model stopped within 2 tokens only if it sampled <|im_end|>
+        assert len(turn["output_ids"]) == 2 and read(server, sid)["end_reason"] == "max_tokens_per_turn"
+        assert r.session["end_reason"] == "max_tokens_per_turn"  # type: ignore[attr-defined]
+
+
+def test_bad_requests_are_clear_errors_and_delete_ends_a_session(server: SessionServer) -> None:
+    sid, client = new_session(server)
+    with pytest.raises(openai.BadRequestError, match=r"unknown field\(s\) \['frobnicate'\]"):
+        client.chat.completions.create(
+            model="t", messages=[{"role": "user", "content": "x"}], extra_body={"frobnicate": 1}
+        )
+    with pytest.raises(openai.BadRequestError, match="stream=true is not supported"):
+        client.chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}], stream=True)
+    r = httpx.post(f"{server.url}/sessions", json={"mode": "tree"}, trust_env=False)
+    assert r.status_code == 400 and "mode must be one of ['linear', 'branching']" in r.text
+    assert httpx.delete(f"{server.url}/sessions/{sid}", trust_env=False).status_code == 204
+    with pytest.raises(openai.NotFoundError, match="no session"):
+        client.chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}])
