@@ -28,7 +28,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hpcrl.engine.client import EngineClient, EngineError
+from hpcrl.engine.client import EngineClient, EngineError, EngineRequestError
 from hpcrl.engine.protocol import SamplingParams
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
@@ -247,6 +247,11 @@ class SessionService:
             result = engine.generate(
                 history + prompt_ids, params, rid=f"{session.id}-{seq}", timeout_s=self.cfg.request_timeout_s
             )
+        except EngineRequestError as exc:
+            if exc.status_code != 400:
+                raise SessionError(502, f"the engine failed; nothing was recorded: {exc}") from None
+            # The engine's 400 is about this request (e.g. the history outgrew the context): not worth a retry.
+            raise SessionError(400, f"the engine refused the turn; nothing was recorded: {exc}") from None
         except EngineError as exc:
             raise SessionError(
                 502, f"the engine failed; nothing was recorded, the request may be retried: {exc}"

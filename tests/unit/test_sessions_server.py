@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,48 @@ def test_bad_requests_are_clear_errors_and_delete_ends_a_session(server: Session
     assert httpx.delete(f"{server.url}/sessions/{sid}", trust_env=False).status_code == 204
     with pytest.raises(openai.NotFoundError, match="no session"):
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}])
+
+
+def test_tool_errors_go_back_to_the_model_and_the_server_keeps_serving(server: SessionServer) -> None:
+    from hpcrl.sessions.environment import CalculatorEnvironment
+    from hpcrl.sessions.sandbox import SandboxLimits
+
+    env = CalculatorEnvironment(SandboxLimits(cpu_s=1, memory_mb=128))
+    episode = env.start({"prompt": "12*12?", "answer": 144})
+    for i, code in enumerate(["while True: pass", "x = bytearray(10**10)", "import os", "import socket", "12*12"]):
+        sid, client = new_session(server)
+        r = client.chat.completions.create(model="t", messages=episode.messages, tools=episode.tools, max_tokens=3)
+        # A client-injected assistant turn calling the tool (rendered, masked), then the tool's answer.
+        call = {"type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": code})}}
+        result = env.call_tool(episode, "calculator", {"expression": code})
+        assert result.error == (code != "12*12"), result.content
+        history = [*episode.messages, as_dict(r.choices[0].message)]
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", **call}]},
+            result.message(f"c{i}"),
+        ]
+        r = client.chat.completions.create(model="t", messages=history, tools=episode.tools, max_tokens=3)
+        assert r.choices[0].message.role == "assistant"
+        state = read(server, sid)
+        assert state["num_turns"] == 2
+        spliced = state["sequences"][0]["loss_mask"]
+        assert sum(spliced) == sum(len(t["output_ids"]) for t in state["turns"]), "injected turns do not train"
+
+
+def test_run_episode_drives_a_session_and_reports_its_accounting(server: SessionServer) -> None:
+    from hpcrl.sessions.environment import episode_metrics, load_environment, run_episode
+
+    result = run_episode(
+        load_environment("calculator"),
+        {"prompt": "2*3?", "answer": 6},
+        server.url,
+        sampling={"max_tokens": 4, "seed": 0},
+    )
+    assert result.num_turns >= 1 and len(result.sequences) == 1
+    assert result.end_reason in ("answered", "truncated", "max_turns", "max_tokens_per_turn", "max_episode_tokens")
+    assert result.reward in (0.0, 1.0) and result.reward_error is None
+    metrics = episode_metrics([result])
+    assert metrics["rollout/turns_mean"] == result.num_turns
+    assert metrics["rollout/episode_tokens_mean"] == len(result.sequences[0]["token_ids"])
+    r = httpx.get(f"{server.url}/sessions", trust_env=False)
+    assert r.status_code == 405, "GET /sessions is not a route; POST is"
