@@ -226,11 +226,10 @@ class SessionService:
                 f"the episode has ended (max_episode_tokens: the prompt has {total} tokens, the "
                 f"budget is {limits.max_episode_tokens})",
             )
-        caps = {
-            "request": max_tokens or limits.max_tokens_per_turn,
-            "max_tokens_per_turn": limits.max_tokens_per_turn,
-            "max_episode_tokens": room,
-        }
+        # Which bound cuts the turn decides whether a cut ends the episode: the client's own max_tokens does not.
+        caps = {"max_tokens_per_turn": limits.max_tokens_per_turn, "max_episode_tokens": room}
+        if max_tokens is not None:
+            caps = {"request": max_tokens, **caps}
         cap_name = min(caps, key=lambda k: caps[k])
         params = SamplingParams(
             max_new_tokens=caps[cap_name],
