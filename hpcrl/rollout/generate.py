@@ -35,6 +35,8 @@ class Sample:
     weight_versions: list[str | None]
     reward: float = 0.0
     reward_error: str | None = None
+    loss_mask: list[int] | None = None
+    """Over output_ids, for multi-turn samples: 1 on sampled tokens, 0 on tool and template tokens (None: all 1)."""
 
 
 @dataclass

@@ -77,4 +77,5 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
         [s.output_ids for s in samples],
         advantages=adv.tolist(),
         rollout_logprobs=[s.logprobs for s in samples],
+        response_masks=[s.loss_mask for s in samples],
     )
