@@ -120,9 +120,12 @@ def run_episode(
     *,
     sampling: dict[str, Any] | None = None,
     limits: dict[str, int] | None = None,
+    seed: int | None = None,
     timeout_s: float = 600.0,
 ) -> EpisodeResult:
-    """One episode in a linear session: generate, answer tool calls, repeat until an answer or a limit."""
+    """One episode in a linear session: generate, answer tool calls, repeat until an answer or a limit.
+
+    With `seed`, turn k samples with seed + k: an episode repeats exactly on the same weights."""
     episode = env.start(row)
     calls = errors = 0
     end_reason = ""
@@ -133,6 +136,8 @@ def run_episode(
         try:
             while True:
                 body = {"messages": episode.messages, **(sampling or {})}
+                if seed is not None:
+                    body["seed"] = seed + sum(m.get("role") == "assistant" for m in episode.messages)
                 if episode.tools:
                     body["tools"] = episode.tools
                 r = http.post(f"/sessions/{sid}/v1/chat/completions", json=body)

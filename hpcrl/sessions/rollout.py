@@ -8,12 +8,14 @@ Sample per leaf, all with the episode's reward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from hpcrl.rollout.data import Example
-from hpcrl.rollout.generate import Group, Sample
-from hpcrl.sessions.environment import EpisodeResult
+from hpcrl.rollout.generate import Group, Sample, sample_seed
+from hpcrl.sessions.environment import Environment, EpisodeResult, episode_metrics, run_episode
 
-__all__ = ["group_from_episodes"]
+__all__ = ["group_from_episodes", "rollout_groups"]
 
 
 def group_from_episodes(example: Example, results: Sequence[EpisodeResult]) -> Group:
@@ -39,3 +41,35 @@ def group_from_episodes(example: Example, results: Sequence[EpisodeResult]) -> G
                 )
             )
     return group
+
+
+def rollout_groups(
+    env: Environment,
+    examples: Sequence[Example],
+    server_url: str,
+    *,
+    num_samples: int,
+    step: int,
+    seed: int,
+    sampling: dict[str, Any] | None = None,
+    limits: dict[str, int] | None = None,
+    max_concurrency: int = 16,
+) -> tuple[list[Group], dict[str, float]]:
+    """`num_samples` episodes per example, run concurrently; their Groups and the rollout/* episode metrics.
+
+    Episode seeds depend only on (seed, step, example, sample), as single-turn samples' do, so a step repeats."""
+    jobs = [(p, s) for p in range(len(examples)) for s in range(num_samples)]
+
+    def one(job: tuple[int, int]) -> EpisodeResult:
+        p, s = job
+        row = {"prompt": examples[p].prompt, "answer": examples[p].answer}
+        episode_seed = sample_seed(seed, step, p, s) % 2**31
+        return run_episode(env, row, server_url, sampling=sampling, limits=limits, seed=episode_seed)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(jobs)))) as pool:
+        results = list(pool.map(one, jobs))
+    groups = [
+        group_from_episodes(example, results[p * num_samples : (p + 1) * num_samples])
+        for p, example in enumerate(examples)
+    ]
+    return groups, episode_metrics(results)
