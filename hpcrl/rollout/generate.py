@@ -229,7 +229,8 @@ def assign_least_loaded(
 
 def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | None = None) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
-    versions = [v for s in samples for v in s.weight_versions]
+    # Tokens the model did not sample (a multi-turn episode's tool results) carry no version and are not counted.
+    versions = [v for s in samples for v in s.weight_versions if v is not None]
     lengths = [len(s.output_ids) for s in samples]
     rewards = [s.reward for s in samples if s.reward_error is None]
     zero_std = sum(1 for g in groups if len({s.reward for s in g.samples}) == 1)

@@ -52,3 +52,11 @@ def test_single_turn_batches_are_unchanged_without_masks() -> None:
     plain = TrainBatch.from_sequences([[1, 2]], [[3, 4, 5]])
     ones = TrainBatch.from_sequences([[1, 2]], [[3, 4, 5]], response_masks=[[1, 1, 1]])
     assert plain.loss_mask.tolist() == ones.loss_mask.tolist() == [[False, True, True, True]]
+
+
+def test_stale_share_counts_sampled_tokens_only() -> None:
+    from hpcrl.rollout.generate import rollout_stats
+
+    group = group_from_episodes(Example(prompt="2*3?", answer="6"), [episode(1.0)])
+    # Turn 1 was sampled with version 1, turn 2 with version 2; the tool tokens between them have none.
+    assert rollout_stats([group], 1.0, version="2")["rollout/stale_token_share"] == 0.5
