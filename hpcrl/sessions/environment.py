@@ -100,7 +100,8 @@ def load_environment(path: str) -> Environment:
 class EpisodeResult:
     reward: float
     end_reason: str
-    """answered (no tool call), truncated (the last turn was cut by its max_tokens), or a session limit's name."""
+    """answered (no tool call), truncated (the last turn was cut by its max_tokens), engine_failed, or a session
+    limit's name (max_turns, max_tokens_per_turn, max_episode_tokens)."""
     num_turns: int
     num_tool_calls: int
     num_tool_errors: int
@@ -143,6 +144,10 @@ def run_episode(
                 r = http.post(f"/sessions/{sid}/v1/chat/completions", json=body)
                 if r.status_code == 409:
                     end_reason = http.get(f"/sessions/{sid}").json()["end_reason"] or "ended"
+                    break
+                if r.status_code == 502:
+                    # Every engine failed this turn (the server already tried them all with the same ids and seed).
+                    end_reason = "engine_failed"
                     break
                 if r.status_code != 200:
                     raise RuntimeError(f"session {sid}: chat failed with HTTP {r.status_code}: {r.text[:500]}")

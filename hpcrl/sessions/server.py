@@ -28,8 +28,14 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hpcrl.engine.client import EngineClient, EngineError, EngineRequestError
-from hpcrl.engine.protocol import SamplingParams
+from hpcrl.engine.client import (
+    EngineBusyError,
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    EngineUnreachableError,
+)
+from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import MessageError, parse_messages, parse_tools
@@ -241,21 +247,7 @@ class SessionService:
             stop_token_ids=self.renderer.stop_token_ids,
         )
         seq = len(session.turns)
-        engine = self.engines[session.engine_index]
-        try:
-            result = engine.generate(
-                history + prompt_ids, params, rid=f"{session.id}-{seq}", timeout_s=self.cfg.request_timeout_s
-            )
-        except EngineRequestError as exc:
-            if exc.status_code != 400:
-                raise SessionError(502, f"the engine failed; nothing was recorded: {exc}") from None
-            # The engine's 400 is about this request (e.g. the history outgrew the context): not worth a retry.
-            raise SessionError(400, f"the engine refused the turn; nothing was recorded: {exc}") from None
-        except EngineError as exc:
-            raise SessionError(
-                502, f"the engine failed; nothing was recorded, the request may be retried: {exc}"
-            ) from None
-        assert not isinstance(result, list)
+        result = self._generate(session, history + prompt_ids, params, rid=f"{session.id}-{seq}")
         if result.aborted or result.output_token_logprobs is None:
             why = "aborted the request" if result.aborted else "returned no log-probs"
             raise SessionError(502, f"the engine {why}; nothing was recorded, the request may be retried")
@@ -280,6 +272,30 @@ class SessionService:
         if finish == "length" and cap_name != "request":
             session.end(cap_name)
         return self._completion(session, turn, want_logprobs)
+
+    def _generate(self, session: Session, ids: list[int], params: SamplingParams, *, rid: str) -> GenerateResult:
+        """The session's engine, else the others in turn: a dead or unready engine must not end an episode that any
+        engine can continue, since the request is the whole token history and the same seed."""
+        order = [session.engine_index, *(i for i in range(len(self.engines)) if i != session.engine_index)]
+        failures = []
+        for index in order:
+            try:
+                result = self.engines[index].generate(ids, params, rid=rid, timeout_s=self.cfg.request_timeout_s)
+            except (EngineUnreachableError, EngineBusyError) as exc:
+                log.warning("session %s: engine %s failed (%s); trying the next one", session.id, exc.url, exc)
+                failures.append(str(exc))
+                continue
+            except EngineRequestError as exc:
+                if exc.status_code != 400:
+                    raise SessionError(502, f"the engine failed; nothing was recorded: {exc}") from None
+                # The engine's 400 is about this request (e.g. the history outgrew the context): not worth a retry.
+                raise SessionError(400, f"the engine refused the turn; nothing was recorded: {exc}") from None
+            except EngineError as exc:
+                raise SessionError(502, f"the engine failed; nothing was recorded, it may be retried: {exc}") from None
+            assert not isinstance(result, list)
+            session.engine_index = index
+            return result
+        raise SessionError(502, f"every engine failed; nothing was recorded, it may be retried: {'; '.join(failures)}")
 
     def _completion(self, session: Session, turn: Turn, want_logprobs: bool) -> dict[str, Any]:
         finish = "length" if turn.finish_reason == "length" else "tool_calls" if turn.message.tool_calls else "stop"

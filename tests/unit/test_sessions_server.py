@@ -231,3 +231,19 @@ def test_rollout_groups_make_trainable_groups_from_episodes(server: SessionServe
     assert metrics["rollout/turns_mean"] >= 1
     batch = batch_from_groups(groups, normalize_std=True)
     assert batch.num_response_tokens == sum(sum(s.loss_mask or []) for g in groups for s in g.samples)
+
+
+def test_a_dead_engine_fails_over_and_no_engine_ends_the_episode(shared_engine: Any, tiny_model_dir: Path) -> None:
+    from hpcrl.sessions.environment import load_environment, run_episode
+    from tests.support import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = SessionServerConfig(model_family="tiny", model=str(tiny_model_dir), engine_urls=(dead, shared_engine.url))
+    with SessionServer(cfg) as srv:
+        sid, client = new_session(srv)  # the first session is pinned to the first engine: the dead one
+        r = client.chat.completions.create(model="t", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert r.choices[0].message.role == "assistant" and read(srv, sid)["num_turns"] == 1
+    only_dead = SessionServerConfig(model_family="tiny", model=str(tiny_model_dir), engine_urls=(dead,))
+    with SessionServer(only_dead) as srv:
+        result = run_episode(load_environment("calculator"), {"prompt": "2*3?", "answer": 6}, srv.url)
+        assert (result.end_reason, result.num_turns, result.sequences) == ("engine_failed", 0, [])
