@@ -339,6 +339,7 @@ _ROUTES = [
 
 class _Handler(BaseHTTPRequestHandler):
     service: SessionService  # set on the subclass made per server
+    _raw = b""
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -347,6 +348,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         try:
+            # Read the body before routing: one left unread on a kept-alive connection would be parsed as the next
+            # request.
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > _MAX_BODY_BYTES:
+                self.close_connection = True
+                raise SessionError(413, f"request body of {length} bytes is over {_MAX_BODY_BYTES}")
+            self._raw = self.rfile.read(length) if length else b""
             for route_method, pattern, name in _ROUTES:
                 match = pattern.match(path)
                 if match and route_method == method:
@@ -365,10 +373,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
 
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > _MAX_BODY_BYTES:
-            raise SessionError(413, f"request body of {length} bytes is over {_MAX_BODY_BYTES}")
-        raw = self.rfile.read(length) if length else b""
+        raw = self._raw
         if not raw.strip():
             return {}
         try:

@@ -158,6 +158,10 @@ def test_bad_requests_are_clear_errors_and_delete_ends_a_session(server: Session
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}], stream=True)
     r = httpx.post(f"{server.url}/sessions", json={"mode": "tree"}, trust_env=False)
     assert r.status_code == 400 and "mode must be one of ['linear', 'branching']" in r.text
+    with httpx.Client(base_url=server.url, trust_env=False) as http:  # one kept-alive connection
+        wrong = http.post("/sessions/nope/v2/chat", json={"messages": ["x" * 1000]})
+        assert wrong.status_code == 404 and "no route POST /sessions/nope/v2/chat" in wrong.text
+        assert http.get("/health").json()["status"] == "ok", "the unread body must not leak into the next request"
     assert httpx.delete(f"{server.url}/sessions/{sid}", trust_env=False).status_code == 204
     with pytest.raises(openai.NotFoundError, match="no session"):
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}])
