@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from hpcrl.sessions.environment import CalculatorEnvironment, load_environment
+from hpcrl.sessions.environment import CalculatorEnvironment, Environment, Episode, load_environment
 from hpcrl.sessions.sandbox import SandboxLimits, calculator, run_python
 
 LIMITS = SandboxLimits(cpu_s=1, memory_mb=128, max_output_bytes=1000)
@@ -60,3 +62,23 @@ def test_calculator_environment_rewards_the_final_number() -> None:
     assert env.reward(episode) == 0.0
     with pytest.raises(ValueError, match="is not a subclass of hpcrl.sessions.environment.Environment"):
         load_environment("hpcrl.sessions.sandbox:SandboxLimits")
+
+
+class EchoEnvironment(Environment):
+    """A user environment, loaded by dotted path as a run config would name it."""
+
+    def start(self, row: dict[str, Any]) -> Episode:
+        return Episode(row=row, messages=[{"role": "user", "content": row["prompt"]}])
+
+    def reward(self, episode: Episode) -> float:
+        return 1.0
+
+
+def test_environments_load_by_dotted_path_with_clear_errors() -> None:
+    env = load_environment("tests.unit.test_sessions_sandbox:EchoEnvironment")
+    episode = env.start({"prompt": "hi"})
+    assert isinstance(env, EchoEnvironment) and episode.messages[0]["content"] == "hi"
+    unknown = env.call_tool(episode, "search", {})
+    assert unknown.error and "no tool named 'search'" in unknown.content
+    with pytest.raises(ValueError, match="cannot import 'no_such_pkg_hpcrl'"):
+        load_environment("no_such_pkg_hpcrl:Env")
