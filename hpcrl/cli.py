@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.guard.cli import add_guard_commands
 from hpcrl.report.cli import add_report_commands
+from hpcrl.sessions.cli import add_session_commands
 from hpcrl.slurm.cli import add_slurm_commands
 
 Command = Callable[[argparse.Namespace], int]
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_guard_commands(sub)
     add_slurm_commands(sub)
     add_report_commands(sub)
+    add_session_commands(sub)
     return parser
 
 

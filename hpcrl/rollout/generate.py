@@ -48,6 +48,8 @@ class Sample:
     """Per output token, the ids top-k/top-p let the engine draw from (None without filtering); `logprobs`
     are then renormalised over them. Plain arrays for a buffer or checkpoint: `supports.to_arrays()`."""
     sampled_logprobs: list[float] | None = None  # engine.logprobs: recompute: what `logprobs` replaced
+    loss_mask: list[int] | None = None
+    """Over output_ids, for multi-turn samples: 1 on sampled tokens, 0 on tool and template tokens (None: all 1)."""
 
 
 @dataclass
@@ -314,7 +316,8 @@ def recompute_abs_diff(samples: Sequence[Sample]) -> float | None:
 def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | None = None) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
     recompute = recompute_abs_diff(samples)
-    versions = [v for s in samples for v in s.weight_versions]
+    # Tokens the model did not sample (a multi-turn episode's tool results) carry no version and are not counted.
+    versions = [v for s in samples for v in s.weight_versions if v is not None]
     lengths = [len(s.output_ids) for s in samples]
     rewards = [s.reward for s in samples if s.reward_error is None]
     zero_std = sum(1 for g in groups if len({s.reward for s in g.samples}) == 1)

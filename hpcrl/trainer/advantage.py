@@ -81,4 +81,5 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
         advantages=adv.tolist(),
         rollout_logprobs=[s.logprobs for s in samples],
         supports=[s.supports for s in samples if s.supports is not None] if any(with_supports) else None,
+        response_masks=[s.loss_mask for s in samples],
     )

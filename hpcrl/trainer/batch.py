@@ -39,7 +39,10 @@ class TrainBatch:
         advantages: Sequence[float] | None = None,
         rollout_logprobs: Sequence[Sequence[float]] | None = None,
         supports: Sequence[TokenSupports] | None = None,
+        response_masks: Sequence[Sequence[int] | None] | None = None,
     ) -> TrainBatch:
+        """`response_masks` (one per sequence, None for all-ones) keep the loss off response tokens the model did not
+        sample: the tool results and template tokens between the turns of a multi-turn episode."""
         n = len(prompts)
         if len(responses) != n:
             raise ValueError(f"{n} prompts but {len(responses)} responses")
@@ -52,7 +55,13 @@ class TrainBatch:
             if not p:
                 raise ValueError(f"sequence {i} has an empty prompt")
             ids[i, : lengths[i]] = torch.tensor(list(p) + list(r), dtype=torch.long)
-            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = True
+            response_mask = None if response_masks is None else response_masks[i]
+            if response_mask is None:
+                mask[i, len(p) - 1 : len(p) - 1 + len(r)] = True
+            elif len(response_mask) != len(r):
+                raise ValueError(f"sequence {i}: a response mask of {len(response_mask)} for {len(r)} tokens")
+            else:
+                mask[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(list(response_mask), dtype=torch.bool)
             if rollout_logprobs is not None:
                 if len(rollout_logprobs[i]) != len(r):
                     raise ValueError(f"sequence {i}: {len(rollout_logprobs[i])} log-probs for {len(r)} tokens")

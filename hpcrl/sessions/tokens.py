@@ -1,0 +1,78 @@
+"""A family bound to a tokenizer: the token ids of turn 1, of an appended tail, and of the splice between them.
+
+The stored history is never re-rendered: a tail's text is the difference between rendering a fixed stand-in
+history with and without the tail, so it cannot depend on how the real history (with its sampled turns) would
+render, and it is checked to be a pure extension there and then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcrl.sessions.families import ModelFamily
+from hpcrl.sessions.messages import Message
+
+# A stand-in history ending, like every stored one, with an assistant turn.
+_BASE = [
+    Message(role="system", content="S"),
+    Message(role="user", content="U"),
+    Message(role="assistant", content="A"),
+]
+
+
+class TemplateError(RuntimeError):
+    """The family's rendering is not append-only for this tail: a family bug (`hpcrl family check` finds them)."""
+
+
+class Renderer:
+    def __init__(self, family: ModelFamily, tokenizer: Any) -> None:
+        self.family = family
+        self.tokenizer = tokenizer
+        self.stop_token_ids = tuple(self._special_id(t) for t in family.stop_tokens)
+        self.end_of_turn_id = self._special_id(family.end_of_turn)
+
+    def _special_id(self, token: str) -> int:
+        ids = self.encode(token)
+        if len(ids) != 1:
+            raise ValueError(
+                f"model family {self.family.name!r}: the tokenizer does not have {token!r} as one token "
+                f"(it encodes to {ids}); this checkpoint is not of that family"
+            )
+        return ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def prompt_ids(self, messages: list[Message], tools: tuple[dict[str, Any], ...]) -> list[int]:
+        """Turn 1: the whole conversation rendered, with the generation prompt."""
+        return self.encode(self.family.render(messages, tools, add_generation_prompt=True))
+
+    def tail_text(self, tail: list[Message]) -> str:
+        before = self.family.render(_BASE, add_generation_prompt=False)
+        after = self.family.render(_BASE + tail, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise TemplateError(
+                f"model family {self.family.name!r} is not append-only for appended roles "
+                f"{[m.role for m in tail]}: rendering them changes the history before them"
+            )
+        return after[len(before) :]
+
+    def tail_ids(self, tail: list[Message]) -> list[int]:
+        return self.encode(self.tail_text(tail))
+
+    def close_ids(self, output_ids: list[int]) -> list[int]:
+        """What closes a sampled turn so the template's next message can follow: the family's turn_close minus the
+        end-of-turn token when the model sampled it (the "\\n" after <|im_end|>), all of it when it was cut off."""
+        close = self.encode(self.family.turn_close)
+        if output_ids and output_ids[-1] == self.end_of_turn_id and close and close[0] == self.end_of_turn_id:
+            return close[1:]
+        return close
+
+    def assistant_text(self, output_ids: list[int]) -> str:
+        """The sampled text without its trailing stop token (what the parsers read)."""
+        if output_ids and output_ids[-1] in self.stop_token_ids:
+            output_ids = output_ids[:-1]
+        return self.decode(output_ids)
