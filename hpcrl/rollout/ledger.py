@@ -9,10 +9,7 @@ highest drawn, that it was trained exactly once or dropped with a recorded reaso
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 FINAL = ("trained", "dropped")
@@ -81,12 +78,6 @@ class PromptLedger:
         ):
             ledger.entries[int(p)] = Entry(status, step, reason, list(drops), int(attempts))
         return ledger
-
-    def write(self, path: Path, *, extra: dict[str, Any] | None = None) -> None:
-        """Write atomically (a reader sees the previous ledger or this one, never half of one)."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json() | (extra or {})))
-        os.replace(tmp, path)
 
 
 def ledger_problems(data: dict[str, Any], *, num_drawn: int, prompts_per_step: int | None = None) -> list[str]:
