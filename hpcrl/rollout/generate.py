@@ -190,7 +190,7 @@ class Rollout:
         results = out if isinstance(out, list) else [out]
         if not self.cfg.replays_support:
             return [(r, None) for r in results]
-        return [(r, _checked_supports(r, slot.client.url)) for r in results]
+        return [(r, checked_supports(r, slot.client.url)) for r in results]
 
     def generate(self, step: int, examples: Sequence[Example], draw: Draw | None = None) -> list[Group]:
         """The groups of `examples`; `draw` changes what is drawn (evaluation: greedy, k samples)."""
@@ -235,26 +235,31 @@ class Rollout:
         for p in range(len(examples)):
             for s in range(n):
                 r, supports = results[(p, s)]
-                groups[p].samples.append(
-                    Sample(
-                        prompt_ids=prompts[p],
-                        output_ids=list(r.output_ids),
-                        # With supports, the behaviour policy's log-prob is the one renormalised over them.
-                        logprobs=list((r.support_logprobs if supports is not None else r.output_token_logprobs) or []),
-                        text=self.formatter.decode(r.output_ids),
-                        finish=r.finish_reason.type if r.finish_reason else "abort",
-                        weight_versions=r.token_weight_versions(),
-                        supports=supports,
-                        sampled_logprobs=_sampled_logprobs(r),
-                    )
-                )
+                groups[p].samples.append(sample_of(r, prompts[p], self.formatter, supports))
         return groups
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _checked_supports(r: GenerateResult, url: str) -> TokenSupports:
+def sample_of(
+    r: GenerateResult, prompt: list[int], formatter: PromptFormatter, supports: TokenSupports | None
+) -> Sample:
+    """The training sample of one engine result (the synchronous rollout's and the async producer's)."""
+    return Sample(
+        prompt_ids=prompt,
+        output_ids=list(r.output_ids),
+        # With supports, the behaviour policy's log-prob is the one renormalised over them.
+        logprobs=list((r.support_logprobs if supports is not None else r.output_token_logprobs) or []),
+        text=formatter.decode(r.output_ids),
+        finish=r.finish_reason.type if r.finish_reason else "abort",
+        weight_versions=r.token_weight_versions(),
+        supports=supports,
+        sampled_logprobs=_sampled_logprobs(r),
+    )
+
+
+def checked_supports(r: GenerateResult, url: str) -> TokenSupports:
     """A result's sampling supports; refused when it cannot be replayed: no supports (an engine without
     return_sampling_mask), or a support without its sampled token (the trainer would score an impossible one)."""
     if r.sampling_mask is None or r.support_logprobs is None:

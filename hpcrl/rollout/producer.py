@@ -19,11 +19,12 @@ trainer trains, and the trainer collects each step's batch from the group buffer
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,9 +37,10 @@ from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter, version_ordinal
 from hpcrl.rollout.config import BufferConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
-from hpcrl.rollout.generate import Group, PromptFormatter, Sample, sample_seed
+from hpcrl.rollout.generate import Group, PromptFormatter, Sample, checked_supports, sample_of, sample_seed
 from hpcrl.rollout.ledger import PromptLedger
 from hpcrl.rollout.scoring import RewardScorer
+from hpcrl.rollout.support import TokenSupports
 
 MAX_ATTEMPTS = 3  # buffer.on_drop=retry: a prompt is generated at most this often, then dropped
 _STATE_VERSION = 1
@@ -173,7 +175,7 @@ class AsyncRollout:
             for s in range(n)
         ]  # fmt: skip
         out = call.slot.client.generate(
-            [call.prompt] * n, params, return_logprob=True,
+            [call.prompt] * n, params, return_logprob=True, return_sampling_mask=self.cfg.replays_support,
             rid=[f"pos{call.position}-a{call.attempt}-s{s}" for s in range(n)], timeout_s=self.cfg.request_timeout_s,
         )  # fmt: skip
         return out if isinstance(out, list) else [out]
@@ -212,15 +214,10 @@ class AsyncRollout:
         example = self.data.at(call.position)
         prompt = call.prompt
         group = Group(example=example)
+        url = call.slot.client.url
         for r in results:
-            group.samples.append(
-                Sample(
-                    prompt_ids=prompt, output_ids=list(r.output_ids), logprobs=list(r.output_token_logprobs or []),
-                    text=self.formatter.decode(r.output_ids),
-                    finish=r.finish_reason.type if r.finish_reason else "abort",
-                    weight_versions=r.token_weight_versions(),
-                )
-            )  # fmt: skip
+            supports = checked_supports(r, url) if self.cfg.replays_support else None
+            group.samples.append(sample_of(r, prompt, self.formatter, supports))
         if self.scorer.score(self.trainer_step, [group]) is None:  # a preemption signal: leave it pending
             with self._lock:
                 self._queue.appendleft(call.position)
@@ -344,6 +341,10 @@ class AsyncRollout:
             "rollout_buffer/output_ids": _flat_ints([s.output_ids for s in samples]),
             "rollout_buffer/logprobs": torch.tensor([x for s in samples for x in s.logprobs], dtype=torch.float64),
         }
+        if any(s.supports is not None for s in samples):  # top-k/top-p replay: the ragged supports, as they are
+            joined = TokenSupports.concat([s.supports for s in samples if s.supports is not None])
+            for key, array in joined.to_arrays(prefix="rollout_buffer/support_").items():
+                tensors[key] = torch.from_numpy(array)
         groups = [
             {
                 "position": item.position, "attempt": item.attempt, "oldest_version": item.oldest_version,
@@ -381,6 +382,11 @@ class AsyncRollout:
         prompt_ids = iter(tensors["rollout_buffer/prompt_ids"].tolist())
         output_ids = iter(tensors["rollout_buffer/output_ids"].tolist())
         logprobs = iter(tensors["rollout_buffer/logprobs"].tolist())
+        supports: Iterator[TokenSupports | None] = itertools.repeat(None)
+        if "rollout_buffer/support_ids" in tensors:
+            arrays = {k: v.numpy() for k, v in tensors.items() if k.startswith("rollout_buffer/support_")}
+            lengths = [s["output_len"] for g in state["groups"] for s in g["samples"]]
+            supports = iter(TokenSupports.from_arrays(arrays, prefix="rollout_buffer/support_").split(lengths))
         items = []
         for g in state["groups"]:
             group = Group(example=self.data.at(g["position"]))
@@ -391,7 +397,7 @@ class AsyncRollout:
                         prompt_ids=[next(prompt_ids) for _ in range(s["prompt_len"])], output_ids=out,
                         logprobs=[next(logprobs) for _ in range(s["logprob_len"])], text=self.formatter.decode(out),
                         finish=s["finish"], weight_versions=_unspan(s["versions"]), reward=s["reward"],
-                        reward_error=s["reward_error"],
+                        reward_error=s["reward_error"], supports=next(supports),
                     )
                 )  # fmt: skip
             items.append(BufferedGroup(g["position"], g["attempt"], group, g["oldest_version"]))

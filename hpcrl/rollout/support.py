@@ -64,6 +64,17 @@ class TokenSupports:
         )
         return cls(offsets=offsets, ids=np.concatenate([p.ids for p in parts]))
 
+    def split(self, num_tokens: Sequence[int]) -> list[TokenSupports]:
+        """The inverse of `concat`: consecutive parts of `num_tokens[i]` tokens each (they must add up)."""
+        if sum(num_tokens) != self.num_tokens:
+            raise ValueError(f"split into {sum(num_tokens)} tokens, but the supports cover {self.num_tokens}")
+        parts, start = [], 0
+        for n in num_tokens:
+            lo, hi = self.offsets[start], self.offsets[start + n]
+            parts.append(TokenSupports(offsets=self.offsets[start : start + n + 1] - lo, ids=self.ids[lo:hi].copy()))
+            start += n
+        return parts
+
     # ----- reading -----
     @property
     def num_tokens(self) -> int:

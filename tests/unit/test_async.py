@@ -60,12 +60,12 @@ class Parts:
 
     def make(
         self, *, n: int = 4, prompts_per_step: int = 2, inflight: int = 2, capacity: int = 4, max_new_tokens: int = 6,
-        reward: str = "arithmetic_answer", **buffer: Any,
+        reward: str = "arithmetic_answer", sampling: dict[str, Any] | None = None, **buffer: Any,
     ) -> AsyncRollout:  # fmt: skip
         self.data.batch_size = prompts_per_step
         scorer = RewardScorer(RewardConfig(fn=reward), interrupted=lambda: False, on_stop=lambda s, d: None)
         rollout = AsyncRollout(
-            RolloutConfig(mode="async", n_samples_per_prompt=n, max_new_tokens=max_new_tokens),
+            RolloutConfig(mode="async", n_samples_per_prompt=n, max_new_tokens=max_new_tokens, **(sampling or {})),
             BufferConfig(**buffer), self.fleet, self.formatter, self.data, scorer, self.publisher,
             seed=0, prompts_per_step=prompts_per_step, max_inflight_groups=inflight, capacity_groups=capacity,
         )  # fmt: skip
@@ -260,6 +260,26 @@ def test_checkpoint_mid_flight_and_resume_trains_every_position_exactly_once(par
     # Same weights and the same seeds: a prompt the lost job generated comes out the same when re-issued.
     common = [p for p in after if p in regenerated]
     assert common and all(after[p] == regenerated[p] for p in common)
+
+
+def test_supports_travel_through_the_buffer_and_its_checkpoint(parts: Parts) -> None:
+    # top-k/top-p in async mode: the producer asks for the supports, the samples carry them (log-probs
+    # renormalised over them), and a checkpointed buffer gives them back ragged and unchanged.
+    first = parts.make(inflight=2, capacity=4, sampling={"top_k": 8, "top_p": 0.9})
+    first.start()
+    groups = first.collect(0, interrupted=never_interrupted)
+    assert groups is not None
+    for s in (s for g in groups for s in g.samples):
+        assert s.supports is not None and s.supports.num_tokens == len(s.output_ids)
+        assert 1 <= s.supports.sizes().min() and s.supports.sizes().max() <= 8
+    until(lambda: len(first.buffer) >= 1, "a buffered group")
+    first.stop()
+    tensors, state = first.state_dict()
+    assert tensors["rollout_buffer/support_ids"].dtype == torch.int32  # ragged ids, never [tokens x vocab]
+    saved = [s.supports for item in [*first._taken, *first.buffer] for s in item.group.samples]
+    second = parts.make(inflight=2, capacity=4, sampling={"top_k": 8, "top_p": 0.9})
+    second.load_state_dict({k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(state)), step=0)
+    assert [s.supports for item in second.buffer for s in item.group.samples] == saved
 
 
 def test_pause_and_push_50_times_with_hundreds_of_requests_in_flight(parts: Parts) -> None:
