@@ -6,6 +6,7 @@
 # quickstart: the quickstart with engine.kind=sglang, colocated, memory rented every step
 # fault:      12 steps whose engine's scheduler is SIGKILLed at step 6 (FAULT_AT/FAULT_COUNT say when)
 # record:     tools/gpu/record_sglang.py (the answers under tests/golden/sglang-0.5.16/), as $OUT/golden.tgz
+# replay:     tools/gpu/sglang_replay_gap.py (top_k=64 top_p=0.95: the gap with and without support replay)
 # throughput: decode tok/s of the embedded engine, then of SGLang (triton attention, CUDA graphs), 256 x 512
 #             tokens with log-probs, Qwen3-0.6B shape bf16; runs alone, before the other sections start
 # Sections run at once (each SGLang start is 130-150 s); every server caps its KV cache
@@ -24,6 +25,10 @@ if [[ $STEPS == *throughput* ]]; then
     --json-out "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1
   echo "throughput exit $?" >> "$OUT/throughput.log"
   tail -n 5 /tmp/tp/sglang.log > "$OUT/throughput_sglang_tail.log" 2>/dev/null
+fi
+if [[ $STEPS == *replay* ]]; then
+  timeout 560 python3 tools/gpu/sglang_replay_gap.py --out "$OUT" > "$OUT/replay.log" 2>&1 &
+  pids+=($!)
 fi
 if [[ $STEPS == *weights* ]]; then
   timeout 560 python3 tools/gpu/sglang_weights.py --workdir /tmp/sgw --out "$OUT/w" > "$OUT/weights.log" 2>&1 &
