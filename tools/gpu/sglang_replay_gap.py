@@ -3,12 +3,12 @@ torch trainer against SGLang with and without replay, from the same rollout, and
 
   python3 tools/gpu/sglang_replay_gap.py --out $OUT      # after `source .sglang/activate.sh ...`
 
-SGLang (the Qwen3-0.6B shape, random weights, bf16, triton attention) samples 256 x 512 tokens at temperature 1
-with top_k=64, top_p=0.95, returning each token's support and its support-renormalised log-prob through hpcrl's
-client, as a rollout does. The trainer (hpcrl's torch model on the same weights, bf16) then scores every sampled
-token twice: over the full vocabulary (what it did before replay) and over the token's support (replay), and
-each is compared with SGLang's log-prob. The supports' size is that of hpcrl's ragged form (int64 offsets +
-int32 ids), against a dense bool [tokens x vocab] mask.
+SGLang (the Qwen3-0.6B shape with its 151,936-token vocabulary, random weights, bf16, triton attention)
+samples 256 x 512 tokens at temperature 1 with top_k=64, top_p=0.95, returning each token's support and its
+support-renormalised log-prob through hpcrl's client, as a rollout does. The trainer (hpcrl's torch model on
+the same weights, bf16) then scores every sampled token twice: over the full vocabulary (what it did before
+replay) and over the token's support (replay); each is compared with SGLang's log-prob. The supports' size is
+that of hpcrl's ragged form (int64 offsets + int32 ids), against a dense bool [tokens x vocab] mask.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-
-SHAPE = dict(num_layers=28, hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8, head_dim=128)
 
 
 def main() -> int:
@@ -46,7 +44,7 @@ def main() -> int:
     from hpcrl.engine.client import EngineClient
     from hpcrl.engine.protocol import SamplingParams
     from hpcrl.model.hf import load_model
-    from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
+    from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, TinyModelSpec, init_shaped_model, init_tiny_model
     from hpcrl.rollout.support import TokenSupports
     from hpcrl.trainer.batch import TrainBatch
     from hpcrl.trainer.loss import support_token_logprobs, token_logprobs
@@ -54,7 +52,10 @@ def main() -> int:
     ns.out.mkdir(parents=True, exist_ok=True)
     model_dir = ns.workdir / ("tiny" if ns.tiny else "qwen3-0.6b-shape")
     if not (model_dir / "config.json").exists():
-        init_tiny_model(model_dir, TinyModelSpec() if ns.tiny else TinyModelSpec(**SHAPE, max_position_embeddings=1024))
+        if ns.tiny:
+            init_tiny_model(model_dir, TinyModelSpec())
+        else:  # Qwen3-0.6B's shape with its vocabulary of 151,936 (the supports must cut into a real one)
+            init_shaped_model(model_dir, QWEN3_0_6B_SHAPE, dtype=ns.dtype, device=ns.device)
     embedded = [
         sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(ns.port),
         "--device", ns.device, "--dtype", ns.dtype, "--max-running-requests", str(ns.num_seqs),
@@ -90,7 +91,7 @@ def main() -> int:
         prompts = torch.randint(3, vocab, (ns.num_seqs, ns.prompt_len), generator=gen).tolist()
         params = [
             SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=1.0, top_k=ns.top_k, top_p=ns.top_p,
-                           sampling_seed=1000 + i)
+                           sampling_seed=1000 + i, ignore_eos=True)
             for i in range(ns.num_seqs)
         ]  # fmt: skip
         t0 = time.perf_counter()
