@@ -26,6 +26,7 @@ import torch
 from hpcrl.store.checkpoint import (
     CheckpointError,
     capture_rng_state,
+    list_checkpoints,
     remove_temp_files,
     restore_rng_state,
     save_checkpoint,
@@ -125,6 +126,10 @@ class RunState:
             target=self._write, args=(step, tensors, state), name=f"hpcrl-checkpoint-{step}"
         )
         self._writer.start()
+        if not list_checkpoints(self.ckpt_dir):
+            # The first checkpoint is waited for: a kill before it lands would leave metric rows with no
+            # checkpoint, a run dir that refuses to resume. Later ones fall back to the previous checkpoint.
+            self.wait()
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         try:

@@ -68,16 +68,19 @@ def test_save_returns_before_the_write_and_the_next_call_waits_for_it(
     gate = gated_writes(monkeypatch)
     with MetricsWriter(tmp_path / "metrics.h5") as store:
         state, weights = make_state(tmp_path, store, [])
+        gate.set()
+        state.save(0, {"train/loss": 0.6})  # the first checkpoint of a run is waited for (rows need one)
+        assert list_checkpoints(tmp_path / "checkpoints") == [checkpoint_path(tmp_path / "checkpoints", 0)]
+        gate.clear()
         weights.w += 1
-        state.save(0, {"train/loss": 0.5})  # returns while the write is held
-        weights.w += 1  # the loop goes on changing its tensors; the checkpoint keeps the values of step 0
-        assert list_checkpoints(tmp_path / "checkpoints") == []
+        state.save(1, {"train/loss": 0.5})  # returns while the write is held
+        weights.w += 1  # the loop goes on changing its tensors; the checkpoint keeps the values of step 1
         closer = threading.Thread(target=state.close)
         closer.start()
-        assert closer.is_alive() and list_checkpoints(tmp_path / "checkpoints") == []  # close waits for the write
+        assert closer.is_alive() and len(list_checkpoints(tmp_path / "checkpoints")) == 1  # close waits
         gate.set()
         closer.join()
-    ckpt = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 0))
+    ckpt = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 1))
     assert torch.equal(ckpt.tensors["model/w"], torch.ones(1000))
     assert ckpt.state["last_row_keys"] == ["train/loss"] and ckpt.tensors["last_row"].tolist() == [0.5]
 
