@@ -129,7 +129,7 @@ def test_support_logprobs_equal_the_dense_masked_softmax_with_its_gradient() -> 
         (["rollout.top_p=0.9"], r"rollout: top_p=0.9 needs a positive top_k .* set rollout.top_k"),
         ([*REPLAY, "rollout.temperature=0.7"], r"rollout.temperature=0.7 differs from the trainer's temperature"),
         ([*REPLAY, "train.kl_coef=0.1"], r"train.kl_coef=0.1 adds a KL to the reference policy"),
-        ([*REPLAY, "train.onpolicy=true", "engine.onpolicy_logprobs=true"], r"re-score sequences over the full"),
+        ([*REPLAY, "train.onpolicy=true", "engine.batch_invariant=true"], r"recompute score sequences over the full"),
     ],
 )
 def test_what_replay_cannot_reproduce_is_refused_at_load(workdir: Path, overrides: list[str], message: str) -> None:
