@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class ParsedTurn:
     parse_errors: tuple[str, ...] = ()
 
 
-class ModelFamily:
+class ModelFamily(ABC):
     """The base: ChatML turns `<|im_start|>role\\n...<|im_end|>\\n`; subclasses set how tools and reasoning look."""
 
     name: str = ""
@@ -71,6 +72,7 @@ class ModelFamily:
             out.append(self.generation_prompt)
         return "".join(out)
 
+    @abstractmethod
     def render_system(self, content: str | None, tools: tuple[dict[str, Any], ...]) -> str:
         raise NotImplementedError
 
@@ -81,9 +83,11 @@ class ModelFamily:
             return self.render_tool(m, prev, nxt)
         return f"<|im_start|>{m.role}\n{m.content}{self.turn_close}"
 
+    @abstractmethod
     def render_tool(self, m: Message, prev: Message | None, nxt: Message | None) -> str:
         raise NotImplementedError
 
+    @abstractmethod
     def assistant_body(self, m: Message) -> str:
         """What the model writes after the generation prompt, up to (not including) end_of_turn."""
         raise NotImplementedError
@@ -120,6 +124,7 @@ class ModelFamily:
             Message(role="assistant", content=content, reasoning=reasoning, tool_calls=tuple(calls)), tuple(errors)
         )
 
+    @abstractmethod
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
         raise NotImplementedError
 

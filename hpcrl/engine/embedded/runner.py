@@ -251,13 +251,7 @@ class DecodeRunner:
             out = sample(logits, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature)
             if not self.is_cuda:
                 # Synchronous: hand the outputs over as they are and advance the slot state.
-                self.tokens[:n].copy_(out.token_ids)
-                self.positions[:n] += 1
-                self.steps[:n] += 1
-                if timing is not None:
-                    self._mark(timing, 2)
-                    self._record_timing(timing)
-                return ReadyStep(_host_output(out))
+                return self._advance_and_hand_over(n, out, timing)
             self.out_tok[:n].copy_(out.token_ids)
             self.out_lp[:n, 0].copy_(out.logprobs)
             self.out_lp[:n, 1].copy_(out.scaled_logprobs)
@@ -278,6 +272,10 @@ class DecodeRunner:
         out = sample(
             lp, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature, logprobs=lp
         )
+        return self._advance_and_hand_over(n, out, timing)
+
+    def _advance_and_hand_over(self, n: int, out: Any, timing: Any) -> StepHandle:
+        """A synchronous step's end: advance the first n slots by their sampled tokens, hand the outputs over."""
         self.tokens[:n].copy_(out.token_ids)
         self.positions[:n] += 1
         self.steps[:n] += 1
