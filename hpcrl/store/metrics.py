@@ -47,6 +47,7 @@ _KEY_PART = re.compile(r"[A-Za-z0-9_.\-]+")
 # A writer outside SWMR (adding a key or an event) holds the file for milliseconds; readers wait this long.
 _READ_RETRY_S = 2.0
 _READ_RETRY_SLEEP_S = 0.02
+_SUPERBLOCK_OPEN_FOR_WRITE = 0x01
 
 
 class StoreError(Exception):
@@ -454,6 +455,14 @@ def _open_for_read(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
         f.close()
 
 
+def _superblock_write_flags(path: Path) -> int:
+    """The file-consistency flags of a version ≥ 2 superblock at offset 0 (bit 0: open for write, bit 2: SWMR
+    writing); 0 for older superblocks, which hpcrl's writers never make."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+    return head[11] if len(head) == 12 and head[8] >= 2 else 0
+
+
 def _open_hdf5_for_read(path: Path) -> h5py.File:
     # A closed file opens normally, which also checks that it is not truncated; a file that a writer has
     # open only opens through SWMR. locking=False so that readers never block the writer.
@@ -462,7 +471,13 @@ def _open_hdf5_for_read(path: Path) -> h5py.File:
         try:
             return h5py.File(path, "r", locking=False)
         except OSError as error:
-            if not _is_open_for_write(error):
+            # HDF5 checks the stored end of file before the write flags, so a file a writer is extending also
+            # reads as truncated. The flags tell them apart; SWMR must not open a closed file that is truncated,
+            # because it skips that check and reads the missing bytes as zeros.
+            truncated = "truncated file" in str(error)
+            if truncated and not _superblock_write_flags(path) & _SUPERBLOCK_OPEN_FOR_WRITE:
+                raise StoreError(f"cannot open {path} ({error}); the file is truncated or corrupt") from error
+            if not truncated and not _is_open_for_write(error):
                 raise StoreError(f"cannot open {path} ({error}); the file is truncated or corrupt") from error
         try:
             return h5py.File(path, "r", swmr=True, locking=False)

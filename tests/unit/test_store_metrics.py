@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import h5py
@@ -266,6 +267,30 @@ def test_readers_give_clear_errors_for_bad_files(tmp_path: Path) -> None:
         f.truncate(size_bytes // 2)
     with pytest.raises(StoreError, match="truncated or corrupt"):
         load_metrics(truncated)
+
+
+def test_a_file_whose_writer_is_still_extending_it_is_not_called_truncated(tmp_path: Path) -> None:
+    # The window CI caught: a writer had written the superblock's new end of file but not yet the data behind
+    # it, so the file read as truncated although nothing was lost. Here the writer is open in SWMR mode and
+    # the file is cut short the way that window leaves it.
+    path = tmp_path / "metrics.h5"
+    with MetricsWriter(path, **NO_AUTO_FLUSH) as writer:
+        for step in range(200):
+            writer.log(step, {"train/loss": float(step)})
+        writer.flush()
+        data = path.read_bytes()
+        assert data[11] & 0x05 == 0x05  # open for write, SWMR writing
+        short = tmp_path / "short" / "metrics.h5"
+        short.parent.mkdir()
+        short.write_bytes(data[:-4096])
+        assert load_metrics(short)["train/loss"].tolist() == [float(step) for step in range(200)]
+    # The same cut in a file whose writer closed it is truncated, and says so at once.
+    data = path.read_bytes()
+    path.write_bytes(data[:-4096])
+    started_s = time.monotonic()
+    with pytest.raises(StoreError, match="truncated or corrupt"):
+        load_metrics(path)
+    assert time.monotonic() - started_s < 0.5
 
 
 def test_writer_refuses_foreign_files(tmp_path: Path) -> None:
