@@ -76,8 +76,7 @@ def check_model_dir(model_dir: str | Path) -> None:
     that a damaged or mismatched model directory fails before a run writes anything."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_dir(model_dir)
-    with torch.device("meta"):
-        params = dict(CausalLM(args).named_parameters())
+    params = dict(CausalLM.without_init(args).named_parameters())
     seen: set[str] = set()
     for path in _safetensors_files(model_dir):
         with _open_safetensors(path) as f:
@@ -114,9 +113,7 @@ def load_model(
     """Build the model from an HF dir; every parameter must be present in the checkpoint."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_dir(model_dir)
-    with torch.device("meta"):
-        model = CausalLM(args)
-    model = model.to_empty(device=device).to(dtype)
+    model = CausalLM.without_init(args, device).to(dtype)
     params = dict(model.named_parameters())
     seen: set[str] = set()
     with torch.no_grad():

@@ -297,6 +297,24 @@ class CausalLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
+    @classmethod
+    def without_init(cls, args: ModelArgs, device: str | torch.device = "meta") -> CausalLM:
+        """The model with its parameters allocated on `device` but not initialised, for weights that are copied
+        in afterwards (on "meta": the structure and shapes alone).
+
+        Built on the device itself rather than on meta and moved with to_empty, and with the Embedding and
+        Linear initialisers skipped: on meta tensors both normal_ and empty_like go through torch._refs, whose
+        first calls import torch._dynamo and sympy, seconds of CPU in every process that builds a model (the
+        driver's check, each engine, each trainer rank); on a real device the initialisers cost a pass over
+        weights that are overwritten anyway."""
+        initialisers = nn.Embedding.reset_parameters, nn.Linear.reset_parameters
+        nn.Embedding.reset_parameters = nn.Linear.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        try:
+            with torch.device(device):
+                return cls(args)
+        finally:
+            nn.Embedding.reset_parameters, nn.Linear.reset_parameters = initialisers  # type: ignore[method-assign]
+
     @property
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight

@@ -180,9 +180,7 @@ def init_shaped_model(
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = qwen3_config(shape, vocab_size=shape.vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
     args = ModelArgs.from_hf_config(config.to_dict())
-    with torch.device("meta"):
-        model = CausalLM(args)
-    model = model.to_empty(device=device)
+    model = CausalLM.without_init(args, device)
     gen = torch.Generator(device=device).manual_seed(shape.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

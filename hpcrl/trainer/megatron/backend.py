@@ -424,5 +424,4 @@ class MegatronTrainer:
 
 
 def _meta_model(args: ModelArgs) -> CausalLM:
-    with torch.device("meta"):
-        return CausalLM(args)
+    return CausalLM.without_init(args)
