@@ -64,7 +64,8 @@ class TrainConfig:
     onpolicy: bool = False
     """Compute the log-probs of the loss and of the train/rollout gap with the batch-invariant forward
     (hpcrl.model.invariant) that engines with engine.batch_invariant sample from, so the gap is exactly 0.0
-    in any micro-batch; needs engine.batch_invariant: true, CPU and float32 (docs/numerics.md)."""
+    in any micro-batch; needs engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA,
+    float32 or bfloat16; docs/numerics.md)."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
@@ -146,10 +147,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.onpolicy and (not self.device.startswith("cpu") or self.dtype != "float32"):
+        if self.onpolicy and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(
-                f"onpolicy is verified on the CPU in float32 only (device {self.device!r}, dtype {self.dtype!r}); "
-                "use device: cpu and dtype: float32, or onpolicy: false (docs/numerics.md)"
+                f"onpolicy covers device cpu or cuda, not {self.device!r}; use one of those, or onpolicy: false "
+                "(docs/numerics.md)"
             )
 
 

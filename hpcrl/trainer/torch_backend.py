@@ -52,8 +52,11 @@ class TorchTrainer:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
-        if cfg.onpolicy and (reason := invariant.unsupported_model(self.model.args)) is not None:
-            raise ValueError(f"train.onpolicy: {reason}")
+        if cfg.onpolicy:
+            reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)
+            if reason is not None:
+                raise ValueError(f"train.onpolicy: {reason}")
+            invariant.pin_backend_numerics(self.device)
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
