@@ -196,6 +196,11 @@ def _check_replayable(cfg: RunConfig) -> None:
             f"{filters} replays the sampling support, but train.onpolicy / engine.logprobs=recompute score "
             f"sequences over the full vocabulary; set both to false, {off}"
         )
+    if cfg.train.logprob_chunk_tokens is not None:
+        raise ValueError(
+            f"{filters} replays the sampling support, which scores the logits of each token's support; "
+            f"train.logprob_chunk_tokens (the fused full-vocabulary head) would not be used; set it to null, {off}"
+        )
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
