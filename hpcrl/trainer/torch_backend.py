@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -166,7 +166,7 @@ class TorchTrainer:
         if chunk is not None and supports is None:
             # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
             hidden = model(mb.input_ids, hidden=True)[:, :-1]
-            head = model.module if isinstance(model, DistributedDataParallel) else model
+            head = cast(CausalLM, model.module if isinstance(model, DistributedDataParallel) else model)
             b, t = hidden.shape[:2]
             lp, ent = hidden_token_logprobs(
                 hidden.reshape(b * t, -1),
