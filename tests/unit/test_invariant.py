@@ -305,6 +305,25 @@ def test_train_onpolicy_needs_the_invariant_engine_on_the_trainers_device_and_dt
     assert cfg.engine.device == cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
 
 
+def test_the_devices_and_dtypes_the_guarantee_covers_are_named_everywhere() -> None:
+    """CUDA and bf16 pass the engine server's flags, the trainer's config and the forward's own check;
+    fp16 and other devices are refused with what is covered."""
+    from hpcrl.engine.embedded.server import ServerConfig
+    from hpcrl.trainer.config import TrainConfig
+
+    for device in ("cpu", "cuda", "cuda:1"):
+        for dtype in ("float32", "bfloat16"):
+            assert invariant.supported_reason(device, getattr(torch, dtype)) is None
+            ServerConfig(model="m", device=device, dtype=dtype, batch_invariant=True)
+            TrainConfig(device=device, dtype=dtype, onpolicy=True)  # type: ignore[arg-type]
+    assert "not float16" in str(invariant.supported_reason("cuda", torch.float16))
+    assert "not meta" in str(invariant.supported_reason("meta", torch.float32))
+    with pytest.raises(ValueError, match="--batch-invariant covers --device cpu or cuda in float32 or bfloat16"):
+        ServerConfig(model="m", device="cuda", dtype="float16", batch_invariant=True)
+    with pytest.raises(ValueError, match="onpolicy covers device cpu or cuda, not 'mps'"):
+        TrainConfig(device="mps", onpolicy=True)
+
+
 def test_the_old_engine_flag_is_refused_before_a_model_loads(tmp_path: Path) -> None:
     import subprocess
     import sys
