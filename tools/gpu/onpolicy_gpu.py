@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -251,28 +252,51 @@ def section_run(ns: argparse.Namespace) -> dict[str, object]:
     ]
     log = ns.out / "onpolicy_run.log"
     t0 = time.perf_counter()
+    timed_out = False
     with open(log, "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        # Its own session, so a stop reaches the engine and trainer processes it started too.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            code = proc.wait(timeout=ns.run_timeout_s)
+        except subprocess.TimeoutExpired:
+            # Stop it and report the steps it finished: metrics.h5 gets a row per step as the run goes.
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
     wall_s = time.perf_counter() - t0
-    if code:
+    if timed_out:
+        print(f"onpolicy: run: stopped after {ns.run_timeout_s:g} s (--run-timeout-s); reporting the steps it finished")
+    if code and not (timed_out and (run_dir / "metrics.h5").exists()):
         print(f"onpolicy: run: hpcrl run exited {code}; last lines of {log.name}:")
         print("\n".join(log.read_text().splitlines()[-30:]))
         for extra in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
             print(f"--- {extra.name}\n" + "\n".join(extra.read_text().splitlines()[-15:]))
         return {"exit_code": code, "wall_s": wall_s}
-    m = load_metrics(run_dir / "metrics.h5")
+    try:
+        m = load_metrics(run_dir / "metrics.h5")
+    except Exception as e:  # noqa: BLE001 - a run stopped mid-write: say so, keep the other sections' figures
+        print(f"onpolicy: run: metrics.h5 unreadable ({e})")
+        return {"exit_code": code, "wall_s": wall_s, "timed_out": timed_out}
     gap = [float(x) for x in m["train/train_rollout_logprob_abs_diff"]]
     gap_max = [float(x) for x in m.get("train/train_rollout_logprob_max_abs_diff", [math.nan] * len(gap))]
     out: dict[str, object] = {
         "steps": len(gap), "gap": gap, "gap_max": gap_max, "wall_s": wall_s,
         "step_s": [float(x) for x in m["timing/total_s"]],
         "train_s": [float(x) for x in m["timing/train_s"]] if "timing/train_s" in m else None,
-        "reward_mean": [float(x) for x in m["rollout/reward_mean"]],
+        "reward_mean": [float(x) for x in m["rollout/reward_mean"]], "timed_out": timed_out,
     }  # fmt: skip
-    zero = all(g == 0.0 for g in gap) and all(g == 0.0 for g in gap_max)
+    zero = bool(gap) and all(g == 0.0 for g in gap) and all(g == 0.0 for g in gap_max)
     print(f"onpolicy: run: {len(gap)} colocated steps, gap per step {gap}, max gap per step {gap_max}")
-    print(f"onpolicy: run summary: gap {'EXACTLY 0.0 at every step' if zero else 'NOT ZERO'} ({len(gap)} steps, "
-          f"{ns.dtype} on {ns.device}), median step {sorted(out['step_s'])[len(gap) // 2]:.2f} s")  # type: ignore[arg-type]  # fmt: skip
+    if not gap:
+        print("onpolicy: run summary: NO STEP FINISHED (see onpolicy_run.log)")
+    else:
+        median_s = sorted(float(x) for x in m["timing/total_s"])[len(gap) // 2]
+        print(f"onpolicy: run summary: gap {'EXACTLY 0.0 at every step' if zero else 'NOT ZERO'} ({len(gap)} steps, "
+              f"{ns.dtype} on {ns.device}), median step {median_s:.2f} s")  # fmt: skip
     out["gap_exactly_zero"] = zero
     return out
 
@@ -301,6 +325,7 @@ def main() -> int:
     p.add_argument("--also-fp32", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--run-timeout-s", type=float, default=100.0, help="run: stop hpcrl run after this long")
     p.add_argument("--price-seqs", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/hpcrl-onpolicy-gpu"))
