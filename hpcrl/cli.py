@@ -209,8 +209,8 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="prefill, decode and sample with hpcrl.model.invariant (CPU, float32): a token's log-prob does not "
-        "depend on its batch, and equals the trainer's train.onpolicy forward bit for bit",
+        help="prefill, decode and sample with hpcrl.model.invariant (CPU or CUDA, float32 or bfloat16): a token's "
+        "log-prob does not depend on its batch, and equals the trainer's train.onpolicy forward bit for bit",
     )
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests that carry no sampling_seed")
     p.add_argument("--weight-version", default="default", help="initial weight version")

@@ -89,7 +89,16 @@ class RunConfig:
             raise ValueError(
                 "train.onpolicy needs engine.batch_invariant: true: the trainer's batch-invariant log-probs equal "
                 "the engine's only when the engine samples from the same forward; set engine.batch_invariant=true "
-                "(CPU, float32), or train.onpolicy=false"
+                "(CPU or CUDA, float32 or bfloat16), or train.onpolicy=false"
+            )
+        if self.train.onpolicy and (
+            self.engine.device.split(":")[0] != self.train.device.split(":")[0] or self.engine.dtype != self.train.dtype
+        ):
+            raise ValueError(
+                f"train.onpolicy needs the engine and the trainer on the same kind of device with the same dtype "
+                f"(engine {self.engine.device} {self.engine.dtype}, train {self.train.device} {self.train.dtype}): "
+                "the batch-invariant forward gives the same bits only with the same GEMM library and dtype; set "
+                "engine.device/engine.dtype and train.device/train.dtype alike"
             )
         if (
             self.engine.device.startswith("cuda") != self.train.device.startswith("cuda")
@@ -186,6 +195,11 @@ def _check_replayable(cfg: RunConfig) -> None:
         raise ValueError(
             f"{filters} replays the sampling support, but train.onpolicy / engine.logprobs=recompute score "
             f"sequences over the full vocabulary; set both to false, {off}"
+        )
+    if cfg.train.logprob_chunk_tokens is not None:
+        raise ValueError(
+            f"{filters} replays the sampling support, which scores the logits of each token's support; "
+            f"train.logprob_chunk_tokens (the fused full-vocabulary head) would not be used; set it to null, {off}"
         )
 
 

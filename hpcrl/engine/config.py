@@ -37,9 +37,9 @@ class EngineConfig:
     is recorded as rollout/recompute_abs_diff and the train/rollout gap metrics are NaN (they would compare the
     trainer with a re-score, not with the sampler)."""
     batch_invariant: bool = False
-    """embedded, CPU float32: prefill, decode and sampling run hpcrl.model.invariant, whose logits for a token do
-    not depend on batch size, batch composition or prefill vs decode; with train.onpolicy the trainer scores with
-    the same forward and the train/rollout gap is exactly 0.0 (docs/numerics.md)."""
+    """embedded, CPU or CUDA, float32 or bfloat16: prefill, decode and sampling run hpcrl.model.invariant, whose
+    logits for a token do not depend on batch size, batch composition or prefill vs decode; with train.onpolicy the
+    trainer scores with the same forward and the train/rollout gap is exactly 0.0 (docs/numerics.md)."""
     num_threads: int = 1
     startup_timeout_s: float | None = None
     """Bound on an engine's start (process launch to its first healthy answer); while it runs the engine
@@ -113,11 +113,10 @@ class EngineConfig:
                 "--enable-deterministic-inference goes in sglang_args)"
             )
         if self.batch_invariant:
-            if not self.device.startswith("cpu") or self.dtype != "float32":
+            if not self.device.startswith(("cpu", "cuda")) or self.dtype not in ("float32", "bfloat16"):
                 raise ValueError(
-                    f"batch_invariant is verified on the CPU in float32 only (device {self.device!r}, dtype "
-                    f"{self.dtype!r}); use device: cpu and dtype: float32, or batch_invariant: false "
-                    "(the GPU path is not built yet: docs/numerics.md)"
+                    f"batch_invariant covers device cpu or cuda in float32 or bfloat16 (device {self.device!r}, "
+                    f"dtype {self.dtype!r}); use one of those, or batch_invariant: false (docs/numerics.md)"
                 )
             if self.logprobs == "recompute":
                 raise ValueError(

@@ -6,11 +6,14 @@ or scored by the trainer in a padded micro-batch. That is what makes `engine.bat
 with `train.onpolicy: true` truly on-policy: the engine samples from the very log-prob row the
 trainer computes, bit for bit (docs/numerics.md says what is guaranteed where).
 
-How each operation gets there (CPU; fp32 is what was verified):
+How each operation gets there (CPU fp32 and bf16 are verified in CI; CUDA fp32 and bf16 by
+tools/gpu/onpolicy_gpu.py on the GPU machine):
 - GEMM (every projection and the LM head): rows are cut into fixed chunks of `CHUNK_ROWS`, the last one
   zero-padded, so every matrix product has the shape [CHUNK_ROWS, K] x [K, N] whatever the number of
   rows. MKL's `mm` is not batch-invariant (its blocking depends on M); for a fixed shape a row's result
-  did not depend on its place in the chunk (probed, and checked by tests/unit/test_invariant.py).
+  did not depend on its place in the chunk (probed, and checked by tests/unit/test_invariant.py). cuBLAS
+  picks its kernel (tiles, split-K) from the shape too, so the fixed M gives every row the same kernel on
+  CUDA; `pin_backend_numerics` fixes TF32 and bf16 reduced-precision split-K off in both processes.
 - Reductions (RMSNorm's sum of squares, q.k, the softmax sum, p.v): a pairwise tree of elementwise adds
   in one fixed order (`tree_sum`). Elementwise IEEE adds give the same bits in vector and scalar code.
 - RMSNorm: fp32, `1 / sqrt(mean + eps)` (two correctly rounded ops), transformers' cast order
@@ -22,7 +25,9 @@ How each operation gets there (CPU; fp32 is what was verified):
   trainer's row t make the same tiles. Two passes: the exact row max over all visible scores, then
   `exp(s - max)` summed tile by tile; no running rescale, so a fully masked tile adds exact zeros.
 - One log-softmax (`logprob_rows`): the engine's sampler draws from that row (Gumbel-max on it) and
-  reports its entry; the trainer takes the same entry.
+  reports its entry; the trainer takes the same entry. On CUDA its row sum is a `tree_sum` too.
+- bf16 models: GEMMs take and give bf16 (accumulating in fp32 inside the kernel); RMSNorm, RoPE, attention
+  and the log-softmax compute in fp32 and cast back at the same points in every path.
 Every tensor a transcendental op (exp, silu, cos, sin) sees has a row count padded to a multiple of
 `CHUNK_ROWS` or a fixed inner width, so ATen's vectorised loops leave no row-dependent scalar tail.
 
@@ -46,22 +51,46 @@ CHUNK_ROWS = 16
 """Rows per GEMM: every matrix product of the invariant forward is [CHUNK_ROWS, K] x [K, N]."""
 KV_TILE = 32
 """Keys per attention tile, walked from key 0."""
-Q_TILE = 16
-"""Query positions per attention step in a prefill (memory only: rows are independent)."""
+Q_TILE = {"cpu": 16, "cuda": 64}
+"""Query positions per attention step in a prefill, by device type (memory and launches only: rows are
+independent, and a row's tiles do not depend on the other rows of its query tile)."""
 ROPE_BLOCK = 16
 """Positions per block of the cos/sin tables."""
 
 
-def supported_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None when the invariant forward's guarantee holds for this device and dtype, else why not."""
-    if torch.device(device).type != "cpu":
-        return (
-            "the batch-invariant forward is verified on the CPU only; a GPU path (fixed-tile Triton GEMM and "
-            "attention) is not built yet (docs/numerics.md)"
-        )
-    if dtype != torch.float32:
-        return f"the batch-invariant forward is verified in float32 only, not {dtype}"
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+"""Dtypes the guarantee covers: GEMM inputs and outputs in this dtype, every reduction in fp32 (float16's narrow
+range would need its own overflow checks, which nothing tests)."""
+
+
+def supported_reason(device: torch.device | str, dtype: torch.dtype | str) -> str | None:
+    """None when the invariant forward's guarantee holds for this device and dtype, else why not.
+
+    CPU and CUDA both qualify, for the same reason: every GEMM is one fixed [CHUNK_ROWS, K] x [K, N] shape, so
+    MKL or cuBLAS runs the same kernel (same blocking, same split-K) for a row whatever the batch, and every
+    other reduction is elementwise adds in a fixed tree or an exact max. The engine and the trainer must be on
+    the same kind of device with the same dtype (run_config checks that); their GEMM libraries are not the same.
+    """
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        return f"the batch-invariant forward covers cpu and cuda devices, not {kind}"
+    name = str(dtype).removeprefix("torch.")
+    if name not in SUPPORTED_DTYPES:
+        return f"the batch-invariant forward covers {' and '.join(SUPPORTED_DTYPES)}, not {name}"
     return None
+
+
+def pin_backend_numerics(device: torch.device | str) -> None:
+    """Fix the process-wide GEMM settings that could differ between the engine's process and the trainer's.
+
+    On CUDA, TF32 for fp32 GEMMs and cuBLAS's reduced-precision (bf16) split-K accumulation are flags a script
+    may flip; both processes must agree for their fixed-shape GEMMs to give the same bits, so both pin them off.
+    """
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
 
 # ----- building blocks -----
@@ -157,6 +186,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, scale: float) -> Tensor:
     """q [B, KVH, R, D] (R query rows per kv head) at positions qpos [B, R]; k, v [B, KVH, L, D], key j at
     position j. Each row sees keys 0..qpos; returns [B, KVH, R, D]."""
+    dtype = q.dtype
+    # fp32 throughout (a no-op for fp32 models): bf16 adds in the tree would lose the scores' low bits.
+    q, k, v = q.float(), k.float(), v.float()
     b, kvh, r, d = q.shape
     length = int(qpos.max()) + 1
     num_tiles = -(-length // KV_TILE)
@@ -181,7 +213,7 @@ def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, scale: float
         total = total + tree_sum(p)
         vt = v[:, :, t * KV_TILE : (t + 1) * KV_TILE]
         acc = acc + tree_sum(p[..., None] * vt[:, :, None, :, :], dim=-2)
-    return acc / total[..., None]
+    return (acc / total[..., None]).to(dtype)
 
 
 class _InvariantCausalAttention(torch.autograd.Function):
@@ -216,9 +248,10 @@ def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q [B, KVH, T, G, D] (G query heads per kv head), k, v [B, KVH, T, D]: causal, Q_TILE positions at a time."""
     b, kvh, t, g, d = q.shape
+    q_tile = Q_TILE.get(q.device.type, Q_TILE["cpu"])
     out = []
-    for start in range(0, t, Q_TILE):
-        stop = min(start + Q_TILE, t)
+    for start in range(0, t, q_tile):
+        stop = min(start + q_tile, t)
         qt = q[:, :, start:stop].reshape(b, kvh, (stop - start) * g, d)
         qpos = torch.arange(start, stop, device=q.device).repeat_interleave(g)[None].expand(b, -1)
         out.append(_tiled_attention(qt, k, v, qpos, scale).reshape(b, kvh, stop - start, g, d))
@@ -324,8 +357,37 @@ def decode(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -
 
 
 def logprob_rows(logits: Tensor) -> Tensor:
-    """The one log-softmax (fp32, temperature 1) that the engine samples from and the trainer scores with."""
-    return torch.log_softmax(logits.float(), dim=-1)
+    """The one log-softmax (fp32, temperature 1) that the engine samples from and the trainer scores with.
+
+    CPU: ATen's log-softmax, one row per loop iteration whatever the row count (what CI verifies). CUDA:
+    `torch.log_softmax` and `sum` pick their kernel and its split of a row across thread blocks from the
+    tensor's shape, so the row sum is a fixed tree of elementwise adds instead (`_TreeLogSoftmax`).
+    """
+    x = logits.float()
+    if x.device.type == "cpu":
+        return torch.log_softmax(x, dim=-1)
+    out: Tensor = _TreeLogSoftmax.apply(x)
+    return out
+
+
+def _tree_log_softmax(x: Tensor) -> Tensor:
+    shifted = x - x.amax(-1, keepdim=True)  # max is exact in any order
+    return shifted - torch.log(tree_sum(torch.exp(shifted)))[..., None]
+
+
+class _TreeLogSoftmax(torch.autograd.Function):
+    """The fixed-order log-softmax forward; the backward is log-softmax's standard one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        lp = _tree_log_softmax(x)
+        ctx.save_for_backward(lp)
+        return lp
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (lp,) = ctx.saved_tensors
+        return grad - torch.exp(lp) * grad.sum(-1, keepdim=True)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:

@@ -332,8 +332,11 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin)
         return self.model.norm(h)
 
-    def forward(self, input_ids: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
-        """Logits [B, T, V]; `invariant` runs the batch-invariant forward (through here, so DDP sees it)."""
+    def forward(self, input_ids: torch.Tensor, *, invariant: bool = False, hidden: bool = False) -> torch.Tensor:
+        """Logits [B, T, V]; `invariant` runs the batch-invariant forward, `hidden` returns the final hidden
+        states [B, T, H] instead of logits (a fused log-prob head follows). Both go through here, so DDP sees them."""
+        if hidden:
+            return self.hidden_states(input_ids)
         if invariant:
             from hpcrl.model import invariant as inv
 

@@ -64,7 +64,13 @@ class TrainConfig:
     onpolicy: bool = False
     """Compute the log-probs of the loss and of the train/rollout gap with the batch-invariant forward
     (hpcrl.model.invariant) that engines with engine.batch_invariant sample from, so the gap is exactly 0.0
-    in any micro-batch; needs engine.batch_invariant: true, CPU and float32 (docs/numerics.md)."""
+    in any micro-batch; needs engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA,
+    float32 or bfloat16; docs/numerics.md)."""
+    logprob_chunk_tokens: int | None = None
+    """torch backend: compute the log-probs straight from the final hidden states, the LM head and the
+    log-softmax fused over chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab]
+    logits and their gradient never exist in full (issue #21; e.g. 4096). Null: the model's logits, then the
+    log-softmax. Same numbers to rounding (tests/unit/test_loss_head.py)."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
@@ -146,10 +152,25 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.onpolicy and (not self.device.startswith("cpu") or self.dtype != "float32"):
+        if self.logprob_chunk_tokens is not None:
+            if self.logprob_chunk_tokens < 1:
+                raise ValueError(
+                    f"logprob_chunk_tokens must be >= 1 (or null: the plain head), got {self.logprob_chunk_tokens}"
+                )
+            if self.backend != "torch":
+                raise ValueError(
+                    "logprob_chunk_tokens applies to backend: torch (megatron computes its vocab-parallel log-probs "
+                    "itself); remove it or set backend: torch"
+                )
+            if self.onpolicy:
+                raise ValueError(
+                    "logprob_chunk_tokens would not be used with onpolicy: the batch-invariant forward has its own "
+                    "LM head on fixed row chunks; remove one of them"
+                )
+        if self.onpolicy and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(
-                f"onpolicy is verified on the CPU in float32 only (device {self.device!r}, dtype {self.dtype!r}); "
-                "use device: cpu and dtype: float32, or onpolicy: false (docs/numerics.md)"
+                f"onpolicy covers device cpu or cuda, not {self.device!r}; use one of those, or onpolicy: false "
+                "(docs/numerics.md)"
             )
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "PolicyLossConfig",
+    "hidden_token_logprobs",
     "importance_weights",
     "logprob_mismatch",
     "policy_loss",
@@ -237,6 +238,109 @@ def token_logprobs(
             logits.detach(), flat_targets, flat_support, float(temperature), with_entropy, chunk_rows
         )
     return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
+
+
+def hidden_token_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk_tokens: int, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` under ``softmax(hidden @ weight.T)`` without the ``[N, V]`` logits in memory.
+
+    The LM head and the log-softmax fused and cut into chunks of ``chunk_tokens`` rows: the forward keeps one
+    chunk's logits at a time, the backward recomputes them chunk by chunk (one extra head GEMM) and writes the
+    gradients of ``hidden`` and ``weight`` directly (``weight``'s summed over chunks in fp32). Temperature 1,
+    no support restriction: the trainer's plain scoring.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (after the final norm); ``hidden[i]`` predicts ``targets[i]``.
+        weight: ``[V, H]`` the LM head (the tied embedding for Qwen3-0.6B).
+        targets: ``[N]`` ids in ``[0, V)``.
+
+    Returns:
+        ``(logprobs [N], entropy [N] | None)`` in float32, differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, H] and weight [V, H] needed, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    targets = targets.long()
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        lp, ent = _HeadLogprobs.apply(hidden, weight, targets, chunk_tokens, with_entropy)
+        return lp, (ent if with_entropy else None)
+    with torch.no_grad():
+        lp, _, ent = _head_forward(hidden, weight, targets, chunk_tokens, with_entropy)
+    return lp, ent
+
+
+def _head_forward(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    n = hidden.shape[0]
+    cdt = _compute_dtype(hidden.dtype)
+    lp = torch.empty(n, dtype=cdt, device=hidden.device)
+    lse = torch.empty(n, dtype=cdt, device=hidden.device)
+    ent = torch.empty(n, dtype=cdt, device=hidden.device) if with_entropy else None
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        x = (hidden[r0:r1] @ weight.t()).to(cdt)
+        block_lse = torch.logsumexp(x, dim=-1)
+        lse[r0:r1] = block_lse
+        lp[r0:r1] = x.gather(1, targets[r0:r1, None]).squeeze(1) - block_lse
+        if ent is not None:
+            logp = x.sub_(block_lse[:, None])
+            ent[r0:r1] = -(logp.exp() * logp).sum(dim=-1)
+    return lp, lse, ent
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """`hidden_token_logprobs` with grad: saves hidden, weight and the [N] log-sum-exp, never [N, V]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        lp, lse, ent = _head_forward(hidden, weight, targets, chunk, with_entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.chunk = chunk
+        ctx.set_materialize_grads(False)
+        if ent is None:
+            ent = lp.new_empty(0)
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_lp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        if ent is None:
+            grad_ent = None
+        if grad_lp is None and grad_ent is None:
+            return None, None, None, None, None
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device) if want_w else None
+        n, chunk = hidden.shape[0], ctx.chunk
+        for r0 in range(0, n, chunk):
+            r1 = min(r0 + chunk, n)
+            h = hidden[r0:r1]
+            logp = (h @ weight.t()).to(lse.dtype).sub_(lse[r0:r1, None])
+            p = logp.exp()
+            g = torch.zeros_like(p)
+            if grad_lp is not None:
+                # d log p_t / d z = onehot(t) - p
+                g_lp = grad_lp[r0:r1, None]
+                g.addcmul_(p, g_lp, value=-1.0)
+                g.scatter_add_(1, targets[r0:r1, None], g_lp)
+            if grad_ent is not None:
+                # d H / d z = -p * (log p + H)
+                g.addcmul_(p * (logp + ent[r0:r1, None]), grad_ent[r0:r1, None], value=-1.0)
+            g = g.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[r0:r1] = g @ weight
+            if grad_w is not None:
+                grad_w += (g.t() @ h).to(grad_w.dtype)
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
 
 
 def support_token_logprobs(

@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_model
@@ -28,6 +29,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.loss import (
     PolicyLossConfig,
+    hidden_token_logprobs,
     importance_weights,
     policy_loss,
     sft_loss,
@@ -52,15 +54,16 @@ class TorchTrainer:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
-        if cfg.onpolicy and (reason := invariant.unsupported_model(self.model.args)) is not None:
-            raise ValueError(f"train.onpolicy: {reason}")
+        if cfg.onpolicy:
+            reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)
+            if reason is not None:
+                raise ValueError(f"train.onpolicy: {reason}")
+            invariant.pin_backend_numerics(self.device)
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.ddp: torch.nn.Module = self.model
         if world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
             self.ddp = DistributedDataParallel(
                 self.model, device_ids=None if self.device.type == "cpu" else [self.device]
             )
@@ -158,8 +161,22 @@ class TorchTrainer:
             # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
             # the loss ratio's denominator and the gap compare the trainer with the sampler itself.
             return invariant.token_logprobs(model, mb.input_ids), None
-        logits = model(mb.input_ids)
         supports = mb.padded_supports()
+        chunk = self.cfg.logprob_chunk_tokens
+        if chunk is not None and supports is None:
+            # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
+            hidden = model(mb.input_ids, hidden=True)[:, :-1]
+            head = cast(CausalLM, model.module if isinstance(model, DistributedDataParallel) else model)
+            b, t = hidden.shape[:2]
+            lp, ent = hidden_token_logprobs(
+                hidden.reshape(b * t, -1),
+                head.output_weight,
+                mb.input_ids[:, 1:].reshape(-1),
+                chunk_tokens=chunk,
+                with_entropy=with_entropy,
+            )
+            return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
+        logits = model(mb.input_ids)
         if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
             return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=with_entropy)
         # Score all T positions of the contiguous logits (the last one against a dummy target) and drop

@@ -58,7 +58,7 @@ def _generate(
             **cfg,  # type: ignore[arg-type]
         ),
         device=torch.device("cpu"),
-        dtype=torch.float32,
+        dtype=next(model.parameters()).dtype,
     )
     sched.submit(reqs)
     steps = 0
@@ -151,6 +151,44 @@ def test_a_retracted_request_continues_with_the_same_bits(model: CausalLM) -> No
         assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp)
 
 
+@pytest.fixture(scope="module")
+def bf16_model(tiny_model_dir: Path) -> CausalLM:
+    return load_model(tiny_model_dir, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize(("batch_size", "micro_batch"), [(7, 3), (64, 16)])
+def test_bfloat16_engine_logprobs_equal_the_trainers(bf16_model: CausalLM, batch_size: int, micro_batch: int) -> None:
+    """The H200 runs bf16: the same forward in bf16 holds on the CPU too (GEMMs in bf16, reductions in fp32)."""
+    reqs = _generate(bf16_model, _requests(batch_size, seed=8), max_running=min(batch_size, 24))
+    trainer = _trainer_logprobs(bf16_model, reqs, micro_batch)
+    for r, lp in zip(reqs, trainer, strict=True):
+        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp), r.rid
+
+
+def test_bfloat16_prefill_equals_decode_at_every_position(bf16_model: CausalLM) -> None:
+    ids = torch.randint(3, 99, (3, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = invariant.logits(bf16_model, ids)
+        cache = KVCache.allocate(bf16_model.args, 3, 48, torch.bfloat16, torch.device("cpu"))
+        invariant.prefill(bf16_model, cache, ids[:, :1], 0, torch.zeros(3, dtype=torch.long))
+        for pos in range(1, ids.shape[1]):
+            step = invariant.decode(bf16_model, cache, ids[:, pos], torch.full((3,), pos))
+            assert torch.equal(step, whole[:, pos]), pos
+
+
+def test_the_fixed_order_log_softmax_of_cuda_matches_the_standard_one() -> None:
+    """CUDA's logprob_rows sums each row in a fixed tree; it is log_softmax to rounding, in value and gradient,
+    and a row's bits do not depend on how many rows come with it."""
+    x = (torch.randn(37, 1187, generator=torch.Generator().manual_seed(0)) * 4).requires_grad_(True)
+    lp = invariant._TreeLogSoftmax.apply(x)
+    torch.testing.assert_close(lp, torch.log_softmax(x, -1), rtol=0, atol=2e-6)
+    assert torch.equal(invariant._tree_log_softmax(x[5:6].detach()), lp[5:6].detach())
+    upstream = torch.randn(37, 1187, generator=torch.Generator().manual_seed(1))
+    (grad,) = torch.autograd.grad(lp, x, upstream)
+    (want,) = torch.autograd.grad(torch.log_softmax(x, -1), x, upstream)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_gradient_flows_through_the_invariant_forward(tiny_model_dir: Path) -> None:
     """train.onpolicy trains on these log-probs: their gradient is the standard forward's, to rounding."""
     ids = torch.randint(3, 99, (3, 20), generator=torch.Generator().manual_seed(2))
@@ -239,17 +277,21 @@ def test_the_old_onpolicy_logprobs_key_is_refused_with_the_new_settings() -> Non
     assert "engine.logprobs: recompute" in message and "engine.batch_invariant: true" in message
 
 
-def test_train_onpolicy_needs_the_invariant_engine_and_the_cpu() -> None:
+def test_train_onpolicy_needs_the_invariant_engine_on_the_trainers_device_and_dtype() -> None:
     from hpcrl.run_config import load_run_config
 
     with pytest.raises(
         ValueError, match="train.onpolicy needs engine.batch_invariant: true.*engine.batch_invariant=true"
     ):
         load_run_config(QUICKSTART, ["train.onpolicy=true"])
-    with pytest.raises(ValueError, match="batch_invariant is verified on the CPU in float32 only"):
-        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.device=cuda"])
-    with pytest.raises(ValueError, match="onpolicy is verified on the CPU in float32 only"):
-        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", "train.dtype=bfloat16"])
+    with pytest.raises(ValueError, match="batch_invariant covers device cpu or cuda in float32 or bfloat16"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.dtype=float16"])
+    with pytest.raises(ValueError, match="batch_invariant covers device cpu or cuda"):
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.device=mps"])
+    # The same forward on two GEMM libraries, or in two dtypes, is not the same bits.
+    for mismatch in (["engine.device=cuda"], ["train.dtype=bfloat16"]):
+        with pytest.raises(ValueError, match="the engine and the trainer on the same kind of device with the same"):
+            load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", *mismatch])
     with pytest.raises(ValueError, match="would replace the sampled log-probs"):
         load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.logprobs=recompute"])
     from hpcrl.trainer.config import TrainConfig
@@ -258,6 +300,28 @@ def test_train_onpolicy_needs_the_invariant_engine_and_the_cpu() -> None:
         TrainConfig(backend="megatron", onpolicy=True)
     cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true"])
     assert cfg.engine.batch_invariant and cfg.train.onpolicy and cfg.engine.logprobs == "sampled"
+    on_gpu = ["engine.device=cuda", "train.device=cuda", "engine.dtype=bfloat16", "train.dtype=bfloat16"]
+    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", *on_gpu])
+    assert cfg.engine.device == cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
+
+
+def test_the_devices_and_dtypes_the_guarantee_covers_are_named_everywhere() -> None:
+    """CUDA and bf16 pass the engine server's flags, the trainer's config and the forward's own check;
+    fp16 and other devices are refused with what is covered."""
+    from hpcrl.engine.embedded.server import ServerConfig
+    from hpcrl.trainer.config import TrainConfig
+
+    for device in ("cpu", "cuda", "cuda:1"):
+        for dtype in ("float32", "bfloat16"):
+            assert invariant.supported_reason(device, getattr(torch, dtype)) is None
+            ServerConfig(model="m", device=device, dtype=dtype, batch_invariant=True)
+            TrainConfig(device=device, dtype=dtype, onpolicy=True)  # type: ignore[arg-type]
+    assert "not float16" in str(invariant.supported_reason("cuda", torch.float16))
+    assert "not meta" in str(invariant.supported_reason("meta", torch.float32))
+    with pytest.raises(ValueError, match="--batch-invariant covers --device cpu or cuda in float32 or bfloat16"):
+        ServerConfig(model="m", device="cuda", dtype="float16", batch_invariant=True)
+    with pytest.raises(ValueError, match="onpolicy covers device cpu or cuda, not 'mps'"):
+        TrainConfig(device="mps", onpolicy=True)
 
 
 def test_the_old_engine_flag_is_refused_before_a_model_loads(tmp_path: Path) -> None:

@@ -2,19 +2,23 @@
 invariant vs plain, same model, prompts and threads, in one run (docs/numerics.md records a run).
 
     PYTHONPATH=. python tools/bench/invariant_price.py [--threads 1] [--num-seqs 128] [--max-new-tokens 32]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--shapes tiny wider qwen3-0.6b] [--json PATH]
 
 The engine side drives a real `Scheduler` in this process (no HTTP: the price of the forward, not of the
-server): plain is the default CPU decode step (`eager`), invariant is `batch_invariant=True`. Every row
+server): plain is the device's default decode step (`auto`: eager on the CPU, CUDA graphs of the fused Triton
+kernels on CUDA), invariant is `batch_invariant=True`. Every row
 samples at temperature 1 with ignore_eos, so both generate exactly num_seqs x max_new_tokens tokens. The
 trainer side times the log-prob forward of the generated sequences in micro-batches: the plain forward
 with the trainer's `token_logprobs`, then `invariant.token_logprobs`; forward alone (no grad), and
 forward + backward. Each measurement runs once untimed, then `--repeats` times; the median is printed.
-Two model shapes: the quickstart's tiny Qwen3 (4 layers, hidden 128) and a wider one (4 layers, hidden 512).
+Model shapes (`--shapes`): the quickstart's tiny Qwen3 (4 layers, hidden 128), a wider one (4 layers, hidden
+512), and `qwen3-0.6b` (28 layers, hidden 1024, vocab 151,936: the GPU figure of issue #17, random weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -27,12 +31,34 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+SHAPES: dict[str, tuple[str, dict[str, int] | None]] = {
+    "tiny": (
+        "tiny (quickstart: 4 x 128, inter 256)",
+        dict(num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
+    ),
+    "wider": (
+        "wider (4 x 512, inter 1536)",
+        dict(num_layers=4, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64),
+    ),
+    "qwen3-0.6b": ("qwen3-0.6b shape (28 x 1024, inter 3072, vocab 151936)", None),
+}
+"""name: (label, TinyModelSpec dims, or None for the real Qwen3-0.6B shape with its vocabulary)."""
+
+
+def _median_s(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float:
+    import torch
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -43,22 +69,30 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
 
     from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
     from hpcrl.model import invariant
-    from hpcrl.model.hf import load_model
+    from hpcrl.model.hf import load_model, parse_dtype
     from hpcrl.trainer.loss import token_logprobs
 
-    def generate(batch_invariant: bool) -> list[list[int]]:
-        model = load_model(model_dir).eval()
-        sched = Scheduler(
+    device, dtype = torch.device(ns.device), parse_dtype(ns.dtype)
+
+    # One scheduler per mode, made outside the timing (a CUDA engine captures its graphs when it starts).
+    model = load_model(model_dir, dtype=dtype, device=device).eval()
+    schedulers = {
+        bi: Scheduler(
             model,
             SchedulerConfig(
                 max_running_requests=ns.num_seqs,
                 context_length=ns.prompt_len + ns.max_new_tokens + 1,
-                batch_invariant=batch_invariant,
-                decode_mode="eager",
+                batch_invariant=bi,
+                decode_mode="auto",
             ),
-            device=torch.device("cpu"),
-            dtype=torch.float32,
+            device=device,
+            dtype=dtype,
         )
+        for bi in (False, True)
+    }
+
+    def generate(batch_invariant: bool) -> list[list[int]]:
+        sched = schedulers[batch_invariant]
         reqs = [
             SeqRequest(
                 rid=str(i), prompt_ids=pr, max_new_tokens=ns.max_new_tokens, temperature=1.0, top_k=0,
@@ -75,10 +109,11 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
         return [r.all_ids for r in reqs]
 
     tokens = ns.num_seqs * ns.max_new_tokens
-    engine = {bi: tokens / _median_s(lambda bi=bi: generate(bi), ns.repeats) for bi in (False, True)}
+    engine = {bi: tokens / _median_s(lambda bi=bi: generate(bi), ns.repeats, ns.device) for bi in (False, True)}
     print(f"{model_dir.name}: engine tok/s {engine}", flush=True)
-    seqs = torch.tensor(generate(True))
-    model = load_model(model_dir)
+    seqs = torch.tensor(generate(True), device=device)
+    schedulers.clear()  # their KV caches: the trainer side needs the memory
+    model = load_model(model_dir, dtype=dtype, device=device)
     micro = [seqs[i : i + ns.micro_batch] for i in range(0, len(seqs), ns.micro_batch)]
 
     def logprobs(mb: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
@@ -95,8 +130,8 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
                     logprobs(mb, batch_invariant)
         model.zero_grad(set_to_none=True)
 
-    fwd = {bi: _median_s(lambda bi=bi: run(bi, False), ns.repeats) for bi in (False, True)}
-    fwd_bwd = {bi: _median_s(lambda bi=bi: run(bi, True), ns.repeats) for bi in (False, True)}
+    fwd = {bi: _median_s(lambda bi=bi: run(bi, False), ns.repeats, ns.device) for bi in (False, True)}
+    fwd_bwd = {bi: _median_s(lambda bi=bi: run(bi, True), ns.repeats, ns.device) for bi in (False, True)}
     print(f"{model_dir.name}: trainer forward s {fwd}, forward + backward s {fwd_bwd}", flush=True)
     return engine, fwd, fwd_bwd
 
@@ -109,30 +144,33 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (engine and trainer on the same device)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--shapes", nargs="+", default=["tiny", "wider"], choices=list(SHAPES))
+    p.add_argument("--json", type=Path, help="also write the figures here")
     ns = p.parse_args()
 
     import torch
 
-    from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
+    from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, TinyModelSpec, init_shaped_model, init_tiny_model
 
     torch.set_num_threads(ns.threads)
-    shapes = {
-        "tiny (quickstart: 4 x 128, inter 256)": TinyModelSpec(
-            num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32
-        ),
-        "wider (4 x 512, inter 1536)": TinyModelSpec(
-            num_layers=4, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64
-        ),
-    }
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 99, (ns.prompt_len,), generator=gen).tolist() for _ in range(ns.num_seqs)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, spec) in enumerate(shapes.items()):
-            rows.append((label, *_measure(init_tiny_model(Path(tmp) / str(i), spec), prompts, ns)))
+        for name in ns.shapes:
+            label, dims = SHAPES[name]
+            out = Path(tmp) / name
+            if dims is None:
+                model_dir = init_shaped_model(out, QWEN3_0_6B_SHAPE, dtype=ns.dtype, device=ns.device)
+            else:
+                model_dir = init_tiny_model(out, TinyModelSpec(**dims))
+            rows.append((label, *_measure(model_dir, prompts, ns)))
 
+    where = f"CUDA ({torch.cuda.get_device_name()})" if ns.device.startswith("cuda") else "CPU"
     print(
-        f"\nCPU, torch {torch.__version__}, {ns.threads} thread(s); engine: {ns.num_seqs} sequences x "
+        f"\n{where}, {ns.dtype}, torch {torch.__version__}, {ns.threads} thread(s); engine: {ns.num_seqs} sequences x "
         f"{ns.max_new_tokens} new tokens (prompt {ns.prompt_len}); trainer: the same {ns.num_seqs} sequences "
         f"in micro-batches of {ns.micro_batch}\n"
     )
@@ -146,6 +184,25 @@ def main() -> int:
             f"| {fwd_bwd[False] * 1e3:.0f} ms | {fwd_bwd[True] * 1e3:.0f} ms "
             f"| {fwd_bwd[True] / fwd_bwd[False]:.2f}x |"
         )
+    for label, engine, fwd, _ in rows:
+        print(
+            f"price {label}: decode {engine[False] / engine[True]:.2f}x slower (target <= 1.3x), trainer forward "
+            f"{fwd[True] / fwd[False]:.2f}x slower (target <= 1.2x)"
+        )
+    if ns.json is not None:
+        figures = {
+            label: {
+                "engine_tok_s": {"plain": engine[False], "invariant": engine[True]},
+                "trainer_forward_s": {"plain": fwd[False], "invariant": fwd[True]},
+                "trainer_forward_backward_s": {"plain": fwd_bwd[False], "invariant": fwd_bwd[True]},
+                "decode_slowdown": engine[False] / engine[True],
+                "forward_slowdown": fwd[True] / fwd[False],
+                "forward_backward_slowdown": fwd_bwd[True] / fwd_bwd[False],
+            }
+            for label, engine, fwd, fwd_bwd in rows
+        }
+        setup = {k: v for k, v in vars(ns).items() if k != "json"}
+        ns.json.write_text(json.dumps({"setup": setup, "torch": torch.__version__, "figures": figures}, indent=1))
     return 0
 
 

@@ -3,6 +3,8 @@
     python tools/bench/megatron_train.py [--shape qwen3-0.6b] [--batch 8] [--seq-len 2048] [--micro-batch 4]
                                          [--steps 5] [--device cuda] [--dtype bfloat16]
                                          [--backends megatron megatron-local torch]
+                                         [--backends torch torch+head torch+head+mb8 torch+head+compile+mb8]
+                                         [--json PATH]
 
 Workload: one GRPO optimizer step (forward, vocab-parallel log-probs and entropy, PPO loss, backward, AdamW)
 on `batch` random sequences of `seq-len` tokens (prompt 64, response the rest), random advantages.
@@ -11,6 +13,13 @@ Reports the median step time over the steps after the first two, tokens/s, peak 
 model FLOPs per token = 6 x (matmul parameters, the LM head included) + 12 x layers x heads x head_dim x
 seq-len (PaLM's attention term, causal masking not discounted), against the H200's 989 TFLOP/s dense bf16.
 Baseline: the torch backend (hpcrl's own model, the same losses), which is what a run uses today.
+
+Levers of the torch backend (issue #21), joined to it with `+`, each in its own process like a backend:
+`head` is train.logprob_chunk_tokens=4096 (log-probs from the hidden states, no [tokens x vocab] logits);
+`mbN` the micro-batch size N instead of --micro-batch; `compile` torch.compile of every decoder layer
+(`nn.Module.compile()`, applied here by the benchmark: not a trainer setting until it pays). The first two
+steps, which include compilation, are left out of the median. The sequences are all seq-len long, so packing
+variable-length sequences has nothing to remove here (no padding); it is not a lever of this workload.
 """
 
 from __future__ import annotations
@@ -46,10 +55,21 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
     from hpcrl.trainer.ranks import build_trainer
 
     args = ModelArgs.from_dir(ns.model_dir)
-    backend, _, optimizer = ns.backend.partition("-")  # megatron-local: the local optimizer
-    cfg = TrainConfig(backend=backend, device=ns.device, dtype=ns.dtype, micro_batch_size=ns.micro_batch,  # type: ignore[arg-type]
-                      lr=1e-6, num_threads=8, megatron_optimizer=optimizer or "auto")  # type: ignore[arg-type]  # fmt: skip
+    name, *levers = ns.backend.split("+")
+    backend, _, optimizer = name.partition("-")  # megatron-local: the local optimizer
+    unknown = [x for x in levers if x not in ("head", "compile") and not (x.startswith("mb") and x[2:].isdigit())]
+    if unknown or (levers and backend != "torch"):
+        raise SystemExit(
+            f"unknown lever(s) {unknown or levers} in {ns.backend!r}: torch+head, torch+mbN, torch+compile"
+        )
+    micro = next((int(x[2:]) for x in levers if x.startswith("mb")), ns.micro_batch)
+    cfg = TrainConfig(backend=backend, device=ns.device, dtype=ns.dtype, micro_batch_size=micro,  # type: ignore[arg-type]
+                      lr=1e-6, num_threads=8, megatron_optimizer=optimizer or "auto",  # type: ignore[arg-type]
+                      logprob_chunk_tokens=4096 if "head" in levers else None)  # fmt: skip
     trainer = build_trainer(cfg, ns.model_dir, rank=0, world_size=1, sft_lr=1e-6)
+    if "compile" in levers:
+        for layer in trainer.model.model.decoder_layers:  # type: ignore[attr-defined]
+            layer.compile()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, args.vocab_size, (64,), generator=g).tolist() for _ in range(ns.batch)]
     responses = [torch.randint(0, args.vocab_size, (ns.seq_len - 64,), generator=g).tolist() for _ in range(ns.batch)]
@@ -67,7 +87,7 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
     tokens = ns.batch * ns.seq_len
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if ns.device == "cuda" else float("nan")
     out = {"step_s": step_s, "tokens_per_s": tokens / step_s, "loss": m["loss"], "grad_norm": m["grad_norm"],
-           "peak_mem_gib": peak_mem}  # fmt: skip
+           "peak_mem_gib": peak_mem, "micro_batch": micro, "first_step_s": times[0]}  # fmt: skip
     peak = PEAK_TFLOPS.get(ns.device)
     out["mfu"] = flops_per_token(args, ns.seq_len) * out["tokens_per_s"] / (peak * 1e12) if peak else float("nan")
     return out
@@ -85,6 +105,8 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=["megatron", "torch"],
                     help="megatron (train.megatron_optimizer auto: distributed on CUDA), megatron-local, "
                     "megatron-distributed, torch")  # fmt: skip
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--timeout-s", type=float, default=None, help="give up on a backend or lever after this long")
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -106,12 +128,20 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--backend", backend, "--model-dir", str(model_dir),
                    *(f"--{k.replace('_', '-')}={v}" for k, v in vars(ns).items()
                      if k in ("batch", "seq_len", "micro_batch", "steps", "device", "dtype"))]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=ns.timeout_s,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+            except subprocess.TimeoutExpired:
+                print(f"{backend}: gave up after {ns.timeout_s:g} s", flush=True)
+                continue
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if out.returncode or line is None:
                 print(f"{backend}: failed ({out.returncode})\n{out.stderr[-3000:]}")
                 continue
             results[backend] = json.loads(line.removeprefix("RESULT "))
+            r = results[backend]
+            print(f"mfu: {backend}: {r['mfu']:.1%} MFU, {r['tokens_per_s']:,.0f} tok/s, step {r['step_s']:.3f} s, "
+                  f"micro-batch {r['micro_batch']}, peak {r['peak_mem_gib']:.1f} GiB", flush=True)  # fmt: skip
     print(f"\nGRPO train step, shape={ns.shape} {ns.batch} x {ns.seq_len} tokens, micro-batch {ns.micro_batch}, "
           f"{ns.dtype} on {ns.device}, median of steps 3..{ns.steps}")  # fmt: skip
     print(
@@ -120,6 +150,13 @@ def main() -> int:
     for backend, r in results.items():
         print(f"| {backend} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_gib']:.1f} "
               f"| {r['loss']:.4f} | {r['grad_norm']:.3f} |")  # fmt: skip
+    if "torch" in results:
+        for backend, r in results.items():
+            if backend.startswith("torch+"):
+                print(f"mfu: {backend} / torch tokens/s: {r['tokens_per_s'] / results['torch']['tokens_per_s']:.2f}x")
+    if ns.json is not None:
+        setup = {k: str(v) for k, v in vars(ns).items() if k not in ("json", "model_dir", "backend")}
+        ns.json.write_text(json.dumps({"setup": setup, "results": results}, indent=1))
     if "megatron" in results and "torch" in results:
         print(
             f"megatron / torch tokens/s: {results['megatron']['tokens_per_s'] / results['torch']['tokens_per_s']:.2f}x"

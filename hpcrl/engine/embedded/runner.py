@@ -154,7 +154,7 @@ class DecodeRunner:
         self.mode = mode
         self.profile = profile
         self.is_cuda = device.type == "cuda"
-        self.fast_sampler = self.is_cuda and mode != "eager"
+        self.fast_sampler = self.is_cuda and mode not in ("eager", "invariant")
         z: dict[str, Any] = dict(device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, **z)

@@ -125,6 +125,7 @@ def resolve_decode_mode(
             raise ValueError(f"--batch-invariant: {reason}")
         if requested not in ("auto", "eager"):
             raise ValueError(f"--batch-invariant runs its own decode step; --decode-mode {requested} cannot apply")
+        invariant.pin_backend_numerics(device)
         return "invariant"
     if requested not in ("auto", "eager", "triton", "graph", "compile"):
         raise ValueError(f"decode mode must be auto, eager, triton, graph or compile, got {requested!r}")

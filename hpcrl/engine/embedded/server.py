@@ -84,10 +84,12 @@ class ServerConfig:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
-        if self.batch_invariant and (not self.device.startswith("cpu") or self.dtype != "float32"):
+        if self.batch_invariant and (
+            not self.device.startswith(("cpu", "cuda")) or self.dtype not in ("float32", "bfloat16")
+        ):
             raise ValueError(
-                f"--batch-invariant is verified on the CPU in float32 only, not --device {self.device} --dtype "
-                f"{self.dtype}; use --device cpu --dtype float32 (docs/numerics.md)"
+                f"--batch-invariant covers --device cpu or cuda in float32 or bfloat16, not --device {self.device} "
+                f"--dtype {self.dtype} (docs/numerics.md)"
             )
         if self.batch_invariant and self.logprobs == "recompute":
             raise ValueError("--batch-invariant reports its sampled log-probs; drop --logprobs recompute")
