@@ -115,7 +115,7 @@ def test_quickstart_with_mpi_transport_as_a_het_job(
     script, run_dir = tmp_path / "mpi.sbatch", tmp_path / "run"
     assert main(["sbatch", str(config), "-o", str(script), "--run-dir", str(run_dir)]) == 0
     job_id = sbatch(script)
-    state = slurm_cluster.wait_done(job_id, 180)
+    state = slurm_cluster.wait_done(job_id, 420)  # a het job of 6 Python processes: minutes on 2 loaded cores
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert state == "COMPLETED", log
     assert "mpi agent 1: engines 0..0 ready" in log and "mpi agent 2: engines 1..1 ready" in log, log
