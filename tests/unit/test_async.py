@@ -6,7 +6,9 @@ import json
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from hpcrl.rollout.generate import Group, PromptFormatter
 from hpcrl.rollout.ledger import ledger_problems
 from hpcrl.rollout.producer import AsyncRollout, oldest_version
 from hpcrl.rollout.scoring import RewardScorer
-from hpcrl.run_config import load_run_config
+from hpcrl.run_config import load_run_config, run_config_yaml
 from hpcrl.store import load_metrics
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.publisher import WeightPublisher
@@ -209,11 +211,35 @@ def test_bad_async_configs_are_refused_at_load_with_the_fix(overrides: list[str]
 
 
 def test_async_on_a_shared_device_without_the_rental_is_allowed() -> None:
-    with pytest.warns(UserWarning, match="off-policy correction"):
-        cfg = load_run_config(
-            REPO / "experiments" / "quickstart.yaml", ["rollout.mode=async", "engine.device=cpu", "train.device=cpu"]
-        )
+    cfg = load_run_config(
+        REPO / "experiments" / "quickstart.yaml", ["rollout.mode=async", "engine.device=cpu", "train.device=cpu"]
+    )
     assert cfg.capacity_groups == 32 and cfg.inflight_groups == 16
+
+
+def test_async_mode_takes_the_ppo_ratio_against_the_engines_logprobs_unless_told_otherwise() -> None:
+    quickstart = REPO / "experiments" / "quickstart.yaml"
+    sync = load_run_config(quickstart)
+    assert sync.train.old_logprobs == "trainer" and "old_logprobs: trainer" in run_config_yaml(sync)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the clipped ratio against the engine is a correction: no warning
+        default = load_run_config(quickstart, ["rollout.mode=async"])
+        tis = load_run_config(quickstart, ["rollout.mode=async", "train.off_policy_correction=tis"])
+    assert default.train.old_logprobs == "rollout" and "old_logprobs: rollout" in run_config_yaml(default)
+    assert tis.train.old_logprobs == "trainer"  # TIS weighs by trainer / engine: it needs the trainer's
+    with pytest.warns(UserWarning, match="train.old_logprobs=rollout"):
+        explicit = load_run_config(quickstart, ["rollout.mode=async", "train.old_logprobs=trainer"])
+    assert explicit.train.old_logprobs == "trainer"
+
+
+def test_the_async_quickstart_is_the_quickstarts_task() -> None:
+    sync = load_run_config(REPO / "experiments" / "quickstart.yaml")
+    cfg = load_run_config(REPO / "experiments" / "async-quickstart.yaml")
+    assert cfg.rollout.mode == "async" and cfg.buffer.max_staleness == 2 and cfg.train.old_logprobs == "rollout"
+    for section in ("seed", "num_steps", "model", "data", "sft", "reward", "engine", "checkpoint"):
+        assert getattr(cfg, section) == getattr(sync, section), section
+    assert replace(cfg.rollout, mode="sync") == sync.rollout
+    assert replace(cfg.train, old_logprobs="trainer") == sync.train
 
 
 def test_checkpoint_mid_flight_and_resume_trains_every_position_exactly_once(parts: Parts) -> None:
