@@ -64,7 +64,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
-        generated = self.data.source == "addition" or self.data.source.startswith("reasoning_gym:")
+        generated = self.data.source in ("addition", "product") or self.data.source.startswith("reasoning_gym:")
         if self.eval.every_steps and self.eval.source is None and not generated:
             raise ValueError(
                 f"eval.every_steps={self.eval.every_steps} needs held-out prompts: data.source "

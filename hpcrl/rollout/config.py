@@ -15,7 +15,8 @@ EPISODE_KEYS = ("max_turns", "max_tokens_per_turn", "max_episode_tokens")
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "addition"
-    """`addition` (a generated multi-digit addition task); a .jsonl file; a local dataset read through Hugging
+    """`addition` (a generated multi-digit addition task); `product` (generated 3-digit x 2-digit products, the
+    multi-turn quickstart's); a .jsonl file; a local dataset read through Hugging
     Face `datasets`: a .parquet, .arrow, .json or .csv file or a `save_to_disk` directory; or
     `reasoning_gym:TASK`, a procedural reasoning-gym task such as `reasoning_gym:chain_sum` (score it with
     reward.fn=reasoning_gym, the task's own scorer). Datasets and reasoning-gym need `pip install 'hpcrl[data]'`."""
