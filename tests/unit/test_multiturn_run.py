@@ -129,6 +129,45 @@ def test_traces_refuse_a_prompt_that_is_not_a_product() -> None:
         )
 
 
+# ----- the rollout -----
+
+
+def test_a_step_s_episodes_repeat_exactly_and_another_step_draws_new_ones(
+    shared_engine: Any, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from hpcrl.engine.client import EngineClient
+    from hpcrl.rollout.config import RolloutConfig
+    from hpcrl.sessions.rollout import EpisodeRollout
+
+    cfg = RolloutConfig(kind="multi_turn", model_family="tiny", n_samples_per_prompt=2, max_tokens_per_turn=12)
+    examples = [Example(prompt="123*45=", answer="5535"), Example(prompt="321*54=", answer="17334")]
+    with EngineClient(shared_engine.url) as client:
+        rollout = EpisodeRollout(
+            cfg, [client], model_dir=tiny_model_dir, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), seed=3
+        )
+        try:
+            # A resumed run re-runs an unfinished step: the same seeds give the same episodes, token for token.
+            first, again, other = (
+                rollout.generate(5, examples),
+                rollout.generate(5, examples),
+                rollout.generate(6, examples),
+            )
+            metrics = rollout.pop_metrics()
+        finally:
+            rollout.close()
+
+    def ids(groups: list[Any]) -> list[list[int]]:
+        return [s.prompt_ids + s.output_ids for g in groups for s in g.samples]
+
+    assert [len(g.samples) for g in first] == [2, 2]
+    assert ids(first) == ids(again) and ids(first) != ids(other)
+    assert all(s.loss_mask is not None and len(s.loss_mask) == len(s.output_ids) for g in first for s in g.samples)
+    assert {"rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_error_share"} <= set(metrics)
+    assert rollout.pop_metrics() == {}
+
+
 # ----- hpcrl run -----
 
 TOOL_RUN = [
