@@ -190,7 +190,7 @@ def test_multi_turn_run_writes_episode_metrics_and_trains_only_sampled_tokens(
     text = (Path(__file__).resolve().parents[2] / "experiments" / "tool-quickstart.yaml").read_text()
     lines = [line for line in text.splitlines() if not line.strip().startswith("#")]
     (tmp_path / "tq.yaml").write_text(
-        "\n".join(lines).replace("path: runs/models/tiny-qwen3-512", f"path: {tiny_model_dir}")
+        "\n".join(lines).replace("path: runs/models/tiny-qwen3-2l512", f"path: {tiny_model_dir}")
     )
     hpcrl("run", "tq.yaml", *TOOL_RUN, "--run-dir", "r", cwd=tmp_path, timeout_s=600)
     m = load_metrics(tmp_path / "r" / "metrics.h5")
