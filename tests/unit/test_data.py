@@ -164,7 +164,7 @@ def test_build_examples_from_jsonl_and_addition(tmp_path: Path) -> None:
 
 
 def test_build_examples_unknown_source() -> None:
-    with pytest.raises(DataError, match=r"unknown data source 'data.txt'; expected one of: addition, a .jsonl file"):
+    with pytest.raises(DataError, match=r"unknown data source 'data.txt'; expected one of: addition, product, a .jsonl file"):
         build_examples("data.txt")
 
 
