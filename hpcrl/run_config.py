@@ -16,6 +16,8 @@ from hpcrl.slurm.config import SlurmConfig
 from hpcrl.sync.config import SyncConfig
 from hpcrl.trainer.config import SFTConfig, TrainConfig
 
+TRACE_KEYS = ("trace_wrong_operand_share", "trace_no_tool_share")
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -66,7 +68,7 @@ class RunConfig:
         if self.train.old_logprobs is None:
             # Resolved here, so the dumped config (and a resume's comparison with it) names the choice.
             object.__setattr__(self, "train", replace(self.train, old_logprobs=_default_old_logprobs(self)))
-        generated = self.data.source == "addition" or self.data.source.startswith("reasoning_gym:")
+        generated = self.data.source in ("addition", "product") or self.data.source.startswith("reasoning_gym:")
         if self.eval.every_steps and self.eval.source is None and not generated:
             raise ValueError(
                 f"eval.every_steps={self.eval.every_steps} needs held-out prompts: data.source "
@@ -112,6 +114,13 @@ class RunConfig:
         if self.rollout.replays_support:
             _check_replayable(self)
         self._check_async()
+        if self.rollout.kind == "multi_turn":
+            _check_multi_turn(self)
+        elif traces := [k for k in TRACE_KEYS if getattr(self.sft, k)]:
+            raise ValueError(
+                f"sft.{', sft.'.join(traces)} shape the multi-turn warm start's tool traces; remove them, or set "
+                "rollout.kind=multi_turn"
+            )
         if self.guard.mode != "off":
             # A thermal pause holds collectives and engine calls up to max_pause_s (hpcrl/guard/guard.py).
             for key, timeout_s in (
@@ -218,6 +227,42 @@ def _check_replayable(cfg: RunConfig) -> None:
         raise ValueError(
             f"{filters} replays the sampling support, which scores the logits of each token's support; "
             f"train.logprob_chunk_tokens (the fused full-vocabulary head) would not be used; set it to null, {off}"
+        )
+
+
+def _check_multi_turn(cfg: RunConfig) -> None:
+    """Refuse, with the fix, what multi-turn episodes do not do rather than let the setting silently do nothing."""
+    if cfg.engine.batch_invariant:
+        raise ValueError(
+            "engine.batch_invariant does not apply to rollout.kind=multi_turn: the session server's turns go through "
+            "the engine's ordinary /generate, not the batch-invariant forward; set engine.batch_invariant=false"
+        )
+    if cfg.engine.logprobs == "recompute":
+        raise ValueError(
+            "engine.logprobs=recompute is not built for rollout.kind=multi_turn (the session server records the "
+            "log-probs each turn sampled with); set engine.logprobs to its default"
+        )
+    if cfg.reward.fn != RewardConfig().fn:
+        raise ValueError(
+            f"reward.fn={cfg.reward.fn!r} is not used by rollout.kind=multi_turn: the environment gives the reward "
+            "(rollout.environment, its reward method); remove reward.fn"
+        )
+    if cfg.eval.every_steps:
+        raise ValueError(
+            "eval.every_steps is not built for rollout.kind=multi_turn (evaluation draws single completions); set "
+            "eval.every_steps=0"
+        )
+    if cfg.sft.num_steps and cfg.rollout.environment not in (None, "calculator"):
+        raise ValueError(
+            f"sft.num_steps={cfg.sft.num_steps}: the multi-turn warm start trains on synthetic calculator traces, "
+            f"which do not fit rollout.environment={cfg.rollout.environment!r}; set sft.num_steps=0, or use the "
+            "calculator environment"
+        )
+    if cfg.sft.num_steps and cfg.data.source != "product":
+        raise ValueError(
+            f"sft.num_steps={cfg.sft.num_steps}: the multi-turn warm start writes calculator traces for "
+            f"data.source=product (3-digit x 2-digit products), not {cfg.data.source!r}; set data.source=product, "
+            "or sft.num_steps=0"
         )
 
 

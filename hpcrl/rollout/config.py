@@ -6,11 +6,17 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
+from hpcrl.sessions.config import EpisodeLimits
+
+DEFAULT_MAX_NEW_TOKENS = 16
+EPISODE_KEYS = ("max_turns", "max_tokens_per_turn", "max_episode_tokens")
+
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "addition"
-    """`addition` (a generated multi-digit addition task); a .jsonl file; a local dataset read through Hugging
+    """`addition` (a generated multi-digit addition task); `product` (generated 3-digit x 2-digit products, the
+    multi-turn quickstart's); a .jsonl file; a local dataset read through Hugging
     Face `datasets`: a .parquet, .arrow, .json or .csv file or a `save_to_disk` directory; or
     `reasoning_gym:TASK`, a procedural reasoning-gym task such as `reasoning_gym:chain_sum` (score it with
     reward.fn=reasoning_gym, the task's own scorer). Datasets and reasoning-gym need `pip install 'hpcrl[data]'`."""
@@ -64,12 +70,16 @@ def _check_template(template: str) -> None:
 
 @dataclass(kw_only=True, frozen=True)
 class RolloutConfig:
+    kind: Literal["single_turn", "multi_turn"] = "single_turn"
+    """`single_turn`: one completion per sample, scored by reward.fn. `multi_turn`: one episode per sample through
+    the session server (hpcrl/sessions/): the model calls the environment's tools turn after turn, the environment
+    gives the reward, and only sampled tokens train (docs/multiturn.md)."""
     mode: Literal["sync", "async"] = "sync"
     """`sync`: every step generates its batch with the current weights, then trains (bitwise reproducible).
     `async`: a producer keeps groups in flight on the engines while the trainer trains, through a bounded
     buffer (the `buffer:` section; docs/async.md)."""
     n_samples_per_prompt: int = 8
-    max_new_tokens: int = 16
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     """Top-p (nucleus) filter; < 1 turns on sampling-support replay and needs a positive top_k."""
@@ -77,6 +87,17 @@ class RolloutConfig:
     """Top-k filter; -1 is off (the whole vocabulary), >= 1 turns on sampling-support replay: the trainer
     renormalises over the ids each token was drawn from (docs/sampling-replay.md)."""
     request_timeout_s: float = 600.0
+    model_family: str | None = None
+    """multi_turn: the chat template, stop tokens and tool-call parser by name (`qwen3`, `tiny`); required there,
+    never detected from the checkpoint."""
+    environment: str | None = None
+    """multi_turn: the environment, a built-in (`calculator`, the default) or `package.module:Class`."""
+    max_turns: int | None = None
+    """multi_turn: generated assistant turns per episode (null: 8); one more ends it (reason `max_turns`)."""
+    max_tokens_per_turn: int | None = None
+    """multi_turn: tokens one turn may sample (null: 256); a turn cut there ends the episode."""
+    max_episode_tokens: int | None = None
+    """multi_turn: tokens of the whole episode, prompt and tool results included (null: 4096)."""
 
     @property
     def replays_support(self) -> bool:
@@ -103,6 +124,47 @@ class RolloutConfig:
             )
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        self._check_kind()
+
+    @property
+    def episode_limits(self) -> EpisodeLimits:
+        """multi_turn: the session server's limits for every episode (defaults where a key is null)."""
+        given = {k: getattr(self, k) for k in EPISODE_KEYS if getattr(self, k) is not None}
+        return EpisodeLimits().replace(given)
+
+    def _check_kind(self) -> None:
+        if self.kind == "single_turn":
+            given = [k for k in ("model_family", "environment", *EPISODE_KEYS) if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to rollout.kind=multi_turn only; remove them, or set "
+                    "rollout.kind=multi_turn"
+                )
+            return
+        if self.model_family is None:
+            raise ValueError(
+                "rollout.kind=multi_turn needs rollout.model_family (qwen3 or tiny): the family's chat template, "
+                "stop tokens and tool-call parser are chosen by name, never detected from the checkpoint"
+            )
+        from hpcrl.sessions.families import get_family
+
+        get_family(self.model_family)
+        _ = self.episode_limits  # each limit >= 1
+        if self.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.max_new_tokens} does not apply to rollout.kind=multi_turn (a turn's "
+                "length is bounded by the episode limits); set rollout.max_tokens_per_turn instead"
+            )
+        if self.mode == "async":
+            raise ValueError(
+                "rollout.kind=multi_turn runs its episodes synchronously (the async producer drives single "
+                "completions); set rollout.mode=sync"
+            )
+        if self.replays_support:
+            raise ValueError(
+                f"rollout.top_k={self.top_k} / rollout.top_p={self.top_p:g}: sampling-support replay is not built for "
+                "multi-turn episodes (tool tokens have no support); set rollout.top_k=-1 rollout.top_p=1"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -28,6 +28,7 @@ __all__ = [
     "build_examples",
     "load_jsonl",
     "make_addition_task",
+    "make_product_task",
 ]
 
 
@@ -117,7 +118,20 @@ def make_addition_task(num_examples: int, digits: int, seed: int) -> list[Exampl
     return examples
 
 
-_BUILDERS: dict[str, Callable[..., list[Example]]] = {"addition": make_addition_task}
+def make_product_task(num_examples: int, seed: int) -> list[Example]:
+    """Generated problems "a*b=" with a 3-digit a, a 2-digit b and answer str(a * b): arithmetic a tiny model cannot
+    do in its head, the multi-turn quickstart's task (it learns to call the calculator)."""
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be at least 1, got {num_examples}")
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(num_examples):
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        examples.append(Example(prompt=f"{a}*{b}=", answer=str(a * b)))
+    return examples
+
+
+_BUILDERS: dict[str, Callable[..., list[Example]]] = {"addition": make_addition_task, "product": make_product_task}
 
 
 def source_options(
@@ -126,7 +140,7 @@ def source_options(
     """The options of data.* that the source `source` reads (the others do not apply to it)."""
     if source == "addition":
         return {"num_examples": num_examples, "digits": digits, "seed": seed}
-    if source.startswith("reasoning_gym:"):
+    if source == "product" or source.startswith("reasoning_gym:"):
         return {"num_examples": num_examples, "seed": seed}
     return {"prompt_key": prompt_key, "answer_key": answer_key}
 

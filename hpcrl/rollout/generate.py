@@ -238,6 +238,10 @@ class Rollout:
                 groups[p].samples.append(sample_of(r, prompts[p], self.formatter, supports))
         return groups
 
+    def pop_metrics(self) -> dict[str, float]:
+        """Figures of the last step beyond rollout_stats' (none for single completions; see EpisodeRollout)."""
+        return {}
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

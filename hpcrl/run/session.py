@@ -14,6 +14,7 @@ import platform
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, prepare_model
 from hpcrl.run_config import RunConfig
+from hpcrl.sessions.rollout import EpisodeRollout
+from hpcrl.sessions.traces import ToolTraces
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.progress import Progress
@@ -48,8 +51,9 @@ from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
 from hpcrl.trainer.advantage import batch_from_groups
+from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup
-from hpcrl.trainer.warm_start import WarmStart
+from hpcrl.trainer.warm_start import WarmStart, answer_batches
 
 # Evaluation's generated prompts come from the training generator under this seed offset.
 EVAL_SEED_OFFSET = 1_000_003
@@ -66,12 +70,12 @@ class RunSession:
     store: MetricsWriter
     state: RunState
     fleet: EngineFleet
-    rollout: Rollout
+    rollout: Rollout | EpisodeRollout
     publisher: WeightPublisher
     rewards: RewardScorer
     warm_start: WarmStart
     data: PromptSource
-    evaluator: Evaluator
+    evaluator: Evaluator | None = None  # single-turn runs only
     formatter: PromptFormatter
     async_rollout: AsyncRollout | None = None  # rollout.mode: async
 
@@ -112,7 +116,10 @@ class RunSession:
             ),
         )  # fmt: skip
         eval_examples = self._eval_examples(examples)
-        self.rewards = RewardScorer(cfg.reward, interrupted=self._preempted, on_stop=self._record_stop)
+        multi_turn = cfg.rollout.kind == "multi_turn"
+        self.rewards = RewardScorer(
+            cfg.reward, interrupted=self._preempted, on_stop=self._record_stop, by_environment=multi_turn
+        )
         load_filter(cfg.buffer.filter)  # a bad buffer.filter is refused before the run dir is touched
         from transformers import AutoTokenizer
 
@@ -145,21 +152,25 @@ class RunSession:
         self._closers.append(sync.close)
         sync.connect()
         self.publisher = WeightPublisher(cfg.engine, self.fleet, sync, self.trainer.named_weights, on_event=self._event)
-        self.rollout = Rollout(
-            cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines
-        )
-        self._closers.append(self.rollout.close)
-        self.evaluator = Evaluator(
-            cfg.eval, self.rollout, self.rewards.fn, eval_examples, num_steps=cfg.num_steps,
-            timeout_s=cfg.reward.timeout_s,
-        )  # fmt: skip
+        if multi_turn:
+            self.rollout = EpisodeRollout(
+                cfg.rollout, clients, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed
+            )
+            self._closers.append(self.rollout.close)
+        else:
+            rollout = Rollout(cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines)
+            self._closers.append(rollout.close)
+            self.rollout = rollout
+            self.evaluator = Evaluator(
+                cfg.eval, rollout, self.rewards.fn, eval_examples, num_steps=cfg.num_steps,
+                timeout_s=cfg.reward.timeout_s,
+            )  # fmt: skip
         if guard_source is not None:
             guard = ThermalGuard(cfg.guard, guard_source, say=say, interrupted=self._preempted)
             pids = self.placement.local_engine_pids() + self.trainer.pids
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
-        sft_data = PromptSource(examples, batch_size=cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle)
         self.warm_start = WarmStart(
-            cfg.sft, self.trainer, formatter, sft_data, guard=self.guard, say=say, on_event=self._event
+            cfg.sft, self.trainer, self._sft_batches(examples), guard=self.guard, say=say, on_event=self._event
         )
         self.state = RunState(
             self.run_dir, self.store, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
@@ -180,6 +191,19 @@ class RunSession:
             self._closers.append(self.async_rollout.close)
             self.state.register("rollout_buffer", self.async_rollout)
         self._resume_point = resume_point
+
+    def _sft_batches(self, examples: list[Example]) -> Callable[[int], TrainBatch]:
+        cfg = self.cfg
+        if cfg.rollout.kind == "multi_turn":
+            assert cfg.rollout.model_family is not None
+            traces = ToolTraces(
+                examples, family=cfg.rollout.model_family, tokenizer=self.formatter.tokenizer,
+                batch_size=cfg.sft.batch_size, seed=cfg.seed + 1,
+                wrong_operand_share=cfg.sft.trace_wrong_operand_share, no_tool_share=cfg.sft.trace_no_tool_share,
+            )  # fmt: skip
+            return traces.batch
+        sft_data = PromptSource(examples, batch_size=cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle)
+        return answer_batches(self.formatter, sft_data)
 
     def _eval_examples(self, training: list[Example]) -> list[Example]:
         """The held-out prompts of evaluation (none when it is off): from eval.source, or from the training
@@ -244,7 +268,9 @@ class RunSession:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluation's figures when it is due after `step` (the engines serve the step's new weights)."""
-        return self.evaluator.run(step) if self.evaluator.due(step) else {}
+        if self.evaluator is None or not self.evaluator.due(step):
+            return {}
+        return self.evaluator.run(step)
 
     def _show_prompt_ids(self, groups: list[Group]) -> None:
         """Once per process: the ids the policy is trained on, so a missing (or doubled) BOS is seen at once."""
@@ -260,7 +286,8 @@ class RunSession:
 
     def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
         """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""
-        return rollout_stats(groups, rollout_s, version=rollout_version) | self.fleet.pop_metrics()
+        stats = rollout_stats(groups, rollout_s, version=rollout_version)
+        return stats | self.rollout.pop_metrics() | self.fleet.pop_metrics()
 
     def record_step(self, step: int, row: dict[str, float]) -> None:
         """Log the step's row (after its checkpoint: a resume re-logs a row the process died before logging)."""

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.fleet import FleetError
+from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.data import Example
 from hpcrl.rollout.generate import Group, Sample, sample_seed
-from hpcrl.sessions.environment import Environment, EpisodeResult, episode_metrics, run_episode
+from hpcrl.sessions.config import SessionServerConfig
+from hpcrl.sessions.environment import Environment, EpisodeResult, episode_metrics, load_environment, run_episode
+from hpcrl.sessions.server import SessionServer
 
-__all__ = ["group_from_episodes", "rollout_groups"]
+__all__ = ["EpisodeRollout", "group_from_episodes", "rollout_groups"]
+
+# Episodes in flight at once: enough to fill an engine's batch, few enough that the threads stay cheap.
+MAX_CONCURRENT_EPISODES = 64
 
 
 def group_from_episodes(example: Example, results: Sequence[EpisodeResult]) -> Group:
@@ -58,6 +67,30 @@ def rollout_groups(
     """`num_samples` episodes per example, run concurrently; their Groups and the rollout/* episode metrics.
 
     Episode seeds depend only on (seed, step, example, sample), as single-turn samples' do, so a step repeats."""
+    results = run_episodes(
+        env, examples, server_url, num_samples=num_samples, step=step, seed=seed, sampling=sampling, limits=limits,
+        max_concurrency=max_concurrency,
+    )  # fmt: skip
+    groups = [
+        group_from_episodes(example, results[p * num_samples : (p + 1) * num_samples])
+        for p, example in enumerate(examples)
+    ]
+    return groups, episode_metrics(results)
+
+
+def run_episodes(
+    env: Environment,
+    examples: Sequence[Example],
+    server_url: str,
+    *,
+    num_samples: int,
+    step: int,
+    seed: int,
+    sampling: dict[str, Any] | None = None,
+    limits: dict[str, int] | None = None,
+    max_concurrency: int = 16,
+) -> list[EpisodeResult]:
+    """The episodes of a step in (example, sample) order, each seeded by (seed, step, example, sample)."""
     jobs = [(p, s) for p in range(len(examples)) for s in range(num_samples)]
 
     def one(job: tuple[int, int]) -> EpisodeResult:
@@ -67,9 +100,70 @@ def rollout_groups(
         return run_episode(env, row, server_url, sampling=sampling, limits=limits, seed=episode_seed)
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(jobs)))) as pool:
-        results = list(pool.map(one, jobs))
-    groups = [
-        group_from_episodes(example, results[p * num_samples : (p + 1) * num_samples])
-        for p, example in enumerate(examples)
-    ]
-    return groups, episode_metrics(results)
+        return list(pool.map(one, jobs))
+
+
+class EpisodeRollout:
+    """rollout.kind=multi_turn: a step's episodes through a session server in front of the run's engines.
+
+    The same interface as the single-turn `Rollout` (`generate(step, examples) -> groups`, `pop_metrics`, `close`).
+    Each group holds one Sample per episode (linear sessions: one training sequence each) with the environment's
+    reward already set and a loss mask over its sampled tokens. Episode seeds depend only on (seed, step, prompt,
+    sample), so a step re-run after a resume draws the same episodes: nothing duplicated, nothing lost.
+    """
+
+    def __init__(
+        self, cfg: RolloutConfig, engines: list[EngineClient], *, model_dir: Path, tokenizer: Any, seed: int
+    ) -> None:
+        assert cfg.model_family is not None  # RolloutConfig refuses multi_turn without it
+        self.cfg, self.seed = cfg, seed
+        self.env = load_environment(cfg.environment or "calculator")
+        limits = cfg.episode_limits
+        server_cfg = SessionServerConfig(
+            model_family=cfg.model_family, model=str(model_dir), engine_urls=tuple(e.url for e in engines),
+            request_timeout_s=cfg.request_timeout_s, max_turns=limits.max_turns,
+            max_tokens_per_turn=limits.max_tokens_per_turn, max_episode_tokens=limits.max_episode_tokens,
+        )  # fmt: skip
+        self.server = SessionServer(server_cfg, tokenizer=tokenizer, engines=engines).start()
+        self._metrics: dict[str, float] = {}
+
+    def generate(self, step: int, examples: Sequence[Example]) -> list[Group]:
+        n = self.cfg.n_samples_per_prompt
+        results = run_episodes(
+            self.env, examples, self.server.url, num_samples=n, step=step, seed=self.seed,
+            sampling={"temperature": self.cfg.temperature}, max_concurrency=MAX_CONCURRENT_EPISODES,
+        )  # fmt: skip
+        failed = [r for r in results if r.end_reason == "engine_failed"]
+        if failed:
+            # A Group must hold all n samples (GRPO compares siblings), and an episode cut by a dead engine is not
+            # the policy's doing: stop; the resume re-runs this step's episodes with the same seeds.
+            raise FleetError(
+                f"{len(failed)} of {len(results)} episodes of step {step + 1} ended because every engine failed a "
+                "turn; fix the engines and rerun to resume the step"
+            )
+        groups = [group_from_episodes(e, results[p * n : (p + 1) * n]) for p, e in enumerate(examples)]
+        short = [p for p, g in enumerate(groups) if len(g.samples) != n]
+        if short:
+            raise RuntimeError(
+                f"step {step + 1}: the episodes of prompt {short[0] + 1} produced {len(groups[short[0]].samples)} "
+                f"training sequences for {n} episodes (an episode with no sampled token, e.g. a prompt over "
+                "rollout.max_episode_tokens); raise rollout.max_episode_tokens"
+            )
+        samples = [s for g in groups for s in g.samples]
+        trained = sum(sum(s.loss_mask or ()) for s in samples)
+        response = sum(len(s.output_ids) for s in samples)
+        ends = [r.end_reason for r in results]
+        self._metrics = episode_metrics(results) | {
+            # Below 1: the response holds tool and template tokens that the loss mask keeps out of training.
+            "rollout/trained_token_share": trained / response if response else float("nan"),
+            "rollout/answered_share": ends.count("answered") / len(ends),
+        }
+        return groups
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The last step's episode figures (rollout/turns_mean, tool_calls_mean, tool_error_share, ...)."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def close(self) -> None:
+        self.server.stop()

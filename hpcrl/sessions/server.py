@@ -424,19 +424,30 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("DELETE")
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: a run's dozens of concurrent episodes connecting at once would
+    # find their connections reset.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class SessionServer:
     """The HTTP server on a thread; `url` is where it listens (port 0 picks a free one)."""
 
-    def __init__(self, cfg: SessionServerConfig, *, tokenizer: Any | None = None) -> None:
+    def __init__(
+        self, cfg: SessionServerConfig, *, tokenizer: Any | None = None, engines: list[EngineClient] | None = None
+    ) -> None:
+        """`engines`: clients the caller owns (a run's, with their keys) instead of ones made from cfg.engine_urls."""
         from hpcrl.sessions.cli import load_tokenizer
 
-        engines = [
-            EngineClient(u, api_key=cfg.engine_api_key, timeout_s=cfg.request_timeout_s) for u in cfg.engine_urls
-        ]
+        self._owns_engines = engines is None
+        if engines is None:
+            engines = [
+                EngineClient(u, api_key=cfg.engine_api_key, timeout_s=cfg.request_timeout_s) for u in cfg.engine_urls
+            ]
         self.service = SessionService(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.model), engines)
         handler = type("Handler", (_Handler,), {"service": self.service})
-        self.httpd = ThreadingHTTPServer((cfg.host, cfg.port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((cfg.host, cfg.port), handler)
         self.url = f"http://{cfg.host}:{self.httpd.server_address[1]}"
         self._thread: threading.Thread | None = None
 
@@ -448,8 +459,9 @@ class SessionServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-        for engine in self.service.engines:
-            engine.close()
+        if self._owns_engines:
+            for engine in self.service.engines:
+                engine.close()
 
     def __enter__(self) -> SessionServer:
         return self.start()

@@ -184,10 +184,20 @@ class SFTConfig:
     batch_size: int = 32
     lr: float = 1e-3
     log_every_steps: int = 10
+    trace_wrong_operand_share: float = 0.0
+    """rollout.kind=multi_turn: share of the synthetic tool traces whose calculator call has one operand digit
+    wrong (the tool's answer and the final answer follow it), so GRPO has copying left to learn."""
+    trace_no_tool_share: float = 0.0
+    """rollout.kind=multi_turn: share of the traces that answer at once, without the tool, with a wrong guess."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        for key in ("trace_wrong_operand_share", "trace_no_tool_share"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.trace_wrong_operand_share + self.trace_no_tool_share > 1:
+            raise ValueError("trace_wrong_operand_share + trace_no_tool_share must be <= 1")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.lr > 0:

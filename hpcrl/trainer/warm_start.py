@@ -1,4 +1,8 @@
-"""The supervised warm start (SFT on prompt -> answer) before GRPO; runs once per run, checkpointed as done."""
+"""The supervised warm start before GRPO; runs once per run, checkpointed as done.
+
+Its batches come from a function of the SFT step: prompt -> answer pairs (`answer_batches`, single-turn runs), or
+pre-tokenized sequences with loss masks (hpcrl/sessions/traces.py, multi-turn runs: loss on the assistant turns).
+"""
 
 from __future__ import annotations
 
@@ -21,14 +25,13 @@ class WarmStart:
         self,
         cfg: SFTConfig,
         trainer: RankGroup,
-        formatter: PromptFormatter,
-        data: PromptSource,
+        batches: Callable[[int], TrainBatch],
         *,
         guard: Guard,
         say: Callable[[str], None],
         on_event: Callable[[str, dict[str, Any]], None],
     ) -> None:
-        self.cfg, self.trainer, self.formatter, self.data = cfg, trainer, formatter, data
+        self.cfg, self.trainer, self.batches = cfg, trainer, batches
         self.guard, self.say, self.on_event = guard, say, on_event
         self.done = False
 
@@ -36,14 +39,10 @@ class WarmStart:
         """The SFT steps, unless done or not configured; True when they ran (the engines need the weights)."""
         if self.done or self.cfg.num_steps == 0:
             return False
-        eos = self.formatter.tokenizer.eos_token_id
         t0 = time.perf_counter()
         for step in range(self.cfg.num_steps):
             self.guard.wait_until_cool(None)
-            examples = self.data.batch(step)
-            prompts = [self.formatter.encode(e.prompt) for e in examples]
-            answers = [self.formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
-            m = self.trainer.train_sft(TrainBatch.from_sequences(prompts, answers))
+            m = self.trainer.train_sft(self.batches(step))
             if (step + 1) % self.cfg.log_every_steps == 0 or step + 1 == self.cfg.num_steps:
                 elapsed_s = time.perf_counter() - t0
                 self.say(f"sft {step + 1:>4}/{self.cfg.num_steps} | loss {m['loss']:.3f} | {elapsed_s:.1f} s")
@@ -57,3 +56,16 @@ class WarmStart:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], *, step: int) -> None:
         self.done = bool(state["done"])
+
+
+def answer_batches(formatter: PromptFormatter, data: PromptSource) -> Callable[[int], TrainBatch]:
+    """SFT on prompt -> answer: the prompt as the rollout encodes it, the answer's ids and EOS as the response."""
+    eos = formatter.tokenizer.eos_token_id
+
+    def batch(step: int) -> TrainBatch:
+        examples = data.batch(step)
+        prompts = [formatter.encode(e.prompt) for e in examples]
+        answers = [formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
+        return TrainBatch.from_sequences(prompts, answers)
+
+    return batch

@@ -164,7 +164,8 @@ def test_build_examples_from_jsonl_and_addition(tmp_path: Path) -> None:
 
 
 def test_build_examples_unknown_source() -> None:
-    with pytest.raises(DataError, match=r"unknown data source 'data.txt'; expected one of: addition, a .jsonl file"):
+    expected = r"unknown data source 'data.txt'; expected one of: addition, product, a .jsonl file"
+    with pytest.raises(DataError, match=expected):
         build_examples("data.txt")
 
 

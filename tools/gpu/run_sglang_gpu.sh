@@ -7,6 +7,10 @@
 # fault:      12 steps whose engine's scheduler is SIGKILLed at step 6 (FAULT_AT/FAULT_COUNT say when)
 # record:     tools/gpu/record_sglang.py (the answers under tests/golden/sglang-0.5.16/), as $OUT/golden.tgz
 # replay:     tools/gpu/sglang_replay_gap.py (top_k=64 top_p=0.95: the gap with and without support replay)
+# multiturn:  experiments/tool-quickstart.yaml (multi-turn episodes through the session server) for 6 steps with
+#             engine.kind=sglang, colocated; its metrics.h5 rows and engine log come back
+# family-live: a stock SGLang server with the tiny model, then tools/gpu/family_check_live.py --family tiny
+#             against it (the battery's turns sampled by the live model through a real session server)
 # throughput: decode tok/s of the embedded engine, then of SGLang (triton attention, CUDA graphs), 256 x 512
 #             tokens with log-probs, Qwen3-0.6B shape bf16; runs alone, before the other sections start
 # Sections run at once (each SGLang start is 130-150 s); every server caps its KV cache
@@ -40,6 +44,34 @@ if [[ $STEPS == *quickstart* ]]; then
     model.path=/tmp/models/tiny-qwen3 engine.kind=sglang engine.device=cuda train.device=cuda \
     engine.dtype=bfloat16 train.dtype=bfloat16 engine.mem_fraction_static=0.5 engine.enable_memory_saver=true \
     engine.offload_during_train=true "engine.sglang_args=$SGLANG_ARGS" --run-dir /tmp/qs-sglang > "$OUT/quickstart.log" 2>&1 &
+  pids+=($!)
+fi
+if [[ $STEPS == *multiturn* ]]; then
+  rm -rf /tmp/tq-sglang
+  timeout 560 python3 -m hpcrl.cli run experiments/tool-quickstart.yaml num_steps=6 sft.num_steps=200 \
+    model.path=/tmp/models/tiny-qwen3-512 engine.kind=sglang engine.device=cuda train.device=cuda \
+    engine.dtype=bfloat16 train.dtype=bfloat16 engine.mem_fraction_static=0.5 engine.enable_memory_saver=true \
+    engine.offload_during_train=true "engine.sglang_args=$SGLANG_ARGS" --run-dir /tmp/tq-sglang > "$OUT/multiturn.log" 2>&1 &
+  pids+=($!)
+fi
+if [[ $STEPS == *family-live* ]]; then
+  (
+    python3 -m hpcrl.cli model init-tiny /tmp/models/tiny-family > /dev/null
+    FL_PORT=30177
+    python3 -m sglang.launch_server --model-path /tmp/models/tiny-family --port $FL_PORT --dtype bfloat16 \
+      --attention-backend triton --sampling-backend pytorch --grammar-backend none --skip-server-warmup \
+      --mem-fraction-static 0.15 --max-total-tokens 65536 --random-seed 0 > "$OUT/family_live_sglang.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 400); do
+      curl -sf "http://127.0.0.1:$FL_PORT/health" > /dev/null && break
+      kill -0 $srv 2> /dev/null || break
+      sleep 1
+    done
+    timeout 300 python3 tools/gpu/family_check_live.py --engine "http://127.0.0.1:$FL_PORT" \
+      --model /tmp/models/tiny-family --family tiny --out "$OUT/family_live.json" > "$OUT/family_live.log" 2>&1
+    echo "family-live exit $?" >> "$OUT/family_live.log"
+    kill $srv 2> /dev/null; wait $srv 2> /dev/null
+  ) &
   pids+=($!)
 fi
 if [[ $STEPS == *fault* ]]; then
@@ -83,5 +115,10 @@ fi
 for p in "${pids[@]}"; do wait "$p"; echo "section pid $p exit $?"; done
 [[ -d /tmp/qs-sglang ]] && { cp /tmp/qs-sglang/logs/engine-0.log "$OUT/qs_engine.log" 2>/dev/null;
   python3 -m hpcrl.cli report /tmp/qs-sglang -o /tmp/qs-report > "$OUT/qs_report.txt" 2>&1; }
+[[ -d /tmp/tq-sglang ]] && { cp /tmp/tq-sglang/logs/engine-0.log "$OUT/tq_engine.log" 2>/dev/null;
+  python3 -m hpcrl.cli report /tmp/tq-sglang -o /tmp/tq-report > "$OUT/tq_report.txt" 2>&1;
+  python3 -c "from hpcrl.store import load_metrics; m = load_metrics('/tmp/tq-sglang/metrics.h5')
+for k in sorted(m):
+    if k.startswith('rollout/'): print(k, [round(float(x), 4) for x in m[k]])" > "$OUT/tq_metrics.txt" 2>&1; }
 [[ -d /tmp/fault-sglang ]] && cp /tmp/fault-sglang/logs/engine-0.log "$OUT/fault_engine.log" && python3 -m hpcrl.cli report /tmp/fault-sglang -o /tmp/fault-report > "$OUT/fault_report.txt" 2>&1
 tail -n 30 "$OUT"/*.log "$OUT"/w/*.json 2>/dev/null | cut -c1-400
