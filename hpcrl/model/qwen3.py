@@ -287,6 +287,10 @@ class Backbone(nn.Module):
         return cast("list[DecoderLayer]", list(self.layers))
 
 
+def _skip_init(module: nn.Module) -> None:
+    """An initialiser that leaves the parameters as allocated (see CausalLM.without_init)."""
+
+
 class CausalLM(nn.Module):
     """Parameter names match transformers' `*ForCausalLM` (model.layers.N.self_attn.q_proj.weight, ...)."""
 
@@ -308,7 +312,8 @@ class CausalLM(nn.Module):
         driver's check, each engine, each trainer rank); on a real device the initialisers cost a pass over
         weights that are overwritten anyway."""
         initialisers = nn.Embedding.reset_parameters, nn.Linear.reset_parameters
-        nn.Embedding.reset_parameters = nn.Linear.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        nn.Embedding.reset_parameters = _skip_init  # type: ignore[method-assign,assignment]
+        nn.Linear.reset_parameters = _skip_init  # type: ignore[method-assign,assignment]
         try:
             with torch.device(device):
                 return cls(args)
