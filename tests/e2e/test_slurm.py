@@ -139,7 +139,8 @@ def test_submit_through_submitit(slurm_cluster: SlurmCluster, tmp_path: Path) ->
     job = submit_run(cfg, tmp_path / "run", role_command=STUB)
     outcome = job.result()
     assert outcome["run_dir"] == str(tmp_path / "run") and outcome["restart_count"] == 0
-    assert job.watcher.get_state(job.job_id, mode="force") in ("COMPLETED", "COMPLETING", "RUNNING")
+    # Not read at once: under load slurmdbd records the start late, and sacct said PENDING for a job whose
+    # result was already back. What a user relies on is the state once the job is done.
     slurm_cluster.wait_done(job.job_id)
     assert job.watcher.get_state(job.job_id, mode="force") == "COMPLETED", "the watcher reads <id>+0"
     log = job.stdout() or ""
