@@ -36,7 +36,8 @@ if [ "$mode" = preemptible ]; then
   on_usr2() {
     record USR2
     # rank 0 plays the driver: checkpoint (nothing here), then requeue the job
-    if [ "$SLURM_PROCID" = 0 ]; then scontrol requeue "$SLURM_JOB_ID" && record REQUEUED; fi
+    # Slurm TERMs the step as soon as the requeue is accepted: ignore it, or the record may not be written.
+    if [ "$SLURM_PROCID" = 0 ]; then trap '' TERM; scontrol requeue "$SLURM_JOB_ID" && record REQUEUED; fi
     exit 0
   }
   trap on_usr2 USR2
