@@ -71,11 +71,15 @@ def rollout_groups(
         env, examples, server_url, num_samples=num_samples, step=step, seed=seed, sampling=sampling, limits=limits,
         max_concurrency=max_concurrency,
     )  # fmt: skip
-    groups = [
+    return groups_by_example(examples, results, num_samples), episode_metrics(results)
+
+
+def groups_by_example(examples: Sequence[Example], results: Sequence[EpisodeResult], num_samples: int) -> list[Group]:
+    """One Group per example from `run_episodes`' (example, sample)-ordered results."""
+    return [
         group_from_episodes(example, results[p * num_samples : (p + 1) * num_samples])
         for p, example in enumerate(examples)
     ]
-    return groups, episode_metrics(results)
 
 
 def run_episodes(
@@ -141,7 +145,7 @@ class EpisodeRollout:
                 f"{len(failed)} of {len(results)} episodes of step {step + 1} ended because every engine failed a "
                 "turn; fix the engines and rerun to resume the step"
             )
-        groups = [group_from_episodes(e, results[p * n : (p + 1) * n]) for p, e in enumerate(examples)]
+        groups = groups_by_example(examples, results, n)
         short = [p for p, g in enumerate(groups) if len(g.samples) != n]
         if short:
             raise RuntimeError(
