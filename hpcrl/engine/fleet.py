@@ -125,9 +125,14 @@ class EngineFleet:
             {"engine": slot.index, "url": slot.client.url, "cause": cause, "seconds_since_last_ok": round(silent_s, 3)},
         )
 
-    def report_failure(self, slot: EngineSlot, exc: BaseException) -> None:
-        """A request failed: if the engine is gone, mark it dead now instead of at the next probe."""
+    def report_failure(self, slot: EngineSlot, exc: BaseException, *, client: EngineClient | None = None) -> None:
+        """A request failed: if the engine is gone, mark it dead now instead of at the next probe.
+
+        `client`: the one the request went to. A request sent before a restart fails late, against the old
+        process; the slot then holds the restarted engine, which must not be declared dead (and killed)."""
         self.num_errors += 1
+        if client is not None and client is not slot.client:
+            return
         if self._process_exit(slot) is not None or type(exc).__name__ == "EngineUnreachableError":
             self.mark_dead(slot, f"request failed: {type(exc).__name__}: {exc}")
 

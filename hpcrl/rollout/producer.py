@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hpcrl.engine.client import EngineRequestError
+from hpcrl.engine.client import EngineClient, EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter, version_ordinal
@@ -58,6 +58,7 @@ class Publisher(Protocol):
 @dataclass
 class _Call:
     slot: EngineSlot
+    client: EngineClient  # the slot's engine when the call was sent: a restart gives the slot a new one
     position: int
     attempt: int
     submit_version: str
@@ -161,7 +162,7 @@ class AsyncRollout:
             slot = min(live, key=lambda s: (busy[id(s)], s.index))
             # The tokenizer is used on this thread only (a fast tokenizer is not safe across threads).
             prompt = self.formatter.encode(self.data.at(position).prompt)
-            call = _Call(slot, position, attempt, self.publisher.version, prompt)
+            call = _Call(slot, slot.client, position, attempt, self.publisher.version, prompt)
             self._calls[self._pool.submit(self._generate, call)] = call
 
     def _generate(self, call: _Call) -> list[GenerateResult]:
@@ -174,7 +175,7 @@ class AsyncRollout:
             )
             for s in range(n)
         ]  # fmt: skip
-        out = call.slot.client.generate(
+        out = call.client.generate(
             [call.prompt] * n, params, return_logprob=True, return_sampling_mask=self.cfg.replays_support,
             rid=[f"pos{call.position}-a{call.attempt}-s{s}" for s in range(n)], timeout_s=self.cfg.request_timeout_s,
         )  # fmt: skip
@@ -192,8 +193,8 @@ class AsyncRollout:
             except EngineRequestError:
                 raise  # the engine refused the request itself: re-sending would not help
             except Exception as exc:  # noqa: BLE001 - a dead or unreachable engine
-                self.fleet.report_failure(call.slot, exc)
-                if call.slot.state == "live":
+                self.fleet.report_failure(call.slot, exc, client=call.client)
+                if call.slot.state == "live" and call.slot.client is call.client:
                     raise
                 self._reissue(call)
                 continue
@@ -201,7 +202,8 @@ class AsyncRollout:
             if self._stop.is_set():
                 return
         for fut, call in list(self._calls.items()):
-            if call.slot.state != "live":  # declared dead by the monitor while we waited
+            # declared dead by the monitor while we waited, or restarted since: the old process will not answer
+            if call.slot.state != "live" or call.slot.client is not call.client:
                 del self._calls[fut]
                 self._reissue(call)
 
@@ -214,7 +216,7 @@ class AsyncRollout:
         example = self.data.at(call.position)
         prompt = call.prompt
         group = Group(example=example)
-        url = call.slot.client.url
+        url = call.client.url
         for r in results:
             supports = checked_supports(r, url) if self.cfg.replays_support else None
             group.samples.append(sample_of(r, prompt, self.formatter, supports))

@@ -166,3 +166,20 @@ def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights
 ) -> None:
     """Issue #9, item 3, on CPU: an engine killed in the middle of a gloo weight push."""
     sigkill_mid_push(tmp_path, tiny_model_dir, 1)
+
+
+def test_a_late_failure_from_before_a_restart_leaves_the_restarted_engine_live() -> None:
+    from hpcrl.engine.client import EngineClient, EngineUnreachableError
+    from hpcrl.engine.config import EngineConfig
+    from hpcrl.engine.fleet import EngineFleet
+
+    events: list[str] = []
+    old, new = EngineClient("http://127.0.0.1:9"), EngineClient("http://127.0.0.1:10")
+    fleet = EngineFleet(EngineConfig(), [old], launcher=None, on_event=lambda k, d: events.append(k))
+    slot = fleet.slots[0]
+    slot.client = new  # what a restart does while a request to the old process is still in flight
+    fleet.report_failure(slot, EngineUnreachableError("connection refused", url=old.url), client=old)
+    assert slot.state == "live" and events == []
+    fleet.report_failure(slot, EngineUnreachableError("connection refused", url=new.url), client=new)
+    fleet.close()
+    assert slot.state == "dead" and events == ["engine_dead"]
