@@ -2,8 +2,8 @@
 
 Layout of one file, format version 2 (DESIGN.md §4), an HDF5 file that any HDF5 reader opens:
 - ``/blob``: one contiguous uint8 dataset holding every tensor's raw bytes (C order, little-endian), back to
-  back. It is written outside HDF5 at the dataset's file offset (aligned to 4 KiB since 0.43 GB writes moved
-  to O_DIRECT; older files are not, and need nothing of it): whole 4 KiB blocks with O_DIRECT, four 8 MiB
+  back. It is written outside HDF5 at the dataset's file offset (aligned to 4 KiB for O_DIRECT; files written
+  before that are not, and readers need nothing of it): whole 4 KiB blocks with O_DIRECT, four 8 MiB
   writes in flight, the rest with ``os.pwritev`` (everything, where the file system refuses O_DIRECT). It is
   read back with ``os.preadv`` straight into each tensor's memory (one system call per 1,024 tensors; reads
   in runs of 64 MiB): no copy through NumPy or HDF5, which is what makes a checkpoint as fast as
