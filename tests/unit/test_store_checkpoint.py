@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import random
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -119,17 +120,22 @@ class WriteLog:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *, short_every: int = 0, fail_direct_at: int = 0) -> None:
         self.writes: list[tuple[bool, int, int]] = []
         self.short_every, self.fail_direct_at = short_every, fail_direct_at
+        self.num_direct_calls, self.lock = 0, threading.Lock()  # direct writes run in several threads
         self.real_pwritev = os.pwritev
         monkeypatch.setattr(os, "pwritev", self.pwritev)
 
     def pwritev(self, fd: int, views: list[memoryview], offset: int) -> int:
         direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-        if direct and len(self.direct()) + 1 == self.fail_direct_at:
+        with self.lock:
+            self.num_direct_calls += direct
+            call = self.num_direct_calls
+        if direct and call == self.fail_direct_at:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        if direct and self.short_every and (len(self.direct()) + 1) % self.short_every == 0:
+        if direct and self.short_every and call % self.short_every == 0:
             views = [views[0][:4096]]  # as at a file size limit: the kernel wrote whole blocks, not all
         written = self.real_pwritev(fd, views, offset)
-        self.writes.append((direct, offset, written))
+        with self.lock:
+            self.writes.append((direct, offset, written))
         return written
 
     def direct(self) -> list[tuple[bool, int, int]]:
