@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -35,7 +36,7 @@ import sys
 import threading
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -595,23 +596,105 @@ def _read_blob(
         return None
 
     checks: list[Future[str | None]] = []
+    runs = _runs(views)
     fd = os.open(path, os.O_RDONLY)
     try:
         with ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="hpcrl-crc") as pool:
             # The checksums of one run overlap the read of the next.
-            for first, last in _runs(views):
+            def check(run: int) -> None:
+                checks.append(pool.submit(verify, *runs[run]))
+
+            num_read = _read_direct(path, views, blob_offset, runs, check) if end and blob_offset is not None else 0
+            # The runs the direct reads did not finish (all of them where the file system refuses O_DIRECT).
+            for run in range(num_read, len(runs)):
+                first, last = runs[run]
                 start = blob_offset + entries[first]["offset"] if blob_offset is not None else 0
                 if not _preadv_all(fd, views[first:last], start):
                     raise CheckpointError(
                         f"checkpoint {path} ends inside its tensor data; the file is truncated or corrupt"
                     )
-                checks.append(pool.submit(verify, first, last))
+                check(run)
             failures = [message for check in checks if (message := check.result()) is not None]
     finally:
         os.close(fd)
     if failures:
         raise CheckpointError(failures[0])
     return tensors
+
+
+def _read_direct(
+    path: Path, views: list[memoryview], blob_offset: int, runs: list[tuple[int, int]], check: Callable[[int], None]
+) -> int:
+    """Fills ``views`` from the blob with O_DIRECT reads into staging buffers, four in flight, calling
+    ``check(run)`` as each run is complete; returns the number of runs filled: 0 where the file system refuses
+    O_DIRECT, fewer than all after a short read (the end of a truncated file), for the caller to read again
+    through the page cache.
+
+    Why: a read through the page cache allocates a page per 4 KiB, which on this VM cost as much as the disk
+    (docs/benchmarks.md), and the blob is not in the cache anyway: it was written around it.
+    """
+    try:
+        direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return 0
+        raise
+    run_ends = list(itertools.accumulate(sum(view.nbytes for view in views[first:last]) for first, last in runs))
+    nbytes = run_ends[-1]
+    skip = blob_offset % _DIRECT_ALIGN  # files written before the blob was aligned
+    start = blob_offset - skip
+    positions = range(0, -(-(skip + nbytes) // _DIRECT_ALIGN) * _DIRECT_ALIGN, _DIRECT_CHUNK_BYTES)
+    end = positions.stop
+    buffers: list[memoryview] = []
+    num_checked = 0
+    try:
+        buffers = _take_buffers()
+        with ThreadPoolExecutor(len(buffers), thread_name_prefix="hpcrl-read") as reader:
+            reads: list[tuple[memoryview, Future[int]]] = []
+
+            def submit(index: int) -> None:
+                buffer = buffers[index % len(buffers)][: min(_DIRECT_CHUNK_BYTES, end - positions[index])]
+                reads.append((buffer, reader.submit(os.preadv, direct_fd, [buffer], start + positions[index])))
+
+            for index in range(min(len(buffers), len(positions))):
+                submit(index)
+            pending, filled = [view for view in views if view.nbytes], 0
+            for index in range(len(positions)):
+                buffer, read = reads[index]
+                try:
+                    num_bytes_read = read.result()
+                except OSError as error:
+                    if index == 0 and error.errno == errno.EINVAL:
+                        return 0
+                    raise
+                data = buffer[skip if index == 0 else 0 : max(num_bytes_read, 0)][: nbytes - filled]
+                pending = _scatter(data, pending)
+                filled += data.nbytes
+                while num_checked < len(runs) and run_ends[num_checked] <= filled:
+                    check(num_checked)
+                    num_checked += 1
+                if num_bytes_read < buffer.nbytes or filled == nbytes:
+                    break
+                if index + len(buffers) < len(positions):
+                    submit(index + len(buffers))  # into the buffer just emptied
+    finally:
+        os.close(direct_fd)
+        with _spare_buffers_lock:
+            if buffers and not _spare_buffers:
+                _spare_buffers.append(buffers)
+    return num_checked
+
+
+def _scatter(data: memoryview, views: list[memoryview]) -> list[memoryview]:
+    """Copies ``data`` into the head of ``views``; returns the views left to fill."""
+    copied = 0
+    for view in views:
+        if copied == data.nbytes:
+            break
+        size = min(view.nbytes, data.nbytes - copied)
+        view[:size] = data[copied : copied + size]
+        copied += size
+    return _advance(views, copied)
 
 
 def _v1_digest(dtype_name: str, array: np.ndarray) -> str:

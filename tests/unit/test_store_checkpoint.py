@@ -174,6 +174,39 @@ def test_the_blob_goes_around_the_page_cache_and_short_direct_writes_finish_thro
     assert sum(n for _, n in blob_writes) == blob_nbytes and len(blob_writes) == 7 + 2 + 1
 
 
+def test_reads_go_around_the_page_cache_and_a_short_direct_read_goes_on_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(checkpoint_module, "_RUN_BYTES", 10_000)  # several runs, the first checked early
+    tensors = odd_sized_tensors()
+    path = save_checkpoint(tmp_path, 1, tensors, {})
+    real_preadv, direct_reads = os.preadv, []
+
+    def short_third_direct_read(fd: int, views: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct_reads.append(offset)
+            if len(direct_reads) == 3:  # reads run in order of offset: the third one stops half way
+                return real_preadv(fd, [views[0][:4096]], offset)
+        return real_preadv(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", short_third_direct_read)
+    checkpoint = load_checkpoint(path)
+    assert len(direct_reads) >= 3
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+    with open(path, "r+b") as f:  # a flipped byte after the short read is still caught
+        with h5py.File(path, "r") as h5:
+            byte_offset = h5["blob"].id.get_offset() + 50_000
+        f.seek(byte_offset)
+        byte = f.read(1)
+        f.seek(byte_offset)
+        f.write(bytes([byte[0] ^ 1]))
+    direct_reads.clear()
+    with pytest.raises(CheckpointError, match="tensor 'd' of checkpoint .* fails its checksum"):
+        load_checkpoint(path)
+
+
 def test_a_file_system_that_refuses_o_direct_gets_the_buffered_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
