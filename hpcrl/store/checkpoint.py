@@ -5,9 +5,10 @@ Layout of one file, format version 2 (DESIGN.md §4), an HDF5 file that any HDF5
   back. It is written outside HDF5 at the dataset's file offset (aligned to 4 KiB for O_DIRECT; files written
   before that are not, and readers need nothing of it): whole 4 KiB blocks with O_DIRECT, four 8 MiB
   writes in flight, the rest with ``os.pwritev`` (everything, where the file system refuses O_DIRECT). It is
-  read back with ``os.preadv`` straight into each tensor's memory (one system call per 1,024 tensors; reads
-  in runs of 64 MiB): no copy through NumPy or HDF5, which is what makes a checkpoint as fast as
-  ``torch.save``.
+  read back the same way: O_DIRECT reads into staging buffers scattered into each tensor's memory, or
+  ``os.preadv`` straight into it where O_DIRECT is refused (one system call per 1,024 tensors), checksums
+  checked per run of 64 MiB beside the next reads. No copy through NumPy or HDF5 and none through the page
+  cache, which is what makes a durable checkpoint as fast as ``torch.save`` (docs/benchmarks.md).
 - ``/crc32``: uint32 per tensor, the CRC-32 of its name, dtype, shape and bytes (``zlib.crc32``, 3-4 GB/s
   a core and computed in threads beside the write and the read; BLAKE2b at 0.8 GB/s was the bottleneck).
 - root attributes: ``hpcrl_format="checkpoint"``, ``hpcrl_format_version``, ``step``, ``num_tensors``,
