@@ -2,9 +2,13 @@
 
 Layout of one file, format version 2 (DESIGN.md §4), an HDF5 file that any HDF5 reader opens:
 - ``/blob``: one contiguous uint8 dataset holding every tensor's raw bytes (C order, little-endian), back to
-  back. It is written outside HDF5 with ``os.pwritev`` at the dataset's file offset and read back with
-  ``os.preadv`` straight into each tensor's memory (one system call per 1,024 tensors; reads in runs of
-  64 MiB): no copy through NumPy or HDF5, which is what makes a checkpoint as fast as ``torch.save``.
+  back. It is written outside HDF5 at the dataset's file offset (aligned to 4 KiB for O_DIRECT; files written
+  before that are not, and readers need nothing of it): whole 4 KiB blocks with O_DIRECT, four 8 MiB
+  writes in flight, the rest with ``os.pwritev`` (everything, where the file system refuses O_DIRECT). It is
+  read back the same way: O_DIRECT reads into staging buffers scattered into each tensor's memory, or
+  ``os.preadv`` straight into it where O_DIRECT is refused (one system call per 1,024 tensors), checksums
+  checked per run of 64 MiB beside the next reads. No copy through NumPy or HDF5 and none through the page
+  cache, which is what makes a durable checkpoint as fast as ``torch.save`` (docs/benchmarks.md).
 - ``/crc32``: uint32 per tensor, the CRC-32 of its name, dtype, shape and bytes (``zlib.crc32``, 3-4 GB/s
   a core and computed in threads beside the write and the read; BLAKE2b at 0.8 GB/s was the bottleneck).
 - root attributes: ``hpcrl_format="checkpoint"``, ``hpcrl_format_version``, ``step``, ``num_tensors``,
@@ -20,17 +24,20 @@ complete unless the storage damaged it afterwards, which the checksums catch on 
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
 import random
 import re
 import sys
+import threading
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +58,17 @@ _BLOB, _CRC32 = "blob", "crc32"
 _IOV_MAX = 1024
 # Tensors are read in runs of about this many bytes, so that each run's checksums overlap the next run's read.
 _RUN_BYTES = 64 << 20
+# The blob goes to the disk around the page cache (O_DIRECT) in chunks of this many bytes, copied through
+# staging buffers aligned to _DIRECT_ALIGN bytes (what O_DIRECT asks of addresses, offsets and lengths), with
+# this many writes in flight: one at a time, 16 MiB chunks wrote 0.43 GB in 0.19-0.38 s here; four of 8 MiB
+# in 0.20-0.22 s, the disk's speed (what fsync of the same bytes from the page cache takes).
+_DIRECT_CHUNK_BYTES = 8 << 20
+_DIRECT_WRITES_IN_FLIGHT = 4
+_DIRECT_ALIGN = 4096
+# One set of staging buffers kept between writes (32 MiB): fresh memory costs a page fault per 4 KiB, and on
+# this VM, whose idle memory goes back to the host, a fresh set doubled the write's time.
+_spare_buffers: list[list[memoryview]] = []
+_spare_buffers_lock = threading.Lock()
 # Two checksum threads: the machines this runs on have at least two cores, and more do not speed up a
 # write bound by the disk.
 _CHECKSUM_THREADS = 2
@@ -221,9 +239,7 @@ def _write_file(path: Path, step: int, tensors: Mapping[str, torch.Tensor], stat
         fd = os.open(path, os.O_WRONLY)
         try:
             if blob_offset is not None:
-                # One pass, no early writeback: sync_file_range after each 64 MiB run made the next run's
-                # pwritev wait for the disk (a 0.43 GB write took 3-7.6 s against 1.3-1.5 s without it).
-                _pwritev_all(fd, views, blob_offset)
+                _write_blob(path, fd, views, blob_offset)
             if crc_offset is not None:
                 table = np.array([future.result() for future in crcs], dtype="<u4")
                 _pwritev_all(fd, [table.view(np.uint8).data], crc_offset)
@@ -239,7 +255,9 @@ def _write_layout(
     """Writes the HDF5 part of a checkpoint (attributes, the blob and crc32 datasets allocated but unfilled);
     returns the file offsets of the two datasets (None for an empty one), where the raw bytes go."""
     # v108 lets attributes exceed 64 KiB (an optimizer skeleton of a large model can).
-    f = h5py.File(path, "w", libver="v108")
+    # The alignment puts the blob (and any other object of 4 KiB or more) at a multiple of 4 KiB, so that its
+    # bytes can be written with O_DIRECT; readers need nothing of it.
+    f = h5py.File(path, "w", libver="v108", alignment_threshold=_DIRECT_ALIGN, alignment_interval=_DIRECT_ALIGN)
     fd = f.id.get_vfd_handle()
     try:
         f.attrs[FORMAT_ATTR] = CHECKPOINT_FORMAT
@@ -282,6 +300,103 @@ def _runs(views: list[memoryview]) -> list[tuple[int, int]]:
             runs.append((first, index + 1))
             first, run_bytes = index + 1, 0
     return runs
+
+
+def _write_blob(path: Path, fd: int, views: list[memoryview], offset: int) -> None:
+    """Writes the tensor bytes at ``offset``: the whole 4 KiB blocks with O_DIRECT where the file system takes
+    it, the rest (a last partial block, or everything) through ``fd`` and the page cache.
+
+    Why O_DIRECT: a checkpoint is fsynced at once, so the page cache only adds a copy and the allocation of a
+    page per 4 KiB; on a VM whose idle memory went back to the host, that allocation made a buffered write
+    of 0.43 GB take 0.7-7 s against 0.5-0.9 s around the cache (docs/benchmarks.md). fsync still follows:
+    O_DIRECT data may sit in the disk's volatile cache, and the file's extents are metadata.
+    """
+    nbytes = sum(view.nbytes for view in views)
+    direct_nbytes = nbytes // _DIRECT_ALIGN * _DIRECT_ALIGN if offset % _DIRECT_ALIGN == 0 else 0
+    written = _pwrite_direct(path, fd, views, offset, direct_nbytes) if direct_nbytes else 0
+    _pwritev_all(fd, _advance([view for view in views if view.nbytes], written), offset + written)
+
+
+def _pwrite_direct(path: Path, fd: int, views: list[memoryview], offset: int, nbytes: int) -> int:
+    """Writes the first ``nbytes`` (a multiple of _DIRECT_ALIGN) of ``views`` with O_DIRECT, copying them into
+    staging buffers while threads write the others; returns the bytes written, 0 if the file system refuses
+    O_DIRECT (tmpfs before Linux 6.6, some network file systems: EINVAL)."""
+    try:
+        direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return 0
+        raise
+    buffers: list[memoryview] = []
+    try:
+        chunk_nbytes = min(_DIRECT_CHUNK_BYTES, nbytes)
+        buffers = _take_buffers()
+        writes: list[Future[None] | None] = [None] * len(buffers)
+        pending = [view for view in views if view.nbytes]
+        with ThreadPoolExecutor(len(buffers), thread_name_prefix="hpcrl-write") as writer:
+            for index, start in enumerate(range(0, nbytes, chunk_nbytes)):
+                slot = index % len(buffers)
+                if (write := writes[slot]) is not None:
+                    write.result()  # its buffer is free again
+                buffer = buffers[slot][: min(chunk_nbytes, nbytes - start)]
+                pending = _gather(pending, buffer)
+                if index == 0:
+                    if not _first_direct_write(direct_fd, fd, buffer, offset):
+                        return 0
+                    continue
+                writes[slot] = writer.submit(_write_chunk, direct_fd, fd, buffer, offset + start)
+            for write in writes:
+                if write is not None:
+                    write.result()
+    finally:
+        os.close(direct_fd)
+        with _spare_buffers_lock:  # the writes using them are done: the executor waited for them
+            if buffers and not _spare_buffers:
+                _spare_buffers.append(buffers)
+    return nbytes
+
+
+def _take_buffers() -> list[memoryview]:
+    with _spare_buffers_lock:
+        buffers = _spare_buffers.pop() if _spare_buffers else []
+    if len(buffers) == _DIRECT_WRITES_IN_FLIGHT and buffers[0].nbytes >= _DIRECT_CHUNK_BYTES:
+        return buffers
+    return [_aligned_buffer(_DIRECT_CHUNK_BYTES) for _ in range(_DIRECT_WRITES_IN_FLIGHT)]
+
+
+def _first_direct_write(direct_fd: int, fd: int, buffer: memoryview, offset: int) -> bool:
+    # A file system may take O_DIRECT at open and refuse its first write (alignment stricter than 4 KiB).
+    try:
+        _write_chunk(direct_fd, fd, buffer, offset)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def _write_chunk(direct_fd: int, fd: int, buffer: memoryview, offset: int) -> None:
+    written = os.pwritev(direct_fd, [buffer], offset)
+    if written < buffer.nbytes:  # a short direct write (a size limit): the rest goes through the page cache
+        _pwritev_all(fd, [buffer[max(written, 0) :]], offset + max(written, 0))
+
+
+def _aligned_buffer(nbytes: int) -> memoryview:
+    raw = np.empty(nbytes + _DIRECT_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _DIRECT_ALIGN
+    return raw[start : start + nbytes].data
+
+
+def _gather(views: list[memoryview], buffer: memoryview) -> list[memoryview]:
+    """Copies the first ``buffer.nbytes`` bytes of ``views`` into ``buffer``; returns the views left."""
+    filled = 0
+    for view in views:
+        size = min(view.nbytes, buffer.nbytes - filled)
+        buffer[filled : filled + size] = view[:size]
+        filled += size
+        if filled == buffer.nbytes:
+            break
+    return _advance(views, filled)
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
@@ -482,23 +597,105 @@ def _read_blob(
         return None
 
     checks: list[Future[str | None]] = []
+    runs = _runs(views)
     fd = os.open(path, os.O_RDONLY)
     try:
         with ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="hpcrl-crc") as pool:
             # The checksums of one run overlap the read of the next.
-            for first, last in _runs(views):
+            def check(run: int) -> None:
+                checks.append(pool.submit(verify, *runs[run]))
+
+            num_read = _read_direct(path, views, blob_offset, runs, check) if end and blob_offset is not None else 0
+            # The runs the direct reads did not finish (all of them where the file system refuses O_DIRECT).
+            for run in range(num_read, len(runs)):
+                first, last = runs[run]
                 start = blob_offset + entries[first]["offset"] if blob_offset is not None else 0
                 if not _preadv_all(fd, views[first:last], start):
                     raise CheckpointError(
                         f"checkpoint {path} ends inside its tensor data; the file is truncated or corrupt"
                     )
-                checks.append(pool.submit(verify, first, last))
+                check(run)
             failures = [message for check in checks if (message := check.result()) is not None]
     finally:
         os.close(fd)
     if failures:
         raise CheckpointError(failures[0])
     return tensors
+
+
+def _read_direct(
+    path: Path, views: list[memoryview], blob_offset: int, runs: list[tuple[int, int]], check: Callable[[int], None]
+) -> int:
+    """Fills ``views`` from the blob with O_DIRECT reads into staging buffers, four in flight, calling
+    ``check(run)`` as each run is complete; returns the number of runs filled: 0 where the file system refuses
+    O_DIRECT, fewer than all after a short read (the end of a truncated file), for the caller to read again
+    through the page cache.
+
+    Why: a read through the page cache allocates a page per 4 KiB, which on this VM cost as much as the disk
+    (docs/benchmarks.md), and the blob is not in the cache anyway: it was written around it.
+    """
+    try:
+        direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return 0
+        raise
+    run_ends = list(itertools.accumulate(sum(view.nbytes for view in views[first:last]) for first, last in runs))
+    nbytes = run_ends[-1]
+    skip = blob_offset % _DIRECT_ALIGN  # files written before the blob was aligned
+    start = blob_offset - skip
+    positions = range(0, -(-(skip + nbytes) // _DIRECT_ALIGN) * _DIRECT_ALIGN, _DIRECT_CHUNK_BYTES)
+    end = positions.stop
+    buffers: list[memoryview] = []
+    num_checked = 0
+    try:
+        buffers = _take_buffers()
+        with ThreadPoolExecutor(len(buffers), thread_name_prefix="hpcrl-read") as reader:
+            reads: list[tuple[memoryview, Future[int]]] = []
+
+            def submit(index: int) -> None:
+                buffer = buffers[index % len(buffers)][: min(_DIRECT_CHUNK_BYTES, end - positions[index])]
+                reads.append((buffer, reader.submit(os.preadv, direct_fd, [buffer], start + positions[index])))
+
+            for index in range(min(len(buffers), len(positions))):
+                submit(index)
+            pending, filled = [view for view in views if view.nbytes], 0
+            for index in range(len(positions)):
+                buffer, read = reads[index]
+                try:
+                    num_bytes_read = read.result()
+                except OSError as error:
+                    if index == 0 and error.errno == errno.EINVAL:
+                        return 0
+                    raise
+                data = buffer[skip if index == 0 else 0 : max(num_bytes_read, 0)][: nbytes - filled]
+                pending = _scatter(data, pending)
+                filled += data.nbytes
+                while num_checked < len(runs) and run_ends[num_checked] <= filled:
+                    check(num_checked)
+                    num_checked += 1
+                if num_bytes_read < buffer.nbytes or filled == nbytes:
+                    break
+                if index + len(buffers) < len(positions):
+                    submit(index + len(buffers))  # into the buffer just emptied
+    finally:
+        os.close(direct_fd)
+        with _spare_buffers_lock:
+            if buffers and not _spare_buffers:
+                _spare_buffers.append(buffers)
+    return num_checked
+
+
+def _scatter(data: memoryview, views: list[memoryview]) -> list[memoryview]:
+    """Copies ``data`` into the head of ``views``; returns the views left to fill."""
+    copied = 0
+    for view in views:
+        if copied == data.nbytes:
+            break
+        size = min(view.nbytes, data.nbytes - copied)
+        view[:size] = data[copied : copied + size]
+        copied += size
+    return _advance(views, copied)
 
 
 def _v1_digest(dtype_name: str, array: np.ndarray) -> str:

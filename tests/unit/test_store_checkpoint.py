@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import random
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,165 @@ def test_a_checkpoint_written_before_format_version_2_still_loads() -> None:
     assert checkpoint.state == {"data": {"cursor": 17}, "weights": {"version": "3"}, "name": "run ☃"}
     tensors = sample_tensors()
     assert set(checkpoint.tensors) == set(tensors)
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+
+
+def test_a_format_2_checkpoint_written_before_the_blob_was_aligned_still_loads() -> None:
+    # Written by hpcrl at 52c66f9 (format 2, before O_DIRECT) from sample_tensors() plus "big" and this state.
+    old = Path(__file__).parents[1] / "data" / "checkpoint_v2_unaligned" / "step_00000004.h5"
+    with h5py.File(old, "r") as f:
+        assert f.attrs["hpcrl_format_version"] == 2 and f["blob"].id.get_offset() % 4096 != 0
+    checkpoint = load_checkpoint(old)
+    assert checkpoint.step == 4
+    assert checkpoint.state == {"data": {"cursor": 17}, "weights": {"version": "4"}, "name": "run ☃"}
+    tensors = sample_tensors() | {"big": torch.arange(3000, dtype=torch.float32)}
+    assert set(checkpoint.tensors) == set(tensors)
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+
+
+class WriteLog:
+    """Records every pwritev as (O_DIRECT or not, offset, bytes written); can cut direct writes short or fail."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, short_every: int = 0, fail_direct_at: int = 0) -> None:
+        self.writes: list[tuple[bool, int, int]] = []
+        self.short_every, self.fail_direct_at = short_every, fail_direct_at
+        self.num_direct_calls, self.lock = 0, threading.Lock()  # direct writes run in several threads
+        self.real_pwritev = os.pwritev
+        monkeypatch.setattr(os, "pwritev", self.pwritev)
+
+    def pwritev(self, fd: int, views: list[memoryview], offset: int) -> int:
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        with self.lock:
+            self.num_direct_calls += direct
+            call = self.num_direct_calls
+        if direct and call == self.fail_direct_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if direct and self.short_every and call % self.short_every == 0:
+            views = [views[0][:4096]]  # as at a file size limit: the kernel wrote whole blocks, not all
+        written = self.real_pwritev(fd, views, offset)
+        with self.lock:
+            self.writes.append((direct, offset, written))
+        return written
+
+    def direct(self) -> list[tuple[bool, int, int]]:
+        return [write for write in self.writes if write[0]]
+
+
+def odd_sized_tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    # 60,027 bytes: seven 8 KiB chunks of whole 4 KiB blocks, then a partial block.
+    sizes = {"a": 1, "b": 5000, "c": 3333, "d": 6666, "empty": 0}
+    tensors = {name: torch.randn(size, generator=generator) for name, size in sizes.items()}
+    return tensors | {"bytes": torch.arange(27, dtype=torch.uint8)}
+
+
+def test_the_blob_goes_around_the_page_cache_and_short_direct_writes_finish_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    tensors = odd_sized_tensors()
+    blob_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    log = WriteLog(monkeypatch, short_every=3)
+    checkpoint = load_checkpoint(save_checkpoint(tmp_path, 1, tensors, {}))
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+    with h5py.File(checkpoint.path, "r") as f:
+        blob_offset = f["blob"].id.get_offset()
+    assert blob_offset % 4096 == 0  # what O_DIRECT needs, set by the file's alignment
+    direct = log.direct()
+    assert len(direct) == 7 and all(offset % 4096 == 0 and written % 4096 == 0 for _, offset, written in direct)
+    # The blocks the short writes left, and the partial last block, went through the page cache; together
+    # every byte of the blob was written exactly once.
+    in_blob = [(offset, n) for _, offset, n in log.writes if blob_offset <= offset < blob_offset + blob_nbytes]
+    blob_writes = sorted(in_blob)
+    assert blob_writes[0][0] == blob_offset
+    assert all(a + n == b for (a, n), (b, _) in zip(blob_writes, blob_writes[1:], strict=False))
+    assert sum(n for _, n in blob_writes) == blob_nbytes and len(blob_writes) == 7 + 2 + 1
+
+
+def test_reads_go_around_the_page_cache_and_a_short_direct_read_goes_on_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(checkpoint_module, "_RUN_BYTES", 10_000)  # several runs, the first checked early
+    tensors = odd_sized_tensors()
+    path = save_checkpoint(tmp_path, 1, tensors, {})
+    real_preadv, direct_reads = os.preadv, []
+
+    def short_third_direct_read(fd: int, views: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct_reads.append(offset)
+            if len(direct_reads) == 3:  # reads run in order of offset: the third one stops half way
+                return real_preadv(fd, [views[0][:4096]], offset)
+        return real_preadv(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", short_third_direct_read)
+    checkpoint = load_checkpoint(path)
+    assert len(direct_reads) >= 3
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+    with open(path, "r+b") as f:  # a flipped byte after the short read is still caught
+        with h5py.File(path, "r") as h5:
+            byte_offset = h5["blob"].id.get_offset() + 50_000
+        f.seek(byte_offset)
+        byte = f.read(1)
+        f.seek(byte_offset)
+        f.write(bytes([byte[0] ^ 1]))
+    direct_reads.clear()
+    with pytest.raises(CheckpointError, match="tensor 'd' of checkpoint .* fails its checksum"):
+        load_checkpoint(path)
+
+
+def test_a_file_system_that_refuses_o_direct_gets_the_buffered_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def refuse_direct_open(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    tensors = odd_sized_tensors()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", refuse_direct_open)
+        log = WriteLog(patch)
+        checkpoint = load_checkpoint(save_checkpoint(tmp_path, 1, tensors, {}))
+    assert log.writes and not log.direct()
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+    with monkeypatch.context() as patch:  # one that opens with O_DIRECT and refuses the first write
+        log = WriteLog(patch)
+        real_pwritev = log.real_pwritev
+
+        def refuse_direct_write(fd: int, views: list[memoryview], offset: int) -> int:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            return real_pwritev(fd, views, offset)
+
+        log.real_pwritev = refuse_direct_write
+        checkpoint = load_checkpoint(save_checkpoint(tmp_path, 2, tensors, {}))
+    assert not log.direct() and sum(n for _, _, n in log.writes) >= 60_027
+    for name, tensor in tensors.items():
+        assert_bit_equal(checkpoint.tensors[name], tensor)
+
+
+def test_a_write_that_fails_part_way_through_the_blob_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    tensors = odd_sized_tensors()
+    save_checkpoint(tmp_path, 1, tensors, {"step": 1})
+    with monkeypatch.context() as patch:
+        log = WriteLog(patch, fail_direct_at=4)  # the disk fills up after three chunks
+        with pytest.raises(CheckpointError, match=r"step_00000002.h5 \(No space left on device\).*previous checkpoint"):
+            save_checkpoint(tmp_path, 2, {k: v + 1 for k, v in tensors.items()}, {"step": 2})
+    assert len(log.direct()) >= 3
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001.h5"]  # no temporary file either
+    checkpoint = load_checkpoint(tmp_path / "step_00000001.h5")
+    assert checkpoint.state == {"step": 1}
     for name, tensor in tensors.items():
         assert_bit_equal(checkpoint.tensors[name], tensor)
 

@@ -7,7 +7,9 @@ moments (embedding 8192 x 512 and 10 layers of QKV, output, gate/up and down pro
 183 tensors), plus the RNG and metrics-row tensors a run adds. Every round writes and reads with both
 sides into one temporary directory under ``--dir`` (default: the current one, so both hit the same disk),
 alternating within the round so that load from other processes hits them alike; the figures are medians
-of ``--repeats`` rounds. Reads come from the page cache for both sides (each file was just written).
+of ``--repeats`` rounds. Reads come from the disk for both sides, as on a resume: after its timed write,
+each file is dropped from the page cache (hpcrl writes its tensor bytes around the cache with O_DIRECT, so a
+read from the cache would have favoured torch).
 
 - ``write``: ``save_checkpoint`` (temporary name, checksums, fsync, rename) against ``torch.save``, and
   against ``torch.save`` followed by an fsync of its file (``+fsync``: the same durability).
@@ -56,6 +58,15 @@ def training_state(scale: float = 1.0) -> dict[str, torch.Tensor]:
     tensors["rng/torch_cpu"] = torch.get_rng_state()
     tensors["last_row"] = torch.arange(40, dtype=torch.float64)
     return tensors
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Evicts a file's pages (clean after its fsync) from the page cache, so that it is read from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def blocked_by_run_state(tensors: dict[str, torch.Tensor], work: Path, step: int) -> tuple[float, float]:
@@ -114,11 +125,13 @@ def main() -> None:
                     times["torch.save"].append(time.perf_counter() - start)
                     fd = os.open(torch_path, os.O_RDONLY)
                     os.fsync(fd)  # what torch.save skips and a checkpoint must not: the data on disk
-                    os.close(fd)
                     times["+fsync"].append(time.perf_counter() - start)
+                    os.close(fd)
+                    drop_from_page_cache(torch_path)
                 else:
                     path = save_checkpoint(work / "checkpoints", round_index, tensors, state)
                     times["save"].append(time.perf_counter() - start)
+                    drop_from_page_cache(path)
             for side in order:
                 start = time.perf_counter()
                 if side == "torch":
