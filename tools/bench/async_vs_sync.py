@@ -1,7 +1,7 @@
 """Sync vs async GRPO in one invocation, on CPU: two embedded engines and the trainer, long-tail answers.
 
     python tools/bench/async_vs_sync.py [--workload long-tail|quickstart] [--steps 30] [--max-new-tokens 96]
-        [--out-dir runs/async-vs-sync] [k=v ...]
+        [--out-dir runs/async-vs-sync] [k=v ...] [--async-set buffer.K=V ...]
 
 Workload `long-tail` (the default): a task whose answers are a letter repeated N times (`c*N=` -> `ccc...`),
 written to OUT_DIR/long_tail.jsonl; 85% of the prompts ask for 1-4 letters and 15% for 40-90. After its SFT
@@ -56,7 +56,7 @@ def write_long_tail_task(path: Path, num_examples: int = 4000, seed: int = 0) ->
 
 def run(mode: str, ns: argparse.Namespace, workload: list[str]) -> dict[str, np.ndarray]:
     run_dir = Path(ns.out_dir) / mode
-    extra = ["rollout.mode=async", f"buffer.max_staleness={ns.max_staleness}"] if mode == "async" else []
+    extra = ["rollout.mode=async", f"buffer.max_staleness={ns.max_staleness}", *ns.async_set] if mode == "async" else []
     cmd = [
         sys.executable, "-m", "hpcrl.cli", "run", ns.config, f"num_steps={ns.steps}",
         f"rollout.max_new_tokens={ns.max_new_tokens}", *COMMON, *workload, *extra, *ns.overrides,
@@ -74,6 +74,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--out-dir", default="runs/async-vs-sync")
+    ap.add_argument(
+        "--async-set", nargs="+", default=[], metavar="K=V", help="overrides of the async run only (buffer.*)"
+    )
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     workload = write_long_tail_task(Path(ns.out_dir) / "long_tail.jsonl") if ns.workload == "long-tail" else []
