@@ -63,6 +63,11 @@ logger = logging.getLogger(__name__)
 
 # Exponential backoff doubles from retry_backoff_s; the cap keeps a long retry chain from sleeping minutes.
 _MAX_BACKOFF_S = 8.0
+# An idle kept-alive connection is reused only this long. SGLang's uvicorn closes one after 5 s idle
+# (SGLANG_TIMEOUT_KEEP_ALIVE), httpx's default expiry is also 5 s: a request sent on a connection the server is
+# closing at that moment gets no answer ("Server disconnected without sending a response"), and a /generate is
+# not re-sent. Seen on the H200 mid-run (docs/sglang.md); 2 s leaves the server's timer a 3 s margin.
+KEEPALIVE_EXPIRY_S = 2.0
 # Error bodies can be whole HTML pages from a proxy; the first part is enough to name the problem.
 _MAX_ERROR_CHARS = 500
 
@@ -159,7 +164,11 @@ class EngineClient:
             base_url=self.url,
             headers=headers,
             timeout=self._timeout(None),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
             # HPC login and compute nodes often export http_proxy; engine traffic must never go through it.
             trust_env=False,
         )

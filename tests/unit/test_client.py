@@ -800,3 +800,55 @@ def test_sampling_supports_read_under_sglang_0_5_16_and_embedded_names():
     with pytest.raises(ValueError, match="output_token_sampling_mask has 1 entries for 2 output tokens|"
                        r"sampling_mask has 1 entries for 2 output tokens"):  # fmt: skip
         GenerateResult.from_response(_meta_with(output_token_sampling_mask=[[4]]))
+
+
+def test_an_idle_connection_past_the_servers_keep_alive_is_never_reused():
+    """SGLang's uvicorn closes a connection after 5 s idle; a request sent on it as it closes gets no answer, and a
+    /generate is not re-sent, so one such race ended an H200 run (docs/sglang.md). This server behaves like that
+    timer firing as the request arrives: a request on a connection idle for more than 2.2 s is read and the
+    connection closed unanswered. The client must not send on a connection that idle (httpx's default expiry, 5 s,
+    would), so the second /generate, 2.5 s after the first, must be answered."""
+    from hpcrl.engine.client import KEEPALIVE_EXPIRY_S
+
+    server_idle_limit_s = 2.2
+    assert KEEPALIVE_EXPIRY_S < server_idle_limit_s < 2.5
+    body = json.dumps(_meta_with()).encode()
+    answered, dropped = [], []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        last_s = None
+        with conn, conn.makefile("rb") as rfile:
+            while True:
+                head = []
+                while (line := rfile.readline()) not in (b"\r\n", b""):
+                    head.append(line)
+                if not head:
+                    return
+                length = next((int(h.split(b":")[1]) for h in head if h.lower().startswith(b"content-length")), 0)
+                rfile.read(length)
+                if last_s is not None and time.monotonic() - last_s > server_idle_limit_s:
+                    dropped.append(head[0])
+                    return  # the keep-alive timer fired: close, no answer
+                answered.append(head[0])
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+                last_s = time.monotonic()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with EngineClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=10) as client:
+            assert client.generate([1], SamplingParams(max_new_tokens=2)).output_ids == [4, 5]
+            time.sleep(2.5)
+            assert client.generate([1], SamplingParams(max_new_tokens=2)).output_ids == [4, 5]
+    finally:
+        listener.close()
+    assert len(answered) == 2 and dropped == []
