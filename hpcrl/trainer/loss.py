@@ -241,14 +241,22 @@ def token_logprobs(
 
 
 def hidden_token_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk_tokens: int, with_entropy: bool = False
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of ``targets`` under ``softmax(hidden @ weight.T)`` without the ``[N, V]`` logits in memory.
 
     The LM head and the log-softmax fused and cut into chunks of ``chunk_tokens`` rows: the forward keeps one
     chunk's logits at a time, the backward recomputes them chunk by chunk (one extra head GEMM) and writes the
     gradients of ``hidden`` and ``weight`` directly (``weight``'s summed over chunks in fp32). Temperature 1,
-    no support restriction: the trainer's plain scoring.
+    no support restriction: the trainer's plain scoring. ``compiled`` runs each chunk's softmax statistics and
+    gradient (everything but the GEMMs) through ``torch.compile``, which reads the chunk's logits once instead
+    of once per elementwise op (train.torch_compile).
 
     Args:
         hidden: ``[N, H]`` final hidden states (after the final norm); ``hidden[i]`` predicts ``targets[i]``.
@@ -266,30 +274,68 @@ def hidden_token_logprobs(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     targets = targets.long()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        lp, ent = _HeadLogprobs.apply(hidden, weight, targets, chunk_tokens, with_entropy)
+        lp, ent = _HeadLogprobs.apply(hidden, weight, targets, chunk_tokens, with_entropy, compiled)
         return lp, (ent if with_entropy else None)
     with torch.no_grad():
-        lp, _, ent = _head_forward(hidden, weight, targets, chunk_tokens, with_entropy)
+        lp, _, ent = _head_forward(hidden, weight, targets, chunk_tokens, with_entropy, compiled)
     return lp, ent
 
 
+def _chunk_stats(z: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk's (log-prob of its target, log-sum-exp, entropy) from its logits ``z`` [c, V], in fp32."""
+    x = z.to(_compute_dtype(z.dtype))
+    lse = torch.logsumexp(x, dim=-1)
+    lp = x.gather(1, targets[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return lp, lse, None
+    logp = x.sub_(lse[:, None])  # z is the chunk's fresh GEMM output: nobody else reads it
+    return lp, lse, -(logp.exp() * logp).sum(dim=-1)
+
+
+def _chunk_grad(
+    z: Tensor, lse: Tensor, targets: Tensor, grad_lp: Tensor | None, ent: Tensor | None, grad_ent: Tensor | None
+) -> Tensor:
+    """The gradient w.r.t. one chunk's logits ``z`` [c, V], in z's dtype."""
+    logp = z.to(lse.dtype).sub_(lse[:, None])
+    p = logp.exp()
+    g = torch.zeros_like(p)
+    if grad_lp is not None:
+        # d log p_t / d z = onehot(t) - p
+        g.addcmul_(p, grad_lp[:, None], value=-1.0)
+        g.scatter_add_(1, targets[:, None], grad_lp[:, None])
+    if grad_ent is not None and ent is not None:
+        # d H / d z = -p * (log p + H)
+        g.addcmul_(p * (logp + ent[:, None]), grad_ent[:, None], value=-1.0)
+    return g.to(z.dtype)
+
+
+_compiled_chunk_fns: dict[str, Any] = {}
+
+
+def _chunk_fn(name: str, compiled: bool) -> Any:
+    fn = {"stats": _chunk_stats, "grad": _chunk_grad}[name]
+    if not compiled:
+        return fn
+    if name not in _compiled_chunk_fns:  # compiled once per process, on first use
+        _compiled_chunk_fns[name] = torch.compile(fn)
+    return _compiled_chunk_fns[name]
+
+
 def _head_forward(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool, compiled: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     n = hidden.shape[0]
     cdt = _compute_dtype(hidden.dtype)
     lp = torch.empty(n, dtype=cdt, device=hidden.device)
     lse = torch.empty(n, dtype=cdt, device=hidden.device)
     ent = torch.empty(n, dtype=cdt, device=hidden.device) if with_entropy else None
+    stats = _chunk_fn("stats", compiled)
     for r0 in range(0, n, chunk):
         r1 = min(r0 + chunk, n)
-        x = (hidden[r0:r1] @ weight.t()).to(cdt)
-        block_lse = torch.logsumexp(x, dim=-1)
-        lse[r0:r1] = block_lse
-        lp[r0:r1] = x.gather(1, targets[r0:r1, None]).squeeze(1) - block_lse
+        block_lp, block_lse, block_ent = stats(hidden[r0:r1] @ weight.t(), targets[r0:r1], with_entropy)
+        lp[r0:r1], lse[r0:r1] = block_lp, block_lse
         if ent is not None:
-            logp = x.sub_(block_lse[:, None])
-            ent[r0:r1] = -(logp.exp() * logp).sum(dim=-1)
+            ent[r0:r1] = block_ent
     return lp, lse, ent
 
 
@@ -298,11 +344,11 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool, compiled: bool
     ) -> tuple[Tensor, Tensor]:
-        lp, lse, ent = _head_forward(hidden, weight, targets, chunk, with_entropy)
+        lp, lse, ent = _head_forward(hidden, weight, targets, chunk, with_entropy, compiled)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.compiled = chunk, compiled
         ctx.set_materialize_grads(False)
         if ent is None:
             ent = lp.new_empty(0)
@@ -316,31 +362,26 @@ class _HeadLogprobs(torch.autograd.Function):
         if ent is None:
             grad_ent = None
         if grad_lp is None and grad_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device) if want_w else None
         n, chunk = hidden.shape[0], ctx.chunk
+        chunk_grad = _chunk_fn("grad", ctx.compiled)
         for r0 in range(0, n, chunk):
             r1 = min(r0 + chunk, n)
             h = hidden[r0:r1]
-            logp = (h @ weight.t()).to(lse.dtype).sub_(lse[r0:r1, None])
-            p = logp.exp()
-            g = torch.zeros_like(p)
-            if grad_lp is not None:
-                # d log p_t / d z = onehot(t) - p
-                g_lp = grad_lp[r0:r1, None]
-                g.addcmul_(p, g_lp, value=-1.0)
-                g.scatter_add_(1, targets[r0:r1, None], g_lp)
-            if grad_ent is not None:
-                # d H / d z = -p * (log p + H)
-                g.addcmul_(p * (logp + ent[r0:r1, None]), grad_ent[r0:r1, None], value=-1.0)
-            g = g.to(hidden.dtype)
+            g = chunk_grad(
+                h @ weight.t(), lse[r0:r1], targets[r0:r1],
+                None if grad_lp is None else grad_lp[r0:r1],
+                None if ent is None else ent[r0:r1],
+                None if grad_ent is None else grad_ent[r0:r1],
+            )  # fmt: skip
             if grad_h is not None:
                 grad_h[r0:r1] = g @ weight
             if grad_w is not None:
                 grad_w += (g.t() @ h).to(grad_w.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
 
 
 def support_token_logprobs(

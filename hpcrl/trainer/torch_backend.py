@@ -62,6 +62,12 @@ class TorchTrainer:
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if cfg.torch_compile:
+            # Per layer rather than the whole model: the layers share one graph (compiled once); the LM head, the
+            # loss and the (eager) reference copy stay as they are; parameter names stay those of pushes and
+            # checkpoints (Module.compile wraps no module).
+            for layer in self.model.model.decoder_layers:
+                layer.compile()
         self.ddp: torch.nn.Module = self.model
         if world_size > 1:
             self.ddp = DistributedDataParallel(
@@ -174,6 +180,7 @@ class TorchTrainer:
                 mb.input_ids[:, 1:].reshape(-1),
                 chunk_tokens=chunk,
                 with_entropy=with_entropy,
+                compiled=self.cfg.torch_compile,
             )
             return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
         logits = model(mb.input_ids)
