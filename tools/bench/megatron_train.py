@@ -16,10 +16,13 @@ Baseline: the torch backend (hpcrl's own model, the same losses), which is what 
 
 Levers of the torch backend (issue #21), joined to it with `+`, each in its own process like a backend:
 `head` is train.logprob_chunk_tokens=4096 (log-probs from the hidden states, no [tokens x vocab] logits);
-`mbN` the micro-batch size N instead of --micro-batch; `compile` torch.compile of every decoder layer
-(`nn.Module.compile()`, applied here by the benchmark: not a trainer setting until it pays). The first two
-steps, which include compilation, are left out of the median. The sequences are all seq-len long, so packing
-variable-length sequences has nothing to remove here (no padding); it is not a lever of this workload.
+`mbN` the micro-batch size N instead of --micro-batch; `compile` is train.torch_compile (torch.compile of
+every decoder layer and, with `head`, of the head's per-chunk softmax). The first two steps, which include
+compilation, are left out of the median.
+`--profile LEVER` runs one more step of that backend or lever under torch.profiler and prints where its GPU time
+went (the top kernels by self time, and the share of GEMMs, attention, elementwise/fused and the optimizer).
+The sequences are all seq-len long, so packing variable-length sequences has nothing to remove here (no
+padding); it is not a lever of this workload.
 """
 
 from __future__ import annotations
@@ -65,11 +68,9 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
     micro = next((int(x[2:]) for x in levers if x.startswith("mb")), ns.micro_batch)
     cfg = TrainConfig(backend=backend, device=ns.device, dtype=ns.dtype, micro_batch_size=micro,  # type: ignore[arg-type]
                       lr=1e-6, num_threads=8, megatron_optimizer=optimizer or "auto",  # type: ignore[arg-type]
-                      logprob_chunk_tokens=4096 if "head" in levers else None)  # fmt: skip
+                      logprob_chunk_tokens=4096 if "head" in levers else None,
+                      torch_compile="compile" in levers)  # fmt: skip
     trainer = build_trainer(cfg, ns.model_dir, rank=0, world_size=1, sft_lr=1e-6)
-    if "compile" in levers:
-        for layer in trainer.model.model.decoder_layers:  # type: ignore[attr-defined]
-            layer.compile()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, args.vocab_size, (64,), generator=g).tolist() for _ in range(ns.batch)]
     responses = [torch.randint(0, args.vocab_size, (ns.seq_len - 64,), generator=g).tolist() for _ in range(ns.batch)]
@@ -84,6 +85,8 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[2:] if len(times) > 2 else times)
+    if ns.profile_out is not None:
+        _profile_step(trainer, batch, ns.profile_out)
     tokens = ns.batch * ns.seq_len
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if ns.device == "cuda" else float("nan")
     out = {"step_s": step_s, "tokens_per_s": tokens / step_s, "loss": m["loss"], "grad_norm": m["grad_norm"],
@@ -91,6 +94,45 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
     peak = PEAK_TFLOPS.get(ns.device)
     out["mfu"] = flops_per_token(args, ns.seq_len) * out["tokens_per_s"] / (peak * 1e12) if peak else float("nan")
     return out
+
+
+# Kernel names by kind, for the profile's summary (cuBLAS/CUTLASS GEMMs, flash/SDPA attention, the optimizer).
+_KINDS = (
+    ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "aten::mm", "addmm", "bmm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+)
+
+
+def _profile_step(trainer: object, batch: object, out: Path) -> None:
+    """One more step under torch.profiler: its top kernels by self time and the share of each kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        trainer.train_grpo(batch)  # type: ignore[attr-defined]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    # The kernels alone: an op's own row also carries its kernels' device time, which would count it twice. On a
+    # CPU-only machine (checking the script) the ops' self CPU time stands in for the kernels'.
+    cuda = torch.cuda.is_available()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind and getattr(e, attr, 0) > 0]
+    total_us = sum(getattr(e, attr) for e in events) or 1.0
+    shares: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, words in _KINDS if any(w in name for w in words)), "other (elementwise, fused, copies)")
+        shares[kind] = shares.get(kind, 0.0) + getattr(e, attr)
+    lines = [f"{attr} of one step: {total_us / 1e3:.1f} ms (kernels' self time, summed)"]
+    lines += [f"  {k}: {v / 1e3:.1f} ms = {v / total_us:.0%}" for k, v in sorted(shares.items(), key=lambda x: -x[1])]
+    lines.append("top kernels (ops on a CPU) by self time:")
+    for e in sorted(events, key=lambda e: -getattr(e, attr))[:15]:
+        lines.append(f"  {getattr(e, attr) / 1e3:8.2f} ms  x{e.count:<5d} {e.key[:110]}")
+    out.write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -107,6 +149,8 @@ def main() -> int:
                     "megatron-distributed, torch")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--timeout-s", type=float, default=None, help="give up on a backend or lever after this long")
+    ap.add_argument("--profile", metavar="LEVER", help="profile one more step of this backend or lever")
+    ap.add_argument("--profile-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -128,6 +172,9 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--backend", backend, "--model-dir", str(model_dir),
                    *(f"--{k.replace('_', '-')}={v}" for k, v in vars(ns).items()
                      if k in ("batch", "seq_len", "micro_batch", "steps", "device", "dtype"))]  # fmt: skip
+            profile_out = Path(tmp) / f"profile-{backend}.txt"
+            if ns.profile == backend:
+                cmd += ["--profile-out", str(profile_out)]
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=ns.timeout_s,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
@@ -140,6 +187,8 @@ def main() -> int:
                 continue
             results[backend] = json.loads(line.removeprefix("RESULT "))
             r = results[backend]
+            if profile_out.exists():
+                print(f"profile: {backend}\n{profile_out.read_text()}", flush=True)
             print(f"mfu: {backend}: {r['mfu']:.1%} MFU, {r['tokens_per_s']:,.0f} tok/s, step {r['step_s']:.3f} s, "
                   f"micro-batch {r['micro_batch']}, peak {r['peak_mem_gib']:.1f} GiB", flush=True)  # fmt: skip
     print(f"\nGRPO train step, shape={ns.shape} {ns.batch} x {ns.seq_len} tokens, micro-batch {ns.micro_batch}, "

@@ -2,13 +2,13 @@
 # Issues #17 (true on-policy on the GPU) and #21 (MFU levers, orchestration overhead) in one device call, one
 # H200, Qwen3-0.6B shape (random weights), bf16. From the repo root; results go to $OUT:
 #   bash tools/gpu/run_gpuprep.sh
-# Parts, in order of importance, each under its own `timeout`: 475 s at most in all, issue #17's three parts
-# 240 s of it, the MFU part 160 s (one call may run 600 s):
+# Parts, in order of importance, each under its own `timeout`: 575 s at most in all, issue #17's three parts
+# 240 s of it, the MFU part 260 s (one call may run 600 s; `PARTS="price mfu overhead"` takes 400 s at most):
 #   bits     (70 s)  engine-sampled vs trainer log-probs bitwise at batch 1, 7, 64; alone vs full batch;
 #                    prefill vs decode; bf16 then fp32; the plain engine's gap for contrast (onpolicy_gpu.py)
 #   run     (105 s)  10 colocated `hpcrl run` steps, engine.batch_invariant=true train.onpolicy=true: gap per step
 #   price    (65 s)  engine decode tok/s and trainer step time, invariant vs plain (invariant_price.py)
-#   mfu     (160 s)  trainer MFU at 8 x 2048 tokens: torch vs +head (fused log-prob head), +mb8, +compile
+#   mfu     (260 s)  trainer MFU at 8 x 2048 tokens: torch vs +head (fused log-prob head), +mb8, +compile
 #   overhead (75 s)  colocated GRPO step minus the sum of its phases (step_time.py)
 # A part that fails or times out does not stop the next. Summary lines start with "onpolicy:", "mfu:",
 # "price " and "overhead:"; they are collected at the end of gpuprep.log. Files in $OUT (at most 8, flat):
@@ -57,7 +57,7 @@ part() {  # part NAME TIMEOUT_S CMD...: one bounded part, its output into the lo
 part bits 70 $PY tools/gpu/onpolicy_gpu.py --section bits "${ON[@]}"
 part run 105 $PY tools/gpu/onpolicy_gpu.py --section run "${ON[@]}" "${RUN_ARGS[@]}"
 part price 65 $PY tools/gpu/onpolicy_gpu.py --section price "${ON[@]}" "${PRICE_ARGS[@]}"
-part mfu 160 $PY tools/bench/megatron_train.py "${MFU[@]}" --timeout-s 80 --json "$OUT/mfu.json"
+part mfu 260 $PY tools/bench/megatron_train.py "${MFU[@]}" --timeout-s 110 --json "$OUT/mfu.json"
 part overhead 75 $PY tools/bench/step_time.py "${STEP[@]}" --no-baseline --quiet --json "$OUT/step_time.json"
 echo "=== summary" | tee -a "$LOG"
 grep -E "^(onpolicy:|mfu:|price |overhead:|=== [a-z]+: exit)" "$LOG" | grep -v "^=== summary" | tee -a "$LOG.summary"

@@ -7,8 +7,9 @@
 # fault:      12 steps whose engine's scheduler is SIGKILLed at step 6 (FAULT_AT/FAULT_COUNT say when)
 # record:     tools/gpu/record_sglang.py (the answers under tests/golden/sglang-0.5.16/), as $OUT/golden.tgz
 # replay:     tools/gpu/sglang_replay_gap.py (top_k=64 top_p=0.95: the gap with and without support replay)
-# multiturn:  experiments/tool-quickstart.yaml (multi-turn episodes through the session server) for 6 steps with
-#             engine.kind=sglang, colocated; its metrics.h5 rows and engine log come back
+# multiturn:  experiments/tool-quickstart.yaml (multi-turn episodes through the session server) with
+#             engine.kind=sglang, colocated, for 6 steps after 200 SFT steps (TQ_ARGS="num_steps=25 sft.num_steps=500"
+#             runs the whole recipe); its metrics.h5 rows and engine log come back
 # family-live: a stock SGLang server with the tiny model, then tools/gpu/family_check_live.py --family tiny
 #             against it (the battery's turns sampled by the live model through a real session server)
 # throughput: decode tok/s of the embedded engine, then of SGLang (triton attention, CUDA graphs), 256 x 512
@@ -48,7 +49,7 @@ if [[ $STEPS == *quickstart* ]]; then
 fi
 if [[ $STEPS == *multiturn* ]]; then
   rm -rf /tmp/tq-sglang
-  timeout 560 python3 -m hpcrl.cli run experiments/tool-quickstart.yaml num_steps=6 sft.num_steps=200 \
+  timeout 560 python3 -m hpcrl.cli run experiments/tool-quickstart.yaml ${TQ_ARGS:-num_steps=6 sft.num_steps=200} \
     model.path=/tmp/models/tiny-qwen3-512 engine.kind=sglang engine.device=cuda train.device=cuda \
     engine.dtype=bfloat16 train.dtype=bfloat16 engine.mem_fraction_static=0.5 engine.enable_memory_saver=true \
     engine.offload_during_train=true "engine.sglang_args=$SGLANG_ARGS" --run-dir /tmp/tq-sglang > "$OUT/multiturn.log" 2>&1 &
