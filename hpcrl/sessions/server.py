@@ -275,26 +275,45 @@ class SessionService:
 
     def _generate(self, session: Session, ids: list[int], params: SamplingParams, *, rid: str) -> GenerateResult:
         """The session's engine, else the others in turn: a dead or unready engine must not end an episode that any
-        engine can continue, since the request is the whole token history and the same seed."""
+        engine can continue, since the request is the whole token history and the same seed.
+
+        A dropped connection to an engine that still answers /health is the connection's fault, not the engine's
+        (seen twice on the H200 with SGLang mid-run): the turn is sent to it once more, under a fresh request id,
+        and samples the same tokens (same ids, same seed); nothing of the lost answer was recorded."""
         order = [session.engine_index, *(i for i in range(len(self.engines)) if i != session.engine_index)]
         failures = []
         for index in order:
-            try:
-                result = self.engines[index].generate(ids, params, rid=rid, timeout_s=self.cfg.request_timeout_s)
-            except (EngineUnreachableError, EngineBusyError) as exc:
-                log.warning("session %s: engine %s failed (%s); trying the next one", session.id, exc.url, exc)
-                failures.append(str(exc))
-                continue
-            except EngineRequestError as exc:
-                if exc.status_code != 400:
-                    raise SessionError(502, f"the engine failed; nothing was recorded: {exc}") from None
-                # The engine's 400 is about this request (e.g. the history outgrew the context): not worth a retry.
-                raise SessionError(400, f"the engine refused the turn; nothing was recorded: {exc}") from None
-            except EngineError as exc:
-                raise SessionError(502, f"the engine failed; nothing was recorded, it may be retried: {exc}") from None
-            assert not isinstance(result, list)
-            session.engine_index = index
-            return result
+            engine = self.engines[index]
+            for attempt in range(2):
+                try:
+                    result = engine.generate(
+                        ids, params, rid=rid if attempt == 0 else f"{rid}-resend", timeout_s=self.cfg.request_timeout_s
+                    )
+                except EngineUnreachableError as exc:
+                    if attempt == 0 and _answers_health(engine):
+                        log.warning(
+                            "session %s: %s; the engine answers /health: sending the turn again", session.id, exc
+                        )
+                        continue
+                    log.warning("session %s: engine %s failed (%s); trying the next one", session.id, exc.url, exc)
+                    failures.append(str(exc))
+                    break
+                except EngineBusyError as exc:
+                    log.warning("session %s: engine %s failed (%s); trying the next one", session.id, exc.url, exc)
+                    failures.append(str(exc))
+                    break
+                except EngineRequestError as exc:
+                    if exc.status_code != 400:
+                        raise SessionError(502, f"the engine failed; nothing was recorded: {exc}") from None
+                    # The engine's 400 is about this request (e.g. the history outgrew the context): not worth a retry.
+                    raise SessionError(400, f"the engine refused the turn; nothing was recorded: {exc}") from None
+                except EngineError as exc:
+                    raise SessionError(
+                        502, f"the engine failed; nothing was recorded, it may be retried: {exc}"
+                    ) from None
+                assert not isinstance(result, list)
+                session.engine_index = index
+                return result
         raise SessionError(502, f"every engine failed; nothing was recorded, it may be retried: {'; '.join(failures)}")
 
     def _completion(self, session: Session, turn: Turn, want_logprobs: bool) -> dict[str, Any]:
@@ -485,3 +504,10 @@ def serve(cfg: SessionServerConfig) -> None:
 
 
 __all__ = ["EpisodeLimits", "SessionServer", "SessionService", "serve"]
+
+
+def _answers_health(engine: EngineClient) -> bool:
+    try:
+        return engine.health(timeout_s=5.0)
+    except EngineError:
+        return False

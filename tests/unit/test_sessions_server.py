@@ -251,3 +251,61 @@ def test_a_dead_engine_fails_over_and_no_engine_ends_the_episode(shared_engine: 
     with SessionServer(only_dead) as srv:
         result = run_episode(load_environment("calculator"), {"prompt": "2*3?", "answer": 6}, srv.url)
         assert (result.end_reason, result.num_turns, result.sequences) == ("engine_failed", 0, [])
+
+
+def test_a_dropped_connection_to_a_live_engine_resends_the_turn_with_the_same_tokens(
+    shared_engine: Any, tiny_model_dir: Path
+) -> None:
+    """The H200 runs lost a turn to a connection that closed under a live SGLang server. Here a proxy in front of a
+    real engine closes the first /generate's connection unanswered: the turn is sent again (the engine answers
+    /health) and samples what a direct session with the same seed samples, and the episode goes on."""
+    import socket
+    import threading
+
+    upstream = httpx.URL(shared_engine.url)
+    listener = socket.create_server(("127.0.0.1", 0))
+    dropped: list[bytes] = []
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with src, dst:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+
+    def handle(conn: socket.socket) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
+            head += chunk
+        if head.startswith(b"POST /generate") and not dropped:
+            dropped.append(head.split(b"\r\n")[0])
+            conn.close()  # the first request of this connection gets no answer at all
+            return
+        up = socket.create_connection((upstream.host, upstream.port))
+        up.sendall(head)
+        threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
+        pipe(conn, up)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    proxied = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    messages = [{"role": "user", "content": "12*34?"}]
+    outputs = []
+    try:
+        for url in (shared_engine.url, proxied):
+            cfg = SessionServerConfig(model_family="tiny", model=str(tiny_model_dir), engine_urls=(url,))
+            with SessionServer(cfg) as srv:
+                sid, client = new_session(srv)
+                r = client.chat.completions.create(model="t", messages=messages, max_tokens=6, seed=7)
+                assert r.choices[0].message.role == "assistant"
+                turns = read(srv, sid)["turns"]
+                outputs.append([(t["output_ids"], t["logprobs"]) for t in turns])
+    finally:
+        listener.close()
+    assert dropped == [b"POST /generate HTTP/1.1"]
+    assert len(outputs[1]) == 1 and outputs[1] == outputs[0]
