@@ -317,16 +317,23 @@ def _write_blob(path: Path, fd: int, views: list[memoryview], offset: int) -> No
     _pwritev_all(fd, _advance([view for view in views if view.nbytes], written), offset + written)
 
 
+def _open_direct(path: Path, flags: int) -> int | None:
+    """``path`` opened with O_DIRECT, or None where the file system refuses it (EINVAL at open)."""
+    try:
+        return os.open(path, flags | os.O_DIRECT)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return None
+        raise
+
+
 def _pwrite_direct(path: Path, fd: int, views: list[memoryview], offset: int, nbytes: int) -> int:
     """Writes the first ``nbytes`` (a multiple of _DIRECT_ALIGN) of ``views`` with O_DIRECT, copying them into
     staging buffers while threads write the others; returns the bytes written, 0 if the file system refuses
     O_DIRECT (tmpfs before Linux 6.6, some network file systems: EINVAL)."""
-    try:
-        direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError as error:
-        if error.errno == errno.EINVAL:
-            return 0
-        raise
+    direct_fd = _open_direct(path, os.O_WRONLY)
+    if direct_fd is None:
+        return 0
     buffers: list[memoryview] = []
     try:
         chunk_nbytes = min(_DIRECT_CHUNK_BYTES, nbytes)
@@ -634,12 +641,9 @@ def _read_direct(
     Why: a read through the page cache allocates a page per 4 KiB, which on this VM cost as much as the disk
     (docs/benchmarks.md), and the blob is not in the cache anyway: it was written around it.
     """
-    try:
-        direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as error:
-        if error.errno == errno.EINVAL:
-            return 0
-        raise
+    direct_fd = _open_direct(path, os.O_RDONLY)
+    if direct_fd is None:
+        return 0
     run_ends = list(itertools.accumulate(sum(view.nbytes for view in views[first:last]) for first, last in runs))
     nbytes = run_ends[-1]
     skip = blob_offset % _DIRECT_ALIGN  # files written before the blob was aligned
