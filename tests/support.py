@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,23 @@ from hpcrl.store import load_events, load_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
+
+
+def tcp_server(handle: Callable[[socket.socket], None]) -> socket.socket:
+    """A loopback listener whose every connection `handle` serves in a thread of its own; closing the
+    listener stops accepting. For servers that misbehave at the byte level, as no HTTP framework will."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener
 
 
 def free_port() -> int:

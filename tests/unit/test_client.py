@@ -809,12 +809,12 @@ def test_an_idle_connection_past_the_servers_keep_alive_is_never_reused():
     connection closed unanswered. The client must not send on a connection that idle (httpx's default expiry, 5 s,
     would), so the second /generate, 2.5 s after the first, must be answered."""
     from hpcrl.engine.client import KEEPALIVE_EXPIRY_S
+    from tests.support import tcp_server
 
     server_idle_limit_s = 2.2
     assert KEEPALIVE_EXPIRY_S < server_idle_limit_s < 2.5
     body = json.dumps(_meta_with()).encode()
     answered, dropped = [], []
-    listener = socket.create_server(("127.0.0.1", 0))
 
     def serve(conn: socket.socket) -> None:
         last_s = None
@@ -835,15 +835,7 @@ def test_an_idle_connection_past_the_servers_keep_alive_is_never_reused():
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
                 last_s = time.monotonic()
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    listener = tcp_server(serve)
     try:
         with EngineClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=10) as client:
             assert client.generate([1], SamplingParams(max_new_tokens=2)).output_ids == [4, 5]

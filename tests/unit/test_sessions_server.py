@@ -262,8 +262,9 @@ def test_a_dropped_connection_to_a_live_engine_resends_the_turn_with_the_same_to
     import socket
     import threading
 
+    from tests.support import tcp_server
+
     upstream = httpx.URL(shared_engine.url)
-    listener = socket.create_server(("127.0.0.1", 0))
     dropped: list[bytes] = []
 
     def pipe(src: socket.socket, dst: socket.socket) -> None:
@@ -284,15 +285,7 @@ def test_a_dropped_connection_to_a_live_engine_resends_the_turn_with_the_same_to
         threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
         pipe(conn, up)
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    listener = tcp_server(handle)
     proxied = f"http://127.0.0.1:{listener.getsockname()[1]}"
     messages = [{"role": "user", "content": "12*34?"}]
     outputs = []
