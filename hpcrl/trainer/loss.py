@@ -8,6 +8,7 @@ gradient or a statistic.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -312,8 +313,9 @@ def _chunk_grad(
 _compiled_chunk_fns: dict[str, Any] = {}
 
 
-def _chunk_fn(name: str, compiled: bool) -> Any:
-    fn = {"stats": _chunk_stats, "grad": _chunk_grad}[name]
+def _chunk_fn(name: str, compiled: bool) -> Callable[..., Any]:
+    fns: dict[str, Callable[..., Any]] = {"stats": _chunk_stats, "grad": _chunk_grad}
+    fn = fns[name]
     if not compiled:
         return fn
     if name not in _compiled_chunk_fns:  # compiled once per process, on first use
