@@ -178,7 +178,8 @@ class BufferConfig:
     drop). null: 2 x data.prompts_per_step."""
     max_staleness: int | None = None
     """Drop a group, when the trainer collects it, whose oldest token is more than this many weight versions
-    behind the policy the step trains; null: no limit."""
+    behind the policy the step trains, and submit none that would be (the producer waits for a push instead);
+    null: no limit. At least sync.every_steps - 1."""
     filter: str | None = None
     """Reject groups on arrival: `zero_std` (all rewards equal: no GRPO signal), a dotted path
     `package.module:function` taking a Group and returning bool (true keeps it), or null (keep all)."""

@@ -6,6 +6,8 @@ trainer trains, and the trainer collects each step's batch from the group buffer
   fewest groups in flight. Seeds: those the synchronous loop would give the position (step = position //
   prompts_per_step), with the sample index moved past n per retry attempt; a re-issued group (engine death,
   resume) repeats its seeds exactly.
+- Hold: submit nothing while a group submitted now would reach the trainer staler than `max_staleness`
+  (`earliest_step`); wait for a push or for the trainer to move. It cannot deadlock (`_held_for_staleness`).
 - Arrive: score with the reward, judge (aborted, reward failed, filter), then `put` into the buffer, waiting
   while it is full: a full buffer stops new submissions (backpressure).
 - Collect (the trainer): take groups oldest first, dropping those staler than `max_staleness`.
@@ -24,7 +26,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -102,6 +104,10 @@ class AsyncRollout:
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_inflight_groups, thread_name_prefix="hpcrl-async")
         self.trainer_step = 0  # the step being collected or trained (the reward's stop event names it)
+        self._next_step = 0  # the lowest step that still takes groups: _taken's step until it commits
+        self._stale_wait_s = 0.0  # time submission was held for staleness, since the last pop_metrics
+        self._held_since: float | None = None
+        self._wake: Future[None] = Future()  # set when a held submission may go: a push, a commit, a stop
         self._counts = dict.fromkeys(("aborted", "filtered", "stale"), 0)
         self._step_metrics: dict[str, float] = {}
         self._saved_ledger: dict[str, Any] | None = None
@@ -116,10 +122,14 @@ class AsyncRollout:
     def stop(self) -> None:
         """Stop submitting and stop waiting; requests still running on the engines are left to finish there."""
         self._stop.set()
+        self._nudge()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
         with self._lock:
+            if self._held_since is not None:
+                self._stale_wait_s += time.perf_counter() - self._held_since
+                self._held_since = None
             for call in self._calls.values():
                 if call.position in self._pending and call.position not in self._queue:
                     self._queue.append(call.position)
@@ -132,6 +142,9 @@ class AsyncRollout:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                with self._lock:  # before _fill looks: a nudge from here on ends the wait that follows it
+                    if self._wake.done():
+                        self._wake = Future()
                 self._fill()
                 self._wait_some()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's collect(), which raises it
@@ -147,6 +160,8 @@ class AsyncRollout:
                 self._need_engines = True
                 return
             with self._lock:
+                if self._held_for_staleness():
+                    return
                 if self._queue:
                     position = self._queue.popleft()
                 else:
@@ -165,6 +180,37 @@ class AsyncRollout:
             call = _Call(slot, slot.client, position, attempt, self.publisher.version, prompt)
             self._calls[self._pool.submit(self._generate, call)] = call
 
+    def _held_for_staleness(self) -> bool:
+        """Whether a group submitted now would be dropped as stale when the trainer reaches it (holding the lock).
+
+        Its tokens come from the version served now or a later one, and it arrives behind every group buffered
+        now; the groups in flight are counted ahead of it too (they were submitted first). Holding is safe from
+        deadlock: while the trainer waits in collect() the buffer is empty and fewer than prompts_per_step groups
+        are taken, so only groups in flight can push the bound past max_staleness, and each of them arrives or
+        is re-issued (leaving the count) until one is admitted (docs/async.md, "Staleness-aware submission")."""
+        max_staleness = self.buffer_cfg.max_staleness
+        served = version_ordinal(self.publisher.version)
+        held = False
+        if max_staleness is not None and served is not None:
+            step = earliest_step(
+                self._next_step, len(self._taken), (g.oldest_version for g in self.buffer), len(self._calls),
+                prompts_per_step=self.prompts_per_step, max_staleness=max_staleness,
+            )  # fmt: skip
+            held = step - served > max_staleness
+        now = time.perf_counter()
+        if held and self._held_since is None:
+            self._held_since = now
+        elif not held and self._held_since is not None:
+            self._stale_wait_s += now - self._held_since
+            self._held_since = None
+        return held
+
+    def _nudge(self) -> None:
+        """Wake the producer now rather than at its next poll: what held a submission may have changed."""
+        with self._lock:
+            if not self._wake.done():
+                self._wake.set_result(None)
+
     def _generate(self, call: _Call) -> list[GenerateResult]:
         n = self.cfg.n_samples_per_prompt
         step, index = divmod(call.position, self.prompts_per_step)
@@ -182,11 +228,11 @@ class AsyncRollout:
         return out if isinstance(out, list) else [out]
 
     def _wait_some(self) -> None:
-        if not self._calls:
-            self._stop.wait(self.poll_s)
-            return
-        done, _ = wait(list(self._calls), timeout=self.poll_s, return_when=FIRST_COMPLETED)
-        for fut in done:
+        wake = self._wake
+        futures: list[Future[Any]] = [*self._calls, wake]
+        done, _ = wait(futures, timeout=self.poll_s, return_when=FIRST_COMPLETED)
+        # In submission order (the dict's), as earliest_step counts the groups in flight ahead of a new one.
+        for fut in [f for f in self._calls if f in done]:
             call = self._calls.pop(fut)
             try:
                 results = fut.result()
@@ -263,6 +309,7 @@ class AsyncRollout:
         max_staleness = self.buffer_cfg.max_staleness
         wait_s = 0.0
         with self.buffer.cond:
+            self._next_step = step
             while len(self._taken) < self.prompts_per_step:
                 if self._error is not None:
                     raise self._error
@@ -303,19 +350,29 @@ class AsyncRollout:
             for item in self._taken:
                 self.ledger.trained(item.position, step)
             self._taken = []
+            self._next_step = step + 1
+        self._nudge()
 
     def publish(self, version: str) -> dict[str, float]:
         """Push the trainer's weights as `version` while the producer's requests stay in flight."""
         with self._publish_lock:
-            return self.publisher.publish(version)
+            out = self.publisher.publish(version)
+        self._nudge()
+        return out
 
     def pop_metrics(self) -> dict[str, float]:
         """This step's buffer figures; the drop counters and the producer's blocked time reset."""
         with self._lock:
             out = self._step_metrics | {f"buffer/dropped_{k}": float(v) for k, v in self._counts.items()}
             out["buffer/producer_blocked_s"] = self.buffer.blocked_s
+            if self._held_since is not None:  # still held: this step's share of the wait
+                now = time.perf_counter()
+                self._stale_wait_s += now - self._held_since
+                self._held_since = now
+            out["buffer/producer_stale_wait_s"] = self._stale_wait_s
             self._counts = dict.fromkeys(self._counts, 0)
             self.buffer.blocked_s = 0.0
+            self._stale_wait_s = 0.0
         return out
 
     def finish(self) -> dict[str, Any]:
@@ -409,6 +466,7 @@ class AsyncRollout:
             self._pending = {int(p): int(a) for p, a in state["pending"]}
             self._queue = deque(sorted(self._pending))
             self._taken = []
+            self._next_step = step + 1  # the checkpoint is of `step`, trained and committed
             self.buffer._items.clear()
             self.buffer.restore(items)
 
@@ -433,6 +491,31 @@ def oldest_version(results: Sequence[GenerateResult], submit_version: str) -> in
             known.append(version_ordinal(submit_version))
     values = [v for v in known if v is not None]
     return min(values) if values else None
+
+
+def earliest_step(
+    next_step: int,
+    taken: int,
+    buffered: Iterable[int | None],
+    inflight: int,
+    *,
+    prompts_per_step: int,
+    max_staleness: int,
+) -> int:
+    """The earliest step that can train a group submitted now.
+
+    collect() fills each step with prompts_per_step groups, oldest arrival first, skipping the stale ones. Ahead of
+    the new group: the `taken` groups of `next_step`, the buffered groups (their oldest versions, in arrival
+    order; one stale at the step that reaches it takes no place), and the `inflight` groups (submitted before
+    it, so counted as arriving first: a short answer that overtakes a long one may be trained a step earlier)."""
+    step, filled = next_step + taken // prompts_per_step, taken % prompts_per_step
+    for oldest in buffered:
+        if oldest is not None and step - oldest > max_staleness:
+            continue  # collect() drops it
+        filled += 1
+        if filled == prompts_per_step:
+            step, filled = step + 1, 0
+    return step + (filled + inflight) // prompts_per_step
 
 
 def _consumed_metrics(items: Sequence[BufferedGroup], step: int) -> dict[str, float]:

@@ -27,7 +27,7 @@ from hpcrl.rollout.config import BufferConfig, DataConfig, RewardConfig, Rollout
 from hpcrl.rollout.data import PromptSource, make_addition_task
 from hpcrl.rollout.generate import Group, PromptFormatter
 from hpcrl.rollout.ledger import ledger_problems
-from hpcrl.rollout.producer import AsyncRollout, oldest_version
+from hpcrl.rollout.producer import AsyncRollout, earliest_step, oldest_version
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run_config import load_run_config, run_config_yaml
 from hpcrl.store import load_metrics
@@ -154,23 +154,109 @@ def test_each_drop_reason_is_counted_and_retry_regenerates(parts: Parts) -> None
     assert len(rollout.buffer) == 0 and rollout.pop_metrics()["buffer/dropped_filtered"] >= 3
     assert {e.reason for e in rollout.ledger.entries.values() if e.status == "dropped"} == {"filtered"}
 
-    # stale, with retry: groups of version 0 are too old for step 1 with max_staleness 0
+    # stale, with retry: groups of version 0 are too old for step 1 with max_staleness 0. The producer submits
+    # only step 0's two (more would be too stale for it to submit); the trainer then skips to step 1.
     rollout = parts.make(max_staleness=0, on_drop="retry", capacity=4)
     rollout.start()
-    until(lambda: len(rollout.buffer) == 4, "a full buffer of version-0 groups")
+    until(lambda: len(rollout.buffer) == 2, "step 0's version-0 groups")
     rollout.publish("1")
     groups = rollout.collect(1, interrupted=never_interrupted)
     assert groups is not None
     metrics = rollout.pop_metrics()
-    assert metrics["buffer/dropped_stale"] >= 4 and metrics["buffer/staleness_max"] == 0
+    assert metrics["buffer/dropped_stale"] >= 2 and metrics["buffer/staleness_max"] == 0
     assert all(v == "1" for g in groups for s in g.samples for v in s.weight_versions)
     rollout.commit(1)
-    # The stale prompts go again, from scratch, under the new weights.
-    until(lambda: any(e.drops == ["stale"] and e.status == "buffered" for e in rollout.ledger.entries.values()),
-          "a stale prompt regenerated")  # fmt: skip
+    rollout.publish("2")  # (without it, step 2 could train no group the producer submits)
+    # The stale prompts go again, from scratch, under the new weights (step 1 may already have trained them).
+    until(lambda: any(e.drops == ["stale"] and e.status in ("buffered", "trained")
+                      for e in rollout.ledger.entries.values()), "a stale prompt regenerated")  # fmt: skip
     rollout.stop()
     retried = [e for e in rollout.ledger.entries.values() if e.drops == ["stale"]]
     assert retried and all(e.attempts == 2 for e in retried)
+
+
+def train_slowly(rollout: AsyncRollout, steps: int, train_s: float, limit_s: float = 60.0) -> dict[str, float]:
+    """The driver's loop with a trainer slower than generation; the buffer figures summed over the steps (the
+    staleness of the trained groups: its largest)."""
+    totals: dict[str, float] = {}
+    for step in range(steps):
+        deadline = time.monotonic() + limit_s  # a deadlock guard: collect() gives up (None) past it
+        groups = rollout.collect(step, interrupted=lambda: time.monotonic() > deadline)  # noqa: B023 - used at once
+        assert groups is not None, f"step {step} was never collected: deadlock"
+        time.sleep(train_s)
+        rollout.commit(step)
+        rollout.publish(str(step + 1))
+        for key, value in rollout.pop_metrics().items():
+            totals[key] = (
+                max(totals.get(key, 0.0), value) if key == "buffer/staleness_max" else totals.get(key, 0.0) + value
+            )
+    return totals
+
+
+def test_a_group_that_would_be_too_stale_is_not_submitted(parts: Parts, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 groups buffered and 4 in flight are 4 steps of 2 groups ahead of the trainer: with the producer
+    # submitting whenever it has room, groups wait 3-4 steps and max_staleness 1 drops most of them.
+    def run(hold: bool) -> tuple[dict[str, float], dict[str, Any]]:
+        rollout = parts.make(inflight=4, capacity=4, max_staleness=1)
+        if not hold:  # the rule switched off on this object only: the behaviour before it, for comparison
+            monkeypatch.setattr(rollout, "_held_for_staleness", lambda: False)
+        rollout.start()
+        totals = train_slowly(rollout, steps=8, train_s=0.3)
+        ledger = rollout.finish()
+        assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=2) == []
+        assert sorted(trained_positions(rollout).values()) == sorted(2 * list(range(8)))
+        return totals, ledger
+
+    before, _ = run(hold=False)
+    after, ledger = run(hold=True)
+    print("dropped stale without the rule, with it:", before["buffer/dropped_stale"], after["buffer/dropped_stale"])
+    assert before["buffer/dropped_stale"] >= 4 and before["buffer/producer_stale_wait_s"] == 0
+    assert after["buffer/dropped_stale"] < before["buffer/dropped_stale"] / 4
+    assert after["buffer/staleness_max"] == 1 and after["buffer/producer_stale_wait_s"] > 0
+    # Every drawn prompt was trained once or dropped with a reason; run_ended only for what was left at the end.
+    reasons = {r for r, status in zip(ledger["reason"], ledger["status"], strict=True) if status == "dropped"}
+    assert reasons <= {"stale", "run_ended"}
+
+
+def test_max_staleness_0_with_a_one_step_buffer_never_deadlocks(parts: Parts) -> None:
+    # The tightest setting: the producer may submit only what the step collecting now can take, and only
+    # under the weights that step trains. It holds between a step's commit and its push, and never longer.
+    rollout = parts.make(inflight=4, capacity=2, max_staleness=0)
+    rollout.start()
+    totals = train_slowly(rollout, steps=10, train_s=0.05, limit_s=30.0)
+    ledger = rollout.finish()
+    assert totals["buffer/dropped_stale"] == 0 and totals["buffer/staleness_max"] == 0
+    assert totals["buffer/producer_stale_wait_s"] > 0
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=2) == []
+    assert len(trained_positions(rollout)) == 20
+
+
+def test_the_submission_bound_at_its_edge(parts: Parts) -> None:
+    # prompts_per_step 2, max_staleness 1, the engines serving version 0, the trainer about to collect step 0.
+    rollout = parts.make(prompts_per_step=2, capacity=8, max_staleness=1)
+    assert parts.publisher.version == "0"
+
+    def held_with(buffered: int) -> bool:
+        rollout.buffer._items.clear()
+        rollout.buffer.restore([BufferedGroup(p, 0, Group(example=None), 0) for p in range(buffered)])  # type: ignore[arg-type]
+        return rollout._held_for_staleness()
+
+    # 2 groups ahead: the new one is trained at step 1, staleness exactly 1: admitted. 4 ahead: step 2, held.
+    assert [held_with(n) for n in range(6)] == [False, False, False, False, True, True]
+    rollout._next_step = 1  # step 0 committed: the new group is a step later for the same groups ahead
+    assert [held_with(n) for n in range(4)] == [False, False, True, True]
+
+    bound = {"prompts_per_step": 2, "max_staleness": 1}
+    assert earliest_step(5, 0, [], 0, **bound) == 5
+    assert earliest_step(5, 1, [], 0, **bound) == 5  # one slot of step 5 left
+    assert earliest_step(5, 2, [], 0, **bound) == 6  # step 5 is full (training): the next one
+    assert earliest_step(5, 1, [5], 0, **bound) == 6
+    assert earliest_step(5, 1, [], 1, **bound) == 6  # the group in flight is counted ahead
+    # A buffered group that is stale where collect() reaches it is dropped there and takes no place.
+    assert earliest_step(5, 0, [3, 5], 0, **bound) == 5
+    assert earliest_step(5, 0, [4, 5], 0, **bound) == 6
+    assert earliest_step(5, 0, [5, 5, 4], 0, **bound) == 6  # 4 is 2 behind step 6: dropped
+    assert earliest_step(5, 0, [None, None], 0, **bound) == 6  # no known version: it is kept
 
 
 def _result(n: int, spans: list[tuple[str, int, int]] | None, version: str = "9") -> GenerateResult:
@@ -201,6 +287,10 @@ def test_staleness_is_the_oldest_token_version_of_the_group() -> None:
         (["rollout.mode=async", "sync.pause_mode=abort"], ["pause_mode=abort", "retract"]),
         (["rollout.mode=async", "buffer.capacity_groups=8"], ["smaller than one step", "capacity_groups >= 16"]),
         (["rollout.mode=async", "buffer.max_staleness=-1"], ["max_staleness must be >= 0", "null"]),
+        (
+            ["rollout.mode=async", "buffer.max_staleness=1", "sync.every_steps=3"],
+            ["could never be collected", "buffer.max_staleness >= 2", "sync.every_steps <= 2"],
+        ),
     ],
 )
 def test_bad_async_configs_are_refused_at_load_with_the_fix(overrides: list[str], names: list[str]) -> None:
@@ -360,7 +450,7 @@ BUFFER_METRICS = [
     for name in (
         "queue_groups", "inflight_groups", "staleness_mean", "staleness_max", "waiting_staleness_max",
         "dropped_aborted", "dropped_filtered", "dropped_stale", "mixed_version_token_share", "trainer_wait_s",
-        "producer_blocked_s",
+        "producer_blocked_s", "producer_stale_wait_s",
     )
 ]  # fmt: skip
 

@@ -12,7 +12,8 @@ trains, and each step takes the groups that are ready. Workload `quickstart`: th
 answers all stop within a few tokens (no tail: what is left is the overlap of generation and training).
 
 Both modes use the same config, seed and SFT; printed per mode: trained samples/s over the GRPO steps, the
-trainer's wait for rollouts, the response lengths, and the staleness of the trained groups (async).
+trainer's wait for rollouts, the response lengths, the staleness of the trained groups, the groups generated
+and then dropped as stale, and the time the producer held a submission that would have been too stale (async).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def run(mode: str, ns: argparse.Namespace, workload: list[str]) -> dict[str, np.
     return load_metrics(run_dir / "metrics.h5")
 
 
+def _total(m: dict[str, np.ndarray], key: str, digits: int) -> str:
+    """The sum over the steps; `-` where the run does not log the key (sync mode, or code from before it)."""
+    return f"{float(np.sum(m[key])):.{digits}f}" if key in m else "-"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="experiments/quickstart.yaml")
@@ -91,13 +97,15 @@ def main() -> int:
         rows[mode] = (samples / wall_s, float(np.sum(wait)), wall_s, staleness, lengths, m)
     print(
         "\n| mode | trained samples/s | trainer wait s (total) | GRPO wall s | response tokens: median / max "
-        "(mean of steps) | staleness mean (p50 / max of steps) |"
+        "(mean of steps) | staleness mean (p50 / max of steps) | groups dropped stale | producer stale wait s |"
     )
-    print("|---|---|---|---|---|---|")
-    for mode, (rate, wait_s, wall_s, st, (median, longest), _) in rows.items():
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, (rate, wait_s, wall_s, st, (median, longest), m) in rows.items():
+        dropped = _total(m, "buffer/dropped_stale", 0)
+        held_s = _total(m, "buffer/producer_stale_wait_s", 1)
         print(
             f"| {mode} | {rate:.1f} | {wait_s:.1f} | {wall_s:.1f} | {median:.1f} / {longest:.1f} "
-            f"| {np.median(st):.2f} / {np.max(st):.2f} |"
+            f"| {np.median(st):.2f} / {np.max(st):.2f} | {dropped} | {held_s} |"
         )
     m = rows["async"][5]
     values, counts = np.unique(m["buffer/staleness_max"], return_counts=True)
