@@ -78,8 +78,9 @@ class TrainConfig:
     """torch backend: `torch.compile` every decoder layer (fused norms, RoPE, SwiGLU and their backward) and, with
     logprob_chunk_tokens, the fused head's per-chunk log-softmax and its gradient. The first steps also compile
     (tens of seconds more train time). One H200, Qwen3-0.6B shape, bf16, 8 x 2048 tokens: the layers alone ran
-    1.54x the eager tokens/s, with logprob_chunk_tokens and micro-batches of 8 1.77x (docs/benchmarks.md,
-    "Trainer MFU levers"). Same numbers to rounding; on a CPU it needs a C++ compiler."""
+    1.54x the eager tokens/s; with logprob_chunk_tokens (its chunks compiled too) and micro-batches of 8, 2.35x:
+    46.0% MFU against 19.5% (docs/benchmarks.md, "Trainer MFU levers"). Same numbers to rounding; on a CPU it
+    needs a C++ compiler."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
