@@ -100,3 +100,11 @@ def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
     cfg = "\n".join(lines).replace("path: runs/models/tiny-qwen3", f"path: {tiny_model_dir}")
     (tmp_path / "qs.yaml").write_text(cfg)
     return tmp_path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) the Slurm tests share one worker: they share one
+    # cluster of 3 nodes, and two of them at once would only queue behind each other's jobs.
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
