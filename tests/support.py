@@ -327,8 +327,8 @@ def real_config(model_dir: Path, **overrides: Any) -> RunConfig:
     return make_config(base | overrides, model_path=str(model_dir))
 
 
-def progress(run_dir: Path) -> int:
-    """GRPO steps the run has logged (0 before the metrics file exists)."""
+def _logged_steps(run_dir: Path) -> int | None:
+    """GRPO steps the run has logged, 0 before the metrics file exists, None while it cannot be read."""
     from hpcrl.store import load_metrics
     from hpcrl.store.metrics import StoreError
 
@@ -336,8 +336,24 @@ def progress(run_dir: Path) -> int:
         return 0
     try:
         return len(load_metrics(run_dir / "metrics.h5").get("step", []))
-    except (OSError, StoreError):  # the writer is creating it
-        return 0
+    except (OSError, StoreError):  # the writer is creating or rewriting it
+        return None
+
+
+def progress(run_dir: Path) -> int:
+    """GRPO steps the run has logged (0 before the metrics file exists or while it is being written)."""
+    return _logged_steps(run_dir) or 0
+
+
+def progress_now(run_dir: Path, timeout_s: float = 60) -> int:
+    """The steps logged so far, read once the metrics file is readable: a baseline to count new steps from
+    (`progress` reads 0 while a dying job rewrites the file, which would make any later count look new)."""
+    deadline = time.monotonic() + timeout_s
+    while (steps := _logged_steps(run_dir)) is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{run_dir / 'metrics.h5'} stayed unreadable for {timeout_s} s")
+        time.sleep(0.2)
+    return steps
 
 
 def final_weights(run_dir: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from tests.support import (
     final_weights,
     make_config,
     progress,
+    progress_now,
     real_config,
     records,
     result,
@@ -262,7 +263,7 @@ def test_real_roles_requeued_twice_matches_the_uninterrupted_run(
     wait_for(lambda: progress(run_dir) >= 2, 300, "step 2")
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)
     wait_for(lambda: slurm_cluster.restart_count(job.job_id) >= 1, 60, "the first requeue")
-    resumed_at = progress(run_dir)
+    resumed_at = progress_now(run_dir)
     wait_for(lambda: progress(run_dir) >= resumed_at + 2, 300, "two steps after the first requeue")
     subprocess.run(["scancel", "--signal=USR2", "--batch", job.job_id], check=True)
     outcome = result(job, slurm_cluster, 300)
@@ -318,7 +319,7 @@ def test_real_roles_async_requeued_at_random_points_keeps_the_prompt_ledger(
     job = submit_run(cfg, run_dir)
     rng = random.Random()
     for restart in (1, 2):
-        at = progress(run_dir) + rng.randint(1, 20)
+        at = progress_now(run_dir) + rng.randint(1, 20)
         wait_for(lambda at=at: progress(run_dir) >= at, 300, f"step {at}")
         subprocess.run(["scontrol", "requeue", job.job_id], check=True)
         wait_for(lambda r=restart: slurm_cluster.restart_count(job.job_id) >= r, 60, f"requeue {restart}")
