@@ -31,6 +31,12 @@ tools/gpu/onpolicy_gpu.py on the GPU machine):
 Every tensor a transcendental op (exp, silu, cos, sin) sees has a row count padded to a multiple of
 `CHUNK_ROWS` or a fixed inner width, so ATen's vectorised loops leave no row-dependent scalar tail.
 
+On CUDA with Triton (`invariant_kernels`) the same guarantees come from kernels that compute one row (or one
+output tile) per program: a fixed-tile GEMM without split-K, RMSNorm, the two-pass tiled attention and the
+log-softmax each run in one launch, positions stay on the device, and the engine captures its decode step
+in a CUDA graph. The engine and the trainer then run the same kernels (the torch path above is what runs
+without Triton, and on the CPU).
+
 The backward uses standard kernels: `linear` is an autograd Function whose backward is two plain GEMMs,
 and `attention`'s backward differentiates ordinary causal SDPA (same math; it only needs to be a
 gradient, the log-probs that the loss ratio and the gap compare come from this forward).
@@ -45,12 +51,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hpcrl.model import invariant_kernels as kernels
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
 
 CHUNK_ROWS = 16
 """Rows per GEMM: every matrix product of the invariant forward is [CHUNK_ROWS, K] x [K, N]."""
-KV_TILE = 32
-"""Keys per attention tile, walked from key 0."""
+KV_TILE = kernels.KV_TILE
+"""Keys per attention tile, walked from key 0 (the CUDA kernel's tile too)."""
 Q_TILE = {"cpu": 16, "cuda": 64}
 """Query positions per attention step in a prefill, by device type (memory and launches only: rows are
 independent, and a row's tiles do not depend on the other rows of its query tile)."""
@@ -117,7 +124,10 @@ def pad_rows(x: Tensor, multiple: int = CHUNK_ROWS) -> Tensor:
 
 
 def _chunked_mm(x: Tensor, w: Tensor) -> Tensor:
-    """x [M, K] (M a multiple of CHUNK_ROWS) @ w.T, one [CHUNK_ROWS, K] x [K, N] product per chunk."""
+    """x [M, K] (M a multiple of CHUNK_ROWS) @ w.T, one [CHUNK_ROWS, K] x [K, N] product per chunk (CPU), or
+    the fixed-tile kernel in one launch (CUDA)."""
+    if kernels.usable(x, 16):
+        return kernels.matmul(x, w)
     wt = w.t()
     return torch.cat([torch.mm(x[i : i + CHUNK_ROWS], wt) for i in range(0, x.shape[0], CHUNK_ROWS)])
 
@@ -144,12 +154,40 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return out + b if b is not None else out
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     h = x.float()
     var = tree_sum(h * h) / h.shape[-1]
     h = h * (1.0 / torch.sqrt(var + eps))[..., None]
     return weight * h.to(dtype)
+
+
+class _KernelRMSNorm(torch.autograd.Function):
+    """The one-launch RMSNorm forward (CUDA); the backward differentiates the plain-torch formula."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return kernels.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+            gx, gw = torch.autograd.grad(_torch_rms_norm(x_, w_, ctx.eps), (x_, w_), grad)
+        return gx, gw, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim: fp32, a fixed-order sum, transformers' cast points."""
+    if kernels.usable(x, 16):
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            out: Tensor = _KernelRMSNorm.apply(x, weight, eps)
+            return out
+        return kernels.rms_norm(x, weight, eps)
+    return _torch_rms_norm(x, weight, eps)
 
 
 _ROPE_CACHE: dict[tuple[int, float, str], tuple[Tensor, Tensor]] = {}
@@ -259,9 +297,17 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 # ----- the model -----
-def _layer(model: CausalLM, i: int, x: Tensor, positions: Tensor, attend: Any, *, rows: int) -> Tensor:
-    """Decoder layer i on token rows x [Mpad, hidden] (the first `rows` real) at `positions` [rows];
-    `attend(q, k, v)` gets q [rows, H, D], k and v [rows, KVH, D] and returns [rows, H * D]."""
+def _rope_rows(model: CausalLM, positions: Tensor, table_len: int) -> tuple[Tensor, Tensor]:
+    """fp32 cos and sin rows [Mpad, 1, head_dim] at `positions`, from tables of at least `table_len` entries
+    (a position's entry is the same whatever the tables' length)."""
+    a = model.args
+    cos_t, sin_t = rope_tables(table_len, a.head_dim, a.rope_theta, positions.device)
+    return pad_rows(cos_t[positions])[:, None], pad_rows(sin_t[positions])[:, None]
+
+
+def _layer(model: CausalLM, i: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Any, *, rows: int) -> Tensor:
+    """Decoder layer i on token rows x [Mpad, hidden] (the first `rows` real) with their RoPE rows `cos`,
+    `sin`; `attend(q, k, v)` gets q [rows, H, D], k and v [rows, KVH, D] and returns [rows, H * D]."""
     a = model.args
     layer = model.model.decoder_layers[i]
     at = layer.self_attn
@@ -273,8 +319,6 @@ def _layer(model: CausalLM, i: int, x: Tensor, positions: Tensor, attend: Any, *
     if a.qk_norm:
         q = rms_norm(q, at.q_norm.weight, at.q_norm.eps)
         k = rms_norm(k, at.k_norm.weight, at.k_norm.eps)
-    cos_t, sin_t = rope_tables(int(positions.max()) + 1, hd, a.rope_theta, x.device)
-    cos, sin = pad_rows(cos_t[positions])[:, None], pad_rows(sin_t[positions])[:, None]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = pad_rows(attend(q[:rows], k[:rows], v[:rows]))
     x = x + linear(o, at.o_proj.weight)
@@ -289,6 +333,28 @@ def _head(model: CausalLM, x: Tensor) -> Tensor:
     return linear(rms_norm(pad_rows(x), norm.weight, norm.eps), model.output_weight)
 
 
+class _KernelCausalAttention(torch.autograd.Function):
+    """Causal self-attention of full sequences through the CUDA kernel; the gradient of standard SDPA."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return kernels.attention(q, k, v, row_batch, row_pos, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
+        b, kvh, t, d = k.shape
+        g = q.shape[1] // kvh
+        with torch.enable_grad():
+            q_, k_, v_ = (x.detach().requires_grad_(True) for x in (q, k, v))
+            q5 = q_.view(b, t, kvh, g, d).permute(0, 2, 1, 3, 4)
+            out = _grouped_sdpa(q5, k_, v_, ctx.scale).permute(0, 2, 1, 3, 4).reshape(b * t, kvh * g, d)
+            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad)
+        return gq, gk, gv, None, None, None
+
+
 def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
     """Logits [B, T, V] of right-padded sequences [B, T] from position 0 (trainer and engine prefill).
 
@@ -298,23 +364,35 @@ def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Ten
     b, t = input_ids.shape
     g = a.num_heads // a.num_kv_heads
     scale = 1.0 / math.sqrt(a.head_dim)
-    positions = torch.arange(t, device=input_ids.device).repeat(b)
+    device = input_ids.device
+    positions = torch.arange(t, device=device).repeat(b)
+    on_kernels = kernels.usable(input_ids, a.head_dim)
+    row_batch = torch.arange(b, device=device).repeat_interleave(t)
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        q5 = q.view(b, t, a.num_kv_heads, g, a.head_dim).permute(0, 2, 1, 3, 4)
-        k4 = k.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        v4 = v.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        # K and V contiguous as [B, KVH, T, D], the cache's layout: the kernel then sees the same contiguity
+        # in the trainer as in the engine's decode.
+        k4 = k.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2).contiguous()
+        v4 = v.view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2).contiguous()
         if kv_out is not None:
             kv_out.append((k4, v4))
+        if on_kernels:
+            if torch.is_grad_enabled():
+                o = _KernelCausalAttention.apply(q, k4, v4, row_batch, positions, scale)
+            else:
+                o = kernels.attention(q, k4, v4, row_batch, positions, scale)
+            return o.reshape(b * t, a.num_heads * a.head_dim)
+        q5 = q.view(b, t, a.num_kv_heads, g, a.head_dim).permute(0, 2, 1, 3, 4)
         if torch.is_grad_enabled():
             o = _InvariantCausalAttention.apply(q5, k4, v4, scale)
         else:
             o = _prefill_attention(q5, k4, v4, scale)
         return o.permute(0, 2, 1, 3, 4).reshape(b * t, a.num_heads * a.head_dim)
 
+    cos, sin = _rope_rows(model, positions, t)
     x = pad_rows(F.embedding(input_ids.reshape(-1), model.model.embed_tokens.weight))
     for i in range(a.num_layers):
-        x = _layer(model, i, x, positions, attend, rows=b * t)
+        x = _layer(model, i, x, cos, sin, attend, rows=b * t)
     return _head(model, x[: b * t])[: b * t].view(b, t, -1)
 
 
@@ -331,29 +409,44 @@ def prefill(model: CausalLM, cache: KVCache, input_ids: Tensor, first_slot: int,
 
 
 def decode(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
-    """The engine's decode step: token [n] of cache slots 0..n-1 at `positions` [n]; logits [n, V]."""
+    """The engine's decode step: token [n] of cache slots 0..n-1 at `positions` [n]; logits [n, V].
+
+    With the CUDA kernels it reads the positions on the device only (no host sync), so a step can be
+    captured in a CUDA graph.
+    """
     a = model.args
     n = tokens.shape[0]
     g = a.num_heads // a.num_kv_heads
     scale = 1.0 / math.sqrt(a.head_dim)
     rows = torch.arange(n, device=tokens.device)
+    on_kernels = kernels.usable(tokens, a.head_dim)
     layer_i = 0
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = cache.k[layer_i], cache.v[layer_i]
         kc[rows, :, positions] = k
         vc[rows, :, positions] = v
+        if on_kernels:
+            return kernels.attention(q, kc, vc, rows, positions, scale).reshape(n, a.num_heads * a.head_dim)
         length = int(positions.max()) + 1
         qg = q.view(n, a.num_kv_heads, g, a.head_dim)
         qpos = positions[:, None].expand(n, g)
         o = _tiled_attention(qg, kc[:n, :, :length], vc[:n, :, :length], qpos, scale)
         return o.reshape(n, a.num_heads * a.head_dim)
 
+    # The tables cover the whole cache, so no step needs the positions on the host.
+    cos, sin = _rope_rows(model, positions, cache.max_len if on_kernels else int(positions.max()) + 1)
     x = pad_rows(F.embedding(tokens, model.model.embed_tokens.weight))
     for i in range(a.num_layers):
         layer_i = i
-        x = _layer(model, i, x, positions, attend, rows=n)
+        x = _layer(model, i, x, cos, sin, attend, rows=n)
     return _head(model, x[:n])[:n]
+
+
+def graphable(model: CausalLM, like: Tensor) -> bool:
+    """True when `decode` runs without host syncs on `like`'s device (the CUDA kernels), so a CUDA graph can
+    capture it."""
+    return like.is_cuda and kernels.usable(like, model.args.head_dim)
 
 
 def logprob_rows(logits: Tensor) -> Tensor:
@@ -361,7 +454,8 @@ def logprob_rows(logits: Tensor) -> Tensor:
 
     CPU: ATen's log-softmax, one row per loop iteration whatever the row count (what CI verifies). CUDA:
     `torch.log_softmax` and `sum` pick their kernel and its split of a row across thread blocks from the
-    tensor's shape, so the row sum is a fixed tree of elementwise adds instead (`_TreeLogSoftmax`).
+    tensor's shape, so the row sum has a fixed order instead: one Triton program per row, or without
+    Triton a tree of elementwise adds (`_TreeLogSoftmax`).
     """
     x = logits.float()
     if x.device.type == "cpu":
@@ -380,7 +474,7 @@ class _TreeLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        lp = _tree_log_softmax(x)
+        lp = kernels.log_softmax(x) if kernels.usable(x, 16) else _tree_log_softmax(x)
         ctx.save_for_backward(lp)
         return lp
 

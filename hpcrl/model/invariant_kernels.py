@@ -1,0 +1,261 @@
+"""Triton kernels for the batch-invariant forward on CUDA: RMSNorm and tiled causal attention.
+
+The plain-torch invariant forward (`hpcrl.model.invariant`) is launch-bound on a GPU: RMSNorm is a tree of
+ten elementwise adds, and attention walks key tiles in Python with about thirty launches per tile and a host
+sync for the length. These kernels do each in one launch, and keep what makes the forward batch-invariant:
+
+- One program computes one row (RMSNorm) or one (query row, head) pair (attention). A program reads only
+  its own row and, for attention, the keys 0..its own position; nothing it computes depends on the other
+  rows, on how many there are, or on how long the key buffer is. So a token's bits are the same decoded
+  alone, decoded beside 255 others, or scored by the trainer inside a padded micro-batch.
+- Every reduction has one fixed shape: RMSNorm sums one [BLOCK] vector; attention accumulates the
+  [KV_TILE] probabilities and [KV_TILE, D] products tile by tile from key 0 (elementwise adds in key order)
+  and reduces them once at the end; the row max is exact in any order. A tile past the row's position is
+  never visited, and the tail of its last tile is masked (its probabilities are exact zeros).
+- Positions are read from device memory: a decode step has no host sync and is captured in a CUDA graph.
+
+The engine and the trainer call these same kernels with the same compile-time parameters, so both sides
+run the same instructions per row. Their layouts are kept alike too (K and V contiguous in their last two
+dimensions on both sides), since Triton picks a reduction's thread layout from the tensors' contiguity.
+The backward (training) uses standard torch: only the forward's values must match the engine's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # CPU installs: the invariant forward runs its plain-torch path
+    triton = None
+    tl = None
+    AVAILABLE = False
+
+KV_TILE = 32
+"""Keys per attention tile (the plain-torch path's tile, so the two paths read the same way)."""
+
+
+def usable(x: Tensor, head_dim: int) -> bool:
+    """True when these kernels can run this forward: Triton, a CUDA tensor (or Triton's interpreter, which
+    the CPU tests use), a power-of-two head_dim."""
+    device_ok = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return AVAILABLE and device_ok and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Out, eps, N, stride_x, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / N
+        # The cast points of transformers' RMSNorm: normalise in fp32, cast to the model dtype, scale.
+        h = (x * (1.0 / tl.sqrt_rn(var + eps))).to(Out.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Out + row * N + offs, (w * h).to(Out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _attention_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        RowBatch,
+        RowPos,
+        scale,
+        stride_qr,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        b = tl.load(RowBatch + r).to(tl.int64)
+        pos = tl.load(RowPos + r).to(tl.int64)
+        kvh = (h // G).to(tl.int64)
+        d = tl.arange(0, D)
+        n = tl.arange(0, TILE)
+        q = tl.load(Q + r * stride_qr + h * stride_qh + d).to(tl.float32)
+        kb = K + b * stride_kb + kvh * stride_kh
+        vb = V + b * stride_vb + kvh * stride_vh
+        num_tiles = pos // TILE + 1
+        # Pass 1: the exact row max (max is exact in any order).
+        mx = tl.full([TILE], float("-inf"), tl.float32)
+        for t in range(0, num_tiles):
+            keys = t * TILE + n
+            seen = keys <= pos
+            k = tl.load(kb + keys[:, None] * stride_kn + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[None, :] * k, axis=1) * scale
+            mx = tl.maximum(mx, tl.where(seen, s, float("-inf")))
+        m = tl.max(mx, axis=0)
+        # Pass 2: exp(s - max) and p.v accumulated elementwise, tile after tile from key 0, reduced once.
+        total = tl.zeros([TILE], tl.float32)
+        acc = tl.zeros([TILE, D], tl.float32)
+        for t in range(0, num_tiles):
+            keys = t * TILE + n
+            seen = keys <= pos
+            k = tl.load(kb + keys[:, None] * stride_kn + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[None, :] * k, axis=1) * scale
+            p = tl.where(seen, tl.exp(s - m), 0.0)
+            v = tl.load(vb + keys[:, None] * stride_vn + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+            total += p
+            acc += p[:, None] * v
+        o = tl.sum(acc, axis=0) / tl.sum(total, axis=0)
+        tl.store(Out + (r * tl.num_programs(1) + h) * D + d, o.to(Out.dtype.element_ty))
+
+    @triton.jit
+    def _matmul_kernel(
+        X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, IEEE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        # Out[M, N] = X[M, K] @ W[N, K].T. One program per [BM, BN] output tile; K walked in BK steps from 0,
+        # never split: an output element's sum has one order, whatever M is and wherever its row sits.
+        pm = tl.program_id(0)
+        pn = tl.program_id(1)
+        rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+        rn = (pn * BN + tl.arange(0, BN)).to(tl.int64)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            x = tl.load(
+                X + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+            )
+            w = tl.load(
+                W + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0
+            )
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        tl.store(
+            Out + rm[:, None] * stride_om + rn[None, :],
+            acc.to(Out.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
+
+    @triton.jit
+    def _log_softmax_kernel(X, Out, V, stride_x, BLOCK: tl.constexpr):
+        # One row: its exact max, then exp(x - max) summed into a [BLOCK] accumulator chunk by chunk from
+        # vocab id 0 and reduced once, then x - max - log(sum). Nothing depends on the number of rows.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        for v0 in range(0, V, BLOCK):
+            x = tl.load(X + row * stride_x + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+            mx = tl.maximum(mx, x)
+        m = tl.max(mx, axis=0)
+        total = tl.zeros([BLOCK], tl.float32)
+        for v0 in range(0, V, BLOCK):
+            x = tl.load(X + row * stride_x + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+            total += tl.where(v0 + offs < V, tl.exp(x - m), 0.0)
+        lse = m + tl.log(tl.sum(total, axis=0))
+        for v0 in range(0, V, BLOCK):
+            x = tl.load(X + row * stride_x + v0 + offs, mask=v0 + offs < V, other=0.0).to(tl.float32)
+            tl.store(Out + row * V + v0 + offs, x - lse, mask=v0 + offs < V)
+
+
+MATMUL_TILE = (64, 64, 64)
+"""(BM, BN, BK) of every invariant GEMM: fixed, so a row's products run the same instructions at any M."""
+LOG_SOFTMAX_BLOCK = 2048
+
+
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x [M, K] @ w.T (w [N, K], an nn.Linear weight) on fixed tiles without split-K; the result in x's dtype.
+    fp32 inputs multiply in IEEE fp32 (no TF32)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk = MATMUL_TILE
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_kernel[grid](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), IEEE=x.dtype == torch.float32,
+        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """fp32 log-softmax over the last dim of x [..., V], one program per row."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    _log_softmax_kernel[(rows.shape[0],)](rows, out, shape[-1], rows.stride(0), BLOCK=LOG_SOFTMAX_BLOCK, num_warps=8)
+    return out.view(shape)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of x (any leading shape), one program per row; the result in x's dtype."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    n = shape[-1]
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight, out, eps, n, rows.stride(0), BLOCK=_next_pow2(n), num_warps=4 if n <= 2048 else 8
+    )
+    return out.view(shape)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+    """Causal attention of query rows q [R, H, D] against k, v [B, KVH, L, D] (last dim contiguous).
+
+    Row r belongs to sequence row_batch[r] and sits at position row_pos[r]; it sees keys 0..row_pos[r].
+    Returns [R, H, D] in q's dtype.
+    """
+    rows, heads, d = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("attention needs K and V contiguous in their last dimension")
+    out = torch.empty(rows, heads, d, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    _attention_kernel[(rows, heads)](
+        q,
+        k,
+        v,
+        out,
+        row_batch,
+        row_pos,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        G=heads // k.shape[1],
+        D=d,
+        TILE=KV_TILE,
+        num_warps=4,
+    )
+    return out
