@@ -264,9 +264,18 @@ class DecodeRunner:
         return self._handle(n, support_lp, support_mask, timing)
 
     def _invariant_step(self, n: int, timing: Any, *, want_support: bool) -> StepHandle:
-        """The batch-invariant step: the invariant forward, then sampling from its log-prob rows."""
+        """The batch-invariant step: the invariant forward, then sampling from its log-prob rows.
+
+        On CUDA with the invariant kernels the forward is a CUDA graph per batch bucket: it is a few thousand
+        small launches, and its padding rows change nothing for the real ones (every row is computed alone).
+        """
         assert self.cache is not None
-        lp = invariant.logprob_rows(invariant.decode(self.model, self.cache, self.tokens[:n], self.positions[:n]))
+        if self.is_cuda and invariant.graphable(self.model, self.tokens):
+            graph, lp_all = self._invariant_graph(self._bucket(n))
+            graph.replay()
+            lp = lp_all[:n]
+        else:
+            lp = self._invariant_forward(n)
         if timing is not None:
             self._mark(timing, 1)
         out = sample(
@@ -414,6 +423,33 @@ class DecodeRunner:
         self.stats["graph_captures"] += 1
         log.info("captured the decode step for batch %d in %.2f s", nb, time.perf_counter() - t0)
         return graph, logits
+
+    def _invariant_forward(self, n: int) -> torch.Tensor:
+        assert self.cache is not None
+        return invariant.logprob_rows(invariant.decode(self.model, self.cache, self.tokens[:n], self.positions[:n]))
+
+    def _invariant_graph(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        hit = self._graphs.get(nb)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Warm-up outside capture (Triton compiles, the RoPE tables are built, cuBLAS picks kernels). A step
+        # only rewrites each row's K/V at its current position with the same values, so it is harmless.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._invariant_forward(nb)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            lp = self._invariant_forward(nb)
+        self._graphs[nb] = (graph, lp)
+        self.stats["graph_captures"] += 1
+        log.info("captured the batch-invariant decode step for batch %d in %.2f s", nb, time.perf_counter() - t0)
+        return graph, lp
 
     def fast_forward(self, n: int) -> torch.Tensor:
         """Logits [n, V] of the tokens in slots 0..n-1 with the fused kernels; no host syncs."""

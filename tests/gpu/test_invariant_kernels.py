@@ -1,0 +1,144 @@
+"""The batch-invariant forward's CUDA kernels (RMSNorm, tiled attention, the graphed decode step).
+
+Runs on CUDA; without a GPU it runs under Triton's interpreter when TRITON_INTERPRET=1 (slow, small
+shapes), and is skipped otherwise. tests/unit/test_invariant.py checks the plain-torch path in CI.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpcrl.model import invariant, invariant_kernels
+from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(
+    not invariant_kernels.AVAILABLE or not (torch.cuda.is_available() or INTERPRET),
+    reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)",
+)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.float32, torch.bfloat16]
+# Triton's interpreter runs tl.dot as numpy matmul, whose BLAS may round a row differently by its place in the
+# tile; a GPU's MMA does not. Bitwise claims that go through the GEMM kernel are checked on CUDA only.
+needs_cuda_gemm = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the interpreter's tl.dot is numpy's BLAS, not batch-invariant"
+)
+
+
+def _model(dtype: torch.dtype) -> CausalLM:
+    args = ModelArgs(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        eos_token_ids=(2,),
+    )
+    torch.manual_seed(0)
+    model = CausalLM(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.2)
+    return model.to(DEVICE, dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_path_is_taken_and_matches_the_reference_math(dtype: torch.dtype) -> None:
+    """The kernels compute RMSNorm and causal GQA attention (against F.rms_norm-style math and SDPA)."""
+    torch.manual_seed(1)
+    x = torch.randn(37, 64, device=DEVICE, dtype=dtype)
+    w = torch.rand(64, device=DEVICE, dtype=dtype) + 0.5
+    assert invariant_kernels.usable(x, 16)
+    ref = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(invariant_kernels.rms_norm(x, w, 1e-6), ref, rtol=tol, atol=tol)
+
+    b, t, h, kvh, d = 2, 45, 4, 2, 16
+    q = torch.randn(b * t, h, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, kvh, t, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(b, kvh, t, d, device=DEVICE, dtype=dtype)
+    rows_b = torch.arange(b, device=DEVICE).repeat_interleave(t)
+    rows_p = torch.arange(t, device=DEVICE).repeat(b)
+    out = invariant_kernels.attention(q, k, v, rows_b, rows_p, 1 / math.sqrt(d))
+    qh = q.view(b, t, h, d).transpose(1, 2).float()
+    sdpa = F.scaled_dot_product_attention(
+        qh, k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), is_causal=True
+    )
+    torch.testing.assert_close(out.float(), sdpa.transpose(1, 2).reshape(b * t, h, d), rtol=tol, atol=tol)
+
+
+@needs_cuda_gemm
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_equals_decode_at_every_position_on_the_kernels(dtype: torch.dtype) -> None:
+    model = _model(dtype)
+    t = 40  # two key tiles, the second one's tail masked
+    ids = torch.randint(3, 199, (3, t), device=DEVICE)
+    with torch.no_grad():
+        whole = invariant.logits(model, ids)
+        cache = KVCache.allocate(model.args, 3, 64, dtype, DEVICE)
+        first = invariant.prefill(model, cache, ids[:, :1], 0, torch.zeros(3, dtype=torch.long, device=DEVICE))
+        assert torch.equal(first, whole[:, 0])
+        for pos in range(1, t):
+            step = invariant.decode(model, cache, ids[:, pos], torch.full((3,), pos, device=DEVICE))
+            assert torch.equal(step, whole[:, pos]), pos
+        # One row alone (batch 1, a different grid) gives the same bits as in the batch of 3.
+        alone = invariant.logits(model, ids[1:2])
+    assert torch.equal(alone[0], whole[1])
+
+
+def test_the_kernel_forward_has_the_plain_gradient() -> None:
+    """Training through the kernels: the gradient is standard attention's and RMSNorm's."""
+    model = _model(torch.float32).train()
+    ids = torch.randint(3, 199, (2, 20), device=DEVICE)
+    invariant.token_logprobs(model, ids).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    lp = torch.log_softmax(model(ids)[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+    lp.sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_the_graphed_invariant_decode_step_equals_the_eager_one() -> None:
+    from hpcrl.engine.embedded.runner import DecodeRunner
+
+    model = _model(torch.bfloat16)
+    cache = KVCache.allocate(model.args, 16, 64, torch.bfloat16, DEVICE)
+    ids = torch.randint(3, 199, (5, 12), device=DEVICE)
+    with torch.no_grad():
+        invariant.prefill(model, cache, ids[:, :11], 0, torch.full((5,), 10, device=DEVICE))
+        runner = DecodeRunner(model, cache, max_batch=16, device=DEVICE, mode="invariant")
+        runner.tokens[:5] = ids[:, 11]
+        runner.positions[:5] = 11
+        eager = runner._invariant_forward(5).clone()
+        graph, lp = runner._invariant_graph(runner._bucket(5))
+        graph.replay()
+        assert torch.equal(lp[:5], eager)
+        whole = invariant.logprob_rows(invariant.logits(model, ids)[:, 11])
+    assert torch.equal(eager, whole)
+
+
+@needs_cuda_gemm
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gemm_and_log_softmax_kernels_give_a_row_the_same_bits_at_any_batch(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    x = torch.randn(70, 96, device=DEVICE, dtype=dtype)
+    w = torch.randn(130, 96, device=DEVICE, dtype=dtype) / 10
+    full = invariant_kernels.matmul(x, w)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), x.float() @ w.float().t(), rtol=tol, atol=tol)
+    for rows in (slice(0, 1), slice(5, 12), slice(64, 70)):
+        assert torch.equal(invariant_kernels.matmul(x[rows], w), full[rows])
+    logits = torch.randn(9, 3000, device=DEVICE) * 4
+    lp = invariant_kernels.log_softmax(logits)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(invariant_kernels.log_softmax(logits[3:4]), lp[3:4])
