@@ -84,6 +84,7 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
                 context_length=ns.prompt_len + ns.max_new_tokens + 1,
                 batch_invariant=bi,
                 decode_mode="auto",
+                profile=ns.profile,
             ),
             device=device,
             dtype=dtype,
@@ -111,6 +112,9 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
     tokens = ns.num_seqs * ns.max_new_tokens
     engine = {bi: tokens / _median_s(lambda bi=bi: generate(bi), ns.repeats, ns.device) for bi in (False, True)}
     print(f"{model_dir.name}: engine tok/s {engine}", flush=True)
+    if ns.profile:  # where a decode step's time goes: the GPU forward, the sampler, the host
+        for bi in (False, True):
+            print(f"{model_dir.name}: {'invariant' if bi else 'plain'} profile {schedulers[bi].profile_summary()}")
     seqs = torch.tensor(generate(True), device=device)
     schedulers.clear()  # their KV caches: the trainer side needs the memory
     model = load_model(model_dir, dtype=dtype, device=device)
@@ -144,6 +148,11 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each decode step's forward and sampling (CUDA events) and print the split per mode",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (engine and trainer on the same device)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--shapes", nargs="+", default=["tiny", "wider"], choices=list(SHAPES))

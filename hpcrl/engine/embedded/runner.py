@@ -290,8 +290,10 @@ class DecodeRunner:
         self.steps[:n] += 1
         if timing is not None:
             self._mark(timing, 2)
+        step = ReadyStep(_host_output(out))
+        if timing is not None:  # after the outputs reached the host, so on CUDA the events have completed
             self._record_timing(timing)
-        return ReadyStep(_host_output(out))
+        return step
 
     def _compiled_step(self, n: int, timing: Any, *, torch_sampler: bool, want_support: bool) -> StepHandle | None:
         """The "compile" mode's step (CPU, n >= 2: batch 1 would compile a second graph); None when
