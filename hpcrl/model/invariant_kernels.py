@@ -174,8 +174,16 @@ if AVAILABLE:
             tl.store(Out + row * V + v0 + offs, x - lse, mask=v0 + offs < V)
 
 
-MATMUL_TILE = (64, 64, 64)
-"""(BM, BN, BK) of every invariant GEMM: fixed, so a row's products run the same instructions at any M."""
+def _matmul_config() -> tuple[int, ...]:
+    """(BM, BN, BK, num_warps, num_stages) of every invariant GEMM. Fixed for the process, never chosen from M,
+    so a row's products run the same instructions at any batch size. HPCRL_INVARIANT_MATMUL="bm,bn,bk,w,s"
+    overrides it for a benchmark sweep; the engine and the trainer must then share it (a run's processes
+    inherit one environment)."""
+    raw = os.environ.get("HPCRL_INVARIANT_MATMUL", "")
+    return tuple(int(x) for x in raw.split(",")) if raw else (64, 64, 64, 4, 3)
+
+
+MATMUL_CONFIG = _matmul_config()
 LOG_SOFTMAX_BLOCK = 2048
 
 
@@ -189,11 +197,11 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk = MATMUL_TILE
+    bm, bn, bk, warps, stages = MATMUL_CONFIG
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3,
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
