@@ -102,9 +102,10 @@ def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
     return tmp_path
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) the Slurm tests share one worker: they share one
-    # cluster of 3 nodes, and two of them at once would only queue behind each other's jobs.
+    # cluster, and the preemption tests requeue every job of a partition, a concurrent test's job too.
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
