@@ -297,6 +297,44 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 # ----- the model -----
+def _torch_qk_norm_rope(x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    if weight is not None:
+        x = _torch_rms_norm(x, weight, eps)
+    return apply_rope(x, cos, sin)
+
+
+class _KernelQKNormRope(torch.autograd.Function):
+    """QK-norm and RoPE in one launch (CUDA); the backward differentiates the plain-torch ops."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return kernels.qk_norm_rope(x, weight, eps, cos[:, 0], sin[:, 0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, cos, sin = ctx.saved_tensors
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_(True)
+            w_ = weight.detach().requires_grad_(True) if weight is not None else None
+            out = _torch_qk_norm_rope(x_, w_, ctx.eps, cos, sin)
+            wanted = (x_, w_) if w_ is not None else (x_,)
+            grads = torch.autograd.grad(out, wanted, grad)
+        return grads[0], grads[1] if w_ is not None else None, None, None, None
+
+
+def qk_norm_rope(x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [M, H, D]: QK-norm per head (when `weight` is given, else none: Qwen2 and Llama), then RoPE with the
+    rows' fp32 `cos`, `sin` [M, 1, D]."""
+    if kernels.usable(x, x.shape[-1]):
+        if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+            out: Tensor = _KernelQKNormRope.apply(x, weight, eps, cos, sin)
+            return out
+        return kernels.qk_norm_rope(x, weight, eps, cos[:, 0], sin[:, 0])
+    return _torch_qk_norm_rope(x, weight, eps, cos, sin)
+
+
 def _rope_rows(model: CausalLM, positions: Tensor, table_len: int) -> tuple[Tensor, Tensor]:
     """fp32 cos and sin rows [Mpad, 1, head_dim] at `positions`, from tables of at least `table_len` entries
     (a position's entry is the same whatever the tables' length)."""
@@ -316,10 +354,9 @@ def _layer(model: CausalLM, i: int, x: Tensor, cos: Tensor, sin: Tensor, attend:
     q = linear(h, at.q_proj.weight, at.q_proj.bias).view(-1, nh, hd)
     k = linear(h, at.k_proj.weight, at.k_proj.bias).view(-1, nkv, hd)
     v = linear(h, at.v_proj.weight, at.v_proj.bias).view(-1, nkv, hd)
-    if a.qk_norm:
-        q = rms_norm(q, at.q_norm.weight, at.q_norm.eps)
-        k = rms_norm(k, at.k_norm.weight, at.k_norm.eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q_w, q_eps = (at.q_norm.weight, at.q_norm.eps) if a.qk_norm else (None, 0.0)
+    k_w, k_eps = (at.k_norm.weight, at.k_norm.eps) if a.qk_norm else (None, 0.0)
+    q, k = qk_norm_rope(q, q_w, q_eps, cos, sin), qk_norm_rope(k, k_w, k_eps, cos, sin)
     o = pad_rows(attend(q[:rows], k[:rows], v[:rows]))
     x = x + linear(o, at.o_proj.weight)
     mlp, post = layer.mlp, layer.post_attention_layernorm

@@ -1,13 +1,16 @@
-"""Triton kernels for the batch-invariant forward on CUDA: RMSNorm and tiled causal attention.
+"""Triton kernels for the batch-invariant forward on CUDA: GEMM, RMSNorm, QK-norm + RoPE, attention, log-softmax.
 
-The plain-torch invariant forward (`hpcrl.model.invariant`) is launch-bound on a GPU: RMSNorm is a tree of
-ten elementwise adds, and attention walks key tiles in Python with about thirty launches per tile and a host
-sync for the length. These kernels do each in one launch, and keep what makes the forward batch-invariant:
+The plain-torch invariant forward (`hpcrl.model.invariant`) is launch-bound on a GPU: every GEMM is a loop of
+16-row products, RMSNorm a tree of ten elementwise adds, RoPE eight elementwise ops per projection, and
+attention walks key tiles in Python with about thirty launches per tile and a host sync for the length. These
+kernels do each in one launch, and keep what makes the forward batch-invariant:
 
-- One program computes one row (RMSNorm) or one (query row, head) pair (attention). A program reads only
-  its own row and, for attention, the keys 0..its own position; nothing it computes depends on the other
-  rows, on how many there are, or on how long the key buffer is. So a token's bits are the same decoded
-  alone, decoded beside 255 others, or scored by the trainer inside a padded micro-batch.
+- One program computes one [64, 64] output tile (GEMM), one row (RMSNorm, log-softmax) or one (row, head)
+  pair (QK-norm + RoPE, attention). The GEMM walks K from 0 without split-K and its tile never depends on M,
+  so a row's products are the same instructions in any batch. The others read only their own row and, for
+  attention, the keys 0..its own position; nothing depends on the other rows, on how many there are, or on
+  how long the key buffer is. So a token's bits are the same decoded alone, decoded beside 255 others, or
+  scored by the trainer inside a padded micro-batch.
 - Every reduction has one fixed shape: RMSNorm sums one [BLOCK] vector; attention accumulates the
   [KV_TILE] probabilities and [KV_TILE, D] products tile by tile from key 0 (elementwise adds in key order)
   and reduces them once at the end; the row max is exact in any order. A tile past the row's position is
@@ -65,6 +68,27 @@ if AVAILABLE:
         h = (x * (1.0 / tl.sqrt_rn(var + eps))).to(Out.dtype.element_ty).to(tl.float32)
         w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(Out + row * N + offs, (w * h).to(Out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(X, W, Cos, Sin, Out, eps, stride_xr, stride_xh, HAS_NORM: tl.constexpr, D: tl.constexpr):
+        # One (row, head): the head's RMSNorm (QK-norm) and RoPE from the row's fp32 cos/sin, in one pass.
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        dr = (d + HALF) % D
+        dt = Out.dtype.element_ty
+        base = X + r * stride_xr + h * stride_xh
+        x = tl.load(base + d).to(tl.float32)
+        xr = tl.load(base + dr).to(tl.float32)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+            x = (tl.load(W + d).to(tl.float32) * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (tl.load(W + dr).to(tl.float32) * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        cos = tl.load(Cos + r * D + d)
+        sin = tl.load(Sin + r * D + d)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        tl.store(Out + (r * tl.num_programs(1) + h) * D + d, (x * cos + sign * xr * sin).to(dt))
 
     @triton.jit
     def _attention_kernel(
@@ -229,6 +253,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         rows, weight, out, eps, n, rows.stride(0), BLOCK=_next_pow2(n), num_warps=4 if n <= 2048 else 8
     )
     return out.view(shape)
+
+
+def qk_norm_rope(x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [R, H, D] (one projection's heads): RMSNorm per head (when `weight` is given), then RoPE with the rows'
+    fp32 cos and sin [R, D]. Returns a new [R, H, D] tensor in x's dtype."""
+    rows, heads, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, heads, d, dtype=x.dtype, device=x.device)
+    _qk_norm_rope_kernel[(rows, heads)](
+        x, weight if weight is not None else x, cos, sin, out, eps, x.stride(0), x.stride(1),
+        HAS_NORM=weight is not None, D=d, num_warps=1,
+    )  # fmt: skip
+    return out
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float) -> Tensor:

@@ -74,6 +74,22 @@ def test_kernel_path_is_taken_and_matches_the_reference_math(dtype: torch.dtype)
     torch.testing.assert_close(out.float(), sdpa.transpose(1, 2).reshape(b * t, h, d), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_the_qk_norm_rope_kernel_is_the_torch_ops_in_one_launch(dtype: torch.dtype, qk_norm: bool) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(19, 4, 16, device=DEVICE, dtype=dtype)
+    w = torch.rand(16, device=DEVICE, dtype=dtype) + 0.5 if qk_norm else None
+    cos_t, sin_t = invariant.rope_tables(64, 16, 10000.0, DEVICE)
+    pos = torch.randint(0, 64, (19,), device=DEVICE)
+    cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]
+    got = invariant_kernels.qk_norm_rope(x, w, 1e-6, cos[:, 0].contiguous(), sin[:, 0].contiguous())
+    want = invariant._torch_qk_norm_rope(x, w, 1e-6, cos, sin)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(invariant_kernels.qk_norm_rope(x[7:8], w, 1e-6, cos[7:8, 0], sin[7:8, 0]), got[7:8])
+
+
 @needs_cuda_gemm
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_equals_decode_at_every_position_on_the_kernels(dtype: torch.dtype) -> None:
