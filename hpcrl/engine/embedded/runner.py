@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -401,57 +401,44 @@ class DecodeRunner:
         return self.max_batch
 
     def _graph(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        hit = self._graphs.get(nb)
-        if hit is not None:
-            return hit
-        t0 = time.perf_counter()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        if self._fused is None:
+        """The fused-kernel decode step for batch bucket nb, captured on first use."""
+        if nb not in self._graphs and self._fused is None:
             self._fuse_weights()  # never inside a capture: it allocates and re-points parameters
-        # Warm-up outside capture (Triton compiles, cuBLAS picks kernels). The step only writes the
-        # K/V of each row's current token at its current position, so running it again is harmless.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.fast_forward(nb)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the HTTP and weight-receiving threads may touch CUDA while this thread captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.fast_forward(nb)
-        self._graphs[nb] = (graph, logits)
-        self.stats["graph_captures"] += 1
-        log.info("captured the decode step for batch %d in %.2f s", nb, time.perf_counter() - t0)
-        return graph, logits
+        return self._captured(nb, self.fast_forward, "the decode step")
 
     def _invariant_forward(self, n: int) -> torch.Tensor:
         assert self.cache is not None
         return invariant.logprob_rows(invariant.decode(self.model, self.cache, self.tokens[:n], self.positions[:n]))
 
     def _invariant_graph(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The batch-invariant decode step (log-prob rows) for batch bucket nb, captured on first use."""
+        return self._captured(nb, self._invariant_forward, "the batch-invariant decode step")
+
+    def _captured(
+        self, nb: int, forward: Callable[[int], torch.Tensor], what: str
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         hit = self._graphs.get(nb)
         if hit is not None:
             return hit
         t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # Warm-up outside capture (Triton compiles, the RoPE tables are built, cuBLAS picks kernels). A step
-        # only rewrites each row's K/V at its current position with the same values, so it is harmless.
+        # Warm-up outside capture (Triton compiles, cuBLAS picks kernels, tables are built). A step only
+        # rewrites the K/V of each row's current token at its current position, so running it again is harmless.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._invariant_forward(nb)
+                forward(nb)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # thread_local: the HTTP and weight-receiving threads may touch CUDA while this thread captures.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            lp = self._invariant_forward(nb)
-        self._graphs[nb] = (graph, lp)
+            out = forward(nb)
+        self._graphs[nb] = (graph, out)
         self.stats["graph_captures"] += 1
-        log.info("captured the batch-invariant decode step for batch %d in %.2f s", nb, time.perf_counter() - t0)
-        return graph, lp
+        log.info("captured %s for batch %d in %.2f s", what, nb, time.perf_counter() - t0)
+        return graph, out
 
     def fast_forward(self, n: int) -> torch.Tensor:
         """Logits [n, V] of the tokens in slots 0..n-1 with the fused kernels; no host syncs."""
