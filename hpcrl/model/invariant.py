@@ -126,7 +126,7 @@ def pad_rows(x: Tensor, multiple: int = CHUNK_ROWS) -> Tensor:
 def _chunked_mm(x: Tensor, w: Tensor) -> Tensor:
     """x [M, K] (M a multiple of CHUNK_ROWS) @ w.T, one [CHUNK_ROWS, K] x [K, N] product per chunk (CPU), or
     the fixed-tile kernel in one launch (CUDA)."""
-    if kernels.usable(x, 16):
+    if kernels.usable(x):
         return kernels.matmul(x, w)
     wt = w.t()
     return torch.cat([torch.mm(x[i : i + CHUNK_ROWS], wt) for i in range(0, x.shape[0], CHUNK_ROWS)])
@@ -182,7 +182,7 @@ class _KernelRMSNorm(torch.autograd.Function):
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim: fp32, a fixed-order sum, transformers' cast points."""
-    if kernels.usable(x, 16):
+    if kernels.usable(x):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             out: Tensor = _KernelRMSNorm.apply(x, weight, eps)
             return out
@@ -511,7 +511,7 @@ class _TreeLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        lp = kernels.log_softmax(x) if kernels.usable(x, 16) else _tree_log_softmax(x)
+        lp = kernels.log_softmax(x) if kernels.usable(x) else _tree_log_softmax(x)
         ctx.save_for_backward(lp)
         return lp
 

@@ -44,11 +44,30 @@ KV_TILE = 32
 """Keys per attention tile (the plain-torch path's tile, so the two paths read the same way)."""
 
 
-def usable(x: Tensor, head_dim: int) -> bool:
-    """True when these kernels can run this forward: Triton, a CUDA tensor (or Triton's interpreter, which
-    the CPU tests use), a power-of-two head_dim."""
+def usable(x: Tensor, head_dim: int | None = None) -> bool:
+    """True when these kernels can run on x: Triton, a CUDA tensor (or Triton's interpreter, which the CPU tests
+    use), and for the per-head kernels (QK-norm + RoPE, attention) a power-of-two `head_dim` of at least 16."""
     device_ok = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return AVAILABLE and device_ok and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    head_ok = head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    return AVAILABLE and device_ok and head_ok
+
+
+def launch_config(var: str, default: tuple[int, ...], *, exact: bool = False) -> tuple[int, ...]:
+    """Kernel launch parameters from the environment variable `var` ("a,b,c": non-negative integers, at most as many
+    as `default` has, exactly as many with `exact`), else `default`. For benchmark sweeps."""
+    raw = os.environ.get(var, "")
+    if not raw:
+        return default
+    parts = raw.split(",")
+    values = tuple(int(p) for p in parts if p.strip().isdigit())
+    too_many = len(values) > len(default) or (exact and len(values) != len(default))
+    if len(values) != len(parts) or too_many:
+        count = f"{'exactly' if exact else 'at most'} {len(default)}"
+        raise ValueError(
+            f"{var}={raw!r}: expected {count} comma-separated non-negative integers, like "
+            f"{','.join(map(str, default))} (the default); unset it to use the default"
+        )
+    return values
 
 
 def _next_pow2(n: int) -> int:
@@ -198,16 +217,10 @@ if AVAILABLE:
             tl.store(Out + row * V + v0 + offs, x - lse, mask=v0 + offs < V)
 
 
-def _matmul_config() -> tuple[int, ...]:
-    """(BM, BN, BK, num_warps, num_stages) of every invariant GEMM. Fixed for the process, never chosen from M,
-    so a row's products run the same instructions at any batch size. HPCRL_INVARIANT_MATMUL="bm,bn,bk,w,s"
-    overrides it for a benchmark sweep; the engine and the trainer must then share it (a run's processes
-    inherit one environment)."""
-    raw = os.environ.get("HPCRL_INVARIANT_MATMUL", "")
-    return tuple(int(x) for x in raw.split(",")) if raw else (64, 64, 64, 4, 3)
-
-
-MATMUL_CONFIG = _matmul_config()
+MATMUL_CONFIG = launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True)
+"""(BM, BN, BK, num_warps, num_stages) of every invariant GEMM. Fixed for the process, never chosen from M, so a
+row's products run the same instructions at any batch size. HPCRL_INVARIANT_MATMUL="bm,bn,bk,w,s" overrides it
+for a benchmark sweep; the engine and the trainer must then share it (a run's processes inherit one environment)."""
 LOG_SOFTMAX_BLOCK = 2048
 
 

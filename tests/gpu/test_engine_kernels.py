@@ -7,7 +7,6 @@ only), and is skipped otherwise.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,14 +14,9 @@ import torch
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.sampling import RowParams, counter_uniform, sample
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs, rope_cos_sin
+from tests.gpu.triton_support import DEVICE, DTYPES, needs_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not kernels.AVAILABLE or not (torch.cuda.is_available() or INTERPRET),
-    reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)",
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.float32, torch.bfloat16]
+pytestmark = needs_triton
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -7,7 +7,6 @@ shapes), and is skipped otherwise. tests/unit/test_invariant.py checks the plain
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,14 +14,9 @@ import torch.nn.functional as F
 
 from hpcrl.model import invariant, invariant_kernels
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+from tests.gpu.triton_support import DEVICE, DTYPES, needs_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not invariant_kernels.AVAILABLE or not (torch.cuda.is_available() or INTERPRET),
-    reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)",
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.float32, torch.bfloat16]
+pytestmark = needs_triton
 # Triton's interpreter runs tl.dot as numpy matmul, whose BLAS may round a row differently by its place in the
 # tile; a GPU's MMA does not. Bitwise claims that go through the GEMM kernel are checked on CUDA only.
 needs_cuda_gemm = pytest.mark.skipif(

@@ -388,3 +388,16 @@ def test_the_progress_line_never_shows_a_recompute_gap_as_a_measurement() -> Non
     out = io.StringIO()
     Progress(2, stream=out).step(0, plain)
     assert "| gap 0.00e+00 |" in out.getvalue()
+
+
+@pytest.mark.parametrize("value", ["64,64", "a,b,c,d,e", "64,64,64,4,3,1", "64,,64,4,3"])
+def test_a_bad_kernel_launch_override_names_the_variable_and_the_fix(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpcrl.model.invariant_kernels import launch_config
+
+    monkeypatch.setenv("HPCRL_INVARIANT_MATMUL", value)
+    with pytest.raises(ValueError, match="HPCRL_INVARIANT_MATMUL=.*exactly 5 .*64,64,64,4,3.*unset it"):
+        launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True)
+    monkeypatch.setenv("HPCRL_INVARIANT_MATMUL", "32,64,64,4,3")
+    assert launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True) == (32, 64, 64, 4, 3)

@@ -21,9 +21,9 @@ is False and the engine runs the eager model.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from hpcrl.model.invariant_kernels import launch_config
 
 try:
     import triton
@@ -38,8 +38,7 @@ except ImportError:  # CPU-only installs have no Triton; the engine then decodes
 
 def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     """Launch parameters, overridable as HPCRL_ENGINE_<NAME>="a,b,c" (the GPU microbenchmark picks them)."""
-    raw = os.environ.get(f"HPCRL_ENGINE_{name}", "")
-    return tuple(int(x) for x in raw.split(",")) if raw else default
+    return launch_config(f"HPCRL_ENGINE_{name}", default)
 
 
 # decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps, splits).
