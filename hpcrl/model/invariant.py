@@ -45,6 +45,7 @@ gradient, the log-probs that the loss ratio and the gap compare come from this f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -162,31 +163,46 @@ def _torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(dtype)
 
 
-class _KernelRMSNorm(torch.autograd.Function):
-    """The one-launch RMSNorm forward (CUDA); the backward differentiates the plain-torch formula."""
+class _KernelForward(torch.autograd.Function):
+    """A kernel's forward with its plain-torch reference's gradient: only the forward's bits must match the
+    engine's, the backward just has to be the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return kernels.rms_norm(x, weight, eps)
+    def forward(
+        ctx: Any, kernel: Callable[..., Tensor], reference: Callable[..., Tensor], *args: Tensor | None
+    ) -> Tensor:
+        ctx.reference = reference
+        ctx.save_for_backward(*args)
+        return kernel(*args)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        args = ctx.saved_tensors
+        wanted = [i for i, a in enumerate(args) if a is not None and ctx.needs_input_grad[i + 2]]
         with torch.enable_grad():
-            x_, w_ = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-            gx, gw = torch.autograd.grad(_torch_rms_norm(x_, w_, ctx.eps), (x_, w_), grad)
-        return gx, gw, None
+            leaves = [a.detach().requires_grad_(i in wanted) if a is not None else None for i, a in enumerate(args)]
+            inputs = [leaf for i, leaf in enumerate(leaves) if i in wanted and leaf is not None]
+            grads = torch.autograd.grad(ctx.reference(*leaves), inputs, grad) if inputs else ()
+        out: list[Tensor | None] = [None] * len(args)
+        for i, g in zip(wanted, grads, strict=True):
+            out[i] = g
+        return (None, None, *out)
+
+
+def _kernel_op(kernel: Callable[..., Tensor], reference: Callable[..., Tensor], *args: Tensor | None) -> Tensor:
+    """kernel(*args), through _KernelForward when autograd needs a gradient of any argument."""
+    if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args):
+        out: Tensor = _KernelForward.apply(kernel, reference, *args)
+        return out
+    return kernel(*args)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim: fp32, a fixed-order sum, transformers' cast points."""
     if kernels.usable(x):
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            out: Tensor = _KernelRMSNorm.apply(x, weight, eps)
-            return out
-        return kernels.rms_norm(x, weight, eps)
+        return _kernel_op(
+            lambda x_, w_: kernels.rms_norm(x_, w_, eps), lambda x_, w_: _torch_rms_norm(x_, w_, eps), x, weight
+        )
     return _torch_rms_norm(x, weight, eps)
 
 
@@ -303,35 +319,15 @@ def _torch_qk_norm_rope(x: Tensor, weight: Tensor | None, eps: float, cos: Tenso
     return apply_rope(x, cos, sin)
 
 
-class _KernelQKNormRope(torch.autograd.Function):
-    """QK-norm and RoPE in one launch (CUDA); the backward differentiates the plain-torch ops."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight, cos, sin)
-        ctx.eps = eps
-        return kernels.qk_norm_rope(x, weight, eps, cos[:, 0], sin[:, 0])
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, cos, sin = ctx.saved_tensors
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_(True)
-            w_ = weight.detach().requires_grad_(True) if weight is not None else None
-            out = _torch_qk_norm_rope(x_, w_, ctx.eps, cos, sin)
-            wanted = (x_, w_) if w_ is not None else (x_,)
-            grads = torch.autograd.grad(out, wanted, grad)
-        return grads[0], grads[1] if w_ is not None else None, None, None, None
-
-
 def qk_norm_rope(x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     """x [M, H, D]: QK-norm per head (when `weight` is given, else none: Qwen2 and Llama), then RoPE with the
     rows' fp32 `cos`, `sin` [M, 1, D]."""
     if kernels.usable(x, x.shape[-1]):
-        if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-            out: Tensor = _KernelQKNormRope.apply(x, weight, eps, cos, sin)
-            return out
-        return kernels.qk_norm_rope(x, weight, eps, cos[:, 0], sin[:, 0])
+        return _kernel_op(
+            lambda x_, w_, c, s: kernels.qk_norm_rope(x_, w_, eps, c[:, 0], s[:, 0]),
+            lambda x_, w_, c, s: _torch_qk_norm_rope(x_, w_, eps, c, s),
+            x, weight, cos, sin,
+        )  # fmt: skip
     return _torch_qk_norm_rope(x, weight, eps, cos, sin)
 
 
