@@ -32,7 +32,7 @@ Every tensor a transcendental op (exp, silu, cos, sin) sees has a row count padd
 `CHUNK_ROWS` or a fixed inner width, so ATen's vectorised loops leave no row-dependent scalar tail.
 
 On CUDA with Triton (`invariant_kernels`) the same guarantees come from kernels that compute one row (or one
-output tile) per program: a fixed-tile GEMM without split-K, RMSNorm, the two-pass tiled attention and the
+output tile) per program: a fixed-tile GEMM without split-K, RMSNorm, the one-pass tiled attention and the
 log-softmax each run in one launch, positions stay on the device, and the engine captures its decode step
 in a CUDA graph. The engine and the trainer then run the same kernels (the torch path above is what runs
 without Triton, and on the CPU).
@@ -339,17 +339,35 @@ def _rope_rows(model: CausalLM, positions: Tensor, table_len: int) -> tuple[Tens
     return pad_rows(cos_t[positions])[:, None], pad_rows(sin_t[positions])[:, None]
 
 
-def _layer(model: CausalLM, i: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Any, *, rows: int) -> Tensor:
+FusedWeights = tuple[Tensor, Tensor | None, Tensor]
+"""One layer's [q; k; v] weight, its bias (or None) and [gate; up] weight, stacked on dim 0 (the engine's)."""
+
+
+def _layer(
+    model: CausalLM, i: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Any, *, rows: int,
+    fused: FusedWeights | None = None,
+) -> Tensor:  # fmt: skip
     """Decoder layer i on token rows x [Mpad, hidden] (the first `rows` real) with their RoPE rows `cos`,
-    `sin`; `attend(q, k, v)` gets q [rows, H, D], k and v [rows, KVH, D] and returns [rows, H * D]."""
+    `sin`; `attend(q, k, v)` gets q [rows, H, D], k and v [rows, KVH, D] and returns [rows, H * D].
+
+    `fused` (CUDA kernels only) computes q, k, v in one GEMM and gate, up in another: the fixed-tile kernel
+    computes each output element alone from its row and its weight column, so a column's bits are those of
+    the separate GEMM, provided no output tile straddles two of the stacked weights (`fusable`).
+    """
     a = model.args
     layer = model.model.decoder_layers[i]
     at = layer.self_attn
     nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
     h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-    q = linear(h, at.q_proj.weight, at.q_proj.bias).view(-1, nh, hd)
-    k = linear(h, at.k_proj.weight, at.k_proj.bias).view(-1, nkv, hd)
-    v = linear(h, at.v_proj.weight, at.v_proj.bias).view(-1, nkv, hd)
+    if fused is not None:
+        qkv = linear(h, fused[0], fused[1])
+        q = qkv[:, : nh * hd].view(-1, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].view(-1, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
+    else:
+        q = linear(h, at.q_proj.weight, at.q_proj.bias).view(-1, nh, hd)
+        k = linear(h, at.k_proj.weight, at.k_proj.bias).view(-1, nkv, hd)
+        v = linear(h, at.v_proj.weight, at.v_proj.bias).view(-1, nkv, hd)
     q_w, q_eps = (at.q_norm.weight, at.q_norm.eps) if a.qk_norm else (None, 0.0)
     k_w, k_eps = (at.k_norm.weight, at.k_norm.eps) if a.qk_norm else (None, 0.0)
     q, k = qk_norm_rope(q, q_w, q_eps, cos, sin), qk_norm_rope(k, k_w, k_eps, cos, sin)
@@ -357,8 +375,20 @@ def _layer(model: CausalLM, i: int, x: Tensor, cos: Tensor, sin: Tensor, attend:
     x = x + linear(o, at.o_proj.weight)
     mlp, post = layer.mlp, layer.post_attention_layernorm
     h = rms_norm(x, post.weight, post.eps)
-    act = F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight)
-    return x + linear(act, mlp.down_proj.weight)
+    if fused is not None:
+        gate_up = linear(h, fused[2])
+        gate, up = gate_up[:, : a.intermediate_size], gate_up[:, a.intermediate_size :]
+    else:
+        gate, up = linear(h, mlp.gate_proj.weight), linear(h, mlp.up_proj.weight)
+    return x + linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
+def fusable(args: ModelArgs) -> bool:
+    """True when the stacked q/k/v and gate/up GEMMs give the separate GEMMs' bits: every weight's rows start
+    on an output-tile boundary of the CUDA kernel."""
+    tile = kernels.MATMUL_CONFIG[1]
+    widths = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.intermediate_size)
+    return all(w % tile == 0 for w in widths)
 
 
 def _head(model: CausalLM, x: Tensor) -> Tensor:
@@ -441,11 +471,13 @@ def prefill(model: CausalLM, cache: KVCache, input_ids: Tensor, first_slot: int,
     return out[torch.arange(b, device=input_ids.device), last]
 
 
-def decode(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+def decode(
+    model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor, *, fused: list[FusedWeights] | None = None
+) -> Tensor:
     """The engine's decode step: token [n] of cache slots 0..n-1 at `positions` [n]; logits [n, V].
 
     With the CUDA kernels it reads the positions on the device only (no host sync), so a step can be
-    captured in a CUDA graph.
+    captured in a CUDA graph; `fused` (per layer, see `_layer`) is used there and ignored elsewhere.
     """
     a = model.args
     n = tokens.shape[0]
@@ -457,10 +489,11 @@ def decode(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = cache.k[layer_i], cache.v[layer_i]
+        if on_kernels:
+            kernels.store_kv(k, v, kc, vc, positions)
+            return kernels.attention(q, kc, vc, rows, positions, scale).reshape(n, a.num_heads * a.head_dim)
         kc[rows, :, positions] = k
         vc[rows, :, positions] = v
-        if on_kernels:
-            return kernels.attention(q, kc, vc, rows, positions, scale).reshape(n, a.num_heads * a.head_dim)
         length = int(positions.max()) + 1
         qg = q.view(n, a.num_kv_heads, g, a.head_dim)
         qpos = positions[:, None].expand(n, g)
@@ -470,9 +503,10 @@ def decode(model: CausalLM, cache: KVCache, tokens: Tensor, positions: Tensor) -
     # The tables cover the whole cache, so no step needs the positions on the host.
     cos, sin = _rope_rows(model, positions, cache.max_len if on_kernels else int(positions.max()) + 1)
     x = pad_rows(F.embedding(tokens, model.model.embed_tokens.weight))
+    use_fused = fused if on_kernels and fusable(a) else None
     for i in range(a.num_layers):
         layer_i = i
-        x = _layer(model, i, x, cos, sin, attend, rows=n)
+        x = _layer(model, i, x, cos, sin, attend, rows=n, fused=use_fused[i] if use_fused else None)
     return _head(model, x[:n])[:n]
 
 

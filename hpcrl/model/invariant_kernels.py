@@ -5,16 +5,16 @@ The plain-torch invariant forward (`hpcrl.model.invariant`) is launch-bound on a
 attention walks key tiles in Python with about thirty launches per tile and a host sync for the length. These
 kernels do each in one launch, and keep what makes the forward batch-invariant:
 
-- One program computes one [64, 64] output tile (GEMM), one row (RMSNorm, log-softmax) or one (row, head)
-  pair (QK-norm + RoPE, attention). The GEMM walks K from 0 without split-K and its tile never depends on M,
-  so a row's products are the same instructions in any batch. The others read only their own row and, for
-  attention, the keys 0..its own position; nothing depends on the other rows, on how many there are, or on
-  how long the key buffer is. So a token's bits are the same decoded alone, decoded beside 255 others, or
-  scored by the trainer inside a padded micro-batch.
-- Every reduction has one fixed shape: RMSNorm sums one [BLOCK] vector; attention accumulates the
-  [KV_TILE] probabilities and [KV_TILE, D] products tile by tile from key 0 (elementwise adds in key order)
-  and reduces them once at the end; the row max is exact in any order. A tile past the row's position is
-  never visited, and the tail of its last tile is masked (its probabilities are exact zeros).
+- One program computes one fixed-size output tile (GEMM, `MATMUL_CONFIG`), one row (RMSNorm, log-softmax), one
+  (row, head) pair (QK-norm + RoPE) or one (row, kv head) pair (attention). The GEMM walks K from 0 without
+  split-K and its tile never depends on M, so a row's products are the same instructions in any batch. The
+  others read only their own row and, for attention, the keys 0..its own position; nothing depends on the other
+  rows, on how many there are, or on how long the key buffer is. So a token's bits are the same decoded alone,
+  decoded beside 255 others, or scored by the trainer inside a padded micro-batch.
+- Every reduction has one fixed shape: RMSNorm sums one [BLOCK] vector; attention walks key tiles from key 0 in
+  order with a running max and sum, its q.k and p.v as `tl.dot`s of the row's query heads (a [16, D] block)
+  against each tile; the log-softmax sums one [BLOCK] accumulator. A key tile past the row's position is never
+  visited, and the tail of its last tile is masked.
 - Positions are read from device memory: a decode step has no host sync and is captured in a CUDA graph.
 
 The engine and the trainer call these same kernels with the same compile-time parameters, so both sides
@@ -111,59 +111,66 @@ if AVAILABLE:
 
     @triton.jit
     def _attention_kernel(
-        Q,
-        K,
-        V,
-        Out,
-        RowBatch,
-        RowPos,
-        scale,
-        stride_qr,
-        stride_qh,
-        stride_kb,
-        stride_kh,
-        stride_kn,
-        stride_vb,
-        stride_vh,
-        stride_vn,
-        G: tl.constexpr,
-        D: tl.constexpr,
-        TILE: tl.constexpr,
-    ):
+        Q, K, V, Out, RowBatch, RowPos, scale,
+        stride_qr, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        G: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        # One (query row, kv head): the row's G query heads of that kv head as the rows of one [QP, D] block (zero
+        # rows up to QP, tl.dot's minimum), so each key tile is read once for all of them, in one pass: a running
+        # max and rescale, tile after tile from key 0. A head's scores and output come from its own q row only.
         r = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        kvh = tl.program_id(1).to(tl.int64)
         b = tl.load(RowBatch + r).to(tl.int64)
         pos = tl.load(RowPos + r).to(tl.int64)
-        kvh = (h // G).to(tl.int64)
+        g = tl.arange(0, QP)
         d = tl.arange(0, D)
         n = tl.arange(0, TILE)
-        q = tl.load(Q + r * stride_qr + h * stride_qh + d).to(tl.float32)
+        heads = kvh * G + g
+        real = g < G
+        q = tl.load(Q + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=real[:, None], other=0.0)
         kb = K + b * stride_kb + kvh * stride_kh
         vb = V + b * stride_vb + kvh * stride_vh
-        num_tiles = pos // TILE + 1
-        # Pass 1: the exact row max (max is exact in any order).
-        mx = tl.full([TILE], float("-inf"), tl.float32)
-        for t in range(0, num_tiles):
+        m = tl.full([QP], float("-inf"), tl.float32)
+        total = tl.zeros([QP], tl.float32)
+        acc = tl.zeros([QP, D], tl.float32)
+        # Tiles up to the row's own position only; the tail of the last one is masked. Every visited tile holds
+        # a visible key (its first), so the running max is finite from the first tile on.
+        for t in range(0, pos // TILE + 1):
             keys = t * TILE + n
             seen = keys <= pos
-            k = tl.load(kb + keys[:, None] * stride_kn + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[None, :] * k, axis=1) * scale
-            mx = tl.maximum(mx, tl.where(seen, s, float("-inf")))
-        m = tl.max(mx, axis=0)
-        # Pass 2: exp(s - max) and p.v accumulated elementwise, tile after tile from key 0, reduced once.
-        total = tl.zeros([TILE], tl.float32)
-        acc = tl.zeros([TILE, D], tl.float32)
-        for t in range(0, num_tiles):
-            keys = t * TILE + n
-            seen = keys <= pos
-            k = tl.load(kb + keys[:, None] * stride_kn + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[None, :] * k, axis=1) * scale
-            p = tl.where(seen, tl.exp(s - m), 0.0)
-            v = tl.load(vb + keys[:, None] * stride_vn + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-            total += p
-            acc += p[:, None] * v
-        o = tl.sum(acc, axis=0) / tl.sum(total, axis=0)
-        tl.store(Out + (r * tl.num_programs(1) + h) * D + d, o.to(Out.dtype.element_ty))
+            k = tl.load(kb + keys[:, None] * stride_kn + d[None, :], mask=seen[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(seen[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(vb + keys[:, None] * stride_vn + d[None, :], mask=seen[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        o = acc / total[:, None]
+        out_at = Out + (r * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
+        tl.store(out_at, o.to(Out.dtype.element_ty), mask=real[:, None])
+
+    @triton.jit
+    def _store_kv_kernel(
+        Kn, Vn, KC, VC, Pos, stride_kr, stride_kh, stride_vr, stride_vh, stride_cb, stride_ch, stride_cn,
+        D: tl.constexpr,
+    ):  # fmt: skip
+        # One (row, kv head) of a decode step: its new K and V rows into cache slot `row` at the row's position.
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        pos = tl.load(Pos + r).to(tl.int64)
+        d = tl.arange(0, D)
+        at = r * stride_cb + h * stride_ch + pos * stride_cn + d
+        tl.store(KC + at, tl.load(Kn + r * stride_kr + h * stride_kh + d))
+        tl.store(VC + at, tl.load(Vn + r * stride_vr + h * stride_vh + d))
 
     @triton.jit
     def _matmul_kernel(
@@ -217,10 +224,14 @@ if AVAILABLE:
             tl.store(Out + row * V + v0 + offs, x - lse, mask=v0 + offs < V)
 
 
-MATMUL_CONFIG = launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True)
+MATMUL_CONFIG = launch_config("HPCRL_INVARIANT_MATMUL", (32, 16, 128, 2, 3), exact=True)
 """(BM, BN, BK, num_warps, num_stages) of every invariant GEMM. Fixed for the process, never chosen from M, so a
 row's products run the same instructions at any batch size. HPCRL_INVARIANT_MATMUL="bm,bn,bk,w,s" overrides it
 for a benchmark sweep; the engine and the trainer must then share it (a run's processes inherit one environment)."""
+ATTENTION_CONFIG = launch_config("HPCRL_INVARIANT_ATTENTION", (32, 4, 2), exact=True)
+"""(keys per tile, num_warps, num_stages) of the attention kernel; fixed for the process like MATMUL_CONFIG (a tile
+of another size is another order of the running max and sum, the same in the engine and the trainer).
+HPCRL_INVARIANT_ATTENTION="tile,w,s" overrides it for a sweep."""
 LOG_SOFTMAX_BLOCK = 2048
 
 
@@ -296,25 +307,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tenso
     out = torch.empty(rows, heads, d, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out
-    _attention_kernel[(rows, heads)](
-        q,
-        k,
-        v,
-        out,
-        row_batch,
-        row_pos,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        G=heads // k.shape[1],
-        D=d,
-        TILE=KV_TILE,
-        num_warps=4,
-    )
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    tile, warps, stages = ATTENTION_CONFIG
+    _attention_kernel[(rows, kv_heads)](
+        q, k, v, out, row_batch, row_pos, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        G=group, QP=max(16, _next_pow2(group)), D=d, TILE=tile, IEEE=q.dtype == torch.float32, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
     return out
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor) -> None:
+    """A decode step's new rows k, v [n, KVH, D] into cache slots 0..n-1 of k_cache, v_cache [slots, KVH, L, D]
+    (one layer's views, alike in strides) at `positions` [n], in one launch."""
+    n, kv_heads, d = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("store_kv needs rows and caches contiguous in their last dimension, the caches alike")
+    if n == 0:
+        return
+    _store_kv_kernel[(n, kv_heads)](
+        k, v, k_cache, v_cache, positions, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D=d, num_warps=1,
+    )  # fmt: skip

@@ -24,17 +24,19 @@ needs_cuda_gemm = pytest.mark.skipif(
 )
 
 
-def _model(dtype: torch.dtype) -> CausalLM:
+def _model(dtype: torch.dtype, *, fusable: bool = False) -> CausalLM:
+    """A small Qwen3. Its MLP width (88) is off the GEMM's 16-column tiles, so the engine does not stack gate/up;
+    `fusable` gives widths on them (the engine stacks q/k/v and gate/up)."""
+    widths = dict(intermediate_size=128, num_heads=4, head_dim=32) if fusable else {}
     args = ModelArgs(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        eos_token_ids=(2,),
-    )
+        **{
+            **dict(
+                vocab_size=200, hidden_size=64, intermediate_size=88, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=16, eos_token_ids=(2,),
+            ),
+            **widths,
+        }
+    )  # fmt: skip
     torch.manual_seed(0)
     model = CausalLM(args)
     with torch.no_grad():
@@ -66,6 +68,36 @@ def test_kernel_path_is_taken_and_matches_the_reference_math(dtype: torch.dtype)
         qh, k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), is_causal=True
     )
     torch.testing.assert_close(out.float(), sdpa.transpose(1, 2).reshape(b * t, h, d), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
+def test_attention_handles_any_query_group_size(heads: int, kv_heads: int) -> None:
+    """Three query heads per kv head (padded to four inside the kernel) and plain multi-head attention."""
+    torch.manual_seed(3)
+    b, t, d = 2, 40, 16
+    q = torch.randn(b * t, heads, d, device=DEVICE)
+    k = torch.randn(b, kv_heads, t, d, device=DEVICE)
+    v = torch.randn(b, kv_heads, t, d, device=DEVICE)
+    rows_b = torch.arange(b, device=DEVICE).repeat_interleave(t)
+    rows_p = torch.arange(t, device=DEVICE).repeat(b)
+    out = invariant_kernels.attention(q, k, v, rows_b, rows_p, 1 / math.sqrt(d))
+    g = heads // kv_heads
+    qh = q.view(b, t, heads, d).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(qh, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+    torch.testing.assert_close(out, sdpa.transpose(1, 2).reshape(b * t, heads, d), rtol=1e-5, atol=1e-5)
+
+
+def test_store_kv_writes_each_rows_k_and_v_at_its_own_position() -> None:
+    torch.manual_seed(4)
+    cache = KVCache.allocate(_model(torch.float32).args, 6, 20, torch.float32, DEVICE)
+    k, v = torch.randn(2, 4, 2, 16, device=DEVICE).unbind(0)
+    positions = torch.tensor([3, 0, 19, 7], device=DEVICE)
+    expect_k, expect_v = cache.k[1].clone(), cache.v[1].clone()
+    expect_k[torch.arange(4), :, positions] = k
+    expect_v[torch.arange(4), :, positions] = v
+    invariant_kernels.store_kv(k, v, cache.k[1], cache.v[1], positions)
+    assert torch.equal(cache.k[1], expect_k) and torch.equal(cache.v[1], expect_v)
+    assert not cache.k[0].any() and not cache.v[0].any()  # the other layer untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,10 +150,14 @@ def test_the_kernel_forward_has_the_plain_gradient() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_the_graphed_invariant_decode_step_equals_the_eager_one() -> None:
+@pytest.mark.parametrize("fusable", [False, True])
+def test_the_graphed_invariant_decode_step_equals_the_eager_one(fusable: bool) -> None:
+    """The graphed step equals the eager one and the trainer-side forward of the whole sequence; with
+    tile-aligned widths the engine's stacked q/k/v and gate/up GEMMs give the separate GEMMs' bits."""
     from hpcrl.engine.embedded.runner import DecodeRunner
 
-    model = _model(torch.bfloat16)
+    model = _model(torch.bfloat16, fusable=fusable)
+    assert invariant.fusable(model.args) == fusable
     cache = KVCache.allocate(model.args, 16, 64, torch.bfloat16, DEVICE)
     ids = torch.randint(3, 199, (5, 12), device=DEVICE)
     with torch.no_grad():
@@ -132,6 +168,8 @@ def test_the_graphed_invariant_decode_step_equals_the_eager_one() -> None:
         eager = runner._invariant_forward(5).clone()
         graph, lp = runner._invariant_graph(runner._bucket(5))
         graph.replay()
+        assert (runner._fused is not None) == fusable
+        assert torch.equal(lp[:5], runner._invariant_forward(5))
         assert torch.equal(lp[:5], eager)
         whole = invariant.logprob_rows(invariant.logits(model, ids)[:, 11])
     assert torch.equal(eager, whole)

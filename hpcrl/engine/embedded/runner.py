@@ -408,10 +408,14 @@ class DecodeRunner:
 
     def _invariant_forward(self, n: int) -> torch.Tensor:
         assert self.cache is not None
-        return invariant.logprob_rows(invariant.decode(self.model, self.cache, self.tokens[:n], self.positions[:n]))
+        logits = invariant.decode(self.model, self.cache, self.tokens[:n], self.positions[:n], fused=self._fused)
+        return invariant.logprob_rows(logits)
 
     def _invariant_graph(self, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The batch-invariant decode step (log-prob rows) for batch bucket nb, captured on first use."""
+        """The batch-invariant decode step (log-prob rows) for batch bucket nb, captured on first use; with the
+        q/k/v and gate/up weights stacked when that keeps the bits (`invariant.fusable`)."""
+        if nb not in self._graphs and self._fused is None and invariant.fusable(self.model.args):
+            self._fuse_weights()  # never inside a capture: it allocates and re-points parameters
         return self._captured(nb, self._invariant_forward, "the batch-invariant decode step")
 
     def _captured(
