@@ -1,7 +1,9 @@
 """The built-in calculator tool: Python run in a sandboxed subprocess, failures returned as tool errors.
 
-The model's code runs in a fresh `python -I -S -B` with an empty environment, in an empty temporary directory,
-under these layers (each alone is escapable; together they bound what a tool call can do):
+The model's code runs in a fresh process: a fork of the calculator server (`sandbox_server`: one `python -I -S
+-B` with an empty environment, in an empty temporary directory, that has imported what a call needs), or a fresh
+interpreter of that kind when the server cannot serve. Under these layers (each alone is escapable; together they
+bound what a tool call can do):
 - resource limits set in the child before any model code runs: RLIMIT_CPU (CPU seconds, then SIGXCPU/SIGKILL),
   RLIMIT_AS (address space: a memory bomb gets MemoryError), RLIMIT_FSIZE 0 (no file written), RLIMIT_CORE 0;
 - builtins without open/input/breakpoint/exec/eval/compile, and an __import__ that allows only math-like modules
@@ -9,14 +11,14 @@ under these layers (each alone is escapable; together they bound what a tool cal
 - an audit hook (PEP 578, cannot be removed from Python code) that refuses every audited event once model code
   starts except running the code itself: new imports, sockets (no network), process spawns (os.system, fork,
   exec, subprocess), file opens, ctypes;
-- the parent reads at most `max_output_bytes` and a wall-clock bound, then kills the child's process group.
+- at most `output_cap` bytes are read and a wall-clock bound holds, then the child's process group is killed.
 It is not a container: no network namespace or seccomp filter. Run untrusted agents' other tools in a real
 sandbox; this one is for arithmetic.
 """
 
 from __future__ import annotations
 
-import json
+import ast
 import os
 import selectors
 import signal
@@ -76,19 +78,20 @@ class ToolResult:
         return out
 
 
-# Runs in the child. Limits first, then the audit hook, then the model's code; one JSON line is the answer.
-_CHILD = r"""
+# Runs in the child: a fork of the calculator server (sandbox_server.py), which passes cpu_s, memory_b, max_out,
+# allowed and code as globals, or a fresh interpreter (_SPAWNED_CHILD). Limits first, then the audit hook, then the
+# model's code; one line, repr((ok, text)), is the answer.
+CHILD_BODY = r"""
 import sys, resource
-cpu_s, memory_b, max_out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-allowed = tuple(sys.argv[4].split(","))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory_b, memory_b))
 resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-import ast, builtins, io, json
+import _ast, builtins, io
 for name in allowed:
     __import__(name)
-code = sys.stdin.read()
+if code is None:
+    code = sys.stdin.read()
 out = sys.stdout
 state = {"running": False}
 
@@ -116,14 +119,14 @@ for name in allowed:
 printed = Capped()
 
 def answer(ok, text):
-    out.write(json.dumps({"ok": ok, "text": text}) + "\n")
+    out.write(repr((ok, text)) + "\n")
     out.flush()
 
 try:
-    tree = ast.parse(code, mode="exec")
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    tree = compile(code, "<calculator>", "exec", _ast.PyCF_ONLY_AST)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], _ast.Expr) else None
     body = compile(tree, "<calculator>", "exec")
-    tail = compile(ast.Expression(last.value), "<calculator>", "eval") if last is not None else None
+    tail = compile(_ast.Expression(last.value), "<calculator>", "eval") if last is not None else None
 except SyntaxError as exc:
     answer(False, f"SyntaxError: {exc.msg} (line {exc.lineno})")
     sys.exit(0)
@@ -146,14 +149,40 @@ except BaseException as exc:
     answer(False, f"{type(exc).__name__}: {exc}")
 """
 
+_SPAWNED_CHILD = (
+    "import sys\n"
+    "cpu_s, memory_b, max_out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])\n"
+    "allowed = tuple(sys.argv[4].split(','))\n"
+    "code = None\n" + CHILD_BODY
+)
+
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolResult:
-    """Run `code` in the sandbox; the value of its last expression (and what it printed) is the result."""
+    """Run `code` in the sandbox; the value of its last expression (and what it printed) is the result.
+
+    The child is a fork of the calculator server (`sandbox_server`), or a fresh interpreter when the server cannot
+    serve; both run the same program under the same limits."""
     if not isinstance(code, str):
         return ToolResult(f"error: the code must be a string, got {type(code).__name__}", error=True)
     if len(code.encode()) > limits.max_code_bytes:
         return ToolResult(f"error: the code is over {limits.max_code_bytes} bytes", error=True)
-    cap = 2 * limits.max_output_bytes + 256  # room for JSON escaping of a full answer
+    from hpcrl.sessions import sandbox_server  # imports this module: here, not at the top
+
+    cap = output_cap(limits)
+    try:
+        returncode, data, problem = sandbox_server.run(code, limits, cap)
+    except sandbox_server.ServerUnavailable:
+        returncode, data, problem = run_in_new_process(code, limits, cap)
+    return _result(returncode, data, problem, limits)
+
+
+def output_cap(limits: SandboxLimits) -> int:
+    """Bytes read from a child at most: room for repr's escapes of a full answer (\\U0001xxxx: 10 per char)."""
+    return 10 * limits.max_output_bytes + 256
+
+
+def run_in_new_process(code: str, limits: SandboxLimits, cap: int) -> tuple[int, bytes, str | None]:
+    """The child in a fresh `python -I -S -B` (return code, output, the parent's complaint or None)."""
     with tempfile.TemporaryDirectory(prefix="hpcrl-calc-") as cwd:
         proc = subprocess.Popen(
             [
@@ -162,7 +191,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolResult
                 "-S",
                 "-B",
                 "-c",
-                _CHILD,
+                _SPAWNED_CHILD,
                 str(limits.cpu_s),
                 str(limits.memory_mb * 2**20),
                 str(limits.max_output_bytes),
@@ -180,17 +209,23 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolResult
             data, problem = _collect(proc, code.encode(), cap, limits.wall_s)
         finally:
             _kill(proc)
+    return proc.returncode if proc.returncode is not None else -signal.SIGKILL, data, problem
+
+
+def _result(returncode: int, data: bytes, problem: str | None, limits: SandboxLimits) -> ToolResult:
     if problem is not None:
         return ToolResult(f"error: {problem}", error=True)
-    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) or (proc.returncode and not data):
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL) or (returncode and not data):
+        if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
             return ToolResult(f"error: the CPU time limit ({limits.cpu_s} s) was exceeded", error=True)
-        return ToolResult(f"error: the calculator process failed (exit {proc.returncode})", error=True)
+        return ToolResult(f"error: the calculator process failed (exit {returncode})", error=True)
     try:
-        reply = json.loads(data.decode().strip().splitlines()[-1])
-    except (ValueError, IndexError, UnicodeDecodeError):
+        ok, text = ast.literal_eval(data.decode().strip().splitlines()[-1])  # the child's repr((ok, text))
+        if not isinstance(ok, bool) or not isinstance(text, str):
+            raise ValueError("not an answer")
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, IndexError, UnicodeDecodeError):
         return ToolResult("error: the calculator gave no answer", error=True)
-    return ToolResult(reply["text"] if reply["ok"] else f"error: {reply['text']}", error=not reply["ok"])
+    return ToolResult(text if ok else f"error: {text}", error=not ok)
 
 
 def _collect(proc: subprocess.Popen[bytes], stdin: bytes, cap: int, wall_s: float) -> tuple[bytes, str | None]:

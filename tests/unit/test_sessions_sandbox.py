@@ -1,13 +1,27 @@
-"""The sandboxed calculator: every escape attempt ends as a clear tool error, arithmetic works."""
+"""The sandboxed calculator: every escape attempt ends as a clear tool error, arithmetic works, through the fork
+server and through a fresh interpreter alike; calls stay apart from each other."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
+from hpcrl.sessions import sandbox_server
 from hpcrl.sessions.environment import CalculatorEnvironment, Environment, Episode, load_environment
-from hpcrl.sessions.sandbox import SandboxLimits, calculator, run_python
+from hpcrl.sessions.sandbox import (
+    SandboxLimits,
+    ToolResult,
+    _result,
+    calculator,
+    output_cap,
+    run_in_new_process,
+    run_python,
+)
 
 LIMITS = SandboxLimits(cpu_s=1, memory_mb=128, max_output_bytes=1000)
 # Reaches os.system without importing anything, through the classes that Python's start-up already loaded.
@@ -34,11 +48,50 @@ ATTEMPTS = {
 }
 
 
+def _fresh_interpreter(code: str, limits: SandboxLimits) -> ToolResult:
+    """The path a call takes when the fork server cannot serve it."""
+    return _result(*run_in_new_process(code, limits, output_cap(limits)), limits)
+
+
+PATHS = {"fork server": run_python, "fresh interpreter": _fresh_interpreter}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(ATTEMPTS))
-def test_escape_attempts_are_tool_errors(name: str) -> None:
+def test_escape_attempts_are_tool_errors(name: str, path: str) -> None:
     code, expected = ATTEMPTS[name]
-    result = run_python(code, LIMITS)
+    result = PATHS[path](code, LIMITS)
     assert result.error and result.content.startswith("error: ") and expected in result.content, result.content
+
+
+def test_a_child_that_blocks_without_cpu_is_killed_at_the_wall_clock_limit() -> None:
+    # os.read on a pipe of its own: no audited event, no CPU spent, so only the wall-clock bound (5 s here) ends it.
+    t0 = time.monotonic()
+    result = run_python(f"{_OS_GLOBALS}['read']({_OS_GLOBALS}['pipe']()[0], 1)", LIMITS)
+    assert result.content == "error: the wall-clock limit (5 s) was exceeded"
+    assert time.monotonic() - t0 < 15
+    # A child that closes its answer pipe and spins is ended by its CPU limit.
+    spun = run_python(f"{_OS_GLOBALS}['close'](1)\nwhile True:\n    pass", LIMITS)
+    assert spun.content == "error: the CPU time limit (1 s) was exceeded"
+    assert run_python("6*7", LIMITS).content == "42"  # and the server serves on
+
+
+def test_calls_are_separate_processes_and_concurrent_calls_get_their_own_answers() -> None:
+    assert run_python("math.pi = 3\nmath.pi", LIMITS).content == "3"
+    assert run_python("math.pi", LIMITS).content == "3.141592653589793"  # the change died with its child
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(lambda i: run_python(f"{i}*{i}", LIMITS).content, range(64)))
+    assert answers == [str(i * i) for i in range(64)]
+
+
+def test_a_killed_server_is_replaced_and_the_call_still_answers() -> None:
+    assert run_python("1+1", LIMITS).content == "2"
+    server = sandbox_server._server
+    assert server is not None
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    assert run_python("2+2", LIMITS).content == "4"
+    assert sandbox_server._server is not None and sandbox_server._server.proc.pid != server.proc.pid
 
 
 def test_arithmetic_and_printing_work() -> None:
