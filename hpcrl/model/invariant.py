@@ -58,7 +58,7 @@ from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
 CHUNK_ROWS = 16
 """Rows per GEMM: every matrix product of the invariant forward is [CHUNK_ROWS, K] x [K, N]."""
 KV_TILE = kernels.KV_TILE
-"""Keys per attention tile, walked from key 0 (the CUDA kernel's tile too)."""
+"""Keys per attention tile, walked from key 0 (the CUDA kernel's default tile too, `ATTENTION_CONFIG`)."""
 Q_TILE = {"cpu": 16, "cuda": 64}
 """Query positions per attention step in a prefill, by device type (memory and launches only: rows are
 independent, and a row's tiles do not depend on the other rows of its query tile)."""

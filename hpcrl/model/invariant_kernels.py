@@ -41,7 +41,7 @@ except ImportError:  # CPU installs: the invariant forward runs its plain-torch 
     AVAILABLE = False
 
 KV_TILE = 32
-"""Keys per attention tile (the plain-torch path's tile, so the two paths read the same way)."""
+"""Keys per attention tile: the plain-torch path's, and the attention kernel's default (`ATTENTION_CONFIG`)."""
 
 
 def usable(x: Tensor, head_dim: int | None = None) -> bool:
@@ -228,7 +228,7 @@ MATMUL_CONFIG = launch_config("HPCRL_INVARIANT_MATMUL", (32, 16, 128, 2, 3), exa
 """(BM, BN, BK, num_warps, num_stages) of every invariant GEMM. Fixed for the process, never chosen from M, so a
 row's products run the same instructions at any batch size. HPCRL_INVARIANT_MATMUL="bm,bn,bk,w,s" overrides it
 for a benchmark sweep; the engine and the trainer must then share it (a run's processes inherit one environment)."""
-ATTENTION_CONFIG = launch_config("HPCRL_INVARIANT_ATTENTION", (32, 4, 2), exact=True)
+ATTENTION_CONFIG = launch_config("HPCRL_INVARIANT_ATTENTION", (KV_TILE, 4, 2), exact=True)
 """(keys per tile, num_warps, num_stages) of the attention kernel; fixed for the process like MATMUL_CONFIG (a tile
 of another size is another order of the running max and sum, the same in the engine and the trainer).
 HPCRL_INVARIANT_ATTENTION="tile,w,s" overrides it for a sweep."""
