@@ -17,12 +17,14 @@ Every call is bounded by a timeout; no loop retries forever.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any, cast
 
 import httpx
@@ -127,8 +129,79 @@ def _error_message(response: httpx.Response) -> str:
     return json.dumps(body)[:_MAX_ERROR_CHARS]
 
 
+class _LentConnections:
+    """Up to `size` httpx clients of one connection each; a call borrows one and no other thread uses it meanwhile.
+
+    Not one httpx client shared by the threads: its pool (httpcore 1.0.9) lets one thread close a kept-alive
+    connection whose keep-alive just expired while another thread, given that connection a moment earlier, has
+    started its request on it (encode/httpcore#1110). That request then fails with "[Errno 9] Bad file
+    descriptor", or waits out its whole read timeout; seen in a multi-turn run, 128 episodes at once, where a
+    /generate hung for 600 s and ended the run. A client that only one thread uses at a time has no such race.
+    Waiters are served first come, first served (a returned client goes straight to the oldest waiter), as
+    httpcore's queue does; the most recently returned idle client is lent first, its connection the freshest.
+    """
+
+    def __init__(self, make: Callable[[], httpx.Client], size: int) -> None:
+        self._make, self._size = make, size
+        self._lock = threading.Lock()
+        self._idle: list[httpx.Client] = []
+        self._made: list[httpx.Client] = []
+        self._waiters: collections.deque[tuple[threading.Event, list[httpx.Client | None]]] = collections.deque()
+        self._closed = False
+
+    @contextmanager
+    def lend(self, wait_s: float | None) -> Iterator[httpx.Client]:
+        client = self._take(wait_s)
+        try:
+            yield client
+        finally:
+            self._give_back(client)
+
+    def _take(self, wait_s: float | None) -> httpx.Client:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this engine client is closed")
+            if self._idle:
+                return self._idle.pop()
+            if len(self._made) < self._size:
+                self._made.append(self._make())
+                return self._made[-1]
+            waiter: tuple[threading.Event, list[httpx.Client | None]] = (threading.Event(), [])
+            self._waiters.append(waiter)
+        waiter[0].wait(wait_s)
+        with self._lock:
+            if not waiter[1]:  # timed out (or closed) before a client was handed over
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                if self._closed:
+                    raise RuntimeError("this engine client is closed")
+                raise httpx.PoolTimeout(f"none of the {self._size} connections was free within {wait_s} s")
+        client = waiter[1][0]
+        assert client is not None
+        return client
+
+    def _give_back(self, client: httpx.Client) -> None:
+        with self._lock:
+            if self._waiters:
+                event, box = self._waiters.popleft()
+                box.append(client)
+                event.set()
+            else:
+                self._idle.append(client)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            made, self._made, self._idle = self._made, [], []
+            for event, _ in self._waiters:
+                event.set()
+            self._waiters.clear()
+        for client in made:
+            client.close()
+
+
 class EngineClient:
-    """Synchronous client of one engine, safe to share between threads (httpx pools connections).
+    """Synchronous client of one engine, safe to share between threads (each call borrows a connection of its own).
 
     `timeout_s` bounds each wait for the engine's bytes (for a non-streaming call, the whole answer);
     `connect_timeout_s` bounds establishing a connection, kept short so that a dead engine shows quickly.
@@ -160,18 +233,20 @@ class EngineClient:
         self.max_retries = max_retries
         self.retry_backoff_s = float(retry_backoff_s)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers=headers,
-            timeout=self._timeout(None),
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
-            # HPC login and compute nodes often export http_proxy; engine traffic must never go through it.
-            trust_env=False,
-        )
+
+        def one_connection() -> httpx.Client:
+            return httpx.Client(
+                base_url=self.url,
+                headers=headers,
+                timeout=self._timeout(None),
+                limits=httpx.Limits(
+                    max_connections=1, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_EXPIRY_S
+                ),
+                # HPC login and compute nodes often export http_proxy; engine traffic must never go through it.
+                trust_env=False,
+            )
+
+        self._connections = _LentConnections(one_connection, max_connections)
         # Endpoint paths changed across SGLang versions (/get_model_info -> /model_info); remember what worked.
         self._path_cache: dict[str, str] = {}
         self._path_lock = threading.Lock()
@@ -180,7 +255,7 @@ class EngineClient:
     # lifecycle
 
     def close(self) -> None:
-        self._http.close()
+        self._connections.close()
 
     def __enter__(self) -> EngineClient:
         return self
@@ -232,7 +307,8 @@ class EngineClient:
         for attempt in range(attempts):
             can_retry = attempt + 1 < attempts
             try:
-                response = self._http.request(method, path, json=json_body, params=params, timeout=timeout)
+                with self._connections.lend(timeout.pool) as http:
+                    response = http.request(method, path, json=json_body, params=params, timeout=timeout)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # The request never left: re-sending is safe for every call that retries at all.
                 if can_retry:
@@ -536,7 +612,8 @@ class EngineClient:
                 min(self.timeout_s, remaining_s), connect=min(self.connect_timeout_s, remaining_s)
             )
             try:
-                response = self._http.get("/health", timeout=probe_timeout)
+                with self._connections.lend(probe_timeout.pool) as http:
+                    response = http.get("/health", timeout=probe_timeout)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last_problem = f"cannot connect ({type(exc).__name__}: {exc})"
             except httpx.HTTPError as exc:

@@ -844,3 +844,68 @@ def test_an_idle_connection_past_the_servers_keep_alive_is_never_reused():
     finally:
         listener.close()
     assert len(answered) == 2 and dropped == []
+
+
+def test_many_threads_sharing_a_client_never_lose_a_request_to_a_connection_closed_under_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpx's shared pool (httpcore 1.0.9) can close a connection whose keep-alive just expired after another
+    thread was given it and began its request: that request fails with "[Errno 9] Bad file descriptor" or hangs to
+    its read timeout (one such /generate hung a 128-episode multi-turn run for 600 s). A keep-alive of 0.5 ms puts
+    every reuse at that edge: 64 threads x 40 calls through 16 connections lost 14 to 65 calls per run with the
+    shared pool on this machine. Every call must be answered, and no more connections opened than allowed."""
+    import hpcrl.engine.client as client_module
+
+    class Quick(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        peers: set[tuple[str, int]] = set()
+        lock = threading.Lock()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(0.002)
+            data = json.dumps(_meta_with()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 512  # connection churn must not overflow the listen backlog (a reset, not the race)
+
+    monkeypatch.setattr(client_module, "KEEPALIVE_EXPIRY_S", 0.0005)
+    srv = Server(("127.0.0.1", 0), Quick)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    failures: list[str] = []
+    answered = [0]
+    count_lock = threading.Lock()
+    try:
+        with EngineClient(
+            f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=20, max_retries=0, max_connections=16
+        ) as client:
+
+            def calls(_: int) -> None:
+                for _ in range(40):
+                    try:
+                        client.generate([1], SamplingParams(max_new_tokens=2))
+                    except EngineError as exc:
+                        failures.append(str(exc)[:200])
+                    else:
+                        with count_lock:
+                            answered[0] += 1
+
+            threads = [threading.Thread(target=calls, args=(i,)) for i in range(64)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert failures == [] and answered[0] == 64 * 40
+            assert len(client._connections._made) <= 16
+    finally:
+        srv.shutdown()
+        srv.server_close()
