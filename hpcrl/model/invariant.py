@@ -155,6 +155,40 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return out + b if b is not None else out
 
 
+class _InvariantLinearResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, residual: Tensor, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return kernels.matmul(x, w, residual=residual)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, w = ctx.saved_tensors
+        gx = grad @ w if ctx.needs_input_grad[1] else None
+        gw = grad.t() @ x if ctx.needs_input_grad[2] else None
+        return grad, gx, gw
+
+
+def add_linear(residual: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """residual + linear(x, w): on the CUDA kernels in one launch with the same bits (the add in the GEMM's
+    epilogue), so the engine's graphed step has one launch fewer per residual add."""
+    if kernels.usable(x):
+        if x.shape[0] % CHUNK_ROWS:
+            raise ValueError(f"linear needs a multiple of {CHUNK_ROWS} rows (pad_rows), got {x.shape[0]}")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (residual, x, w)):
+            out: Tensor = _InvariantLinearResidual.apply(residual, x, w)
+            return out
+        return kernels.matmul(x, w, residual=residual)
+    return residual + linear(x, w)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """F.silu(gate) * up; one launch on the CUDA kernels (the same cast points; the backward is torch's)."""
+    if kernels.usable(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        return _kernel_op(kernels.silu_mul, lambda g, u: F.silu(g) * u, gate, up)
+    return F.silu(gate) * up
+
+
 def _torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     h = x.float()
@@ -372,7 +406,7 @@ def _layer(
     k_w, k_eps = (at.k_norm.weight, at.k_norm.eps) if a.qk_norm else (None, 0.0)
     q, k = qk_norm_rope(q, q_w, q_eps, cos, sin), qk_norm_rope(k, k_w, k_eps, cos, sin)
     o = pad_rows(attend(q[:rows], k[:rows], v[:rows]))
-    x = x + linear(o, at.o_proj.weight)
+    x = add_linear(x, o, at.o_proj.weight)
     mlp, post = layer.mlp, layer.post_attention_layernorm
     h = rms_norm(x, post.weight, post.eps)
     if fused is not None:
@@ -380,7 +414,7 @@ def _layer(
         gate, up = gate_up[:, : a.intermediate_size], gate_up[:, a.intermediate_size :]
     else:
         gate, up = linear(h, mlp.gate_proj.weight), linear(h, mlp.up_proj.weight)
-    return x + linear(F.silu(gate) * up, mlp.down_proj.weight)
+    return add_linear(x, swiglu(gate, up), mlp.down_proj.weight)
 
 
 def fusable(args: ModelArgs) -> bool:

@@ -1,4 +1,5 @@
-"""Triton kernels for the batch-invariant forward on CUDA: GEMM, RMSNorm, QK-norm + RoPE, attention, log-softmax.
+"""Triton kernels for the batch-invariant forward on CUDA: GEMM (+ residual), RMSNorm, QK-norm + RoPE, attention,
+SwiGLU, log-softmax.
 
 The plain-torch invariant forward (`hpcrl.model.invariant`) is launch-bound on a GPU: every GEMM is a loop of
 16-row products, RMSNorm a tree of ten elementwise adds, RoPE eight elementwise ops per projection, and
@@ -174,11 +175,11 @@ if AVAILABLE:
 
     @triton.jit
     def _matmul_kernel(
-        X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, IEEE: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        X, W, Out, Res, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, IEEE: tl.constexpr,
+        HAS_RES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        # Out[M, N] = X[M, K] @ W[N, K].T. One program per [BM, BN] output tile; K walked in BK steps from 0,
-        # never split: an output element's sum has one order, whatever M is and wherever its row sits.
+        # Out[M, N] = X[M, K] @ W[N, K].T (+ Res). One program per [BM, BN] output tile; K walked in BK steps
+        # from 0, never split: an output element's sum has one order, whatever M is and wherever its row sits.
         pm = tl.program_id(0)
         pn = tl.program_id(1)
         rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
@@ -197,11 +198,28 @@ if AVAILABLE:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-        tl.store(
-            Out + rm[:, None] * stride_om + rn[None, :],
-            acc.to(Out.dtype.element_ty),
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-        )
+        dt = Out.dtype.element_ty
+        out = acc.to(dt)
+        inside = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_RES:
+            # The residual stream's add, as torch adds two tensors of the model dtype: the product rounded to
+            # the dtype first, the sum in fp32, rounded once more. It saves a launch and a pass per layer.
+            res = tl.load(Res + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
+            out = (res.to(tl.float32) + out.to(tl.float32)).to(dt)
+        tl.store(Out + rm[:, None] * stride_om + rn[None, :], out, mask=inside)
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, Out, N, stride_g, stride_u, BLOCK: tl.constexpr):
+        # One [BLOCK] piece of a row: silu(gate) * up with torch's cast points (silu in fp32, rounded to the
+        # dtype, then the product in fp32, rounded): what F.silu(gate) * up does in two launches.
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        dt = Out.dtype.element_ty
+        g = tl.load(G + r * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + r * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Out + r * N + offs, (sg * u).to(dt), mask=m)
 
     @triton.jit
     def _log_softmax_kernel(X, Out, V, stride_x, BLOCK: tl.constexpr):
@@ -235,22 +253,43 @@ HPCRL_INVARIANT_ATTENTION="tile,w,s" overrides it for a sweep."""
 LOG_SOFTMAX_BLOCK = 2048
 
 
-def matmul(x: Tensor, w: Tensor) -> Tensor:
+def matmul(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
     """x [M, K] @ w.T (w [N, K], an nn.Linear weight) on fixed tiles without split-K; the result in x's dtype.
-    fp32 inputs multiply in IEEE fp32 (no TF32)."""
+    fp32 inputs multiply in IEEE fp32 (no TF32). `residual` [M, N] is added to the rounded product in the same
+    launch, with the bits of `residual + product` in torch."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
     m, k = x.shape
     n = w.shape[0]
+    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"matmul: a residual of shape {tuple(residual.shape)} for a [{m}, {n}] product")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res = out if residual is None else residual
     bm, bn, bk, warps, stages = MATMUL_CONFIG
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        x, w, out, res, m, n, k, x.stride(0), w.stride(0), out.stride(0), res.stride(0),
+        IEEE=x.dtype == torch.float32, HAS_RES=residual is not None, BM=bm, BN=bn, BK=bk, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
+    return out
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up for gate, up [M, I] (rows may be strided views of one [gate | up] product), one launch;
+    the result in gate's dtype."""
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("silu_mul needs gate and up contiguous in their last dimension")
+    rows, n = gate.shape
+    out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
+    if rows == 0:
+        return out
+    block = min(1024, _next_pow2(n))
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+        gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block, num_warps=4
+    )
     return out
 
 

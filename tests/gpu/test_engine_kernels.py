@@ -92,6 +92,31 @@ def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...]
     assert torch.equal(steps_after, steps + 1)
 
 
+def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
+    """The batch-invariant engine samples from its log-softmax rows: the kernel draws the torch sampler's token and
+    reports that row's entry bit for bit (the trainer computes the same row), not a re-normalised copy of it."""
+    torch.manual_seed(2)
+    n, vocab = 16, 5000
+    lp_rows = torch.log_softmax(torch.randn(n, vocab, device=DEVICE) * 3, dim=-1)
+    ones = torch.ones(n, device=DEVICE)
+    seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) * 104729 + 11
+    steps = torch.arange(n, dtype=torch.int64, device=DEVICE) % 7
+    p = RowParams(
+        temperature=ones, top_k=torch.full((n,), -1, device=DEVICE), top_p=ones, min_p=torch.zeros(n, device=DEVICE),
+        seeds=seeds, steps=steps,
+    )  # fmt: skip
+    ref = sample(lp_rows, p, want_support=False, unit_temperature=True, logprobs=lp_rows)
+    tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
+    lp = torch.empty(n, 2, device=DEVICE)
+    kernels.sample_rows(lp_rows, ones, seeds, steps.clone(), tok, lp, logprob_rows=True)
+    assert torch.equal(tok, ref.token_ids)
+    entries = lp_rows.gather(1, tok[:, None])[:, 0]
+    assert torch.equal(lp[:, 0], entries) and torch.equal(lp[:, 1], entries)
+    # Without the flag the kernel re-normalises, which is what would have moved the bits.
+    kernels.sample_rows(lp_rows, ones, seeds, steps.clone(), tok, lp)
+    assert torch.allclose(lp[:, 0], entries, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("llama", [False, True])
 def test_decode_step_matches_forward_cached(dtype: torch.dtype, llama: bool) -> None:

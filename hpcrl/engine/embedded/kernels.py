@@ -332,6 +332,7 @@ if AVAILABLE:
         NSPLIT: tl.constexpr,
         SP: tl.constexpr,
         UPDATE: tl.constexpr,
+        LP_ROWS: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         neg = float("-inf")
@@ -354,8 +355,14 @@ if AVAILABLE:
         greedy = t <= 0.0
         tt = tl.where(greedy, 1.0, t)
         xc = tl.load(Logits + row * stride_row + idx).to(tl.float32)
-        lp = xc - lse1
-        slp = tl.where(greedy, lp, xc / tt - lse2)
+        if LP_ROWS:
+            # The rows are the batch-invariant log-softmax itself: its entry is the log-prob the trainer
+            # computes, bit for bit; xc - lse1 would add a rounding of its own (lse1 is only ~0).
+            lp = xc
+            slp = tl.where(greedy | (t == 1.0), lp, xc / tt - lse2)
+        else:
+            lp = xc - lse1
+            slp = tl.where(greedy, lp, xc / tt - lse2)
         tl.store(OutTok + row, idx.to(tl.int64))
         tl.store(OutLp + row * 2, lp)
         tl.store(OutLp + row * 2 + 1, slp)
@@ -497,12 +504,15 @@ def sample_rows(
     tokens: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
+    logprob_rows: bool = False,
 ) -> None:
     """Gumbel-max sample of each row of logits [n, V] (no top-k/top-p/min-p).
 
     Writes out_tok [n] and out_lp [n, 2] (log-prob at T=1, log-prob under softmax(logits/T)). With
     tokens/positions given, also sets tokens[b] = chosen and advances positions[b] and steps[b].
     config: (BLOCK, num_warps, max splits of each row's vocabulary across programs).
+    `logprob_rows`: the rows are already log-softmax(logits) (the batch-invariant engine's): the T=1 log-prob
+    reported is the chosen entry as it is, and at T=1 the scaled one too.
     """
     n, vocab = logits.shape
     update = tokens is not None
@@ -541,6 +551,7 @@ def sample_rows(
         NSPLIT=nsplit,
         SP=_next_pow2(nsplit),
         UPDATE=update,
+        LP_ROWS=logprob_rows,
         num_warps=1,
     )
 

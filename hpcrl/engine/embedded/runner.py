@@ -154,7 +154,8 @@ class DecodeRunner:
         self.mode = mode
         self.profile = profile
         self.is_cuda = device.type == "cuda"
-        self.fast_sampler = self.is_cuda and mode not in ("eager", "invariant")
+        # The invariant mode uses it only on its log-prob rows at temperature 1 without supports (_invariant_step).
+        self.fast_sampler = self.is_cuda and mode != "eager"
         z: dict[str, Any] = dict(device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, **z)
@@ -278,6 +279,13 @@ class DecodeRunner:
             lp = self._invariant_forward(n)
         if timing is not None:
             self._mark(timing, 1)
+        fast = self.fast_sampler and self._unit_temperature and not want_support
+        if fast and self._fast_sample(lp, n, logprob_rows=True):
+            # One pass over the rows on the device, the slot state advanced there, and no host sync: the
+            # step is handed over like the plain one's (the reported log-prob is still the row's entry).
+            if timing is not None:
+                self._mark(timing, 2)
+            return self._handle(n, None, None, timing)
         out = sample(
             lp, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature, logprobs=lp
         )
@@ -329,7 +337,7 @@ class DecodeRunner:
             self._record_timing(timing)
         return ReadyStep(step_out)
 
-    def _fast_sample(self, logits: torch.Tensor, n: int) -> bool:
+    def _fast_sample(self, logits: torch.Tensor, n: int, *, logprob_rows: bool = False) -> bool:
         try:
             kernels.sample_rows(
                 logits,
@@ -340,6 +348,7 @@ class DecodeRunner:
                 self.out_lp[:n],
                 tokens=self.tokens[:n],
                 positions=self.positions[:n],
+                logprob_rows=logprob_rows,
             )
         except Exception:  # noqa: BLE001 - a compile failure must not stop generation
             log.exception("the fused sampling kernel failed; sampling with torch from now on")
