@@ -227,10 +227,11 @@ def _check_replayable(cfg: RunConfig) -> None:
             f"{filters} replays the sampling support, but train.kl_coef={cfg.train.kl_coef:g} adds a KL to the "
             f"reference policy, which needs a full-vocabulary score; set train.kl_coef=0, {off}"
         )
-    if cfg.train.onpolicy or cfg.engine.logprobs == "recompute":
+    if cfg.engine.logprobs == "recompute":
         raise ValueError(
-            f"{filters} replays the sampling support, but train.onpolicy / engine.logprobs=recompute score "
-            f"sequences over the full vocabulary; set both to false, {off}"
+            f"{filters} replays the sampling support, but engine.logprobs=recompute re-scores sequences over the "
+            f"full vocabulary; set engine.logprobs=sampled (train.onpolicy with engine.batch_invariant replays "
+            f"the support bit for bit), {off}"
         )
     if cfg.train.logprob_chunk_tokens is not None:
         raise ValueError(

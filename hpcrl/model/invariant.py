@@ -596,6 +596,44 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
     return lp.gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
+def support_logprobs(entries: Tensor, valid: Tensor, target: Tensor) -> Tensor:
+    """The target's log-prob renormalised over its sampling support, in one order whatever the batch.
+
+    `entries` [N, K]: each row's log-prob row (`logprob_rows`) at its support ids, in ascending id order;
+    `valid` [N, K] marks the real slots (K may differ between callers); `target` [N]: the row's entry at the
+    sampled id. Returns target - log(sum over the support of exp(entry)), fp32, differentiable.
+
+    The engine (on its sampled rows) and the trainer (on every position of a micro-batch) compute it on
+    different N and K and get the same bits: the max is exact in any order; the sum runs slot by slot from
+    slot 0 (padding adds an exact 0.0); exp and log run on [32k rows, even K] blocks, so ATen's vectorised loops
+    have no scalar tail whose place would depend on N (CPU, one thread; on CUDA every element is alone).
+    """
+    n, k = entries.shape
+    rows, width = -(-max(n, 1) // 32) * 32, max(2, k + k % 2)
+    x = entries.new_full((rows, width), -math.inf, dtype=torch.float32)
+    x[:n, :k] = entries.float().masked_fill(~valid, -math.inf)
+    m = x.amax(dim=-1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # an empty (padding) row: no NaN
+    e = torch.exp(x - m[:, None])
+    total = e[:, 0]
+    for j in range(1, width):
+        total = total + e[:, j]
+    lse = m + torch.log(torch.where(total > 0, total, torch.ones_like(total)))
+    return target.float() - lse[:n]
+
+
+def support_token_logprobs(model: torch.nn.Module, input_ids: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+    """`token_logprobs` renormalised over each position's sampling support (ids, valid [B, T-1, K], ascending ids
+    per position as the engine reports them): the trainer's side of `support_logprobs`. A position without a
+    support (prompt, padding) gets 0."""
+    lp = logprob_rows(model(input_ids, invariant=True)[:, :-1])
+    b, t, k = ids.shape
+    at_target = lp.gather(-1, input_ids[:, 1:, None])[..., 0]
+    entries = lp.gather(-1, ids.clamp(0, lp.shape[-1] - 1))
+    out = support_logprobs(entries.reshape(b * t, k), valid.reshape(b * t, k), at_target.reshape(b * t))
+    return torch.where(valid.any(dim=-1), out.view(b, t), torch.zeros_like(at_target))
+
+
 def unsupported_model(args: ModelArgs) -> str | None:
     """None when the invariant forward covers this model, else why not.
 

@@ -163,11 +163,14 @@ class TorchTrainer:
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of every target position [b, T-1] (and entropy)."""
+        supports = mb.padded_supports()
         if self.cfg.onpolicy:
             # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
-            # the loss ratio's denominator and the gap compare the trainer with the sampler itself.
+            # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
+            # top-k/top-p replay, renormalised over each token's support as the engine did.
+            if supports is not None:
+                return invariant.support_token_logprobs(model, mb.input_ids, *supports), None
             return invariant.token_logprobs(model, mb.input_ids), None
-        supports = mb.padded_supports()
         chunk = self.cfg.logprob_chunk_tokens
         if chunk is not None and supports is None:
             # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.

@@ -13,6 +13,8 @@ from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqReque
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model
 from hpcrl.model.qwen3 import CausalLM, KVCache
+from hpcrl.rollout.support import TokenSupports
+from hpcrl.trainer.batch import TrainBatch
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,41 @@ def _trainer_logprobs(model: CausalLM, reqs: list[SeqRequest], micro_batch: int)
             p = len(r.prompt_ids)
             out.append(lp[i, p - 1 : p - 1 + len(r.output_ids)])
     return out
+
+
+@pytest.mark.parametrize(("batch_size", "micro_batch"), [(1, 1), (7, 3), (64, 16)])
+def test_top_k_top_p_support_logprobs_of_the_engine_equal_the_trainers(
+    model: CausalLM, batch_size: int, micro_batch: int
+) -> None:
+    """Under sampling-support replay the engine reports each token's log-prob renormalised over its top-k/top-p
+    support; train.onpolicy scores the same renormalisation from its own forward, over the supports the engine
+    sent, in micro-batches whose width and support width differ from the engine's batches."""
+    reqs = _requests(batch_size)
+    for r in reqs:
+        r.top_k, r.top_p, r.return_sampling_mask = 8, 0.9, True
+    reqs = _generate(model, reqs, max_running=min(batch_size, 24))
+    sizes = [len(ids) for r in reqs for ids in r.support_ids]
+    assert min(sizes) >= 1 and max(sizes) > 1  # real supports, some wider than the sampled token alone
+    moved = False
+    for start in range(0, len(reqs), micro_batch):
+        mb = reqs[start : start + micro_batch]
+        batch = TrainBatch.from_sequences(
+            [r.prompt_ids for r in mb],
+            [r.output_ids for r in mb],
+            supports=[TokenSupports.from_lists(r.support_ids) for r in mb],
+        )
+        supports = batch.padded_supports()
+        assert supports is not None
+        with torch.no_grad():
+            lp = invariant.support_token_logprobs(model, batch.input_ids, *supports)
+        for i, r in enumerate(mb):
+            p = len(r.prompt_ids)
+            got = lp[i, p - 1 : p - 1 + len(r.output_ids)]
+            assert torch.equal(torch.tensor(r.support_logprobs, dtype=torch.float32), got), r.rid
+            full = torch.tensor(r.logprobs, dtype=torch.float32)
+            assert bool((got >= full).all())
+            moved |= bool((got > full).any())
+    assert moved  # the renormalisation is real: supports below the whole vocabulary lift the log-probs
 
 
 @pytest.mark.parametrize(("batch_size", "micro_batch"), [(1, 1), (7, 3), (64, 16)])

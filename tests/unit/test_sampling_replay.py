@@ -131,7 +131,7 @@ def test_support_logprobs_equal_the_dense_masked_softmax_with_its_gradient() -> 
         (["rollout.top_p=0.9"], r"rollout: top_p=0.9 needs a positive top_k .* set rollout.top_k"),
         ([*REPLAY, "rollout.temperature=0.7"], r"rollout.temperature=0.7 differs from the trainer's temperature"),
         ([*REPLAY, "train.kl_coef=0.1"], r"train.kl_coef=0.1 adds a KL to the reference policy"),
-        ([*REPLAY, "train.onpolicy=true", "engine.batch_invariant=true"], r"recompute score sequences over the full"),
+        ([*REPLAY, "engine.logprobs=recompute"], r"engine.logprobs=recompute re-scores sequences over the full"),
     ],
 )
 def test_what_replay_cannot_reproduce_is_refused_at_load(workdir: Path, overrides: list[str], message: str) -> None:
@@ -313,6 +313,21 @@ def test_run_with_top_k_top_p_replays_on_every_trainer_rank(workdir: Path) -> No
     # The gap is summed over both ranks' tokens: a rank scoring the full vocabulary would show here.
     assert m["train/train_rollout_logprob_abs_diff"].max() <= 1e-6
     assert (m["rollout/support_size_max"] <= 8).all() and (m["rollout/support_size_mean"] >= 1).all()
+
+
+def test_true_on_policy_holds_through_top_k_top_p_replay(workdir: Path) -> None:
+    """engine.batch_invariant with train.onpolicy and top-k/top-p: the engine's support-renormalised log-probs and
+    the trainer's are the same bits (engine batches of 5 that shrink and refill, trainer micro-batches of 3)."""
+    out = hpcrl(
+        "run", "qs.yaml", *SMALL, "num_steps=2", *REPLAY, "engine.batch_invariant=true", "train.onpolicy=true",
+        "engine.max_running_requests=5", "engine.deterministic=false", "train.micro_batch_size=3",
+        "--run-dir", "r", cwd=workdir,
+    )  # fmt: skip
+    m = load_metrics(workdir / "r" / "metrics.h5")
+    assert (m["train/train_rollout_logprob_abs_diff"] == 0.0).all()
+    assert (m["train/train_rollout_logprob_max_abs_diff"] == 0.0).all()
+    assert (m["rollout/support_size_mean"] > 1).all() and (m["rollout/support_size_max"] <= 8).all()
+    assert "gap 0.00e+00" in out.stdout
 
 
 def test_a_replay_run_preempted_and_resumed_equals_the_uninterrupted_run(workdir: Path) -> None:

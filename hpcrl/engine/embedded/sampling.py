@@ -175,7 +175,10 @@ def sample(
     idx = chosen[:, None]
     scaled_lp = torch.log_softmax(scaled, dim=-1).gather(-1, idx)[:, 0]
     support_lp = None
-    if want_support and mask is not None:
+    if want_support and mask is not None and logprobs is not None:
+        # The batch-invariant engine: the trainer renormalises the same row entries in the same order.
+        support_lp = _invariant_support_logprobs(logprobs, mask, chosen)
+    elif want_support and mask is not None:
         support_lp = torch.log_softmax(scaled.masked_fill(~mask, float("-inf")), dim=-1).gather(-1, idx)[:, 0]
     elif want_support:
         support_lp = scaled_lp
@@ -186,3 +189,18 @@ def sample(
         support_logprobs=support_lp,
         support_mask=mask,
     )
+
+
+def _invariant_support_logprobs(lp_rows: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """invariant.support_logprobs on the rows' supports, their ids ascending as the engine reports them."""
+    from hpcrl.model.invariant import support_logprobs
+
+    sizes = mask.sum(dim=-1)
+    k = max(int(sizes.max().item()), 1)
+    rows, ids = mask.nonzero(as_tuple=True)  # row-major: each row's ids ascending
+    slot = torch.arange(ids.numel(), device=ids.device) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    entries = torch.zeros(mask.shape[0], k, dtype=torch.float32, device=lp_rows.device)
+    valid = torch.zeros(mask.shape[0], k, dtype=torch.bool, device=lp_rows.device)
+    entries[rows, slot] = lp_rows[rows, ids]
+    valid[rows, slot] = True
+    return support_logprobs(entries, valid, lp_rows.gather(-1, chosen[:, None])[:, 0])
