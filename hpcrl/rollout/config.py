@@ -160,11 +160,6 @@ class RolloutConfig:
                 "rollout.kind=multi_turn runs its episodes synchronously (the async producer drives single "
                 "completions); set rollout.mode=sync"
             )
-        if self.replays_support:
-            raise ValueError(
-                f"rollout.top_k={self.top_k} / rollout.top_p={self.top_p:g}: sampling-support replay is not built for "
-                "multi-turn episodes (tool tokens have no support); set rollout.top_k=-1 rollout.top_p=1"
-            )
 
 
 @dataclass(kw_only=True, frozen=True)

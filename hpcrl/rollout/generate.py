@@ -350,9 +350,14 @@ def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | Non
     } | ({"rollout/recompute_abs_diff": recompute} if recompute is not None else {})
 
 
-def support_stats(samples: Sequence[Sample]) -> dict[str, float]:
-    """`rollout/support_size_mean` / `_max` over the step's generated tokens (none without replay)."""
-    sizes = [s.supports.sizes() for s in samples if s.supports is not None]
+def support_stats(samples: Sequence[Sample], *, sampled_only: bool = False) -> dict[str, float]:
+    """`rollout/support_size_mean` / `_max` over the step's generated tokens (none without replay); with
+    `sampled_only`, over the tokens the loss trains (multi-turn: not the tool results' singletons)."""
+    sizes = [
+        s.supports.sizes()[np.asarray(s.loss_mask, dtype=bool)] if sampled_only and s.loss_mask else s.supports.sizes()
+        for s in samples
+        if s.supports is not None
+    ]
     if not sizes:
         return {}
     flat = np.concatenate(sizes)

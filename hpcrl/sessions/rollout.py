@@ -16,7 +16,8 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.fleet import FleetError
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.data import Example
-from hpcrl.rollout.generate import Group, Sample, sample_seed
+from hpcrl.rollout.generate import Group, Sample, sample_seed, support_stats
+from hpcrl.rollout.support import TokenSupports
 from hpcrl.sessions.config import SessionServerConfig
 from hpcrl.sessions.environment import Environment, EpisodeResult, episode_metrics, load_environment, run_episode
 from hpcrl.sessions.server import SessionServer
@@ -47,6 +48,7 @@ def group_from_episodes(example: Example, results: Sequence[EpisodeResult]) -> G
                     reward=result.reward,
                     reward_error=result.reward_error,
                     loss_mask=mask[start:],
+                    supports=TokenSupports.from_lists(seq["supports"][start:]) if "supports" in seq else None,
                 )
             )
     return group
@@ -135,7 +137,7 @@ class EpisodeRollout:
         n = self.cfg.n_samples_per_prompt
         results = run_episodes(
             self.env, examples, self.server.url, num_samples=n, step=step, seed=self.seed,
-            sampling={"temperature": self.cfg.temperature}, max_concurrency=MAX_CONCURRENT_EPISODES,
+            sampling=self._sampling(), max_concurrency=MAX_CONCURRENT_EPISODES,
         )  # fmt: skip
         failed = [r for r in results if r.end_reason == "engine_failed"]
         if failed:
@@ -157,12 +159,24 @@ class EpisodeRollout:
         trained = sum(sum(s.loss_mask or ()) for s in samples)
         response = sum(len(s.output_ids) for s in samples)
         ends = [r.end_reason for r in results]
-        self._metrics = episode_metrics(results) | {
-            # Below 1: the response holds tool and template tokens that the loss mask keeps out of training.
-            "rollout/trained_token_share": trained / response if response else float("nan"),
-            "rollout/answered_share": ends.count("answered") / len(ends),
-        }
+        self._metrics = (
+            episode_metrics(results)
+            | support_stats(samples, sampled_only=True)
+            | {
+                # Below 1: the response holds tool and template tokens that the loss mask keeps out of training.
+                "rollout/trained_token_share": trained / response if response else float("nan"),
+                "rollout/answered_share": ends.count("answered") / len(ends),
+            }
+        )
         return groups
+
+    def _sampling(self) -> dict[str, Any]:
+        """What each turn's request asks: the temperature, and top-k/top-p when they are set (replayed in training:
+        the session server records each sampled token's support)."""
+        out: dict[str, Any] = {"temperature": self.cfg.temperature}
+        if self.cfg.replays_support:
+            out |= {"top_k": self.cfg.top_k, "top_p": self.cfg.top_p}
+        return out
 
     def pop_metrics(self) -> dict[str, float]:
         """The last step's episode figures (rollout/turns_mean, tool_calls_mean, tool_error_share, ...)."""

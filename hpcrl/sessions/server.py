@@ -36,6 +36,7 @@ from hpcrl.engine.client import (
     EngineUnreachableError,
 )
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.rollout.generate import checked_supports
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import MessageError, parse_messages, parse_tools
@@ -247,10 +248,23 @@ class SessionService:
             stop_token_ids=self.renderer.stop_token_ids,
         )
         seq = len(session.turns)
-        result = self._generate(session, history + prompt_ids, params, rid=f"{session.id}-{seq}")
+        # A top-k filter bounds each token's support: the turn records it, so training replays it (top-p alone
+        # could keep most of the vocabulary; hpcrl's runs refuse that, and SGLang 0.5.16 will not return it).
+        replay = params.top_k > 0
+        result = self._generate(session, history + prompt_ids, params, rid=f"{session.id}-{seq}", replay=replay)
         if result.aborted or result.output_token_logprobs is None:
             why = "aborted the request" if result.aborted else "returned no log-probs"
             raise SessionError(502, f"the engine {why}; nothing was recorded, the request may be retried")
+        supports = None
+        logprobs = list(result.output_token_logprobs)
+        if replay:
+            try:
+                checked_supports(result, self.engines[session.engine_index].url)
+            except EngineRequestError as exc:
+                raise SessionError(502, f"{exc}; nothing was recorded") from None
+            supports = [[int(i) for i in ids] for ids in result.sampling_mask or []]
+            # The behaviour policy's log-prob is the one renormalised over the support, as in single-turn replay.
+            logprobs = list(result.support_logprobs or [])
         finish = result.finish_reason.type if result.finish_reason is not None else "length"
         parsed = family.parse_assistant(self.renderer.assistant_text(result.output_ids))
         turn = Turn(
@@ -259,7 +273,8 @@ class SessionService:
             messages=[*messages, parsed.message],
             prompt_ids=prompt_ids,
             output_ids=list(result.output_ids),
-            logprobs=list(result.output_token_logprobs),
+            logprobs=logprobs,
+            supports=supports,
             weight_versions=result.token_weight_versions(),
             finish_reason=finish,
             message=parsed.message,
@@ -273,7 +288,9 @@ class SessionService:
             session.end(cap_name)
         return self._completion(session, turn, want_logprobs)
 
-    def _generate(self, session: Session, ids: list[int], params: SamplingParams, *, rid: str) -> GenerateResult:
+    def _generate(
+        self, session: Session, ids: list[int], params: SamplingParams, *, rid: str, replay: bool = False
+    ) -> GenerateResult:
         """The session's engine, else the others in turn: a dead or unready engine must not end an episode that any
         engine can continue, since the request is the whole token history and the same seed.
 
@@ -287,8 +304,9 @@ class SessionService:
             for attempt in range(2):
                 try:
                     result = engine.generate(
-                        ids, params, rid=rid if attempt == 0 else f"{rid}-resend", timeout_s=self.cfg.request_timeout_s
-                    )
+                        ids, params, rid=rid if attempt == 0 else f"{rid}-resend", return_sampling_mask=replay,
+                        timeout_s=self.cfg.request_timeout_s,
+                    )  # fmt: skip
                 except EngineUnreachableError as exc:
                     if attempt == 0 and _answers_health(engine):
                         log.warning(

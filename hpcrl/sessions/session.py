@@ -45,6 +45,9 @@ class Turn:
     tools: tuple[dict[str, Any], ...] = ()
     parse_errors: tuple[str, ...] = ()
     seed: int | None = None
+    supports: list[list[int]] | None = None
+    """Per output token, the ids top-k let the engine draw from (top-k requests only); `logprobs` are then
+    renormalised over them."""
     children: list[Turn] = field(default_factory=list)
 
     @property
@@ -79,7 +82,9 @@ class Turn:
 
 @dataclass(frozen=True)
 class TrainingSequence:
-    """One leaf's tokens; loss_mask is 1 on sampled tokens only, logprobs are 0.0 and weight versions None elsewhere."""
+    """One leaf's tokens; loss_mask is 1 on sampled tokens only, logprobs are 0.0 and weight versions None elsewhere.
+    `supports` (when every turn sampled with top-k): each token's sampling support, a singleton for the tokens the
+    model did not sample (prompt, tool results, template tokens)."""
 
     token_ids: list[int]
     loss_mask: list[int]
@@ -87,6 +92,7 @@ class TrainingSequence:
     weight_versions: list[str | None]
     turns: list[int]
     finish_reason: str
+    supports: list[list[int]] | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -101,7 +107,7 @@ class TrainingSequence:
             "weight_versions": self.weight_versions,
             "turns": self.turns,
             "finish_reason": self.finish_reason,
-        }
+        } | ({"supports": self.supports} if self.supports is not None else {})
 
 
 class Session:
@@ -188,6 +194,8 @@ class Session:
             logprobs: list[float] = []
             versions: list[str | None] = []
             path = leaf.path()
+            replayed = all(turn.supports is not None for turn in path)
+            supports: list[list[int]] = []
             for turn in path:
                 n_prompt, n_out = len(turn.prompt_ids), len(turn.output_ids)
                 train = turn.seq not in trained
@@ -196,7 +204,19 @@ class Session:
                 mask += [0] * n_prompt + [1 if train else 0] * n_out
                 logprobs += [0.0] * n_prompt + turn.logprobs
                 versions += [None] * n_prompt + turn.weight_versions
-            out.append(TrainingSequence(ids, mask, logprobs, versions, [t.seq for t in path], leaf.finish_reason))
+                if replayed:
+                    supports += [[t] for t in turn.prompt_ids] + list(turn.supports or [])
+            out.append(
+                TrainingSequence(
+                    ids,
+                    mask,
+                    logprobs,
+                    versions,
+                    [t.seq for t in path],
+                    leaf.finish_reason,
+                    supports=supports if replayed else None,
+                )  # fmt: skip
+            )
         return out
 
     def summary(self) -> dict[str, Any]:

@@ -193,6 +193,33 @@ def test_tool_errors_go_back_to_the_model_and_the_server_keeps_serving(server: S
         assert sum(spliced) == sum(len(t["output_ids"]) for t in state["turns"]), "injected turns do not train"
 
 
+def test_top_k_turns_record_their_supports_and_other_tokens_train_on_singletons(server: SessionServer) -> None:
+    """With top_k a turn records each sampled token's support and the log-prob renormalised over it; the training
+    sequence gives the tokens the model did not sample (prompt, splice, the appended message) singleton supports."""
+    sid, client = new_session(server)
+    first = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12*34?"}]
+    body = {"top_k": 5, "top_p": 0.9}
+    r1 = client.chat.completions.create(
+        model="tiny", messages=first, tools=[CALC], max_tokens=6, seed=1, extra_body=body
+    )
+    history = [*first, as_dict(r1.choices[0].message), {"role": "user", "content": "And 5*6?"}]
+    client.chat.completions.create(model="tiny", messages=history, tools=[CALC], max_tokens=6, seed=2, extra_body=body)
+    state = read(server, sid)
+    seq = state["sequences"][0]
+    ids, mask, lps, supports = seq["token_ids"], seq["loss_mask"], seq["logprobs"], seq["supports"]
+    assert len(supports) == len(ids)
+    sampled = [i for i, m in enumerate(mask) if m]
+    assert sampled and all(ids[i] in supports[i] and 1 <= len(supports[i]) <= 5 for i in sampled)
+    assert all(supports[i] == [ids[i]] for i, m in enumerate(mask) if not m)
+    assert any(len(supports[i]) > 1 for i in sampled)  # a real filter, not only singletons
+    # The recorded log-probs are the support-renormalised ones: a token alone in its support has log-prob 0.
+    assert all(lps[i] <= 0 for i in sampled)
+    assert all(lps[i] == pytest.approx(0.0, abs=1e-6) for i in sampled if len(supports[i]) == 1)
+    # Without top_k nothing is recorded (and the sequence carries no supports).
+    sid2, _, _, _ = two_turns(server)
+    assert "supports" not in read(server, sid2)["sequences"][0]
+
+
 def test_run_episode_drives_a_session_and_reports_its_accounting(server: SessionServer) -> None:
     from hpcrl.sessions.environment import episode_metrics, load_environment, run_episode
 
