@@ -239,6 +239,7 @@ def section_run(ns: argparse.Namespace) -> dict[str, object]:
         f"train.dtype={ns.dtype}", "train.micro_batch_size=32", "checkpoint.every_steps=1000000",
         "engine.batch_invariant=true", "train.onpolicy=true", "guard.mode=off",
         *(["sync.transport=tensor"] if ns.device.startswith("cuda") else []),
+        *ns.extra,
     ]  # fmt: skip
     cmd = [
         sys.executable,
@@ -290,7 +291,11 @@ def section_run(ns: argparse.Namespace) -> dict[str, object]:
         "reward_mean": [float(x) for x in m["rollout/reward_mean"]], "timed_out": timed_out,
     }  # fmt: skip
     zero = bool(gap) and all(g == 0.0 for g in gap) and all(g == 0.0 for g in gap_max)
-    print(f"onpolicy: run: {len(gap)} colocated steps, gap per step {gap}, max gap per step {gap_max}")
+    print(f"onpolicy: run: {len(gap)} colocated steps{' with ' + ' '.join(ns.extra) if ns.extra else ''}, gap per "
+          f"step {gap}, max gap per step {gap_max}")  # fmt: skip
+    if "rollout/support_size_mean" in m:
+        sizes = [round(float(x), 2) for x in m["rollout/support_size_mean"]]
+        print(f"onpolicy: run: support size mean per step {sizes}")
     if not gap:
         print("onpolicy: run summary: NO STEP FINISHED (see onpolicy_run.log)")
     else:
@@ -326,6 +331,9 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--run-timeout-s", type=float, default=100.0, help="run: stop hpcrl run after this long")
+    p.add_argument(
+        "--extra", nargs="*", default=[], help="run: more config overrides, e.g. rollout.top_k=64 rollout.top_p=0.95"
+    )
     p.add_argument("--price-seqs", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/hpcrl-onpolicy-gpu"))
