@@ -51,7 +51,6 @@ def test_multi_turn_needs_a_named_family_and_knows_the_registered_ones() -> None
     ("sections", "expected"),
     [
         ({"rollout": {**MULTI, "mode": "async"}}, "set rollout.mode=sync"),
-        ({"rollout": {**MULTI, "top_k": 8}}, "set rollout.top_k=-1 rollout.top_p=1"),
         ({"rollout": {**MULTI, "max_new_tokens": 32}}, "set rollout.max_tokens_per_turn instead"),
         ({"rollout": MULTI, "engine": {"batch_invariant": True}}, "set engine.batch_invariant=false"),
         ({"rollout": MULTI, "engine": {"logprobs": "recompute"}}, "engine.logprobs=recompute is not built"),
