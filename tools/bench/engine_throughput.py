@@ -205,8 +205,14 @@ def run_engine(
         # costs tens of milliseconds (an SSL context), which is client overhead, not the engine's.
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         with httpx.Client(timeout=3600, limits=limits) as client:
-            passes = [_engine_pass(ns, client, eng.url, prompts) for _ in range(ns.warmup_runs + ns.timed_runs)]
-            info = client.get(eng.url + "/server_info").json()["internal_states"][0] if kind == "embedded" else {}
+
+            def server_info() -> dict[str, Any]:
+                return client.get(eng.url + "/server_info").json()["internal_states"][0] if kind == "embedded" else {}
+
+            passes = [_engine_pass(ns, client, eng.url, prompts) for _ in range(ns.warmup_runs)]
+            warm = server_info()
+            passes += [_engine_pass(ns, client, eng.url, prompts) for _ in range(ns.timed_runs)]
+            info = server_info()
     except Exception:
         print(eng.log_tail(), file=sys.stderr)
         raise
@@ -223,7 +229,24 @@ def run_engine(
         f"{key}_startup_s": startup,
         f"{key}_decode_path": info.get("decode_path"),
         f"{key}_profile": info.get("profile"),
+        f"{key}_profile_timed": _timed_profile(warm.get("profile"), info.get("profile")),
     }
+
+
+def _timed_profile(warm: dict[str, Any] | None, end: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The engine's decode profile over the timed passes only: the end's totals minus the warm-up's (whose first
+    steps hold graph captures and compiles), per decode step of the timed passes."""
+    if not warm or not end:
+        return None
+    steps = end["decode_steps"] - warm["decode_steps"]
+    if steps <= 0:
+        return None
+    out: dict[str, Any] = {"decode_steps": steps}
+    for k, v in end.items():
+        if k.endswith("_ms_per_step"):
+            out[k] = (v * end["decode_steps"] - warm[k] * warm["decode_steps"]) / steps
+    out["prefill_s_total"] = end["prefill_s_total"] - warm["prefill_s_total"]
+    return out
 
 
 def run_generate(ns: argparse.Namespace, model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
@@ -341,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if results.get(f"{key}_profile"):
             print(f"{key} profile: " + json.dumps(results[f"{key}_profile"]), flush=True)
+        if results.get(f"{key}_profile_timed"):
+            print(f"{key} profile, timed passes only: " + json.dumps(results[f"{key}_profile_timed"]), flush=True)
     if ns.engine == "both":
         results["embedded_over_sglang"] = results["engine_tok_s"] / results["sglang_tok_s"]
         print(f"embedded / sglang: {results['embedded_over_sglang']:.2f}x", flush=True)
