@@ -353,11 +353,12 @@ def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | Non
 def support_stats(samples: Sequence[Sample], *, sampled_only: bool = False) -> dict[str, float]:
     """`rollout/support_size_mean` / `_max` over the step's generated tokens (none without replay); with
     `sampled_only`, over the tokens the loss trains (multi-turn: not the tool results' singletons)."""
-    sizes = [
-        s.supports.sizes()[np.asarray(s.loss_mask, dtype=bool)] if sampled_only and s.loss_mask else s.supports.sizes()
-        for s in samples
-        if s.supports is not None
-    ]
+    sizes = []
+    for s in samples:
+        if s.supports is None:
+            continue
+        per_token = s.supports.sizes()
+        sizes.append(per_token[np.asarray(s.loss_mask, dtype=bool)] if sampled_only and s.loss_mask else per_token)
     if not sizes:
         return {}
     flat = np.concatenate(sizes)

@@ -262,7 +262,7 @@ class SessionService:
                 checked_supports(result, self.engines[session.engine_index].url)
             except EngineRequestError as exc:
                 raise SessionError(502, f"{exc}; nothing was recorded") from None
-            supports = [[int(i) for i in ids] for ids in result.sampling_mask or []]
+            supports = [list(ids) for ids in result.sampling_mask or []]
             # The behaviour policy's log-prob is the one renormalised over the support, as in single-turn replay.
             logprobs = list(result.support_logprobs or [])
         finish = result.finish_reason.type if result.finish_reason is not None else "length"

@@ -206,16 +206,11 @@ class Session:
                 versions += [None] * n_prompt + turn.weight_versions
                 if replayed:
                     supports += [[t] for t in turn.prompt_ids] + list(turn.supports or [])
+            turns = [t.seq for t in path]
             out.append(
                 TrainingSequence(
-                    ids,
-                    mask,
-                    logprobs,
-                    versions,
-                    [t.seq for t in path],
-                    leaf.finish_reason,
-                    supports=supports if replayed else None,
-                )  # fmt: skip
+                    ids, mask, logprobs, versions, turns, leaf.finish_reason, supports=supports if replayed else None
+                )
             )
         return out
 
