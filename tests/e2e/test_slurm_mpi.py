@@ -87,6 +87,24 @@ def test_a_failing_mpi_agent_ends_the_job(slurm_cluster: SlurmCluster, tmp_path:
         print(f"job {job.job_id}: srun hung after the failed step; the watchdog ended it")
 
 
+def test_an_mpi_step_that_dies_before_its_world_is_up_runs_once_more(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Open MPI 5's MPI_Init can segfault in a race (open-mpi/ompi#12495); it once failed CI's quickstart. The
+    script runs a step that failed before the driver saw every rank past MPI_Init once more, and the job
+    completes."""
+    from hpcrl.slurm.executor import submit_run
+
+    env = {"STUB_AGENT": "fail-first-step"}
+    job = submit_run(make_config(MPI_LAYOUT | {"slurm.env": env}), tmp_path / "run", role_command=STUB)
+    outcome = result(job, slurm_cluster, 90)
+    assert outcome["restart_count"] == 0
+    stdout = job.stdout() or ""
+    assert "before every rank was past MPI_Init" in stdout and "second try) ended with status 0" in stdout, stdout
+    trainers = records(tmp_path / "run", "trainer", job.job_id)
+    assert sorted(re.findall(r"step=(\d+)", "".join(trainers))) == ["0", "0", "1", "1"], trainers
+
+
 # --------------------------------------------------------------------------------------------------
 # The dev cluster: the quickstart with the real roles
 

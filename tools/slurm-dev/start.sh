@@ -246,13 +246,17 @@ if [ "$WITH_DBD" = 1 ]; then
       || die "mariadb-install-db failed; see $LOG/mariadb-install.log"
   fi
   if ! alive "$RUN/mysqld.pid"; then
+    # A socket or pid file left by a daemon that died would pass the wait below while nothing listens
+    # (CI once failed here with ERROR 2002, connection refused).
+    rm -f "$MYSQL_SOCK" "$RUN/mysqld.pid"
     ( setsid mariadbd --no-defaults --datadir="$MYSQL_DIR" --user=root --bind-address=127.0.0.1 \
         --port="$MYSQL_PORT" --socket="$MYSQL_SOCK" --pid-file="$RUN/mysqld.pid" \
         --log-error="$LOG/mysqld.log" --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
         --skip-log-bin --innodb-flush-log-at-trx-commit=0 </dev/null >/dev/null 2>&1 & )
-    mysql_up() { [ -S "$MYSQL_SOCK" ] && [ -s "$RUN/mysqld.pid" ]; }
-    poll 300 mysql_up || die "mariadbd did not come up; see $LOG/mysqld.log"
   fi
+  # Up means answering a query, not just a socket file on disk.
+  mysql_up() { mariadb --socket="$MYSQL_SOCK" -e 'SELECT 1' >/dev/null 2>&1; }
+  poll 600 mysql_up || { tail -5 "$LOG/mysqld.log" >&2; die "mariadbd does not answer on $MYSQL_SOCK; see $LOG/mysqld.log"; }
   mariadb --socket="$MYSQL_SOCK" -e "
     CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmpw';
     GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
