@@ -285,7 +285,7 @@ def test_staleness_is_the_oldest_token_version_of_the_group() -> None:
     [
         (["rollout.mode=async", "engine.offload_during_train=true"], ["both stages", "offload_during_train=false"]),
         (["rollout.mode=async", "sync.pause_mode=abort"], ["pause_mode=abort", "retract"]),
-        (["rollout.mode=async", "buffer.capacity_groups=8"], ["smaller than one step", "capacity_groups >= 16"]),
+        (["rollout.mode=async", "buffer.capacity_groups=8"], ["smaller than one step", "capacity_groups >= 32"]),
         (["rollout.mode=async", "buffer.max_staleness=-1"], ["max_staleness must be >= 0", "null"]),
         (
             ["rollout.mode=async", "buffer.max_staleness=1", "sync.every_steps=3"],
@@ -304,7 +304,7 @@ def test_async_on_a_shared_device_without_the_rental_is_allowed() -> None:
     cfg = load_run_config(
         REPO / "experiments" / "quickstart.yaml", ["rollout.mode=async", "engine.device=cpu", "train.device=cpu"]
     )
-    assert cfg.capacity_groups == 32 and cfg.inflight_groups == 16
+    assert cfg.capacity_groups == 64 and cfg.inflight_groups == 32
 
 
 def test_async_mode_takes_the_ppo_ratio_against_the_engines_logprobs_unless_told_otherwise() -> None:

@@ -29,12 +29,12 @@ QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 
 
 def test_a_global_batch_size_that_does_not_divide_the_batch_is_refused_with_the_sizes_that_do() -> None:
-    # The quickstart's batch: 16 prompts x 16 samples = 256.
+    # The quickstart's batch: 32 prompts x 8 samples = 256.
     with pytest.raises(ValueError) as error:
         load_run_config(QUICKSTART, ["train.global_batch_size=48"])
     message = str(error.value)
     assert "train.global_batch_size=48 must divide the rollout batch" in message
-    assert "16 x 16 = 256" in message and "use one of 1, 2, 4, 8, 16, 32, 64, 128, 256" in message
+    assert "32 x 8 = 256" in message and "use one of 1, 2, 4, 8, 16, 32, 64, 128, 256" in message
     with pytest.raises(ValueError, match="must divide the rollout batch"):
         load_run_config(QUICKSTART, ["train.global_batch_size=512"])
     assert load_run_config(QUICKSTART, ["train.global_batch_size=32"]).train.global_batch_size == 32
