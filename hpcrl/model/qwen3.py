@@ -173,6 +173,16 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def copy_prefix(self, src: list[int], dst: list[int], length: int) -> None:
+        """Slot dst[i] gets the first `length` positions of slot src[i] (samples that share a prompt)."""
+        s = torch.tensor(src, device=self.k[0].device)
+        d = torch.tensor(dst, device=self.k[0].device)
+        if self.buffer is not None:
+            self.buffer[:, :, d, :, :length] = self.buffer[:, :, s, :, :length]
+            return
+        for t in self.k + self.v:
+            t[d, :, :length] = t[s, :, :length]
+
     def move_slot(self, src: int, dst: int) -> None:
         if self.buffer is not None:
             self.buffer[:, :, dst].copy_(self.buffer[:, :, src])

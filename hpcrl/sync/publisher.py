@@ -23,8 +23,9 @@ import torch
 
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
+from hpcrl.sync.finite import first_non_finite
 from hpcrl.sync.push import WeightSync, WeightSyncError
-from hpcrl.trainer.step_stats import NonFiniteWeightsError, first_non_finite
+from hpcrl.trainer.step_stats import NonFiniteWeightsError
 
 LENT_TAGS = ("kv_cache", "weights")
 WeightsFn = Callable[[], list[tuple[str, torch.Tensor]]]

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
 from hpcrl.trainer.batch import TrainBatch
@@ -20,14 +18,6 @@ class NonFiniteStepError(RuntimeError):
 
 class NonFiniteWeightsError(NonFiniteStepError):
     """A weight is NaN or infinite after an optimizer step: it must reach neither an engine nor a checkpoint."""
-
-
-def first_non_finite(named: Iterable[tuple[str, Tensor]]) -> str | None:
-    """The name of the first floating-point tensor holding NaN or inf, None when all are finite."""
-    for name, tensor in named:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
 
 
 class StepSums:

@@ -176,6 +176,36 @@ def test_a_request_alone_equals_it_in_a_full_batch(model: CausalLM) -> None:
     assert torch.equal(torch.tensor(full.logprobs), torch.tensor(alone.logprobs))
 
 
+def test_samples_of_one_prompt_share_its_prefill_and_equal_each_sample_alone(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's n samples are prefilled once (the others copy its K/V rows and logits row); each sample still
+    draws with its own seed and gets the bits it would get alone."""
+    from hpcrl.engine.embedded.runner import DecodeRunner
+
+    prefilled_rows: list[int] = []
+    real_prefill = DecodeRunner.prefill
+
+    def counting_prefill(self: DecodeRunner, ids: torch.Tensor, first_slot: int, last: torch.Tensor) -> torch.Tensor:
+        prefilled_rows.append(ids.shape[0])
+        return real_prefill(self, ids, first_slot, last)
+
+    def group(n: int) -> list[SeqRequest]:
+        reqs = _requests(n, seed=11)
+        for i, r in enumerate(reqs):
+            r.prompt_ids, r.seed = list(reqs[i % 3].prompt_ids), 2000 + i  # 3 prompts, n samples in all
+        return reqs
+
+    monkeypatch.setattr(DecodeRunner, "prefill", counting_prefill)
+    together = _generate(model, group(12), max_running=12)
+    assert prefilled_rows == [3], "one prefill row per distinct prompt"
+    for i in range(12):
+        alone = _generate(model, [group(12)[i]], max_running=1)[0]
+        assert together[i].output_ids == alone.output_ids, i
+        assert torch.equal(torch.tensor(together[i].logprobs), torch.tensor(alone.logprobs)), i
+    assert len({tuple(r.output_ids) for r in together}) > 3, "the samples of a prompt differ (own seeds)"
+
+
 def test_a_retracted_request_continues_with_the_same_bits(model: CausalLM) -> None:
     plain = _generate(model, _requests(12, seed=3), max_running=12)
     retracted = _generate(model, _requests(12, seed=3), max_running=12, retract_after_steps=4)

@@ -365,16 +365,32 @@ class Scheduler:
         if not ready:
             return
         t0 = time.perf_counter()
+        # The samples of one prompt (a group's n) share its prefill: the first of each distinct sequence
+        # runs it, the others get a copy of its K/V rows and its logits row. Slots: the prefilled rows
+        # first, then the copies.
+        owner: dict[tuple[int, ...], int] = {}
+        lead_of = [owner.setdefault(tuple(r.all_ids), k) for k, r in enumerate(ready)]
+        leads = [k for k, o in enumerate(lead_of) if o == k]
+        copies = [k for k, o in enumerate(lead_of) if o != k]
+        ready = [ready[k] for k in leads + copies]
         first_slot = len(self.running)
         self.running.extend(ready)
         self._rows_dirty = True
-        lengths = [r.num_tokens for r in ready]
+        heads = ready[: len(leads)]
+        lengths = [r.num_tokens for r in heads]
         width = max(lengths)
-        ids = torch.tensor([r.all_ids + [0] * (width - n) for r, n in zip(ready, lengths, strict=True)])
+        ids = torch.tensor([r.all_ids + [0] * (width - n) for r, n in zip(heads, lengths, strict=True)])
         last = torch.tensor(lengths) - 1
         logits = self.runner.prefill(ids.to(self.device), first_slot, last.to(self.device))
-        for r, n in zip(ready, lengths, strict=True):
-            r.cached_len = n
+        if copies:
+            assert self.cache is not None
+            row_of_lead = {k: row for row, k in enumerate(leads)}
+            sources = [row_of_lead[lead_of[k]] for k in copies]
+            copy_slots = range(first_slot + len(leads), first_slot + len(ready))
+            self.cache.copy_prefix([first_slot + row for row in sources], list(copy_slots), width)
+            logits = logits[torch.tensor(list(range(len(leads))) + sources, device=logits.device)]
+        for r in ready:
+            r.cached_len = r.num_tokens
         self._refresh_sampler_flags()
         out = self.runner.sample_prefill(
             logits,

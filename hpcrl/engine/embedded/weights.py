@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler
+from hpcrl.sync.finite import first_non_finite
 from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -96,13 +97,6 @@ class WeightReceiver:
         self.nonfinite.difference_update(n for n, _ in named)
         return total
 
-    @staticmethod
-    def first_nonfinite(named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
-        for name, tensor in named:
-            if not bool(torch.isfinite(tensor).all()):
-                return name
-        return None
-
     # ----- update_weights_from_distributed -----
     def receive_distributed(
         self,
@@ -145,7 +139,8 @@ class WeightReceiver:
                 targets.append(buf)
                 received.append((name, buf))
             broadcast_many(pg, targets)
-            bad_in_place = [n for n, t in in_place if not bool(torch.isfinite(t).all())]
+            first_bad = first_non_finite(in_place)
+            bad_in_place = [] if first_bad is None else [n for n, t in in_place if not bool(torch.isfinite(t).all())]
             self.nonfinite.difference_update(n for n, _ in in_place)
             if bad_in_place:
                 # Already written into the model: generation waits until finite values for these arrive.
@@ -153,7 +148,7 @@ class WeightReceiver:
                 raise ValueError(_nonfinite_message(bad_in_place[0], kept=False))
         else:
             raise ValueError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
-        bad = self.first_nonfinite(received)
+        bad = first_non_finite(received)
         if bad is not None:
             raise ValueError(_nonfinite_message(bad, kept=True))
         if received:
@@ -170,7 +165,7 @@ class WeightReceiver:
 
         with open_handover(payload, device=self.scheduler.device) as named:
             self.check_names([n for n, _ in named], [list(t.shape) for _, t in named])
-            bad = self.first_nonfinite(named)
+            bad = first_non_finite(named)
             if bad is not None:
                 raise ValueError(_nonfinite_message(bad, kept=True))
             return self.scheduler.call(lambda: self._apply(named)).result()
