@@ -431,14 +431,24 @@ def test_an_engine_death_reissues_its_groups(tiny_model_dir: Path, engine: Engin
     try:
         rollout = parts.make(inflight=4, capacity=8, max_new_tokens=64)
         rollout.start()
-        until(lambda: sum(c.slot.index == 1 for c in rollout._calls.values()) >= 1, "a group on engine 1")
-        engines[1].proc.kill()
+        # Kill engine 1 while it holds a group: freeze it first, then make sure a call to it is still open (a fast
+        # engine can answer between a look at the calls and the kill, and the death would then go unseen).
+        victim = engines[1].proc
+        while True:
+            until(lambda: sum(c.slot.index == 1 for c in rollout._calls.values()) >= 1, "a group on engine 1")
+            victim.send_signal(signal.SIGSTOP)
+            time.sleep(0.3)  # an answer already on its way is read and its call closed by now
+            if any(c.slot.index == 1 for c in rollout._calls.values()):
+                break
+            victim.send_signal(signal.SIGCONT)
+        victim.kill()
+        # The producer sees the open call fail, marks the engine dead and re-sends the group to engine 0.
+        until(lambda: any(kind == "engine_dead" for kind, _ in parts.events), "the engine marked dead")
         for step in range(2):
             groups = rollout.collect(step, interrupted=never_interrupted)
             assert groups is not None and all(s.finish != "abort" for g in groups for s in g.samples)
             rollout.commit(step)
         rollout.stop()
-        assert any(kind == "engine_dead" for kind, _ in parts.events)
         assert parts.fleet.pop_metrics()["fleet/reissued_requests"] >= 4
         assert rollout.ledger.counts()["dropped"] == 0
     finally:
