@@ -25,6 +25,8 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restar
             return 0
         if s.warm_start.run():
             s.publisher.publish("sft")
+        if s.preempt_signal is not None:  # it came during the warm start
+            return s.on_preempt()
         if s.async_rollout is not None:
             return run_async(s, start)
         for step in range(start, cfg.num_steps):

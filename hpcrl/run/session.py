@@ -170,8 +170,9 @@ class RunSession:
             pids = self.placement.local_engine_pids() + self.trainer.pids
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
         self.warm_start = WarmStart(
-            cfg.sft, self.trainer, self._sft_batches(examples), guard=self.guard, say=say, on_event=self._event
-        )
+            cfg.sft, self.trainer, self._sft_batches(examples), guard=self.guard, say=say, on_event=self._event,
+            interrupted=self._preempted,
+        )  # fmt: skip
         self.state = RunState(
             self.run_dir, self.store, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
             num_steps=cfg.num_steps, say=say, check_weights=self.publisher.check_finite,

@@ -30,9 +30,11 @@ class WarmStart:
         guard: Guard,
         say: Callable[[str], None],
         on_event: Callable[[str, dict[str, Any]], None],
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> None:
         self.cfg, self.trainer, self.batches = cfg, trainer, batches
         self.guard, self.say, self.on_event = guard, say, on_event
+        self.interrupted = interrupted
         self.done = False
 
     def run(self) -> bool:
@@ -41,6 +43,12 @@ class WarmStart:
             return False
         t0 = time.perf_counter()
         for step in range(self.cfg.num_steps):
+            if self.interrupted():
+                # A long SFT must not outlive Slurm's grace period: stop now; it is not checkpointed mid-way,
+                # so it starts over when the run resumes.
+                n = self.cfg.num_steps
+                self.say(f"sft stopped after {step}/{n} steps by a preemption signal; it starts over on resume")
+                return False
             self.guard.wait_until_cool(None)
             m = self.trainer.train_sft(self.batches(step))
             if (step + 1) % self.cfg.log_every_steps == 0 or step + 1 == self.cfg.num_steps:

@@ -101,8 +101,11 @@ def test_an_mpi_step_that_dies_before_its_world_is_up_runs_once_more(
     assert outcome["restart_count"] == 0
     stdout = job.stdout() or ""
     assert "before every rank was past MPI_Init" in stdout and "second try) ended with status 0" in stdout, stdout
-    trainers = records(tmp_path / "run", "trainer", job.job_id)
-    assert sorted(re.findall(r"step=(\d+)", "".join(trainers))) == ["0", "0", "1", "1"], trainers
+    agents = "".join(records(tmp_path / "run", "mpi-agent", job.job_id))
+    assert "died in step 0" in agents, agents  # the first to die ends the step: its peer may not get to write
+    # The trainers of step 0 may be killed (--kill-on-bad-exit) before they write a line; step 1's both ran.
+    trainers = "".join(records(tmp_path / "run", "trainer", job.job_id))
+    assert re.findall(r"step=(\d+)", trainers).count("1") == 2, trainers
 
 
 # --------------------------------------------------------------------------------------------------

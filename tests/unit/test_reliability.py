@@ -270,6 +270,27 @@ def test_sigterm_during_a_slow_reward_checkpoints_the_last_finished_step(workdir
     assert list(load_metrics(workdir / "r" / "metrics.h5")["step"]) == [0]
 
 
+def test_sigterm_during_the_sft_warm_start_ends_the_run_at_once(workdir: Path) -> None:
+    """A long SFT must not run past Slurm's grace period: the signal stops it within a step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [*TINY, "sft.num_steps=100000", "sft.log_every_steps=20"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", "r"],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("sft   20/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    assert "sft stopped after" in rest and "/100000 steps by a preemption signal" in rest, rest
+    assert "received SIGTERM" in rest and "step    1/" not in rest, rest
+    (event,) = load_events(workdir / "r" / "metrics.h5")
+    assert event["kind"] == "preempted" and event["step"] is None
+
+
 # ----- item 8: a write error during a checkpoint -----
 
 
