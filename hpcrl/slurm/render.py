@@ -308,7 +308,7 @@ def batch_body(
             "# agent per engine node (it starts the node's engines and loads the weights that trainer rank 0",
             "# broadcasts) and the trainer ranks. The step ends when the driver has sent the agents STOP;",
             "# --kill-on-bad-exit: a task that fails ends it (its peers would wait in a collective).",
-            "# The driver touches $HPCRL_MPI_UP_FILE once every rank is past MPI_Init (see hpcrl_mpi_retry below).",
+            "# The driver touches $HPCRL_MPI_UP_FILE once every rank is past MPI_Init (the retry below reads it).",
             f'export {MPI_UP_FILE_VAR}="$RUN_DIR/logs/mpi-up-$SLURM_JOB_ID-{restart}"',
             f'rm -f "${MPI_UP_FILE_VAR}"',
             "hpcrl_mpi_step() {",
