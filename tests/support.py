@@ -82,6 +82,11 @@ def hpcrl(*args: str, cwd: Path, timeout_s: float = 300, check: bool = True) -> 
 
 def signal_at_step(workdir: Path, args: list[str], run_dir: str, step: int, sig: int) -> subprocess.Popen[str]:
     """Start `hpcrl run` and send `sig` once it prints the line of `step` (1-based); the caller waits."""
+    return signal_at_line(workdir, args, run_dir, f"step {step:>4}/", sig)
+
+
+def signal_at_line(workdir: Path, args: list[str], run_dir: str, prefix: str, sig: int) -> subprocess.Popen[str]:
+    """Start `hpcrl run` and send `sig` once it prints a line starting with `prefix`; the caller waits."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", run_dir],
@@ -89,7 +94,7 @@ def signal_at_step(workdir: Path, args: list[str], run_dir: str, step: int, sig:
     )  # fmt: skip
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith(f"step {step:>4}/"):
+        if line.startswith(prefix):
             proc.send_signal(sig)
             break
     return proc

@@ -18,8 +18,7 @@ def first_non_finite(named: Iterable[tuple[str, Tensor]]) -> str | None:
     floats = [(name, t) for name, t in named if t.is_floating_point()]
     if not floats:
         return None
-    sums = torch.stack([t.sum(dtype=torch.float32) if t.numel() else t.new_zeros((), dtype=torch.float32)
-                        for _, t in floats])  # fmt: skip
+    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in floats])  # an empty tensor sums to 0
     if bool(torch.isfinite(sums).all()):
         return None
     for name, tensor in floats:

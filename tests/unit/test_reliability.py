@@ -24,6 +24,7 @@ from hpcrl.rollout.rewards import ScoringInterrupted, score
 from hpcrl.run_config import load_run_config
 from hpcrl.store import load_events, load_metrics, load_root_attrs
 from hpcrl.store.checkpoint import load_checkpoint, save_checkpoint
+from tests.support import signal_at_line
 
 TINY = [
     "num_steps=2",
@@ -272,17 +273,8 @@ def test_sigterm_during_a_slow_reward_checkpoints_the_last_finished_step(workdir
 
 def test_sigterm_during_the_sft_warm_start_ends_the_run_at_once(workdir: Path) -> None:
     """A long SFT must not run past Slurm's grace period: the signal stops it within a step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [*TINY, "sft.num_steps=100000", "sft.log_every_steps=20"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *args, "--run-dir", "r"],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("sft   20/"):
-            break
-    proc.send_signal(signal.SIGTERM)
+    proc = signal_at_line(workdir, args, "r", "sft   20/", signal.SIGTERM)
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, rest
     assert "sft stopped after" in rest and "/100000 steps by a preemption signal" in rest, rest
