@@ -57,8 +57,6 @@ def _parse_hostlist(hostlist: str) -> list[str]:
 HET_GROUP_VAR = "HPCRL_HET_GROUP"
 """Set by the generated script on each component of a step that spans several het groups: nothing in
 Slurm's environment says which component a task of such a step belongs to."""
-MPI_UP_FILE_VAR = "HPCRL_MPI_UP_FILE"
-"""Set by the Slurm script of sync.transport=mpi: the driver touches it once every rank is past MPI_Init."""
 
 
 def _het_step_group(env: Mapping[str, str]) -> tuple[int, int, int] | None:

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from hpcrl.config import ConfigError, dump_yaml
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.config import SlurmGroupConfig, normalize_sbatch_options
-from hpcrl.slurm.env import HET_GROUP_VAR, MPI_UP_FILE_VAR
+from hpcrl.slurm.env import HET_GROUP_VAR
 
 SbatchValue = str | int | bool
 """An `#SBATCH` option value; True renders a flag without a value."""
@@ -308,17 +308,11 @@ def batch_body(
             "# agent per engine node (it starts the node's engines and loads the weights that trainer rank 0",
             "# broadcasts) and the trainer ranks. The step ends when the driver has sent the agents STOP;",
             "# --kill-on-bad-exit: a task that fails ends it (its peers would wait in a collective).",
-            "# The driver touches $HPCRL_MPI_UP_FILE once every rank is past MPI_Init (the retry below reads it).",
-            f'export {MPI_UP_FILE_VAR}="$RUN_DIR/logs/mpi-up-$SLURM_JOB_ID-{restart}"',
-            f'rm -f "${MPI_UP_FILE_VAR}"',
-            "hpcrl_mpi_step() {",
-            f"  srun {step} --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus} \\",
-            f'    env OMP_NUM_THREADS={engines_cpus} {HET_GROUP_VAR}=0 {role} mpi-agent --run-dir "$RUN_DIR" \\',
-            f"    : {step} --het-group=1 --cpus-per-task={trainer_cpus} \\",
-            f'    env OMP_NUM_THREADS={trainer_cpus} {HET_GROUP_VAR}=1 {role} trainer --run-dir "$RUN_DIR" &',
-            "  hpcrl_trainer_pid=$!",
-            '  hpcrl_srun_watchdog "$hpcrl_trainer_pid" &',
-            "}",
+            f"srun {step} --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus} \\",
+            f'  env OMP_NUM_THREADS={engines_cpus} {HET_GROUP_VAR}=0 {role} mpi-agent --run-dir "$RUN_DIR" \\',
+            f"  : {step} --het-group=1 --cpus-per-task={trainer_cpus} \\",
+            f'  env OMP_NUM_THREADS={trainer_cpus} {HET_GROUP_VAR}=1 {role} trainer --run-dir "$RUN_DIR" &',
+            "hpcrl_trainer_pid=$!",
             "# srun (Slurm 22.05, mpi/pmix) can hang after a failed het step has ended: once no step of this job",
             f"# has run for {SRUN_OUTLIVES_STEPS_S} s while srun lives on, end srun so that the job fails now.",
             "hpcrl_srun_watchdog() {",
@@ -334,7 +328,7 @@ def batch_body(
             "    fi",
             "  done",
             "}",
-            "hpcrl_mpi_step",
+            'hpcrl_srun_watchdog "$hpcrl_trainer_pid" &',
         ]
     else:
         lines += [
@@ -350,20 +344,6 @@ def batch_body(
         'hpcrl_wait "$hpcrl_trainer_pid"; hpcrl_rc=$?',
         'echo "hpcrl: trainer step ended with status $hpcrl_rc"',
     ]
-    if mpi:
-        # Open MPI 5's MPI_Init can crash when a peer's first message beats this rank out of the init fence
-        # (open-mpi/ompi#12495, a segfault in mca_pml_ob1_recv_frag_callback_match). Before the up file
-        # exists nothing of the run has happened, so running the step again is safe; once, so that an error
-        # that repeats (a bad config) still ends the job.
-        lines += [
-            f'if [ "$hpcrl_rc" -ne 0 ] && [ -z "$hpcrl_signal" ] && [ ! -e "${MPI_UP_FILE_VAR}" ]; then',
-            "  echo \"hpcrl: the MPI step failed (status $hpcrl_rc) before every rank was past MPI_Init (Open MPI's "
-            'init race, open-mpi/ompi#12495, or an error at start-up); running it once more" >&2',
-            "  hpcrl_mpi_step",
-            '  hpcrl_wait "$hpcrl_trainer_pid"; hpcrl_rc=$?',
-            '  echo "hpcrl: trainer step (second try) ended with status $hpcrl_rc"',
-            "fi",
-        ]
     if not mpi:
         lines += [
             "",

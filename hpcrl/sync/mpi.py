@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.slurm.env import MPI_UP_FILE_VAR
 from hpcrl.sync.tensor_handover import tensor_update_request
 
 CMD_BUCKET, CMD_STOP = 1, 0
@@ -81,25 +80,10 @@ def mpi_world(role: str = "driver") -> Any:
             f"the MPI world of {world.size} process(es) has {int(drivers[0])} drivers, not 1: launch exactly one "
             "`hpcrl run` (or one trainer step with `hpcrl role trainer`) and the agents with `hpcrl role mpi-agent`"
         )
-    if role == "driver":
-        _mark_world_up()
     color = MPI.UNDEFINED if role == "follower" else 0
     comm = world.Split(color, 0 if role == "driver" else world.rank + 1)
     _joined.update(role=role, comm=None if comm == MPI.COMM_NULL else comm)
     return _joined["comm"]
-
-
-def _mark_world_up() -> None:
-    """Touch $HPCRL_MPI_UP_FILE: the first Allreduce has completed, so every rank is past MPI_Init.
-
-    Open MPI 5's MPI_Init can segfault when a peer's first message arrives while this rank still waits in
-    the init fence (open-mpi/ompi#12495). The generated Slurm script runs a failed MPI step once more only
-    when this file is missing: nothing of the run has happened yet, so the retry is safe.
-    """
-    path = os.environ.get(MPI_UP_FILE_VAR)
-    if path:
-        with open(path, "w") as f:
-            f.write(f"{time.time():.3f}\n")
 
 
 def finalize() -> None:

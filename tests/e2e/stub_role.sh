@@ -2,8 +2,7 @@
 # A stand-in for `hpcrl role ROLE --run-dir DIR` in the Slurm tests: it follows the role contract
 # (engines stop on their DONE file or TERM; trainer rank 0 requeues the job on USR2; mpi-agents leave
 # at once) in milliseconds, and records what each task saw in RUN_DIR/stub/ROLE-JOBID-RESTART-PROCID.txt.
-# STUB_TRAINER (set through slurm.env): ok (default) | fail | preemptible | block; STUB_AGENT: ok | fail |
-# fail-first-step (the first MPI step dies before its world is up, as Open MPI's init race does).
+# STUB_TRAINER (set through slurm.env): ok (default) | fail | preemptible | block; STUB_AGENT: ok | fail
 role=$1 run_dir=$3 restart=${SLURM_RESTART_COUNT:-0}
 mkdir -p "$run_dir/stub"
 out="$run_dir/stub/$role-$SLURM_JOB_ID-$restart-$SLURM_PROCID.txt"
@@ -28,15 +27,9 @@ if [ "$role" = mpi-agent ]; then
   record "role=mpi-agent node=$SLURMD_NODENAME procid=$SLURM_PROCID pmix_rank=${PMIX_RANK:-none}" \
     "het_group=${HPCRL_HET_GROUP:-} step_tasks=$SLURM_STEP_NUM_TASKS omp=$OMP_NUM_THREADS"
   [ "${STUB_AGENT:-ok}" = fail ] && exit 5
-  [ "${STUB_AGENT:-ok}" = fail-first-step ] && [ "$SLURM_STEP_ID" = 0 ] && { record "died in step 0"; exit 6; }
   exit 0
 fi
 
-# The real driver touches HPCRL_MPI_UP_FILE once every rank is past MPI_Init; the stub world is up at once
-# unless the agents play the init crash.
-if [ -n "${HPCRL_MPI_UP_FILE:-}" ] && ! { [ "${STUB_AGENT:-ok}" = fail-first-step ] && [ "$SLURM_STEP_ID" = 0 ]; }; then
-  : > "$HPCRL_MPI_UP_FILE"
-fi
 mode=${STUB_TRAINER:-ok}
 [ "$restart" -gt 0 ] && [ "$mode" = preemptible ] && mode=ok
 if [ "$mode" = preemptible ]; then
@@ -50,7 +43,7 @@ if [ "$mode" = preemptible ]; then
   trap on_usr2 USR2
 fi
 record "role=trainer node=$SLURMD_NODENAME procid=$SLURM_PROCID ntasks=$SLURM_NTASKS omp=$OMP_NUM_THREADS" \
-  "pmix_rank=${PMIX_RANK:-none} het_group=${HPCRL_HET_GROUP:-} step=$SLURM_STEP_ID" \
+  "pmix_rank=${PMIX_RANK:-none} het_group=${HPCRL_HET_GROUP:-}" \
   "nvls=${NCCL_NVLS_ENABLE:-}/${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}/${NVSHMEM_DISABLE_NVLS:-}" \
   "gpus=${CUDA_VISIBLE_DEVICES:-none} mode=$mode name=$SLURM_JOB_NAME"
 case $mode in

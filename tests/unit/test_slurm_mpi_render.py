@@ -27,7 +27,7 @@ def test_mpi_script_runs_agents_and_trainer_in_one_mpi_step(tmp_path: Path) -> N
     cfg = make_config(MPI_LAYOUT | {"slurm.engines.cpus_per_task": 2, "slurm.trainer.cpus_per_task": 3})
     text = render_script(cfg, "runs/t")
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
-    step = re.search(r"^  srun --mpi=pmix .*?&$", text, re.M | re.S)
+    step = re.search(r"^srun --mpi=pmix .*?&$", text, re.M | re.S)
     assert step, text
     components = step.group().replace("\\\n", " ").split(" : ")
     assert len(components) == 2, "one srun, two het components"
