@@ -30,6 +30,7 @@ from typing import Any, cast
 import httpx
 
 from hpcrl.engine import contract as C
+from hpcrl.engine import jsonwire
 from hpcrl.engine.contract import Endpoint, Reply, Retry
 from hpcrl.engine.protocol import (
     DEFAULT_GROUP_NAME,
@@ -372,7 +373,7 @@ class EngineClient:
         if not response.content:
             return None
         try:
-            return response.json()
+            return jsonwire.loads(response.content)
         except ValueError as exc:
             raise EngineError(
                 f"{what}: the engine answered HTTP {response.status_code} with a body that is not JSON: "
@@ -431,7 +432,7 @@ class EngineClient:
         if reply is Reply.MAYBE_SUCCESS:
             # SGLang answers these with an empty body; only an object can carry a failure.
             try:
-                parsed = response.json() if response.content else None
+                parsed = jsonwire.loads(response.content) if response.content else None
             except ValueError:
                 return None
             return self._checked(parsed, what, response.status_code) if isinstance(parsed, dict) else None

@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from hpcrl.engine import jsonwire  # noqa: E402 - after the path that finds hpcrl
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -171,13 +173,13 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
     if ns.client == "batch":
         r = client.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params, **extra})
         r.raise_for_status()
-        outs = r.json()
+        outs = jsonwire.loads(r.content)  # as hpcrl's engine client parses answers
     else:
 
         def one(p: list[int]) -> dict[str, Any]:
             r = client.post(url + "/generate", json={"input_ids": p, "sampling_params": params, **extra})
             r.raise_for_status()
-            return r.json()
+            return jsonwire.loads(r.content)
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), 256)) as pool:
             outs = list(pool.map(one, prompts))

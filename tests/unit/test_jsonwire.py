@@ -1,0 +1,46 @@
+"""The engine's JSON wire: what a strict peer can parse goes out, what a lenient peer sends comes in."""
+
+from __future__ import annotations
+
+import enum
+import gc
+import json
+import math
+
+import pytest
+
+from hpcrl.engine import jsonwire
+
+
+def test_non_finite_numbers_go_out_as_null_that_strict_parsers_accept() -> None:
+    body = jsonwire.dumps({"output_token_logprobs": [[-math.inf, 7, None], [math.nan, 8, None], [-0.5, 9, None]]})
+    parsed = json.loads(body, parse_constant=lambda c: pytest.fail(f"bare {c} on the wire"))
+    assert parsed == {"output_token_logprobs": [[None, 7, None], [None, 8, None], [-0.5, 9, None]]}
+
+
+def test_what_orjson_refuses_still_goes_out_through_the_standard_library() -> None:
+    class Field(str, enum.Enum):
+        ID = "id"
+
+    body = jsonwire.dumps({Field.ID: 2**70, "lp": math.nan})
+    assert json.loads(body) == {"id": 2**70, "lp": None}
+
+
+def test_bare_nan_from_a_lenient_peer_parses_and_garbage_is_a_value_error() -> None:
+    assert math.isnan(jsonwire.loads(b'{"lp": NaN}')["lp"])
+    with pytest.raises(ValueError):
+        jsonwire.loads(b"<html>502 Bad Gateway</html>")
+
+
+def test_parsing_leaves_the_collector_as_it_found_it() -> None:
+    assert gc.isenabled()
+    jsonwire.loads(b"[1, 2]")
+    with pytest.raises(ValueError):
+        jsonwire.loads(b"{")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        jsonwire.loads(b"[1]")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
