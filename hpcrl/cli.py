@@ -50,6 +50,7 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         num_threads=ns.num_threads,
         ignore_sigterm=ns.ignore_sigterm,
         decode_mode=ns.decode_mode,
+        kv_cache_dtype=ns.kv_cache_dtype,
         overlap=ns.decode_overlap,
         profile=ns.decode_profile,
     )
@@ -229,6 +230,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "eager", "triton", "graph", "compile"],
         default=None,
         help="auto (default): CUDA graphs of fused kernels on CUDA, eager on CPU; compile: torch.compile'd CPU step",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8_e4m3"],
+        default="auto",
+        help="K/V cache storage: auto (the model's dtype) or fp8_e4m3 (half of bfloat16's bytes, faster decode at "
+        "batch 256, a larger log-prob gap; CUDA with the fused decode path only)",
     )
     p.add_argument(
         "--decode-overlap",

@@ -40,6 +40,12 @@ class EngineConfig:
     """embedded, CPU or CUDA, float32 or bfloat16: prefill, decode and sampling run hpcrl.model.invariant, whose
     logits for a token do not depend on batch size, batch composition or prefill vs decode; with train.onpolicy the
     trainer scores with the same forward and the train/rollout gap is exactly 0.0 (docs/numerics.md)."""
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    """K/V cache storage. `auto`: the model's dtype. `fp8_e4m3`: 8-bit floats (scale 1, saturating at +-448), half
+    the bytes of bfloat16; at batch 256 a decode step is mostly the attention reading K/V, so this is the engine's
+    largest speed lever, at the price of a larger train/rollout log-prob gap (measured every step;
+    docs/benchmarks.md). embedded: CUDA with the fused decode path (decode_mode auto, graph or triton), bfloat16 or
+    float16, not batch_invariant. sglang: passed as --kv-cache-dtype."""
     num_threads: int = 1
     startup_timeout_s: float | None = None
     """Bound on an engine's start (process launch to its first healthy answer); while it runs the engine
@@ -128,6 +134,12 @@ class EngineConfig:
                     f"batch_invariant runs its own decode step; decode_mode {self.decode_mode!r} would not be "
                     "used: leave decode_mode at auto"
                 )
+        if self.kv_cache_dtype == "fp8_e4m3" and self.kind == "embedded":
+            problem = fp8_kv_cache_problem(
+                device=self.device, dtype=self.dtype, decode_mode=self.decode_mode, batch_invariant=self.batch_invariant
+            )
+            if problem:
+                raise ValueError(f"kv_cache_dtype: fp8_e4m3 {problem}; or use kv_cache_dtype: auto")
         if self.offload_during_train and self.kind == "sglang" and not self.enable_memory_saver:
             raise ValueError("offload_during_train with kind: sglang needs enable_memory_saver: true")
         if self.max_restarts < 0:
@@ -142,3 +154,20 @@ class EngineConfig:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if not 0 < self.health_timeout_s <= self.hung_after_s:
             raise ValueError("health_timeout_s must be > 0 and <= hung_after_s")
+
+
+def fp8_kv_cache_problem(*, device: str, dtype: str, decode_mode: str, batch_invariant: bool) -> str | None:
+    """Why the embedded engine cannot keep an 8-bit K/V cache in this setting (None: it can).
+
+    Only the fused CUDA decode kernels read 8-bit K/V (converting in registers); the eager and compiled steps and the
+    batch-invariant one would need float8 matmuls that torch lacks, and batch_invariant promises the trainer's exact
+    numbers, which a quantised cache breaks."""
+    if not device.startswith("cuda"):
+        return f"needs a CUDA device (the fused decode kernels), not {device!r}"
+    if dtype not in ("bfloat16", "float16"):
+        return f"needs dtype bfloat16 or float16 (the decode kernels' inputs), not {dtype!r}"
+    if batch_invariant:
+        return "cannot go with batch_invariant, whose log-probs must equal the trainer's bit for bit"
+    if decode_mode not in ("auto", "graph", "triton"):
+        return f"needs decode_mode auto, graph or triton (the fused kernels read 8-bit K/V), not {decode_mode!r}"
+    return None

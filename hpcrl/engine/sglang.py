@@ -73,6 +73,8 @@ def sglang_command(
         # hpcrl probes /health itself and pushes weights before the first rollout.
         "--skip-server-warmup",
     ]  # fmt: skip
+    if cfg.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     if cfg.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     if cfg.enable_memory_saver:

@@ -141,6 +141,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it; an 8-bit float cache saturates (a plain cast may give NaN past its largest value)."""
+    if x.dtype == cache_dtype:
+        return x
+    if cache_dtype.itemsize == 1 and cache_dtype.is_floating_point:
+        top = torch.finfo(cache_dtype).max
+        return x.clamp(-top, top).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A view of t as integers of its width, for copies by index (index_put has no float8 kernels everywhere)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 @dataclass
 class KVCache:
     """Static K/V buffers; `k[i]`/`v[i]` are layer i's [slots, kv_heads, max_len, head_dim] views of one
@@ -178,10 +193,11 @@ class KVCache:
         s = torch.tensor(src, device=self.k[0].device)
         d = torch.tensor(dst, device=self.k[0].device)
         if self.buffer is not None:
-            self.buffer[:, :, d, :, :length] = self.buffer[:, :, s, :, :length]
+            buf = _bits(self.buffer)
+            buf[:, :, d, :, :length] = buf[:, :, s, :, :length]
             return
         for t in self.k + self.v:
-            t[d, :, :length] = t[s, :, :length]
+            _bits(t)[d, :, :length] = _bits(t)[s, :, :length]
 
     def move_slot(self, src: int, dst: int) -> None:
         if self.buffer is not None:
@@ -241,16 +257,17 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         b, t = x.shape[0], x.shape[1]
         if mask is None:
-            k_rows[:, :, :t] = k
-            v_rows[:, :, :t] = v
+            k_rows[:, :, :t] = to_cache_dtype(k, k_rows.dtype)
+            v_rows[:, :, :t] = to_cache_dtype(v, v_rows.dtype)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         pos = start_pos[:, None] + torch.arange(t, device=x.device)[None, :]  # [B, T]
         rows = torch.arange(b, device=x.device)[:, None].expand(b, t)
-        # Advanced indices around a slice put their dims first: the target is [B, T, kv, D].
-        k_rows[rows, :, pos] = k.transpose(1, 2)
-        v_rows[rows, :, pos] = v.transpose(1, 2)
-        keys, values = k_rows[:, :, :attn_len], v_rows[:, :, :attn_len]
+        # Advanced indices around a slice put their dims first: the target is [B, T, kv, D]. Through a
+        # same-width view: index_put is not implemented for every dtype a cache may have (float8).
+        _bits(k_rows)[rows, :, pos] = _bits(to_cache_dtype(k, k_rows.dtype)).transpose(1, 2)
+        _bits(v_rows)[rows, :, pos] = _bits(to_cache_dtype(v, v_rows.dtype)).transpose(1, 2)
+        keys, values = k_rows[:, :, :attn_len].to(q.dtype), v_rows[:, :, :attn_len].to(q.dtype)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -64,6 +64,38 @@ def test_graph_path_and_logprobs_match_teacher_forcing(cuda_engine: EngineProces
     assert (engine_lp - ref).abs().max().item() < 1e-3
 
 
+def test_an_fp8_kv_cache_decodes_what_the_model_scores(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """bf16 engines with a bf16 and an 8-bit K/V cache: both sets of sampled log-probs against the model's own
+    full-sequence bf16 forward over the same tokens; the 8-bit cache may cost accuracy, not correctness."""
+    from hpcrl.model.qwen3 import token_logprobs_of_sequence
+
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16, device=torch.device("cuda"))
+    prompts = [PROMPT[: 2 + i % 5] + [7 + i] for i in range(16)]
+    gaps = {}
+    for cache in ("auto", "fp8_e4m3"):
+        (tmp_path / cache).mkdir()
+        eng = start_engine(tiny_model_dir, tmp_path / cache, "--device", "cuda", "--dtype", "bfloat16",
+                           "--kv-cache-dtype", cache, timeout_s=180)  # fmt: skip
+        try:
+            outs = gen(eng.url, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 48, "ignore_eos": True},
+                                 "return_logprob": True})  # fmt: skip
+            assert info(eng.url)["decode_path"] == "cuda_graph"
+            assert httpx.get(eng.url + "/server_info", timeout=10).json()["kv_cache_dtype"] == cache
+        finally:
+            eng.stop()
+        diffs = []
+        for p, o in zip(prompts, outs, strict=True):
+            engine_lp = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]])
+            with torch.inference_mode():
+                ref = token_logprobs_of_sequence(model, torch.tensor(p + o["output_ids"], device="cuda"), len(p))
+            diffs.append((engine_lp - ref.float().cpu()).abs())
+        gaps[cache] = torch.cat(diffs)
+    print({k: (v.mean().item(), v.max().item()) for k, v in gaps.items()})
+    assert torch.isfinite(gaps["fp8_e4m3"]).all()
+    # Reading 8-bit bytes as anything else would put log-probs off by whole units, not hundredths.
+    assert gaps["fp8_e4m3"].mean().item() < 0.05 and gaps["fp8_e4m3"].max().item() < 0.5
+
+
 def test_seeded_requests_repeat_and_batches_run(cuda_engine: EngineProcess) -> None:
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30, "sampling_seed": 3}, "return_logprob": True}
     a, b = gen(cuda_engine.url, body), gen(cuda_engine.url, body)

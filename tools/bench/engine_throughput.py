@@ -121,6 +121,8 @@ class Engine:
         )
         if ns.threads and kind == "embedded":
             cmd += ["--num-threads", str(ns.threads)]
+        if ns.kv_cache_dtype != "auto":
+            cmd += ["--kv-cache-dtype", ns.kv_cache_dtype]  # the same flag and value on both engines
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
         if ns.threads:
@@ -331,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         help="which engine(s): both = the embedded engine, then stock SGLang (needs sglang installed)",
     )  # fmt: skip
     p.add_argument("--logprobs", action="store_true", help="ask every request for its output log-probs (RL)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                   help="K/V cache storage of every engine measured (--kv-cache-dtype of both)")  # fmt: skip
     p.add_argument("--sglang-arg", action="append", default=[], help="an extra SGLang launch argument (repeat)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.5, help="SGLang --mem-fraction-static")
     p.add_argument("--engine-env", action="append", default=[], help="KEY=VALUE for the engine process (repeat)")
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     config = (
         f"{model_dir.name} {ns.device}/{ns.dtype} {ns.num_seqs} seqs x {ns.max_new_tokens} new tokens "
         f"(prompt {ns.prompt_len}), threads={ns.threads or 'default'}, client={ns.client}, "
-        f"logprobs={'yes' if ns.logprobs else 'no'}"
+        f"logprobs={'yes' if ns.logprobs else 'no'}, kv_cache={ns.kv_cache_dtype}"
     )
     print(f"config: {config}", flush=True)
     results: dict[str, Any] = {"config": config, "argv": sys.argv[1:]}

@@ -45,6 +45,9 @@ def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 # Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
 ATTN_CONFIG = _config("ATTN_CONFIG", (64, 8, 3, 1))
+# With an 8-bit K/V cache (tools/gpu/attention_kv8_sweep.py, H200, batch 256, length 384): small tiles, two warps
+# and four stages read 2.3 TB/s of e4m3 K/V (0.087 ms a layer); 64,8,3 read 1.7 TB/s (0.119 ms).
+ATTN_CONFIG_KV8 = _config("ATTN_CONFIG_KV8", (32, 2, 4, 1))
 SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
 
@@ -120,6 +123,7 @@ if AVAILABLE:
         KP: tl.constexpr,
         D: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        KV8: tl.constexpr,
     ):
         # One program per row: its q heads (rewritten in place), k heads and v heads (to the cache).
         b = tl.program_id(0).to(tl.int64)
@@ -160,9 +164,16 @@ if AVAILABLE:
         # A finished row's extra look-ahead step may sit at max_len: it must not write out of bounds.
         mc = (hk < tl.where(pos < max_len, KVH, 0)) & (d[None, :] < D)
         off = b * stride_cb + hk.to(tl.int64) * stride_ch + pos * stride_cn + d[None, :]
-        tl.store(KC + off, out.to(KC.dtype.element_ty), mask=mc)
         vv = tl.load(row + (H + KVH) * D + hk * D + d[None, :], mask=mc, other=0.0)
-        tl.store(VC + off, vv.to(VC.dtype.element_ty), mask=mc)
+        if KV8:
+            # e4m3 tops out at 448; saturate explicitly rather than trust each conversion path to.
+            kf = tl.minimum(tl.maximum(out.to(tl.float32), -448.0), 448.0)
+            vf = tl.minimum(tl.maximum(vv.to(tl.float32), -448.0), 448.0)
+            tl.store(KC + off, kf.to(KC.dtype.element_ty), mask=mc)
+            tl.store(VC + off, vf.to(VC.dtype.element_ty), mask=mc)
+        else:
+            tl.store(KC + off, out.to(KC.dtype.element_ty), mask=mc)
+            tl.store(VC + off, vv.to(VC.dtype.element_ty), mask=mc)
 
     @triton.jit
     def _decode_attention_kernel(
@@ -184,6 +195,7 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr,
         USE_DOT: tl.constexpr,
         IEEE: tl.constexpr,
+        KV8: tl.constexpr,
     ):
         # One program per (row, kv head): the GROUP query heads that share it read its K/V once.
         b = tl.program_id(0).to(tl.int64)
@@ -194,6 +206,10 @@ if AVAILABLE:
         offs_d = tl.arange(0, D)
         heads = kvh * GROUP + offs_h
         q = tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        if KV8 and USE_DOT:
+            # 8-bit K/V widen to float16 in one hardware conversion (to bfloat16 it takes several); q and p
+            # follow, to dot with them. float16 holds q exactly enough: its values are normed, far below 65504.
+            q = q.to(tl.float16)
         if not USE_DOT:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -206,6 +222,10 @@ if AVAILABLE:
             nmask = offs_n < length
             k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
             v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if KV8 and USE_DOT:
+                # 8-bit K/V: half the bytes from HBM, widened in registers for the dots.
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
             if USE_DOT:
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -438,6 +458,7 @@ def qk_norm_rope_store(
         KP=_next_pow2(num_kv_heads),
         D=head_dim,
         HAS_NORM=has_norm,
+        KV8=k_cache.element_size() == 1,
         num_warps=4,
     )
 
@@ -461,7 +482,8 @@ def decode_attention(
     """
     n = q.shape[0]
     group = num_heads // num_kv_heads
-    block_n, warps, stages, use_dot = (config or ATTN_CONFIG) + (1,) * (4 - len(config or ATTN_CONFIG))
+    config = config or (ATTN_CONFIG_KV8 if k_cache.element_size() == 1 else ATTN_CONFIG)
+    block_n, warps, stages, use_dot = config + (1,) * (4 - len(config))
     _decode_attention_kernel[(n, num_kv_heads)](
         q,
         k_cache,
@@ -482,6 +504,7 @@ def decode_attention(
         BLOCK_N=block_n if head_dim <= 128 else min(block_n, 32),
         USE_DOT=bool(use_dot),
         IEEE=q.dtype == torch.float32,
+        KV8=k_cache.element_size() == 1,
         num_warps=warps,
         num_stages=stages,
     )

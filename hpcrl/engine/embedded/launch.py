@@ -30,6 +30,8 @@ def embedded_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
         cmd += ["--logprobs", cfg.logprobs]
     if cfg.batch_invariant:
         cmd.append("--batch-invariant")
+    if cfg.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     if slot.ignore_sigterm:
         cmd.append("--ignore-sigterm")
     return Launch(cmd, {API_KEY_ENV: slot.api_key, "OMP_NUM_THREADS": str(cfg.num_threads)})

@@ -173,6 +173,8 @@ class DecodeRunner:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._torch_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._unit_temperature = False
+        # The model's dtype, not the cache's: an 8-bit cache stores K/V, the math runs in the model's dtype.
+        self.model_dtype = model.model.embed_tokens.weight.dtype
         # Per layer: the fused [q; k; v] weight (and bias) and [gate; up] weight that the model's
         # parameters are views of (see _fuse_weights).
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
@@ -460,7 +462,7 @@ class DecodeRunner:
         a = model.args
         if self._rope is None:
             pos = torch.arange(cache.max_len, device=self.device)
-            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, cache.k[0].dtype)
+            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype)
         if self._fused is None:
             self._fuse_weights()
         assert self._fused is not None
@@ -567,7 +569,7 @@ class DecodeRunner:
             assert self.cache is not None
             a = self.model.args
             pos = torch.arange(self.cache.max_len, device=self.device)
-            cos, sin = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.cache.k[0].dtype)
+            cos, sin = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype)
             half = a.head_dim // 2
             sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
             # rotate_half(x) = roll(x, D/2) * sign: the sign goes into the sin table.

@@ -109,6 +109,7 @@ class SchedulerConfig:
     deterministic: bool = False
     logprobs: str = "sampled"  # "recompute": re-score finished sequences (see _complete)
     batch_invariant: bool = False  # the "invariant" decode mode (hpcrl.model.invariant)
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
     # "auto": CUDA graphs of the fused kernels on CUDA when Triton is there, else the eager model.
     decode_mode: str = "auto"
     # Launch step t+1 before reading step t (None: on for CUDA, where launches are asynchronous).
@@ -160,7 +161,7 @@ class Scheduler:
         self.dtype = dtype
         self.eos_ids = frozenset(model.args.eos_token_ids)
         self.cache: KVCache | None = KVCache.allocate(
-            model.args, cfg.max_running_requests, cfg.context_length, dtype, device
+            model.args, cfg.max_running_requests, cfg.context_length, cfg.kv_cache_dtype or dtype, device
         )
         self.runner = DecodeRunner(
             model,
@@ -170,6 +171,12 @@ class Scheduler:
             mode=resolve_decode_mode(cfg.decode_mode, model, device, dtype, batch_invariant=cfg.batch_invariant),
             profile=cfg.profile,
         )
+        if self.cache.k[0].element_size() == 1 and self.runner.mode not in ("graph", "triton"):
+            # The deprecated HPCRL_ENGINE_DECODE switch can still pick a path the flags' check did not see.
+            raise ValueError(
+                f"an 8-bit K/V cache needs the fused CUDA decode path (graph or triton), but this engine's decode "
+                f"path is {self.decode_path}: unset HPCRL_ENGINE_DECODE or leave --kv-cache-dtype at auto"
+            )
         self.overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
         self.weights_released = False
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -620,7 +627,11 @@ class Scheduler:
             restored["weights"] = total
         if "kv_cache" in tags and self.cache is None:
             self.cache = KVCache.allocate(
-                self.model.args, self.cfg.max_running_requests, self.cfg.context_length, self.dtype, self.device
+                self.model.args,
+                self.cfg.max_running_requests,
+                self.cfg.context_length,
+                self.cfg.kv_cache_dtype or self.dtype,
+                self.device,
             )
             self.runner.set_cache(self.cache)
             restored["kv_cache"] = self.cache.nbytes()

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from hpcrl.engine import jsonwire
 from hpcrl.engine import protocol as P
-from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
+from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS, fp8_kv_cache_problem
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
 from hpcrl.model.hf import load_model, parse_dtype
@@ -70,6 +70,7 @@ class ServerConfig:
     # Decode tuning (--decode-mode, --decode-overlap, --decode-profile; engine.decode_* in a run config).
     # None means not given: then the deprecated HPCRL_ENGINE_DECODE / _OVERLAP / _PROFILE still apply.
     decode_mode: str | None = None
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     overlap: Literal["auto", "on", "off"] | None = None
     profile: bool | None = None
 
@@ -95,6 +96,15 @@ class ServerConfig:
             )
         if self.batch_invariant and self.logprobs == "recompute":
             raise ValueError("--batch-invariant reports its sampled log-probs; drop --logprobs recompute")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            problem = fp8_kv_cache_problem(
+                device=self.device,
+                dtype=self.dtype,
+                decode_mode=self.decode_mode or "auto",
+                batch_invariant=self.batch_invariant,
+            )
+            if problem:
+                raise ValueError(f"--kv-cache-dtype fp8_e4m3 {problem}; or leave --kv-cache-dtype at auto")
         if not (math.isfinite(self.group_timeout_s) and self.group_timeout_s > 0):
             raise ValueError(f"--group-timeout-s {self.group_timeout_s} must be a positive number of seconds")
         if self.api_key is not None and not self.api_key.strip():
@@ -200,6 +210,7 @@ class EmbeddedEngine:
                 deterministic=cfg.deterministic,
                 logprobs=cfg.logprobs,
                 batch_invariant=cfg.batch_invariant,
+                kv_cache_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8_e4m3" else None,
                 **decode_settings(cfg),
             ),
             device=self.device,
