@@ -154,12 +154,15 @@ def test_decode_step_matches_forward_cached(dtype: torch.dtype, llama: bool) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0)])
-def test_decode_attention_against_sdpa(dtype: torch.dtype, config: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1)])
+@pytest.mark.parametrize("kv8", [False, True])
+def test_decode_attention_against_sdpa(dtype: torch.dtype, config: tuple[int, ...], kv8: bool) -> None:
+    if kv8 and dtype == torch.float32:
+        pytest.skip("8-bit K/V go with bfloat16/float16 models (the engine refuses float32)")
     torch.manual_seed(3)
     n, h, kv, d, max_len = 5, 16, 8, 64, 200
-    kc = torch.randn(n, kv, max_len, d, device=DEVICE).to(dtype)
-    vc = torch.randn(n, kv, max_len, d, device=DEVICE).to(dtype)
+    kc = torch.randn(n, kv, max_len, d, device=DEVICE).to(torch.float8_e4m3fn if kv8 else dtype)
+    vc = torch.randn(n, kv, max_len, d, device=DEVICE).to(torch.float8_e4m3fn if kv8 else dtype)
     q = torch.randn(n, h, d, device=DEVICE).to(dtype)
     pos = torch.tensor([0, 63, 64, 150, 199], device=DEVICE)
     out = torch.empty_like(q)
