@@ -70,17 +70,23 @@ class TrainConfig:
     in any micro-batch; needs engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA,
     float32 or bfloat16; docs/numerics.md)."""
     logprob_chunk_tokens: int | None = None
-    """torch backend: compute the log-probs straight from the final hidden states, the LM head and the
-    log-softmax fused over chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab]
-    logits and their gradient never exist in full (issue #21; e.g. 4096). Null: the model's logits, then the
-    log-softmax. Same numbers to rounding (tests/unit/test_loss_head.py)."""
+    """Compute the log-probs straight from the final hidden states, the LM head and the log-softmax fused over
+    chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab] logits and their gradient
+    never exist in full (issue #21; e.g. 4096). Null: the model's logits, then the log-softmax. Same numbers to
+    rounding (tests/unit/test_loss_head.py, tests/unit/test_megatron.py). The megatron backend's last stage
+    stops at the final norm and each TP rank scores its vocabulary shard of the output layer (or tied
+    embedding), with the softmax statistics all-reduced over TP per chunk. Batches with sampling supports
+    (top-k/top-p replay) score their supports from the logits instead, so a run config refuses the pair."""
     torch_compile: bool = False
-    """torch backend: `torch.compile` every decoder layer (fused norms, RoPE, SwiGLU and their backward) and, with
-    logprob_chunk_tokens, the fused head's per-chunk log-softmax and its gradient. The first steps also compile
-    (tens of seconds more train time). One H200, Qwen3-0.6B shape, bf16, 8 x 2048 tokens: the layers alone ran
-    1.54x the eager tokens/s; with logprob_chunk_tokens (its chunks compiled too) and micro-batches of 8, 2.35x:
-    46.0% MFU against 19.5% (docs/benchmarks.md, "Trainer MFU levers"). Same numbers to rounding; on a CPU it
-    needs a C++ compiler."""
+    """`torch.compile` every decoder layer (fused norms, RoPE, SwiGLU and their backward) and, with
+    logprob_chunk_tokens, the fused head's per-chunk log-softmax and its gradient. torch backend: hpcrl's decoder
+    layers; megatron backend: each megatron-core TransformerLayer of the policy (its vocab-parallel log-probs
+    without logprob_chunk_tokens stay eager). The first steps also compile (tens of seconds more train time).
+    torch backend, one H200, Qwen3-0.6B shape, bf16, 8 x 2048 tokens: the layers alone ran 1.54x the eager
+    tokens/s; with logprob_chunk_tokens (its chunks compiled too) and micro-batches of 8, 2.35x: 46.0% MFU against
+    19.5% (docs/benchmarks.md, "Trainer MFU levers"); the megatron backend is not measured on a GPU yet. Same
+    numbers to rounding (tests/unit/test_torch_compile.py, tests/unit/test_megatron.py); on a CPU it needs a C++
+    compiler."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
@@ -125,11 +131,6 @@ class TrainConfig:
                     "whose GEMMs, attention and tensor-parallel reductions differ from it; "
                     "set onpolicy: false or backend: torch"
                 )
-        if self.torch_compile and self.backend != "torch":
-            raise ValueError(
-                "torch_compile compiles the torch backend's decoder layers and head; the megatron backend runs "
-                "megatron-core's own modules; set torch_compile: false or backend: torch"
-            )
         if self.torch_compile and self.onpolicy:
             raise ValueError(
                 "torch_compile fuses the layers' kernels, but onpolicy needs the trainer's forward to be the engine's "
@@ -177,11 +178,6 @@ class TrainConfig:
             if self.logprob_chunk_tokens < 1:
                 raise ValueError(
                     f"logprob_chunk_tokens must be >= 1 (or null: the plain head), got {self.logprob_chunk_tokens}"
-                )
-            if self.backend != "torch":
-                raise ValueError(
-                    "logprob_chunk_tokens applies to backend: torch (megatron computes its vocab-parallel log-probs "
-                    "itself); remove it or set backend: torch"
                 )
             if self.onpolicy:
                 raise ValueError(

@@ -6,12 +6,17 @@ Scenarios write their results to OUT_DIR from rank 0 (JSON metrics, safetensors 
 - grpo: three GRPO steps on a fixed batch, then the weights in HF layout;
 - bf16: one step in bfloat16; the dtypes of the pushed weights and of the checkpoint's;
 - logprobs: vocab-parallel log-probs, entropy and their gradients on random fp64-checked logits;
+- head: the same from hidden states and a row-split LM head (the fused head of train.logprob_chunk_tokens);
 - support: the same restricted to sampling supports (top-k/top-p replay), then one GRPO step (no KL) on the
   fixed batch with supports;
 - reshard: two steps under TP x PP, then the checkpoint state moves to a single-rank trainer, which must
   hold the same weights and take the same next step as the sharded one;
 - resume: two steps, the checkpoint state, a third step; a fresh trainer of the same split loads the
-  state and takes the third step again.
+  state and takes the third step again;
+- levers: one GRPO step per lever set of HPCRL_TEST_LEVERS (comma-separated; `plain`, `head` =
+  train.logprob_chunk_tokens, `compile` = train.torch_compile, joined with `+`), each on a fresh trainer:
+  its metrics, its gradients in HF layout, and counts, summed over the ranks, of what ran (output-layer
+  forwards, fused-head calls, compiled graphs, graph breaks).
 
 HPCRL_TEST_DEVICE=cuda runs the ranks on GPUs over NCCL (one GPU a rank, TF32 off) instead of gloo;
 HPCRL_TEST_MEGATRON_OPTIMIZER picks train.megatron_optimizer (default auto).
@@ -137,6 +142,92 @@ def vocab_parallel_check(out_dir: Path, rank: int, world: int) -> None:
         (out_dir / "result.json").write_text("{}")
 
 
+def vocab_parallel_head_check(out_dir: Path, rank: int, world: int) -> None:
+    """Hidden states and this rank's rows of a random LM head through vocab_parallel_hidden_logprobs, for a
+    vocabulary whose last rank holds real rows and padding (11) and one whose last rank holds padding only (5);
+    rank 0 writes values and gradients (the head's gathered over the ranks)."""
+    from hpcrl.trainer.megatron.logprobs import vocab_parallel_hidden_logprobs
+
+    g = torch.Generator().manual_seed(4)
+    n, h, width = 13, 6, 6  # chunks of 4 rows leave a tail of 1
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(world * width, h, generator=g)
+    tensors = {"hidden": hidden, "weight": weight}
+    for vocab in (11, 5):
+        targets = torch.randint(0, vocab, (n,), generator=g)
+        mine_h = hidden.clone().requires_grad_(True)
+        mine_w = weight[rank * width : (rank + 1) * width].clone().requires_grad_(True)
+        kwargs = dict(vocab_start=rank * width, vocab_size=vocab, group=dist.group.WORLD, chunk_tokens=4)
+        lp, ent = vocab_parallel_hidden_logprobs(mine_h, mine_w, targets, **kwargs)  # type: ignore[arg-type]
+        (lp.sum() * 0.7 + ent.sum() * 0.3).backward()
+        with torch.no_grad():
+            lp_no_grad, _ = vocab_parallel_hidden_logprobs(mine_h, mine_w, targets, **kwargs)  # type: ignore[arg-type]
+        assert mine_h.grad is not None and mine_w.grad is not None
+        grads = [torch.empty_like(mine_w) for _ in range(world)]
+        dist.all_gather(grads, mine_w.grad)
+        tensors |= {f"{vocab}/targets": targets, f"{vocab}/lp": lp.detach(), f"{vocab}/ent": ent.detach(),
+                    f"{vocab}/lp_no_grad": lp_no_grad, f"{vocab}/grad_hidden": mine_h.grad,
+                    f"{vocab}/grad_weight": torch.cat(grads)}  # fmt: skip
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out_dir / "head.safetensors"))
+        (out_dir / "result.json").write_text("{}")
+
+
+def levers_check(model_dir: Path, out_dir: Path, tp: int, pp: int, world: int, rank: int, batch: TrainBatch) -> None:
+    from hpcrl.trainer.megatron import backend
+
+    fused = backend.vocab_parallel_hidden_logprobs
+    fused_calls = [0]
+
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_calls[0] += 1
+        return fused(*args, **kwargs)  # type: ignore[arg-type]
+
+    backend.vocab_parallel_hidden_logprobs = counted  # type: ignore[assignment]
+    result: dict[str, object] = {}
+    grads: dict[str, torch.Tensor] = {}
+    for name in os.environ.get("HPCRL_TEST_LEVERS", "plain,head,compile,head+compile").split(","):
+        fused_calls[0] = 0
+        step, ran, named_grads = one_lever_step(name, model_dir, tp, pp, world, rank, batch)
+        ran["fused"] = fused_calls[0]
+        totals = torch.tensor(list(ran.values()), dtype=torch.long)
+        dist.all_reduce(totals)
+        result[name] = {"metrics": step, "ran": dict(zip(ran, totals.tolist(), strict=True))}
+        grads.update({f"{name}/{k}": v for k, v in named_grads})
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous().cpu() for k, v in grads.items()}, str(out_dir / "grads.safetensors"))
+        (out_dir / "result.json").write_text(json.dumps(result))
+
+
+def one_lever_step(
+    name: str, model_dir: Path, tp: int, pp: int, world: int, rank: int, batch: TrainBatch
+) -> tuple[dict[str, float], dict[str, int], list[tuple[str, torch.Tensor]]]:
+    """One GRPO step of a fresh trainer with the levers in `name`: its metrics, this rank's counts of output-layer
+    forwards, compiled graphs and graph breaks, and the gradients in HF layout (on rank 0)."""
+    import torch._dynamo
+
+    from hpcrl.trainer.megatron.backend import MegatronTrainer
+
+    levers = name.split("+")
+    train = dict(TRAIN, logprob_chunk_tokens=5 if "head" in levers else None, torch_compile="compile" in levers)
+    trainer = MegatronTrainer(config(tp, pp, world, train=train), model_dir, rank=rank, world_size=world)
+    logits_calls = [0]
+
+    def count_logits(*_: object) -> None:
+        logits_calls[0] += 1
+
+    if trainer.shard.last_stage:
+        trainer.model.output_layer.register_forward_hook(count_logits)
+    counters = torch._dynamo.utils.counters
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    step = trainer.train_grpo(batch)
+    ran = {"logits": logits_calls[0], "graphs": counters["stats"]["unique_graphs"] - graphs,
+           "breaks": sum(counters["graph_break"].values()) - breaks}  # fmt: skip
+    params = dict(trainer.model.named_parameters())
+    return step, ran, [(k, v.clone()) for k, v in trainer._collect(lambda n: params[n].grad)]
+
+
 def main() -> int:
     scenario, model_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     tp, pp = int(sys.argv[4]), int(sys.argv[5])
@@ -145,8 +236,8 @@ def main() -> int:
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world)
-    if scenario == "logprobs":
-        vocab_parallel_check(out_dir, rank, world)
+    if scenario in ("logprobs", "head"):
+        (vocab_parallel_check if scenario == "logprobs" else vocab_parallel_head_check)(out_dir, rank, world)
         dist.destroy_process_group()
         return 0
     from hpcrl.model.qwen3 import ModelArgs
@@ -160,6 +251,10 @@ def main() -> int:
         step = trainer.train_grpo(with_supports(batch, vocab))
         if rank == 0:
             (out_dir / "result.json").write_text(json.dumps({"metrics": [step]}))
+        dist.destroy_process_group()
+        return 0
+    if scenario == "levers":
+        levers_check(model_dir, out_dir, tp, pp, world, rank, batch)
         dist.destroy_process_group()
         return 0
     dtype = "bfloat16" if scenario == "bf16" else "float32"

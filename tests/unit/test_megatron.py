@@ -106,6 +106,90 @@ def test_vocab_parallel_logprobs_equal_the_full_softmax(tiny_model_dir: Path, tm
     assert (got["grad"][..., 11:] == 0).all()
 
 
+def test_fused_head_equals_the_full_softmax(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two ranks, each with half of a padded LM head: log-probs, entropy and the gradients of the hidden states
+    and the head from the fused head equal the full-vocabulary computation (float64 autograd); padding rows get
+    no probability and no gradient, also where a rank holds padding only."""
+    run_ranks("head", tiny_model_dir, tmp_path, 2, 1, 2)
+    got = load_file(tmp_path / "head.safetensors")
+    for vocab in (11, 5):
+        hidden = got["hidden"].double().requires_grad_(True)
+        weight = got["weight"].double().requires_grad_(True)
+        logp = torch.log_softmax(hidden @ weight[:vocab].t(), dim=-1)
+        lp = logp.gather(-1, got[f"{vocab}/targets"][:, None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        (lp.sum() * 0.7 + ent.sum() * 0.3).backward()
+        assert hidden.grad is not None and weight.grad is not None
+        torch.testing.assert_close(got[f"{vocab}/lp"].double(), lp.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[f"{vocab}/ent"].double(), ent.detach(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[f"{vocab}/lp_no_grad"], got[f"{vocab}/lp"])
+        torch.testing.assert_close(got[f"{vocab}/grad_hidden"].double(), hidden.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[f"{vocab}/grad_weight"].double(), weight.grad, rtol=1e-5, atol=1e-5)
+        assert (got[f"{vocab}/grad_weight"][vocab:] == 0).all()
+
+
+# Each lever set on a fresh trainer. Compiling costs seconds per process, so the compiled layers alone run
+# where one rank holds the model; TP=2 compiles them with the fused head (the TP collectives in the graphs),
+# and PP=2 (an untied LM head of its own on the last stage) checks the head alone.
+LEVERS = {
+    "tp1": (1, 1, 1, "plain,head,compile,head+compile", False),
+    "tp2": (2, 1, 2, "plain,head,head+compile", False),
+    "pp2-untied": (1, 2, 2, "plain,head", True),
+}
+
+
+@pytest.mark.parametrize("case", list(LEVERS))
+def test_fused_head_and_compiled_layers_train_like_the_plain_step(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """train.logprob_chunk_tokens and train.torch_compile on the Megatron backend: one GRPO step (KL to the
+    reference, entropy bonus, two micro-batches of different lengths) gives the plain step's loss, statistics and
+    gradients (fp32, to rounding). The fused head never runs the output layer, so no [tokens x vocab] logits
+    exist; the compiled layers really compile, with no graph break (one would leave the rest of a layer eager)."""
+    tp, pp, world, levers, untied = LEVERS[case]
+    model_dir = untied_copy(tiny_model_dir, tmp_path / "untied") if untied else tiny_model_dir
+    monkeypatch.setenv("HPCRL_TEST_LEVERS", levers)
+    result = run_ranks("levers", model_dir, tmp_path / "out", tp, pp, world)
+    grads = load_file(tmp_path / "out" / "grads.safetensors")
+    plain, plain_ran = result["plain"]["metrics"], result["plain"]["ran"]
+    assert plain_ran["logits"] > 0 and plain_ran["fused"] == 0 and plain_ran["graphs"] == 0
+    names = [k.removeprefix("plain/") for k in grads if k.startswith("plain/")]
+    assert ("lm_head.weight" in names) == untied and "model.embed_tokens.weight" in names
+    assert plain["grad_norm"] > 0 and plain["entropy"] > 0
+    for lever in levers.split(",")[1:]:
+        metrics, ran = result[lever]["metrics"], result[lever]["ran"]
+        if "head" in lever:
+            assert ran["logits"] == 0 and ran["fused"] > 0, (lever, ran)
+        if "compile" in lever:
+            assert ran["graphs"] > 0 and ran["breaks"] == 0, (lever, ran)
+        for key in ("loss", "pg_loss", "entropy", "train_rollout_logprob_abs_diff"):
+            assert metrics[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), (lever, key)
+        assert metrics["kl"] == pytest.approx(plain["kl"], abs=1e-7), lever
+        assert metrics["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4), lever
+        for name in names:
+            torch.testing.assert_close(grads[f"{lever}/{name}"], grads[f"plain/{name}"], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, lever=lever, name=name: f"{lever} {name}: {m}")  # fmt: skip
+
+
+def test_fused_head_and_compile_settings_on_the_megatron_backend() -> None:
+    """Both levers are accepted with any TP/PP split; what they cannot serve is refused with the fix."""
+    from hpcrl.run_config import load_run_config
+
+    cfg = TrainConfig(backend="megatron", tensor_parallel_size=2, pipeline_parallel_size=2, num_ranks=4,
+                      logprob_chunk_tokens=4096, torch_compile=True)  # fmt: skip
+    assert cfg.logprob_chunk_tokens == 4096 and cfg.torch_compile
+    with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 1"):
+        TrainConfig(backend="megatron", logprob_chunk_tokens=0)
+    with pytest.raises(ValueError, match="onpolicy"):
+        TrainConfig(backend="megatron", onpolicy=True, torch_compile=True)
+    quickstart = REPO / "experiments" / "quickstart.yaml"
+    megatron = ["train.backend=megatron", "train.logprob_chunk_tokens=4096", "train.torch_compile=true"]
+    assert load_run_config(quickstart, megatron).train.backend == "megatron"
+    # Top-k/top-p replay scores each token's support from the logits: the fused head would not run.
+    with pytest.raises(ValueError, match="train.logprob_chunk_tokens .* would not be used"):
+        load_run_config(quickstart, [*megatron, "rollout.top_k=20"])
+
+
 @pytest.fixture(scope="module")
 def torch_reference(tiny_model_dir: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     """Three GRPO steps of the torch backend on the batch the Megatron ranks use."""

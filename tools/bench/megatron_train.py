@@ -4,6 +4,7 @@
                                          [--steps 5] [--device cuda] [--dtype bfloat16]
                                          [--backends megatron megatron-local torch]
                                          [--backends torch torch+head torch+head+mb8 torch+head+compile+mb8]
+                                         [--backends megatron megatron+head+compile+mb8 torch+head+compile+mb8]
                                          [--json PATH]
 
 Workload: one GRPO optimizer step (forward, vocab-parallel log-probs and entropy, PPO loss, backward, AdamW)
@@ -14,11 +15,12 @@ model FLOPs per token = 6 x (matmul parameters, the LM head included) + 12 x lay
 seq-len (PaLM's attention term, causal masking not discounted), against the H200's 989 TFLOP/s dense bf16.
 Baseline: the torch backend (hpcrl's own model, the same losses), which is what a run uses today.
 
-Levers of the torch backend (issue #21), joined to it with `+`, each in its own process like a backend:
-`head` is train.logprob_chunk_tokens=4096 (log-probs from the hidden states, no [tokens x vocab] logits);
-`mbN` the micro-batch size N instead of --micro-batch; `compile` is train.torch_compile (torch.compile of
-every decoder layer and, with `head`, of the head's per-chunk softmax). The first two steps, which include
-compilation, are left out of the median.
+Levers (issue #21), joined to a backend with `+` (torch, megatron, megatron-local, ...), each in its own process
+like a backend: `head` is train.logprob_chunk_tokens=4096 (log-probs from the hidden states, no [tokens x vocab]
+logits; megatron: from the last stage's final norm with each TP rank's vocabulary shard); `mbN` the micro-batch
+size N instead of --micro-batch; `compile` is train.torch_compile (torch.compile of every decoder layer, megatron:
+every TransformerLayer, and, with `head`, of the head's per-chunk softmax). The first two steps, which include
+compilation, are left out of the median; a lever's speed is also printed against its plain backend.
 `--profile LEVER` runs one more step of that backend or lever under torch.profiler and prints where its GPU time
 went (the top kernels by self time, and the share of GEMMs, attention, elementwise/fused and the optimizer).
 The sequences are all seq-len long, so packing variable-length sequences has nothing to remove here (no
@@ -61,9 +63,10 @@ def one_backend(ns: argparse.Namespace) -> dict[str, float]:
     name, *levers = ns.backend.split("+")
     backend, _, optimizer = name.partition("-")  # megatron-local: the local optimizer
     unknown = [x for x in levers if x not in ("head", "compile") and not (x.startswith("mb") and x[2:].isdigit())]
-    if unknown or (levers and backend != "torch"):
+    if unknown:
         raise SystemExit(
-            f"unknown lever(s) {unknown or levers} in {ns.backend!r}: torch+head, torch+mbN, torch+compile"
+            f"unknown lever(s) {unknown} in {ns.backend!r}: BACKEND+head, BACKEND+mbN, BACKEND+compile "
+            "(e.g. torch+head+compile+mb8, megatron+head+compile+mb8)"
         )
     micro = next((int(x[2:]) for x in levers if x.startswith("mb")), ns.micro_batch)
     cfg = TrainConfig(backend=backend, device=ns.device, dtype=ns.dtype, micro_batch_size=micro,  # type: ignore[arg-type]
@@ -146,7 +149,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--backends", nargs="+", default=["megatron", "torch"],
                     help="megatron (train.megatron_optimizer auto: distributed on CUDA), megatron-local, "
-                    "megatron-distributed, torch")  # fmt: skip
+                    "megatron-distributed, torch; each may take levers: BACKEND+head+compile+mbN")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--timeout-s", type=float, default=None, help="give up on a backend or lever after this long")
     ap.add_argument("--profile", metavar="LEVER", help="profile one more step of this backend or lever")
@@ -199,10 +202,11 @@ def main() -> int:
     for backend, r in results.items():
         print(f"| {backend} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_gib']:.1f} "
               f"| {r['loss']:.4f} | {r['grad_norm']:.3f} |")  # fmt: skip
-    if "torch" in results:
-        for backend, r in results.items():
-            if backend.startswith("torch+"):
-                print(f"mfu: {backend} / torch tokens/s: {r['tokens_per_s'] / results['torch']['tokens_per_s']:.2f}x")
+    for backend, r in results.items():
+        plain = backend.split("+")[0]
+        if "+" in backend and plain in results:
+            ratio = r["tokens_per_s"] / results[plain]["tokens_per_s"]
+            print(f"mfu: {backend} / {plain} tokens/s: {ratio:.2f}x")
     if ns.json is not None:
         setup = {k: str(v) for k, v in vars(ns).items() if k not in ("json", "model_dir", "backend")}
         ns.json.write_text(json.dumps({"setup": setup, "results": results}, indent=1))

@@ -4,6 +4,7 @@
 # 0. the backend's CPU tests under megatron-core 0.19 (the version a Python 3.12 cluster installs)
 # 1. Megatron forward vs transformers, Qwen3-0.6B shape, fp32
 # 2. train throughput and MFU at 8 x 2048, bf16, Megatron vs the torch backend
+# mfu. (STEPS=mfu) the MFU levers (fused head, compiled layers, micro-batch 8) on megatron vs the torch backend
 # 3. the GRPO loop with the Megatron trainer, then the torch trainer (colocated engine): step time and the
 #    train/rollout log-prob gap
 set -u
@@ -28,6 +29,13 @@ if [[ $STEPS == *bench* ]]; then
     timeout 240 python3 tools/bench/megatron_train.py --batch 8 --seq-len 2048 --micro-batch $mb --steps 6 2>&1 \
       | grep -v Warning | tail -6 | tee -a "$OUT/megatron.log"
   done
+fi
+if [[ $STEPS == *mfu* ]]; then
+  # issue #21 item 1: the torch backend's MFU levers on megatron-core's layers (docs/benchmarks.md)
+  echo "=== MFU levers on the Megatron backend" | tee -a "$OUT/megatron.log"
+  timeout 420 python3 tools/bench/megatron_train.py --batch 8 --seq-len 2048 --micro-batch 4 --steps 6 \
+    --backends megatron megatron+head+compile+mb8 torch+head+compile+mb8 ${MFU_EXTRA:-} --timeout-s 150 \
+    --json "$OUT/mfu_megatron.json" 2>&1 | grep -v Warning | tail -12 | tee -a "$OUT/megatron.log"
 fi
 if [[ $STEPS == *loop* ]]; then
   echo "=== GRPO loop, Megatron trainer" | tee -a "$OUT/megatron.log"

@@ -5,7 +5,10 @@ the driver, is TP rank 0 of pipeline stage 0 and data-parallel replica 0. Data-p
 trains on rows d, d+DP, ... of a step's batch; every rank of a replica sees the same rows.
 
 Log-probs are computed vocab-parallel: each TP rank holds a slice of the vocabulary's logits, and
-the log-softmax normalizer, the target's logit and the entropy are all-reduced across TP. Losses are
+the log-softmax normalizer, the target's logit and the entropy are all-reduced across TP. With
+train.logprob_chunk_tokens the last stage stops at the final norm and the LM head and log-softmax run fused
+over token chunks (`vocab_parallel_hidden_logprobs`), so the logits never exist in full; with
+train.torch_compile every TransformerLayer of the policy (not the reference copy) is compiled. Losses are
 the torch backend's (`hpcrl.trainer.loss`), scaled by the global token count so the sum of gradients
 over DP replicas is the gradient of the whole batch's token mean.
 
@@ -39,8 +42,12 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
-from hpcrl.trainer.megatron.logprobs import vocab_parallel_logprobs, vocab_parallel_support_logprobs
-from hpcrl.trainer.megatron.model import build_gpt_model, init_parallel_state
+from hpcrl.trainer.megatron.logprobs import (
+    vocab_parallel_hidden_logprobs,
+    vocab_parallel_logprobs,
+    vocab_parallel_support_logprobs,
+)
+from hpcrl.trainer.megatron.model import build_gpt_model, compile_layers, init_parallel_state, output_weight
 from hpcrl.trainer.megatron.optimizer import MOMENTS, DistributedOptimizer, LocalOptimizer
 from hpcrl.trainer.step_stats import NanGuard, StepSums
 
@@ -86,6 +93,10 @@ class MegatronTrainer:
         hf = dict(iter_safetensors(self.model_dir))
         self.model: Any = self._build(hf)  # a megatron GPTModel (untyped), maybe inside Megatron's DDP
         self.model.train()
+        if cfg.torch_compile:
+            # The policy's layers only: the reference copy runs once per micro-batch without grad, as in the
+            # torch backend; compiling happens lazily, on the first step.
+            compile_layers(self.model)
         self.ref_model: torch.nn.Module | None = None
         if cfg.kl_coef > 0:
             self.ref_model = self._build(hf).eval().requires_grad_(False)
@@ -171,17 +182,28 @@ class MegatronTrainer:
         dist.all_reduce(t, group=self.dp_group)
         return float(t.item())
 
-    def _forward(self, model: Any, ids: Tensor, hidden_in: Tensor | None) -> Tensor:
-        """Hidden states [s, b, h] out of a middle stage, or logits [b, s, V/tp] out of the last."""
+    def _forward(self, model: Any, ids: Tensor, hidden_in: Tensor | None, hidden_only: bool) -> Tensor:
+        """Hidden states [s, b, h] out of a middle stage, or logits [b, s, V/tp] out of the last (its final
+        norm's output [s, b, h] with `hidden_only`)."""
         if hidden_in is not None:
             model.set_input_tensor(hidden_in)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions, None)
+        return model(ids, positions, None, hidden_only=hidden_only)
+
+    def _fused_head(self, supports: tuple[Tensor, Tensor] | None) -> bool:
+        """Whether the last stage hands the fused head its hidden states: train.logprob_chunk_tokens is set and
+        the micro-batch has no sampling supports (replay scores each token's support from the logits, as the
+        torch backend does; the run config refuses that pair, TrainConfig alone does not see the rollout)."""
+        return self.cfg.logprob_chunk_tokens is not None and supports is None
 
     def _logprobs(
-        self, logits: Tensor, ids: Tensor, supports: tuple[Tensor, Tensor] | None = None
+        self, model: Any, out: Tensor, ids: Tensor, supports: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
-        width = logits.shape[-1]
+        """Log-probs and entropy [b, T-1] from the last stage's output: logits [b, T, V/tp], or the hidden
+        states [T, b, h] where `_fused_head`."""
+        if self._fused_head(supports):
+            return self._hidden_logprobs(model, out, ids)
+        logits, width = out, out.shape[-1]
         if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
             return vocab_parallel_support_logprobs(
                 logits[:, :-1], ids[:, 1:], *supports, vocab_start=self.shard.tp_rank * width, group=self.tp_group
@@ -191,18 +213,30 @@ class MegatronTrainer:
             group=self.tp_group,
         )  # fmt: skip
 
+    def _hidden_logprobs(self, model: Any, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        assert self.cfg.logprob_chunk_tokens is not None
+        s, b, h = hidden.shape
+        # Rows in the hidden states' own [s, b] order: hidden[:-1] flattens without a copy, the ids are tiny.
+        weight = output_weight(model)
+        lp, ent = vocab_parallel_hidden_logprobs(
+            hidden[:-1].reshape((s - 1) * b, h), weight, ids[:, 1:].t().reshape(-1),
+            vocab_start=self.shard.tp_rank * weight.shape[0], vocab_size=self.args.vocab_size, group=self.tp_group,
+            chunk_tokens=self.cfg.logprob_chunk_tokens, compiled=self.cfg.torch_compile,
+        )  # fmt: skip
+        return lp.view(s - 1, b).t(), ent.view(s - 1, b).t()
+
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
         """Reference log-probs, run through the pipeline like the policy (forward only)."""
         if self.ref_model is None:
             return None
         with torch.no_grad():
-            out = self._stage_forward(self.ref_model, mb, keep_graph=False)[1]
+            out = self._stage_forward(self.ref_model, mb, keep_graph=False, hidden_only=self._fused_head(None))[1]
             if not self.shard.last_stage:
                 return None
-            return self._logprobs(out, mb.input_ids)[0]
+            return self._logprobs(self.ref_model, out, mb.input_ids)[0]
 
     def _stage_forward(
-        self, model: torch.nn.Module, mb: TrainBatch, *, keep_graph: bool
+        self, model: torch.nn.Module, mb: TrainBatch, *, keep_graph: bool, hidden_only: bool
     ) -> tuple[Tensor | None, Tensor]:
         """Receive the previous stage's activations (if any), run this stage, send to the next."""
         hidden_in = None
@@ -211,7 +245,7 @@ class MegatronTrainer:
             hidden_in = torch.empty(s, b, self.args.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(hidden_in, src=self._pp_peer(-1))
             hidden_in.requires_grad_(keep_graph)
-        out = self._forward(model, mb.input_ids, hidden_in)
+        out = self._forward(model, mb.input_ids, hidden_in, hidden_only)
         if not self.shard.last_stage:
             dist.send(out.detach().contiguous(), dst=self._pp_peer(+1))
         return hidden_in, out
@@ -235,9 +269,11 @@ class MegatronTrainer:
             mb = batch.select(slice(start, min(start + mbs, len(batch))))
             t0 = time.perf_counter()
             ref = self._ref_logprobs(mb) if mode == "grpo" else None
-            hidden_in, out = self._stage_forward(self.model, mb, keep_graph=True)
+            supports = mb.padded_supports()
+            hidden_in, out = self._stage_forward(self.model, mb, keep_graph=True,
+                                                 hidden_only=self._fused_head(supports))  # fmt: skip
             if self.shard.last_stage:
-                out = self._loss(out, mb, mode, ref, global_tokens, sums)
+                out = self._loss(out, mb, supports, mode, ref, global_tokens, sums)
             forward_s += time.perf_counter() - t0
             pending.append((hidden_in, out))
         for hidden_in, out in reversed(pending):
@@ -256,9 +292,9 @@ class MegatronTrainer:
         metrics.update(grad_norm=grad_norm, num_tokens=global_tokens, forward_s=forward_s)
         return self.nan_guard.step(optimizer, metrics)
 
-    def _loss(self, logits: Tensor, mb: TrainBatch, mode: str, ref: Tensor | None, global_tokens: float,
-              sums: StepSums) -> Tensor:  # fmt: skip
-        lp, entropy = self._logprobs(logits, mb.input_ids, mb.padded_supports())
+    def _loss(self, out: Tensor, mb: TrainBatch, supports: tuple[Tensor, Tensor] | None, mode: str,
+              ref: Tensor | None, global_tokens: float, sums: StepSums) -> Tensor:  # fmt: skip
+        lp, entropy = self._logprobs(self.model, out, mb.input_ids, supports)
         tokens = float(mb.num_response_tokens)
         if mode == "sft":
             loss, stats = sft_loss(lp, mb.loss_mask, loss_scale_tokens=global_tokens)

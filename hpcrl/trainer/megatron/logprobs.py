@@ -4,18 +4,22 @@ The same chunked scheme as `hpcrl.trainer.loss.token_logprobs` (never a full fp3
 backward recomputes the softmax block by block), with the row statistics completed across TP: one
 all-reduce of the max, one of (sum of exp, target logit, sum of exp x logit). The backward needs no
 communication: a rank's logits get `onehot - p` (and the entropy term) from the global log-sum-exp.
+
+`vocab_parallel_hidden_logprobs` is the fused head (train.logprob_chunk_tokens): the same statistics straight
+from the final hidden states and this rank's LM-head shard, chunk by chunk, so not even [B*T, V/tp] logits exist.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hpcrl.trainer.loss import _finite_or_zero, _row_blocks
+from hpcrl.trainer.loss import _finite_or_zero, _row_blocks, hidden_token_logprobs
 
 
 def _block(rows: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
@@ -188,3 +192,165 @@ def vocab_parallel_support_logprobs(
         logits, targets.long(), support_ids.long(), support_valid, vocab_start, group
     )
     return lp, ent
+
+
+def vocab_parallel_hidden_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, vocab_start: int, vocab_size: int, group: Any,
+    chunk_tokens: int, compiled: bool = False,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Log-probs of `targets` [N] and entropy [N] (fp32) under softmax over the whole vocabulary of
+    `hidden` [N, h] @ W.T, W split by rows over the TP `group`: this rank holds `weight` = W[vocab_start :
+    vocab_start + V/tp] (rows >= `vocab_size` are padding and never enter the softmax).
+
+    The fused head of `hpcrl.trainer.loss.hidden_token_logprobs`, vocab-parallel: per chunk of `chunk_tokens`
+    rows, one GEMM gives this rank's [chunk, V/tp] logits, which are reduced at once to row statistics (max,
+    sum of exp, sum of exp x logit, target logit); one all-reduce of the max and one of the rescaled sums
+    complete them over TP. Backward recomputes each chunk's logits and sums `hidden`'s gradient over TP (the
+    all-reduce Megatron's column-parallel output layer does in its backward). One TP rank: exactly
+    `hidden_token_logprobs`. `compiled` runs the per-chunk elementwise work through torch.compile.
+    Differentiable w.r.t. `hidden` and `weight` (first order)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, h] and weight [V/tp, h] needed, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    targets = targets.long()
+    if dist.get_world_size(group) == 1:
+        if weight.shape[0] != vocab_size:
+            raise ValueError(f"one TP rank holds the whole vocabulary ({vocab_size}), got {weight.shape[0]} rows")
+        lp, ent = hidden_token_logprobs(
+            hidden, weight, targets, chunk_tokens=chunk_tokens, with_entropy=True, compiled=compiled
+        )
+        assert ent is not None
+        return lp, ent
+    valid = min(max(vocab_size - vocab_start, 0), weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        lp, ent = _VocabParallelHeadLogprobs.apply(hidden, weight, targets, vocab_start, valid, group,
+                                                   chunk_tokens, compiled)  # fmt: skip
+        return lp, ent
+    with torch.no_grad():
+        lp, _, ent = _head_forward(hidden, weight, targets, vocab_start, valid, group, chunk_tokens, compiled)
+    return lp, ent
+
+
+def _head_local_stats(z: Tensor, local: Tensor, inside: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One chunk's row statistics over this rank's vocabulary slice, from its logits `z` [c, valid], in fp32:
+    max m, sum of exp(z - m), sum of exp(z - m) x (z - m), and the target's logit (0 where another rank has it)."""
+    x = z.to(torch.float32)
+    top = x.amax(dim=-1)
+    x = x - top[:, None]
+    e = x.exp()
+    picked = x.gather(1, local[:, None]).squeeze(1) + top
+    return top, e.sum(dim=-1), (e * x).sum(dim=-1), torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def _head_chunk_grad(
+    z: Tensor, lse: Tensor, local: Tensor, inside: Tensor, grad_lp: Tensor | None, ent: Tensor,
+    grad_ent: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """The gradient w.r.t. one chunk's logits `z` [c, valid] of this rank's slice, in z's dtype."""
+    logp = z.to(torch.float32) - lse[:, None]
+    p = logp.exp()
+    g = torch.zeros_like(p)
+    if grad_lp is not None:
+        # d log p_t / d z = onehot(t) - p; the onehot lands on the rank that holds t.
+        g = g - p * grad_lp[:, None]
+        hit = torch.where(inside, grad_lp, torch.zeros_like(grad_lp))
+        g = g.scatter_add(1, local[:, None], hit[:, None])
+    if grad_ent is not None:
+        # d H / d z = -p * (log p + H)
+        g = g - p * (logp + ent[:, None]) * grad_ent[:, None]
+    return g.to(z.dtype)
+
+
+_compiled_head_fns: dict[str, Callable[..., Any]] = {}
+
+
+def _head_fn(name: str, compiled: bool) -> Callable[..., Any]:
+    fns: dict[str, Callable[..., Any]] = {"stats": _head_local_stats, "grad": _head_chunk_grad}
+    if not compiled:
+        return fns[name]
+    if name not in _compiled_head_fns:  # compiled once per process, on first use
+        _compiled_head_fns[name] = torch.compile(fns[name])
+    return _compiled_head_fns[name]
+
+
+def _local_targets(targets: Tensor, vocab_start: int, valid: int) -> tuple[Tensor, Tensor]:
+    local = targets - vocab_start
+    inside = (local >= 0) & (local < valid)
+    return local.clamp(0, max(valid - 1, 0)), inside
+
+
+def _head_forward(
+    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int, valid: int, group: Any, chunk: int,
+    compiled: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(log-probs, log-sum-exp, entropy) [N] in fp32."""
+    n = hidden.shape[0]
+    # Per row: this rank's max, then (sum of exp, sum of exp x logit, target logit) relative to it.
+    top = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
+    local, inside = _local_targets(targets, vocab_start, valid)
+    stats = _head_fn("stats", compiled)
+    w = weight[:valid]  # the padding rows' logits never exist, so they need no -inf mask
+    if valid > 0:
+        for r0 in range(0, n, chunk):
+            r1 = min(r0 + chunk, n)
+            top[r0:r1], sums[0, r0:r1], sums[1, r0:r1], sums[2, r0:r1] = stats(
+                hidden[r0:r1] @ w.t(), local[r0:r1], inside[r0:r1]
+            )
+    # Rescale each rank's sums to the global max M: sum e^(z-M) = a s, sum e^(z-M)(z-M) = a (u + s (m - M)),
+    # a = e^(m-M). A rank without real columns (m = -inf) has s = u = 0 and contributes nothing.
+    global_top = top.clone()
+    dist.all_reduce(global_top, op=dist.ReduceOp.MAX, group=group)
+    a = (top - global_top).exp()
+    shift = torch.where(a > 0, top - global_top, torch.zeros_like(top))
+    sums[1] = a * (sums[1] + sums[0] * shift)
+    sums[0] = a * sums[0]
+    dist.all_reduce(sums, group=group)
+    lse = global_top + sums[0].log()
+    return sums[2] - lse, lse, sums[0].log() - sums[1] / sums[0]
+
+
+class _VocabParallelHeadLogprobs(torch.autograd.Function):
+    """`vocab_parallel_hidden_logprobs` with grad: saves hidden, weight and the [N] statistics, never [N, V/tp]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int, valid: int, group: Any,
+        chunk: int, compiled: bool,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        lp, lse, ent = _head_forward(hidden, weight, targets, vocab_start, valid, group, chunk, compiled)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.setup = (vocab_start, valid, group, chunk, compiled)
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_lp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        vocab_start, valid, group, chunk, compiled = ctx.setup
+        # Every TP rank runs this backward (the loss is replicated over TP), so each reaches the all-reduce.
+        grad_h = torch.zeros_like(hidden)
+        want_w = ctx.needs_input_grad[1]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        if (grad_lp is not None or grad_ent is not None) and valid > 0:
+            local, inside = _local_targets(targets, vocab_start, valid)
+            chunk_grad = _head_fn("grad", compiled)
+            w = weight[:valid]
+            for r0 in range(0, hidden.shape[0], chunk):
+                r1 = min(r0 + chunk, hidden.shape[0])
+                h = hidden[r0:r1]
+                g = chunk_grad(
+                    h @ w.t(), lse[r0:r1], local[r0:r1], inside[r0:r1],
+                    None if grad_lp is None else grad_lp[r0:r1], ent[r0:r1],
+                    None if grad_ent is None else grad_ent[r0:r1],
+                )  # fmt: skip
+                grad_h[r0:r1] = g @ w
+                if grad_w is not None:
+                    grad_w[:valid] += (g.t() @ h).to(torch.float32)
+        # Each rank's hidden gradient covers its vocabulary slice only; the whole vocabulary's is their sum.
+        dist.all_reduce(grad_h, group=group)
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None, None, None

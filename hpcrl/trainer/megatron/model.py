@@ -61,6 +61,9 @@ def _sdpa_attention_class() -> type:
                 raise ValueError("hpcrl's SDPA attention does not support context parallelism")
             self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
             self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+            # From the config, not the tensors' shapes: under torch.compile with dynamic shapes a shape
+            # comparison is a SymBool, which SDPA's enable_gqa does not take (a graph break).
+            self.gqa = config.num_query_groups != config.num_attention_heads
 
         def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                     attn_mask_type: Any = None, attention_bias: Any = None,
@@ -71,7 +74,7 @@ def _sdpa_attention_class() -> type:
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1],
+                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=self.gqa,
             )  # fmt: skip
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -121,12 +124,38 @@ def _rope_on_cpu(rotary: Any) -> None:
     rotary.get_emb = types.MethodType(get_emb, rotary)
 
 
+def _hidden_gpt_model_class() -> type:
+    from megatron.core.models.gpt import GPTModel
+
+    class HiddenGPTModel(GPTModel):
+        """GPTModel whose last stage can stop before the output layer: `forward(..., hidden_only=True)` returns
+        the final norm's output [s, b, h], for the fused log-prob head (train.logprob_chunk_tokens).
+
+        `_postprocess` is where megatron-core (0.16 and 0.19) turns the decoder's output into logits; its own
+        early return for non-last stages is the same thing, so nothing before it is skipped."""
+
+        _hidden_only = False
+
+        def forward(self, *args: Any, hidden_only: bool = False, **kwargs: Any) -> Tensor:
+            self._hidden_only = hidden_only
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self._hidden_only = False
+
+        def _postprocess(self, **kwargs: Any) -> Tensor:
+            if self._hidden_only:
+                return kwargs["hidden_states"]
+            return super()._postprocess(**kwargs)
+
+    return HiddenGPTModel
+
+
 def build_gpt_model(
     args: ModelArgs, *, tp_size: int, pp_size: int, pp_rank: int, dtype: torch.dtype, device: torch.device
 ) -> torch.nn.Module:
     """This rank's GPTModel (its pipeline stage, its TP shards), with uninitialized weights."""
     _megatron()
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     cpu = device.type == "cpu"
@@ -134,7 +163,7 @@ def build_gpt_model(
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     with _no_embedding_sync() if cpu else contextlib.nullcontext():
-        model = _gpt_model(GPTModel, config, spec, args, tp_size, pp_size, pp_rank)
+        model = _gpt_model(_hidden_gpt_model_class(), config, spec, args, tp_size, pp_size, pp_rank)
     if cpu:
         _rope_on_cpu(model.rotary_pos_emb)
     return model.to(device)
@@ -168,3 +197,46 @@ def _gpt_model(GPTModel: Any, config: Any, spec: Any, args: ModelArgs, tp_size: 
         position_embedding_type="rope",
         rotary_base=int(args.rope_theta),
     )
+
+
+def output_weight(model: Any) -> Tensor:
+    """The last stage's LM head shard [V/tp, h]: the output layer's weight, or the tied embedding's (which
+    megatron-core keeps in the embedding on a one-stage model and in the output layer on a last stage)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def compile_layers(model: Any) -> None:
+    """`torch.compile` each TransformerLayer in place (train.torch_compile): the layers share one graph, and
+    parameter names (pushes, checkpoints, the optimizers' maps) stay those of the eager model."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for layer in model.decoder.layers:
+        for module in layer.modules():
+            if isinstance(module, RowParallelLinear):
+                _pass_tp_group(module)
+            if isinstance(module, ColumnParallelLinear) and module.allreduce_dgrad:
+                # With TP > 1 the linear's own backward all-reduces its input gradient with async_op=True, which
+                # dynamo cannot trace (a graph break at every qkv and fc1 GEMM). Without the flag the module
+                # routes its input through copy_to_tensor_model_parallel_region instead, whose backward is the
+                # same all-reduce, synchronous: the same sum, at the cost of overlapping it with the weight-
+                # gradient GEMM.
+                module.allreduce_dgrad = False
+        layer.compile()
+
+
+def _pass_tp_group(linear: Any) -> None:
+    """megatron-core 0.16 and 0.19's RowParallelLinear.forward hands its linear function tp_group=None, which
+    then looks the group up and `warnings.warn`s on global rank 0 at every call. Dynamo cannot trace or
+    reorder that warning: it breaks the graph inside the attention's activation-offloading context manager,
+    and dynamo then runs the rest of the layer eagerly. Passing the module's own group (the one the lookup
+    returns) removes the call."""
+    impl = linear._forward_impl
+
+    def forward_impl(input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = linear.tp_group
+        return impl(input, weight, *args, **kwargs)
+
+    linear._forward_impl = forward_impl
