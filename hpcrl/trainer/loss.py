@@ -241,6 +241,18 @@ def token_logprobs(
     return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
 
 
+def check_head_args(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, *, rows: str = "V") -> None:
+    """The fused head's inputs: hidden [N, H], weight [rows, H], targets [N], chunk_tokens >= 1."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden [N, H] and weight [{rows}, H] needed, got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+
+
 def hidden_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -267,12 +279,7 @@ def hidden_token_logprobs(
     Returns:
         ``(logprobs [N], entropy [N] | None)`` in float32, differentiable w.r.t. ``hidden`` and ``weight``.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [N, H] and weight [V, H] needed, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    check_head_args(hidden, weight, targets, chunk_tokens)
     targets = targets.long()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         lp, ent = _HeadLogprobs.apply(hidden, weight, targets, chunk_tokens, with_entropy, compiled)

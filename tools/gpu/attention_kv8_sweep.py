@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from decode_microbench import cuda_ms  # noqa: E402 - a sibling script: this folder is on sys.path when run
 
 from hpcrl.engine.embedded import kernels  # noqa: E402
 
@@ -63,15 +63,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                 print(f"| {name} | {cfg} | failed: {type(exc).__name__} | | |")
                 continue
-            times = []
-            for _ in range(50):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                run()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1))
-            ms = statistics.median(times)
+            ms = cuda_ms(run, reps=50, warmup=0)  # warmed up above
             ref = outs.setdefault("bfloat16", out.clone()) if name == "bfloat16" else outs["bfloat16"]
             diff = (out.float() - ref.float()).abs().max().item()
             print(f"| {name} | {','.join(map(str, cfg))} | {ms:.4f} | {kv_bytes / ms / 1e6:,.0f} | {diff:.3g} |")

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hpcrl.trainer.loss import _finite_or_zero, _row_blocks, hidden_token_logprobs
+from hpcrl.trainer.loss import _finite_or_zero, _row_blocks, check_head_args, hidden_token_logprobs
 
 
 def _block(rows: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
@@ -209,12 +209,7 @@ def vocab_parallel_hidden_logprobs(
     all-reduce Megatron's column-parallel output layer does in its backward). One TP rank: exactly
     `hidden_token_logprobs`. `compiled` runs the per-chunk elementwise work through torch.compile.
     Differentiable w.r.t. `hidden` and `weight` (first order)."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [N, h] and weight [V/tp, h] needed, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    check_head_args(hidden, weight, targets, chunk_tokens, rows="V/tp")
     targets = targets.long()
     if dist.get_world_size(group) == 1:
         if weight.shape[0] != vocab_size:
