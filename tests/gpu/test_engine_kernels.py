@@ -155,7 +155,7 @@ def test_decode_step_matches_forward_cached(dtype: torch.dtype, llama: bool) -> 
 
 # 8-bit K/V only under a bfloat16 q: the engine refuses them with float32 models (and the interpreter runs fp32 only).
 @pytest.mark.parametrize(("dtype", "kv8"), [(d, False) for d in DTYPES] + [(torch.bfloat16, True)] * (len(DTYPES) > 1))
-@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1)])
+@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1), (32, 2, 3, 2), (64, 4, 2, 2)])
 def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tuple[int, ...]) -> None:
     torch.manual_seed(3)
     n, h, kv, d, max_len = 5, 16, 8, 64, 200

@@ -45,9 +45,10 @@ def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 # Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
 ATTN_CONFIG = _config("ATTN_CONFIG", (64, 8, 3, 1))
-# With an 8-bit K/V cache (tools/gpu/attention_kv8_sweep.py, H200, batch 256, length 384): small tiles, two warps
-# and four stages read 2.3 TB/s of e4m3 K/V (0.087 ms a layer); 64,8,3 read 1.7 TB/s (0.119 ms).
-ATTN_CONFIG_KV8 = _config("ATTN_CONFIG_KV8", (32, 2, 4, 1))
+# With an 8-bit K/V cache (tools/gpu/attention_kv8_variants.py, H200, batch 256, length 384, CUDA-graph replays):
+# small tiles, two warps, three stages and K as the first dot operand read 3.4 TB/s of e4m3 K/V (0.059 ms a layer);
+# the same loads alone 4.2 TB/s.
+ATTN_CONFIG_KV8 = _config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
 SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
 
@@ -196,6 +197,7 @@ if AVAILABLE:
         USE_DOT: tl.constexpr,
         IEEE: tl.constexpr,
         KV8: tl.constexpr,
+        K_FIRST: tl.constexpr,
     ):
         # One program per (row, kv head): the GROUP query heads that share it read its K/V once.
         b = tl.program_id(0).to(tl.int64)
@@ -212,6 +214,11 @@ if AVAILABLE:
             q = q.to(tl.float16)
         if not USE_DOT:
             q = q.to(tl.float32)
+        if K_FIRST:
+            # K is the first, row-major operand (s^T = K q^T): the MMA's rows are the tile's tokens and the
+            # 2 grouped heads, padded to 16, are the narrow side. On an H200 with e4m3 K/V: 59 us a layer
+            # against 65 us with q first (tools/gpu/attention_kv8_variants.py, Nsight Compute).
+            qt = tl.trans(q)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -226,26 +233,42 @@ if AVAILABLE:
                 # 8-bit K/V: half the bytes from HBM, widened in registers for the dots.
                 k = k.to(tl.float16)
                 v = v.to(tl.float16)
-            if USE_DOT:
+            if K_FIRST:
                 if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    st = tl.dot(k, qt, input_precision="ieee")
                 else:
-                    s = tl.dot(q, tl.trans(k))
-            else:
-                # GROUP is small (2 for Qwen3-0.6B): CUDA-core dot products, no 16-row padding.
-                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-            s = tl.where(nmask[None, :], s * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if USE_DOT:
+                    st = tl.dot(k, qt)
+                st = tl.where(nmask[:, None], st * sm_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(st, axis=0))
+                alpha = tl.exp(m_i - m_new)
+                pt = tl.exp(st - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(pt, axis=0)
+                p = tl.trans(pt.to(v.dtype))
                 if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                    pv = tl.dot(p, v, input_precision="ieee")
                 else:
-                    pv = tl.dot(p.to(v.dtype), v)
+                    pv = tl.dot(p, v)
             else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+                if USE_DOT:
+                    if IEEE:
+                        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    else:
+                        s = tl.dot(q, tl.trans(k))
+                else:
+                    # GROUP is small (2 for Qwen3-0.6B): CUDA-core dot products, no 16-row padding.
+                    s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+                s = tl.where(nmask[None, :], s * sm_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if USE_DOT:
+                    if IEEE:
+                        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                    else:
+                        pv = tl.dot(p.to(v.dtype), v)
+                else:
+                    pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / l_i[:, None]
@@ -290,6 +313,7 @@ if AVAILABLE:
         t = tl.load(Temp + row)
         greedy = t <= 0.0
         tt = tl.where(greedy, 1.0, t)
+        t_one = tt == 1.0
         key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
         base = Logits + row * stride_row
         lanes = tl.arange(0, BLOCK)
@@ -306,15 +330,24 @@ if AVAILABLE:
             offs = start + lanes
             msk = offs < hi
             x = tl.load(base + offs, mask=msk, other=neg).to(tl.float32)
-            n1 = tl.maximum(m1, x)
-            n1s = tl.where(n1 == neg, 0.0, n1)
-            s1 = s1 * tl.exp(m1 - n1s) + tl.exp(x - n1s)
-            m1 = n1
-            z = x / tt
-            n2 = tl.maximum(m2, z)
-            n2s = tl.where(n2 == neg, 0.0, n2)
-            s2 = s2 * tl.exp(m2 - n2s) + tl.exp(z - n2s)
-            m2 = n2
+            # Online sum-exp with one exp a logit, not two: exp(-|x - m|) is the new term when x <= m and the
+            # old sum's rescale when x > m (then the new term is exp(0) = 1): the same values as
+            # s * exp(m - max) + exp(x - max). With the tempered stream skipped at T = 1 (below): 0.19 -> 0.15 ms
+            # for 256 x 151,936 logits on an H200 (tools/gpu/decode_microbench.py, samplers).
+            d1 = tl.where(x == neg, neg, x - m1)  # x = -inf adds nothing; m = -inf, x finite: d = +inf
+            e1 = tl.exp(-tl.abs(d1))
+            up1 = d1 > 0
+            s1 = tl.where(up1, s1 * e1 + 1.0, s1 + e1)
+            m1 = tl.where(up1, x, m1)
+            z = x
+            if not t_one:
+                # At temperature 1 (and greedy) the tempered stream is the plain one: skipped, not repeated.
+                z = x / tt
+                d2 = tl.where(z == neg, neg, z - m2)
+                e2 = tl.exp(-tl.abs(d2))
+                up2 = d2 > 0
+                s2 = tl.where(up2, s2 * e2 + 1.0, s2 + e2)
+                m2 = tl.where(up2, z, m2)
             h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
             u = ((h >> 9).to(tl.float32) + 0.5) / 8388608.0  # 23 bits: k + 0.5 is exact in fp32, u < 1
             score = tl.where(greedy, x, z - tl.log(-tl.log(u)))
@@ -326,6 +359,8 @@ if AVAILABLE:
         sum1 = tl.sum(s1 * tl.exp(m1 - tl.where(mx1 == neg, 0.0, mx1)), axis=0)
         mx2 = tl.max(m2, axis=0)
         sum2 = tl.sum(s2 * tl.exp(m2 - tl.where(mx2 == neg, 0.0, mx2)), axis=0)
+        mx2 = tl.where(t_one, mx1, mx2)
+        sum2 = tl.where(t_one, sum1, sum2)
         top = tl.max(best, axis=0)
         idx = tl.min(tl.where(best == top, best_i, V), axis=0)
         out = Part + (row * NSPLIT + split) * 5
@@ -478,12 +513,15 @@ def decode_attention(
     """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1.
 
     q: rows of H*D values with any row stride (a view of the fused QKV output); out: [n, H*D] contiguous.
-    config: (BLOCK_N, num_warps, num_stages, use_dot).
+    config: (BLOCK_N, num_warps, num_stages, use_dot); use_dot 0: CUDA-core dot products, 1: tensor-core dots
+    with q as the first operand, 2: with K first (s^T = K q^T).
     """
     n = q.shape[0]
     group = num_heads // num_kv_heads
     config = config or (ATTN_CONFIG_KV8 if k_cache.element_size() == 1 else ATTN_CONFIG)
     block_n, warps, stages, use_dot = config + (1,) * (4 - len(config))
+    if use_dot not in (0, 1, 2):
+        raise ValueError(f"decode_attention config {config}: use_dot (the 4th value) must be 0, 1 or 2")
     _decode_attention_kernel[(n, num_kv_heads)](
         q,
         k_cache,
@@ -505,6 +543,7 @@ def decode_attention(
         USE_DOT=bool(use_dot),
         IEEE=q.dtype == torch.float32,
         KV8=k_cache.element_size() == 1,
+        K_FIRST=use_dot == 2,
         num_warps=warps,
         num_stages=stages,
     )
