@@ -9,9 +9,11 @@ reference cycles, so pausing the collector during it loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -36,15 +38,24 @@ def _finite_or_null(obj: Any) -> Any:
     return obj
 
 
-def loads(data: bytes | str) -> Any:
-    """Parse JSON; raises ValueError (json.JSONDecodeError) on a malformed body."""
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: for building or parsing large acyclic answers (lists, dicts, tuples)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        # orjson refuses the bare NaN/Infinity that Python's json writes; some peers send them.
-        return json.loads(data)
+        yield
     finally:
+        # Only the outermost pause (the one that found the collector on) turns it back on.
         if enabled:
             gc.enable()
+
+
+def loads(data: bytes | str) -> Any:
+    """Parse JSON; raises ValueError (json.JSONDecodeError) on a malformed body."""
+    with gc_paused():
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            # orjson refuses the bare NaN/Infinity that Python's json writes; some peers send them.
+            return json.loads(data)

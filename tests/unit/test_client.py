@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from hpcrl.engine import jsonwire
 from hpcrl.engine.client import (
     EngineBusyError,
     EngineClient,
@@ -646,7 +647,7 @@ def test_generate_result_round_trip_and_extensions():
         num_retractions=1,
         e2e_latency_s=0.5,
     )
-    wire = result.to_response(token_texts=["a", "b", None])
+    wire = json.loads(jsonwire.dumps(result.to_response(token_texts=["a", "b", None])))  # what the server sends
     assert wire["meta_info"]["output_token_logprobs"] == [[-0.1, 4, "a"], [-0.2, 5, "b"], [-0.3, 6, None]]
     assert wire["meta_info"]["finish_reason"] == {"type": "stop", "matched": 6}
     assert wire["meta_info"]["weight_versions"][1] == {"version": "2", "start": 2, "end": 3}

@@ -44,3 +44,17 @@ def test_parsing_leaves_the_collector_as_it_found_it() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_pause_inside_a_pause_keeps_the_collector_off_until_the_outer_one_ends() -> None:
+    assert gc.isenabled()
+    with jsonwire.gc_paused():
+        with jsonwire.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_answer_tuples_go_out_as_arrays_with_non_finite_log_probs_as_null() -> None:
+    body = jsonwire.dumps({"output_token_logprobs": [(-0.5, 9, None), (math.nan, 8, "a")]})
+    assert json.loads(body) == {"output_token_logprobs": [[-0.5, 9, None], [None, 8, "a"]]}

@@ -31,7 +31,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -168,14 +168,26 @@ class Engine:
             pass
 
 
-def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[list[int]]) -> tuple[float, int]:
+class PassTime(NamedTuple):
+    """One pass as the client saw it, and the parts it can tell apart (sorts by the pass's time)."""
+
+    s: float  # request sent -> answer parsed
+    tokens: int
+    parse_s: float  # the client's parse of the answer
+    server_s: float  # the longest request's time inside the engine: arrival (parsed) -> its last token
+
+
+def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[list[int]]) -> PassTime:
     params = {"max_new_tokens": ns.max_new_tokens, "ignore_eos": True, "temperature": 1.0}
     extra = {"return_logprob": True} if ns.logprobs else {}
     t0 = time.perf_counter()
+    parse_s = 0.0
     if ns.client == "batch":
         r = client.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params, **extra})
         r.raise_for_status()
+        t1 = time.perf_counter()
         outs = jsonwire.loads(r.content)  # as hpcrl's engine client parses answers
+        parse_s = time.perf_counter() - t1
     else:
 
         def one(p: list[int]) -> dict[str, Any]:
@@ -191,7 +203,8 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
         raise RuntimeError(f"engine returned lengths {sorted(set(lengths))}, expected {ns.max_new_tokens}")
     if ns.logprobs and any(len(o["meta_info"].get("output_token_logprobs") or []) != ns.max_new_tokens for o in outs):
         raise RuntimeError("--logprobs: the engine did not return one log-prob per output token")
-    return dt, sum(lengths)
+    server_s = max((o["meta_info"].get("e2e_latency") or 0.0) for o in outs)
+    return PassTime(dt, sum(lengths), parse_s, server_s)
 
 
 def run_engine(
@@ -223,13 +236,19 @@ def run_engine(
     finally:
         eng.stop()
     timed = sorted(passes[ns.warmup_runs :])
-    dt, tokens = timed[len(timed) // 2]  # the median timed pass
+    median = timed[len(timed) // 2]
+    dt, tokens = median.s, median.tokens
     return {
         f"{key}_tok_s": tokens / dt,
         f"{key}_s": dt,
         f"{key}_tokens": tokens,
-        f"{key}_timed_passes_tok_s": [n / t for t, n in passes[ns.warmup_runs :]],
-        f"{key}_first_pass_tok_s": passes[0][1] / passes[0][0],
+        f"{key}_timed_passes_tok_s": [p.tokens / p.s for p in passes[ns.warmup_runs :]],
+        f"{key}_first_pass_tok_s": passes[0].tokens / passes[0].s,
+        # Where the median pass went: inside the engine (arrival -> last token of the slowest request), the
+        # client's parse of the answer, and the rest (sending, the engine's answer, the transfer).
+        f"{key}_pass_server_s": median.server_s,
+        f"{key}_pass_parse_s": median.parse_s,
+        f"{key}_pass_rest_s": median.s - median.server_s - median.parse_s,
         f"{key}_startup_s": startup,
         f"{key}_decode_path": info.get("decode_path"),
         f"{key}_profile": info.get("profile"),
@@ -249,7 +268,9 @@ def _timed_profile(warm: dict[str, Any] | None, end: dict[str, Any] | None) -> d
     for k, v in end.items():
         if k.endswith("_ms_per_step"):
             out[k] = (v * end["decode_steps"] - warm[k] * warm["decode_steps"]) / steps
-    out["prefill_s_total"] = end["prefill_s_total"] - warm["prefill_s_total"]
+    for k in ("prefill_s_total", "answer_s_total"):
+        if k in end and k in warm:
+            out[k] = end[k] - warm[k]
     return out
 
 
@@ -366,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(f'{x:.0f}' for x in results[f'{key}_timed_passes_tok_s'])}; "
             f"first pass {results[f'{key}_first_pass_tok_s']:.0f} tok/s; started in {results[f'{key}_startup_s']:.0f} s"
             + (f"; decode path {results['engine_decode_path']})" if kind == "embedded" else ")"),
+            flush=True,
+        )
+        print(
+            f"{key} median pass: {results[f'{key}_s']:.3f} s = in the engine {results[f'{key}_pass_server_s']:.3f} s "
+            f"(arrival -> last token) + client parse {results[f'{key}_pass_parse_s']:.3f} s + rest "
+            f"{results[f'{key}_pass_rest_s']:.3f} s (sending, the engine's answer, the transfer)",
             flush=True,
         )
         if results.get(f"{key}_profile"):

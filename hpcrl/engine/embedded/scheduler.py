@@ -194,7 +194,14 @@ class Scheduler:
         self._want_support = False
         self.num_decode_steps = 0
         self.num_generated_tokens = 0
-        self.host_stats: dict[str, float] = {"launch_s": 0.0, "wait_s": 0.0, "process_s": 0.0, "prefill_s": 0.0}
+        # answer_s: the HTTP layer's time turning finished requests into an answer (it adds to it).
+        self.host_stats: dict[str, float] = {
+            "launch_s": 0.0,
+            "wait_s": 0.0,
+            "process_s": 0.0,
+            "prefill_s": 0.0,
+            "answer_s": 0.0,
+        }
 
     @property
     def decode_path(self) -> str:
@@ -220,6 +227,7 @@ class Scheduler:
             "host_wait_ms_per_step": self.host_stats["wait_s"] * 1e3 / steps,
             "host_process_ms_per_step": self.host_stats["process_s"] * 1e3 / steps,
             "prefill_s_total": self.host_stats["prefill_s"],
+            "answer_s_total": self.host_stats["answer_s"],
             "graph_captures": r["graph_captures"],
             "overlap": self.overlap,
         }
