@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue #21 item 2 in one device call (figures in docs/benchmarks.md, "An 8-bit K/V cache"):
 #   bash tools/gpu/run_decode_gpu.sh     # from the repo root; .whl/ holds orjson for Python 3.12; results in $OUT
-# 1. tests/gpu/test_engine_cuda.py and test_engine_kernels.py (the fp8 cache against the model's own scoring)
-# 2. 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, same model and prompts
-# 3. the colocated GRPO step's train/rollout log-prob gap with each cache
+#   BASELINE=.ab bash tools/gpu/run_decode_gpu.sh   # .ab/ (git-ignored) holds another commit's hpcrl/ and tools/:
+#                                                   # its 8-bit bench runs too, in the same call, for an A/B
+# tests: tests/gpu/test_engine_cuda.py and test_engine_kernels.py (the fp8 cache against the model's own scoring)
+# micro: tools/gpu/decode_microbench.py per cache: prefill, the fused sampler, graph replay, the loop body
+# bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, same model and prompts
+# gap: the colocated GRPO step's train/rollout log-prob gap with each cache
 # Sections are independent: one failing does not stop the next.
 set -u
 export PYTHONUNBUFFERED=1
@@ -12,20 +15,40 @@ mkdir -p "$OUT" /tmp/hpcrl-gpu
 python3 -c "import orjson" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/orjson-*.whl
 export PYTHONPATH=/tmp/site:.
 STEPS=${STEPS:-"tests bench gap"}
+BASELINE=${BASELINE:-}
+REPO=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv 2>&1 | tee "$OUT/decode.log"
 if [[ $STEPS == *tests* ]]; then
   echo "=== tests/gpu (engine)" | tee -a "$OUT/decode.log"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_engine_cuda.py tests/gpu/test_engine_kernels.py \
     2>&1 | grep -E "passed|failed|error|Error|fp8|\{'auto'" | tail -20 | tee -a "$OUT/decode.log"
 fi
-if [[ $STEPS == *bench* ]]; then
-  for cache in auto fp8_e4m3; do
-    echo "=== 256 x 512 with log-probs, kv cache $cache" | tee -a "$OUT/decode.log"
-    timeout 240 python3 tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 \
-      --num-seqs 256 --prompt-len 128 --max-new-tokens 512 --logprobs --skip-generate --timed-runs 3 \
-      --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 --workdir /tmp/hpcrl-gpu/bench \
-      --json-out "$OUT/bench_$cache.json" 2>&1 | grep -E "^config|^engine" | tee -a "$OUT/decode.log"
+if [[ $STEPS == *micro* ]]; then
+  for cache in fp8_e4m3 auto; do
+    echo "=== decode_microbench, kv cache $cache" | tee -a "$OUT/decode.log"
+    timeout 150 python3 tools/gpu/decode_microbench.py --kv-cache-dtype $cache --out /tmp/hpcrl-gpu/micro_$cache \
+      --sections prefill,samplers,graph_forward,full_steps 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
   done
+  if [[ -n $BASELINE ]]; then
+    echo "=== decode_microbench samplers, tree $BASELINE" | tee -a "$OUT/decode.log"
+    (cd "$BASELINE" && timeout 100 python3 tools/gpu/decode_microbench.py --out /tmp/hpcrl-gpu/micro_baseline \
+      --sections samplers 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log")
+  fi
+fi
+if [[ $STEPS == *bench* ]]; then
+  runs="auto:. fp8_e4m3:."
+  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE"
+  for run in $runs; do
+    cache=${run%%:*} tree=${run#*:}
+    name=bench_${cache}$([[ $tree == . ]] || echo _baseline)
+    echo "=== 256 x 512 with log-probs, kv cache $cache, tree $tree" | tee -a "$OUT/decode.log"
+    (cd "$tree" && PYTHONPATH=/tmp/site:. timeout 240 python3 tools/bench/engine_throughput.py \
+      --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
+      --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
+      --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine") \
+      | tee -a "$OUT/decode.log"
+  done
+  cd "$REPO"
 fi
 if [[ $STEPS == *gap* ]]; then
   for cache in auto fp8_e4m3; do
