@@ -530,3 +530,14 @@ def test_compiled_cpu_decode_matches_eager() -> None:
     for a, b in zip(got[1], want[1], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5), (a, b)
     assert torch.allclose(got[2], want[2], atol=1e-5), (got[2] - want[2]).abs().max()
+
+
+def test_answer_text_is_what_the_tokenizer_decodes() -> None:
+    from hpcrl.engine.embedded.server import decode_ids
+    from hpcrl.model.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    special = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = [tok.convert_tokens_to_ids(c) for c in "Hello, world! 1 + 2 = 3"] + [special, 5, 7, 150_000]
+    assert decode_ids(tok, ids) == tok.decode(ids, skip_special_tokens=True)
+    assert "<|im_end|>" not in decode_ids(tok, ids) and decode_ids(tok, ids).startswith("Hello, world!")

@@ -170,6 +170,16 @@ def _read_key_file(path: str) -> str:
     return key
 
 
+def decode_ids(tokenizer: Any, ids: list[int]) -> str:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` for a list of ints, without transformers' conversion of its
+    argument to one: that checks every id's type in Python, 0.04 s of the 0.05 s it took to write a 256 x 512
+    answer (CPU). `decode` hands a plain list straight to `_decode`; without one, `decode` it is."""
+    decode = getattr(tokenizer, "_decode", None)
+    if decode is None:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    return str(decode(token_ids=ids, skip_special_tokens=True))
+
+
 def _json_response(data: Any, *, status: int = 200) -> web.Response:
     return web.Response(body=jsonwire.dumps(data), status=status, content_type="application/json")
 
@@ -283,9 +293,7 @@ class EmbeddedEngine:
             texts = [self.tokenizer.decode([t]) for t in r.output_ids]
         reason = r.finish_reason or {"type": "abort", "message": "no finish reason"}
         result = P.GenerateResult(
-            text=self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            if want_text and self.tokenizer
-            else None,
+            text=decode_ids(self.tokenizer, r.output_ids) if want_text and self.tokenizer else None,
             output_ids=list(r.output_ids),
             rid=r.rid,
             finish_reason=P.FinishReason.from_dict(reason),
