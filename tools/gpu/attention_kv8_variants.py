@@ -48,41 +48,29 @@ DEFAULT = ("engine", "floor", "load_cvt", "k_first", "kv_first")
 
 
 @triton.jit
-def _floor_kernel(KC, VC, Out, Pos, stride_cb, stride_ch, stride_cn, max_len, KVH: tl.constexpr,
-                  W: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _loads_kernel(KC, VC, Out, Pos, stride_cb, stride_ch, stride_cn, max_len, KVH: tl.constexpr, W: tl.constexpr,
+                  BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+    # The attention kernel's loads and nothing else: W words of each K/V row, xor-summed (`floor`), or, with WIDEN,
+    # the W e4m3 values of a row widened to float16 and summed (`load_cvt`).
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     length = tl.minimum(tl.load(Pos + b) + 1, max_len)
     offs_w = tl.arange(0, W)
-    acc = tl.zeros([BLOCK_N, W], tl.int32)
+    acc = tl.zeros([BLOCK_N, W], tl.float16 if WIDEN else tl.int32)
     kbase = KC + b * stride_cb + kvh * stride_ch
     vbase = VC + b * stride_cb + kvh * stride_ch
     for start in range(0, length, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < length
-        k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_w[None, :], mask=nmask[:, None], other=0)
-        v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_w[None, :], mask=nmask[:, None], other=0)
-        acc += k ^ v
-    tl.store(Out + (b * KVH + kvh) * W + offs_w, tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _load_cvt_kernel(KC, VC, Out, Pos, stride_cb, stride_ch, stride_cn, max_len, KVH: tl.constexpr,
-                     D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1).to(tl.int64)
-    length = tl.minimum(tl.load(Pos + b) + 1, max_len)
-    offs_d = tl.arange(0, D)
-    acc = tl.zeros([BLOCK_N, D], tl.float16)
-    kbase = KC + b * stride_cb + kvh * stride_ch
-    vbase = VC + b * stride_cb + kvh * stride_ch
-    for start in range(0, length, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        nmask = offs_n < length
-        k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        acc += k.to(tl.float16) + v.to(tl.float16)
-    tl.store(Out + (b * KVH + kvh) * D + offs_d, tl.sum(acc.to(tl.float32), axis=0))
+        kp = kbase + offs_n[:, None] * stride_cn + offs_w[None, :]
+        vp = vbase + offs_n[:, None] * stride_cn + offs_w[None, :]
+        if WIDEN:
+            k = tl.load(kp, mask=nmask[:, None], other=0.0)
+            v = tl.load(vp, mask=nmask[:, None], other=0.0)
+            acc += k.to(tl.float16) + v.to(tl.float16)
+        else:
+            acc += tl.load(kp, mask=nmask[:, None], other=0) ^ tl.load(vp, mask=nmask[:, None], other=0)
+    tl.store(Out + (b * KVH + kvh) * W + offs_w, tl.sum(acc.to(tl.float32) if WIDEN else acc, axis=0))
 
 
 @triton.jit
@@ -359,13 +347,14 @@ def main() -> int:
     def floor(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> Launch:
         def launch(cfg: tuple[int, ...], out: torch.Tensor, c: int) -> None:
             kw, vw = ks[c].view(torch.int32), vs[c].view(torch.int32)
-            _floor_kernel[(b, nkv)](kw, vw, out, pos, kw.stride(0), kw.stride(1), kw.stride(2), max_len, KVH=nkv,
-                                    W=kw.shape[3], BLOCK_N=cfg[0], num_warps=cfg[1], num_stages=cfg[2])  # fmt: skip
+            _loads_kernel[(b, nkv)](kw, vw, out, pos, kw.stride(0), kw.stride(1), kw.stride(2), max_len, KVH=nkv,
+                                    W=kw.shape[3], BLOCK_N=cfg[0], WIDEN=False, num_warps=cfg[1],
+                                    num_stages=cfg[2])  # fmt: skip
 
         return launch
 
     def load_cvt(cfg: tuple[int, ...], out: torch.Tensor, c: int) -> None:
-        _load_cvt_kernel[(b, nkv)](k8[c], v8[c], out, pos, *strides, max_len, KVH=nkv, D=hd, BLOCK_N=cfg[0],
+        _loads_kernel[(b, nkv)](k8[c], v8[c], out, pos, *strides, max_len, KVH=nkv, W=hd, BLOCK_N=cfg[0], WIDEN=True,
                                    num_warps=cfg[1], num_stages=cfg[2])  # fmt: skip
 
     def split(spans: int) -> Launch:
