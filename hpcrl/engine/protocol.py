@@ -140,10 +140,18 @@ def _list(name: str, value: object) -> list[Any]:
     return list(value)
 
 
+def _all_of_type(values: list[Any], kinds: set[type]) -> bool:
+    """Every value's type is one of `kinds` exactly (so bool is no int), checked at C speed: answers carry lists of
+    ~10^5 numbers, and a Python-level check per element costs about a microsecond each."""
+    return set(map(type, values)) <= kinds
+
+
 def _token_ids(name: str, value: object, *, allow_empty: bool) -> list[int]:
     ids = _list(name, value)
     if not allow_empty and not ids:
         raise ValueError(f"{name} is empty; a prompt needs at least one token id")
+    if _all_of_type(ids, {int}) and (not ids or min(ids) >= 0):
+        return ids
     for index, token in enumerate(ids):
         if not _is_int(token) or token < 0:
             raise ValueError(f"{name}[{index}] must be a non-negative integer token id, got {token!r}")
@@ -725,13 +733,8 @@ class GenerateResult:
         logprobs: list[float] | None = None
         output_ids = body.get("output_ids")
         if raw_logprobs is not None:
-            logprobs, logprob_ids = [], []
-            for index, entry in enumerate(_list("meta_info.output_token_logprobs", raw_logprobs)):
-                triple = _list(f"meta_info.output_token_logprobs[{index}]", entry)
-                if len(triple) < 2:
-                    raise ValueError(f"meta_info.output_token_logprobs[{index}] must be [logprob, token_id, text]")
-                logprobs.append(_float(f"meta_info.output_token_logprobs[{index}][0]", triple[0]))
-                logprob_ids.append(_int(f"meta_info.output_token_logprobs[{index}][1]", triple[1], minimum=0))
+            entries = _list("meta_info.output_token_logprobs", raw_logprobs)
+            logprobs, logprob_ids = _logprob_columns(entries) or _logprob_columns_checked(entries)
             # The token ids next to the log-probs are the ones those log-probs describe, so they are what a
             # trainer must use (Miles reads its tokens from here too); output_ids is a fallback without them.
             output_ids = logprob_ids
@@ -813,6 +816,32 @@ class GenerateResult:
         if self.text is not None:
             out["text"] = self.text
         return out
+
+
+def _logprob_columns(entries: list[Any]) -> tuple[list[float], list[int]] | None:
+    """The log-probs and token ids of well-formed [logprob, token_id, text] entries, checked in bulk: a 256 x 512
+    answer is 131k entries, 0.17 s of checks one by one on a CPU. None: something is off, and the caller's
+    per-entry checks find what and where."""
+    if not _all_of_type(entries, {list, tuple}) or (entries and min(map(len, entries)) < 2):
+        return None
+    logprobs = [entry[0] for entry in entries]
+    ids = [entry[1] for entry in entries]
+    if not _all_of_type(logprobs, {float}) or not all(map(math.isfinite, logprobs)):
+        return None
+    if not _all_of_type(ids, {int}) or (ids and min(ids) < 0):
+        return None
+    return logprobs, ids
+
+
+def _logprob_columns_checked(entries: list[Any]) -> tuple[list[float], list[int]]:
+    logprobs, ids = [], []
+    for index, entry in enumerate(entries):
+        triple = _list(f"meta_info.output_token_logprobs[{index}]", entry)
+        if len(triple) < 2:
+            raise ValueError(f"meta_info.output_token_logprobs[{index}] must be [logprob, token_id, text]")
+        logprobs.append(_float(f"meta_info.output_token_logprobs[{index}][0]", triple[0]))
+        ids.append(_int(f"meta_info.output_token_logprobs[{index}][1]", triple[1], minimum=0))
+    return logprobs, ids
 
 
 def parse_generate_response(data: object) -> GenerateResult | list[GenerateResult]:

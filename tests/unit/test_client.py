@@ -910,3 +910,31 @@ def test_many_threads_sharing_a_client_never_lose_a_request_to_a_connection_clos
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize(
+    ("entries", "error"),
+    [
+        ([[-0.1, 4, None], [-0.2]], r"output_token_logprobs\[1\] must be \[logprob, token_id, text\]"),
+        ([[-0.1, 4, None], ["x", 5, None]], r"output_token_logprobs\[1\]\[0\] must be a number"),
+        ([[None, 4, None]], r"output_token_logprobs\[0\]\[0\] must be a number"),  # a NaN log-prob, sent as null
+        ([[-0.1, 4, None], [-0.2, -5, None]], r"output_token_logprobs\[1\]\[1\] must be >= 0"),
+        ([[-0.1, True, None]], r"output_token_logprobs\[0\]\[1\] must be an integer"),
+        ([[-0.1, 4, None], "ab"], r"output_token_logprobs\[1\] must be a list"),
+    ],
+)
+def test_a_malformed_log_prob_entry_is_named_by_its_index(entries: list[Any], error: str) -> None:
+    answer = {"output_ids": [], "meta_info": {"id": "r", "output_token_logprobs": entries}}
+    with pytest.raises(ValueError, match=error):
+        GenerateResult.from_response(answer)
+
+
+def test_log_prob_entries_parse_to_the_same_columns_however_they_come() -> None:
+    lists = [[-0.5, 7, None], [-1.25, 0, "a"]]
+    tuples = [(-0.5, 7, None), (-1.25, 0, "a")]
+    integral = [[0, 7, None], [-1.25, 0, "a"]]  # a log-prob of 0 written as an integer
+    for entries, logprobs in ((lists, [-0.5, -1.25]), (tuples, [-0.5, -1.25]), (integral, [0.0, -1.25])):
+        meta = {"id": "r", "output_token_logprobs": entries}
+        result = GenerateResult.from_response({"output_ids": [], "meta_info": meta})
+        assert result.output_token_logprobs == logprobs and result.output_ids == [7, 0]
+        assert all(type(x) is float for x in result.output_token_logprobs)

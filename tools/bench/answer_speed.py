@@ -1,0 +1,100 @@
+"""The time a /generate answer with log-probs costs outside the GPU: writing it (the embedded server) and reading it
+(hpcrl's engine client), on this machine's CPU, with no engine running.
+
+    PYTHONPATH=. python tools/bench/answer_speed.py [--num-seqs 256] [--tokens 512] [--repeats 5]
+
+Builds the results a 256 x 512 batch returns (random ids and log-probs), then times, median of --repeats:
+- write: `GenerateResult.to_response` for each and `jsonwire.dumps`, with the collector paused as the server does;
+- read: `jsonwire.loads` and `parse_generate_response`, as `EngineClient.generate` does, with the bulk check of the
+  log-prob entries, and the same with the per-entry checks alone (what every answer went through before the bulk
+  check; they still run, for the error message, when the bulk check finds something off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402, F401 - a process as large as the engine's and the client's: collections scan it
+
+from hpcrl.engine import jsonwire  # noqa: E402
+from hpcrl.engine import protocol as P  # noqa: E402
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=512, help="output tokens a sequence")
+    p.add_argument("--repeats", type=int, default=5)
+    ns = p.parse_args()
+    if ns.num_seqs < 1 or ns.tokens < 1 or ns.repeats < 1:
+        p.error("--num-seqs, --tokens and --repeats must be >= 1")
+    rng = random.Random(0)
+    results = [
+        P.GenerateResult(
+            text="",
+            output_ids=[rng.randrange(151_936) for _ in range(ns.tokens)],
+            rid=str(i),
+            finish_reason=P.FinishReason.from_dict({"type": "length", "length": ns.tokens}),
+            prompt_tokens=128,
+            completion_tokens=ns.tokens,
+            weight_version="0",
+            output_token_logprobs=[-rng.random() * 5 for _ in range(ns.tokens)],
+            weight_versions=[P.WeightVersionSpan(version="0", start=0, end=ns.tokens)],
+            e2e_latency_s=1.0,
+        )
+        for i in range(ns.num_seqs)
+    ]
+    gc.collect()
+    gc.freeze()  # as the server does after start-up
+
+    def write() -> bytes:
+        with jsonwire.gc_paused():
+            return jsonwire.dumps([r.to_response() for r in results])
+
+    body = write()
+
+    def read() -> object:
+        return P.parse_generate_response(jsonwire.loads(body))
+
+    def read_per_entry() -> object:
+        bulk = P._logprob_columns
+        P._logprob_columns = lambda entries: None  # forces the per-entry checks
+        try:
+            return read()
+        finally:
+            P._logprob_columns = bulk
+
+    parsed = read()
+    assert isinstance(parsed, list) and parsed == results, "the answer did not read back as the results written"
+    assert read_per_entry() == parsed
+    print(f"{ns.num_seqs} results x {ns.tokens} tokens with log-probs: {len(body) / 1e6:.1f} MB of JSON")
+    print(f"| step | s (median of {ns.repeats}) |\n|---|---:|")
+    print(f"| write (to_response + dumps, collector paused) | {_median_s(write, ns.repeats):.4f} |")
+    print(f"| read, bulk check (loads + parse_generate_response) | {_median_s(read, ns.repeats):.4f} |")
+    print(f"| read, per-entry checks only (before) | {_median_s(read_per_entry, ns.repeats):.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
