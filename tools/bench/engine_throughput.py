@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hpcrl.engine import jsonwire  # noqa: E402 - after the path that finds hpcrl
+from hpcrl.engine.protocol import parse_generate_response  # noqa: E402
 
 
 def _free_port() -> int:
@@ -175,6 +176,7 @@ class PassTime(NamedTuple):
     tokens: int
     parse_s: float  # the client's parse of the answer
     server_s: float  # the longest request's time inside the engine: arrival (parsed) -> its last token
+    check_s: float  # hpcrl's engine client checking the parsed answer (parse_generate_response); not in `s`
 
 
 def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[list[int]]) -> PassTime:
@@ -204,7 +206,9 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
     if ns.logprobs and any(len(o["meta_info"].get("output_token_logprobs") or []) != ns.max_new_tokens for o in outs):
         raise RuntimeError("--logprobs: the engine did not return one log-prob per output token")
     server_s = max((o["meta_info"].get("e2e_latency") or 0.0) for o in outs)
-    return PassTime(dt, sum(lengths), parse_s, server_s)
+    t2 = time.perf_counter()
+    parse_generate_response(outs)
+    return PassTime(dt, sum(lengths), parse_s, server_s, time.perf_counter() - t2)
 
 
 def run_engine(
@@ -249,6 +253,7 @@ def run_engine(
         f"{key}_pass_server_s": median.server_s,
         f"{key}_pass_parse_s": median.parse_s,
         f"{key}_pass_rest_s": median.s - median.server_s - median.parse_s,
+        f"{key}_client_check_s": median.check_s,
         f"{key}_startup_s": startup,
         f"{key}_decode_path": info.get("decode_path"),
         f"{key}_profile": info.get("profile"),
@@ -392,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{key} median pass: {results[f'{key}_s']:.3f} s = in the engine {results[f'{key}_pass_server_s']:.3f} s "
             f"(arrival -> last token) + client parse {results[f'{key}_pass_parse_s']:.3f} s + rest "
-            f"{results[f'{key}_pass_rest_s']:.3f} s (sending, the engine's answer, the transfer)",
+            f"{results[f'{key}_pass_rest_s']:.3f} s (sending, the engine's answer, the transfer); then hpcrl's client "
+            f"would check it in {results[f'{key}_client_check_s']:.3f} s (not in the pass)",
             flush=True,
         )
         if results.get(f"{key}_profile"):
