@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,17 +39,31 @@ def _finite_or_null(obj: Any) -> Any:
     return obj
 
 
+_pause_lock = threading.Lock()
+_pause_depth = 0  # pauses in progress, over all threads
+_pause_restore = False  # whether the first of them found the collector on
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: for building or parsing large acyclic answers (lists, dicts, tuples)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    """No cyclic garbage collection inside: for building or parsing large acyclic answers (lists, dicts, tuples).
+
+    Pauses may overlap across threads (the engine client parses answers in a thread pool): the collector comes
+    back on when the last pause ends, if it was on when the first began. A check-then-disable per pause would
+    leave it off for good when one thread's pause began inside another's."""
+    global _pause_depth, _pause_restore
+    with _pause_lock:
+        if _pause_depth == 0:
+            _pause_restore = gc.isenabled()
+            gc.disable()
+        _pause_depth += 1
     try:
         yield
     finally:
-        # Only the outermost pause (the one that found the collector on) turns it back on.
-        if enabled:
-            gc.enable()
+        with _pause_lock:
+            _pause_depth -= 1
+            if _pause_depth == 0 and _pause_restore:
+                gc.enable()
 
 
 def loads(data: bytes | str) -> Any:

@@ -58,3 +58,50 @@ def test_a_pause_inside_a_pause_keeps_the_collector_off_until_the_outer_one_ends
 def test_answer_tuples_go_out_as_arrays_with_non_finite_log_probs_as_null() -> None:
     body = jsonwire.dumps({"output_token_logprobs": [(-0.5, 9, None), (math.nan, 8, "a")]})
     assert json.loads(body) == {"output_token_logprobs": [[-0.5, 9, None], [None, 8, "a"]]}
+
+
+def test_a_pause_that_begins_inside_another_threads_pause_leaves_the_collector_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The interleaving that switched the collector off for good: B checks the collector while A's pause holds
+    # it off, A's pause ends (on again), then B switches it off and, having found it off, never back on.
+    import threading
+
+    a_inside, a_may_end, a_ended = threading.Event(), threading.Event(), threading.Event()
+    real_isenabled, real_disable = gc.isenabled, gc.disable
+
+    def isenabled() -> bool:
+        found = real_isenabled()
+        if threading.current_thread().name == "B":
+            a_may_end.set()
+        return found
+
+    def disable() -> None:
+        if threading.current_thread().name == "B":
+            a_ended.wait(timeout=2)
+        real_disable()
+
+    monkeypatch.setattr(gc, "isenabled", isenabled)
+    monkeypatch.setattr(gc, "disable", disable)
+
+    def a() -> None:
+        with jsonwire.gc_paused():
+            a_inside.set()
+            a_may_end.wait(timeout=2)
+        a_ended.set()
+
+    def b() -> None:
+        a_inside.wait(timeout=2)
+        with jsonwire.gc_paused():
+            a_may_end.set()
+
+    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    try:
+        assert gc.isenabled()
+    finally:
+        gc.enable()
