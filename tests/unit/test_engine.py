@@ -541,3 +541,16 @@ def test_answer_text_is_what_the_tokenizer_decodes() -> None:
     ids = [tok.convert_tokens_to_ids(c) for c in "Hello, world! 1 + 2 = 3"] + [special, 5, 7, 150_000]
     assert decode_ids(tok, ids) == tok.decode(ids, skip_special_tokens=True)
     assert "<|im_end|>" not in decode_ids(tok, ids) and decode_ids(tok, ids).startswith("Hello, world!")
+
+    class Overriding(type(tok)):  # type: ignore[misc]  # a tokenizer class with a decode of its own
+        def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+            return "own decode"
+
+    tok.__class__ = Overriding
+    assert decode_ids(tok, ids) == "own decode"
+
+    class NoPrivateDecode:  # duck-typed: only the public method
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return f"{len(token_ids)} ids, skip={skip_special_tokens}"
+
+    assert decode_ids(NoPrivateDecode(), ids) == f"{len(ids)} ids, skip=True"
