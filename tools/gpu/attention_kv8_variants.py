@@ -7,10 +7,11 @@ figure is device time per launch from CUDA-graph replays rotating through severa
 run it: events around one eager launch also time Triton's host-side launch, tens of microseconds). Variants, one
 program per (row, KV head) unless said:
 
-- `engine`, `engine_bf16`: the engine's kernel (`kernels.decode_attention`), e4m3 and bf16 caches;
+- `engine`, `engine_bf16`: the engine's kernel (`kernels.decode_attention`), q the first dot operand (use_dot 1);
+- `engine_kfirst`, `engine_kfirst_bf16`: the engine's kernel with K first (use_dot 2, the 8-bit default);
 - `floor`, `floor_bf16`: the same loads only (K and V as int32 words, xor-summed): what this access pattern reaches;
 - `load_cvt`: the loads plus the e4m3 -> float16 widening, summed: what the conversion adds;
-- `k_first`: s^T = K q^T and out = (p^T)^T V: K is the dot's first, row-major operand, 2 heads the narrow side;
+- `k_first`: this script's own kernel with s^T = K q^T and out = (p^T)^T V (what the engine's use_dot 2 became);
 - `kv_first`: as `k_first`, and out^T = V^T p^T with V stored transposed ([D, len] a head), read along tokens;
 - `splitN` (not by default): flash-decoding, each row's length in N spans of programs of their own, merged by a
   second kernel;
@@ -44,7 +45,7 @@ from decode_microbench import graph_ms  # noqa: E402 - a sibling script: this fo
 
 from hpcrl.engine.embedded import kernels  # noqa: E402
 
-DEFAULT = ("engine", "floor", "load_cvt", "k_first", "kv_first")
+DEFAULT = ("engine", "engine_kfirst", "floor", "load_cvt", "k_first")
 
 
 @triton.jit
@@ -338,9 +339,9 @@ def main() -> int:
 
         return launch
 
-    def engine(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> Launch:
+    def engine(ks: list[torch.Tensor], vs: list[torch.Tensor], use_dot: int = 1) -> Launch:
         def launch(cfg: tuple[int, ...], out: torch.Tensor, c: int) -> None:
-            kernels.decode_attention(qkv, ks[c], vs[c], pos, out, nh, nkv, hd, scale, config=(*cfg, 1))
+            kernels.decode_attention(qkv, ks[c], vs[c], pos, out, nh, nkv, hd, scale, config=(*cfg, use_dot))
 
         return launch
 
@@ -385,6 +386,8 @@ def main() -> int:
     variants: dict[str, tuple[str, Launch, Callable[[], torch.Tensor], bool]] = {
         "engine": ("fp8_e4m3", engine(k8, v8), attn_out, True),
         "engine_bf16": ("bfloat16", engine(k16, v16), attn_out, True),
+        "engine_kfirst": ("fp8_e4m3", engine(k8, v8, use_dot=2), attn_out, True),
+        "engine_kfirst_bf16": ("bfloat16", engine(k16, v16, use_dot=2), attn_out, True),
         "floor": ("fp8_e4m3", floor(k8, v8), lambda: torch.empty(b, nkv, hd // 4, device=dev, dtype=torch.int32),
                   False),
         "floor_bf16": ("bfloat16", floor(k16, v16),

@@ -11,7 +11,7 @@ CONFIGS=${CONFIGS:-"32,2,2;32,2,3;32,2,4;32,4,2;32,4,3;32,4,4;64,2,3;64,4,2;64,4
 timeout 420 python3 tools/gpu/attention_kv8_variants.py --configs "$CONFIGS" ${ONLY:+--only $ONLY} 2>&1 | tee -a "$OUT/variants.log"
 NCU="ncu --clock-control none -k regex:_decode_attention_kernel|_attn_kt_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy
   --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis"
-for v in engine k_first kv_first; do  # Nsight Compute's duration of each at its fastest config in the sweep
+for v in engine engine_kfirst k_first; do  # Nsight Compute's duration of each at its fastest config in the sweep
   cfg=$(grep -E "^\| $v \| [a-z0-9_]+ \| [0-9]" "$OUT/variants.log" | sort -t'|' -k5 -g | head -1 | cut -d'|' -f4 | tr -d ' ')
   [[ -n $cfg ]] && timeout 60 $NCU python3 tools/gpu/attention_kv8_variants.py --only $v --configs "$cfg" --copies 1 \
     > "$OUT/ncu_$v.txt" 2>&1

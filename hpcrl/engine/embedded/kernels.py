@@ -46,8 +46,8 @@ def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
 ATTN_CONFIG = _config("ATTN_CONFIG", (64, 8, 3, 1))
 # With an 8-bit K/V cache (tools/gpu/attention_kv8_variants.py, H200, batch 256, length 384, CUDA-graph replays):
-# small tiles, two warps, three stages and K as the first dot operand read 3.4 TB/s of e4m3 K/V (0.059 ms a layer);
-# the same loads alone 4.2 TB/s.
+# small tiles, two warps, three stages; with q as the first dot operand the kernel read 3.1 TB/s of e4m3 K/V, a
+# kernel of the same math with K first 3.4 TB/s (0.059 ms a layer), the same loads alone 4.2 TB/s.
 ATTN_CONFIG_KV8 = _config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
 SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
@@ -216,8 +216,9 @@ if AVAILABLE:
             q = q.to(tl.float32)
         if K_FIRST:
             # K is the first, row-major operand (s^T = K q^T): the MMA's rows are the tile's tokens and the
-            # 2 grouped heads, padded to 16, are the narrow side. On an H200 with e4m3 K/V: 59 us a layer
-            # against 65 us with q first (tools/gpu/attention_kv8_variants.py, Nsight Compute).
+            # grouped heads (GROUP, padded to 16) are the narrow side. On an H200 with e4m3 K/V a kernel of this
+            # math took 59 us a layer against 65 us with q first (attention_kv8_variants.py `k_first`, Nsight
+            # Compute); in the engine the step's GPU time fell by 2.1-2.5 us a layer (docs/benchmarks.md).
             qt = tl.trans(q)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
