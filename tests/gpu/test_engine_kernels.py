@@ -92,6 +92,39 @@ def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...]
     assert torch.equal(steps_after, steps + 1)
 
 
+def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
+    # -inf logits (a vocabulary padded or masked past its real size): the online sum-exp skips them without NaN,
+    # also where a whole split of the row, or all but one entry, is masked.
+    torch.manual_seed(2)
+    n, vocab = 8, 3000
+    logits = torch.randn(n, vocab, device=DEVICE) * 3
+    logits[:, 2100:] = float("-inf")  # the last of 4 splits entirely masked, the third partly
+    logits[3, 1:] = float("-inf")  # one finite entry
+    logits[5, ::2] = float("-inf")
+    logits = logits.to(torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.0, 1.3, 1.0, 0.5, 2.0], device=DEVICE)
+    seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) * 31 + 1
+    steps = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    p = RowParams(
+        temperature=temperature,
+        top_k=torch.full((n,), -1, device=DEVICE),
+        top_p=torch.ones(n, device=DEVICE),
+        min_p=torch.zeros(n, device=DEVICE),
+        seeds=seeds,
+        steps=steps,
+    )
+    ref = sample(logits, p, want_support=False)
+    tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
+    lp = torch.empty(n, 2, device=DEVICE)
+    kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp, config=(512, 4, 4))
+    assert torch.equal(tok, ref.token_ids) and int(tok[3]) == 0
+    assert bool((tok < 2100).all())
+    assert torch.isfinite(lp).all()
+    assert torch.allclose(lp[:, 0], ref.logprobs, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lp[:, 1], ref.scaled_logprobs, atol=1e-4, rtol=1e-4)
+    assert abs(float(lp[3, 0])) < 1e-6  # the only finite entry has probability 1
+
+
 def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
     """The batch-invariant engine samples from its log-softmax rows: the kernel draws the torch sampler's token and
     reports that row's entry bit for bit (the trainer computes the same row), not a re-normalised copy of it."""
