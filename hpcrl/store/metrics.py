@@ -20,11 +20,11 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import h5py
 import numpy as np
@@ -45,6 +45,7 @@ _REQUIRED_DATASETS = ("metrics/step", *(f"events/{name}" for name in _EVENT_FIEL
 _CHUNK_ROWS = 512
 _KEY_PART = re.compile(r"[A-Za-z0-9_.\-]+")
 # A writer outside SWMR (adding a key or an event) holds the file for milliseconds; readers wait this long.
+_T = TypeVar("_T")
 _READ_RETRY_S = 2.0
 _READ_RETRY_SLEEP_S = 0.02
 _SUPERBLOCK_OPEN_FOR_WRITE = 0x01
@@ -455,6 +456,23 @@ def _open_for_read(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
         f.close()
 
 
+def _read(path: str | os.PathLike[str], read: Callable[[h5py.File], _T]) -> _T:
+    """read(f) on the metrics file. While a writer has the file open, a read that fails is retried for up to
+    _READ_RETRY_S: under SWMR, HDF5 does not order an appended variable-length string (an event's kind or detail)
+    with its dataset's new extent, so a reader between the two fails with "len not positive after adjustment for
+    EOA" (seen in CI), and a moment later reads it whole. A file no writer has open fails at once."""
+    deadline_s = time.monotonic() + _READ_RETRY_S
+    while True:
+        with _open_for_read(path) as f:
+            try:
+                return read(f)
+            except (OSError, KeyError, ValueError):
+                live = _superblock_write_flags(Path(path)) & _SUPERBLOCK_OPEN_FOR_WRITE
+                if not live or time.monotonic() > deadline_s:
+                    raise  # _open_for_read names the file and the problem
+        time.sleep(_READ_RETRY_SLEEP_S)
+
+
 def _superblock_write_flags(path: Path) -> int:
     """The file-consistency flags of a version ≥ 2 superblock at offset 0 (bit 0: open for write, bit 2: SWMR
     writing); 0 for older superblocks, which hpcrl's writers never make."""
@@ -498,7 +516,8 @@ def load_metrics(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
 
     Works while a writer has the file open; rows it has not flushed yet are not seen.
     """
-    with _open_for_read(path) as f:
+
+    def read(f: h5py.File) -> dict[str, np.ndarray]:
         datasets: dict[str, h5py.Dataset] = {}
 
         def visit(name: str, obj: h5py.HLObject) -> None:
@@ -508,19 +527,26 @@ def load_metrics(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         f["metrics"].visititems(visit)
         # A reader may land between two dataset resizes of one flush: keep the rows all datasets have.
         num_rows = min(ds.shape[0] for ds in datasets.values())
-        columns = {name: ds[:num_rows] for name, ds in datasets.items()}
+        return {name: ds[:num_rows] for name, ds in datasets.items()}
+
+    columns = _read(path, read)
     return {"step": columns.pop("step"), **dict(sorted(columns.items()))}
 
 
 def load_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Returns the events in order as ``{"time_s", "step" (None if none), "kind", "detail" (dict)}``."""
-    with _open_for_read(path) as f:
+
+    def read(f: h5py.File) -> tuple[Any, ...]:
         datasets = {name: f[f"events/{name}"] for name in _EVENT_FIELDS}
         num_events = min(ds.shape[0] for ds in datasets.values())
-        time_s = datasets["time_s"][:num_events]
-        steps = datasets["step"][:num_events]
-        kinds = datasets["kind"].asstr()[:num_events]
-        details = datasets["detail"].asstr()[:num_events]
+        return (
+            datasets["time_s"][:num_events],
+            datasets["step"][:num_events],
+            datasets["kind"].asstr()[:num_events],
+            datasets["detail"].asstr()[:num_events],
+        )
+
+    time_s, steps, kinds, details = _read(path, read)
     return [
         {
             "time_s": float(t),
@@ -534,8 +560,7 @@ def load_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def load_root_attrs(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Returns the root attributes set by the writer's caller (config, versions, git commit, hosts)."""
-    with _open_for_read(path) as f:
-        attrs = {name: value for name, value in f.attrs.items() if name not in _RESERVED_ATTRS}
+    attrs = _read(path, lambda f: {name: value for name, value in f.attrs.items() if name not in _RESERVED_ATTRS})
     return {name: value.decode() if isinstance(value, bytes) else _to_python(value) for name, value in attrs.items()}
 
 

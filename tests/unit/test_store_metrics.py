@@ -293,6 +293,31 @@ def test_a_file_whose_writer_is_still_extending_it_is_not_called_truncated(tmp_p
     assert time.monotonic() - started_s < 0.5
 
 
+def test_a_read_that_lands_on_an_unfinished_append_is_retried_while_the_writer_is_open(tmp_path: Path) -> None:
+    # Under SWMR an event's variable-length strings can trail their dataset's new extent: a reader in between
+    # gets "len not positive after adjustment for EOA" (CI, test_report_while_another_process_writes). Here the
+    # read fails that way once; with the writer open it is read again, with the writer gone it fails at once.
+    from hpcrl.store.metrics import _read
+
+    path = tmp_path / "metrics.h5"
+    failures = [0]
+
+    def read_failing_once(f: h5py.File) -> int:
+        failures[0] += 1
+        if failures[0] == 1:
+            raise OSError("Can't synchronously read data (len not positive after adjustment for EOA)")
+        return int(f["events/kind"].shape[0])
+
+    with MetricsWriter(path, **NO_AUTO_FLUSH) as writer:
+        writer.event("thermal_pause", step=1, detail={"gpu": 0})
+        assert _read(path, read_failing_once) == 1 and failures[0] == 2
+    failures[0] = 0
+    started_s = time.monotonic()
+    with pytest.raises(StoreError, match="len not positive"):
+        _read(path, read_failing_once)
+    assert time.monotonic() - started_s < 0.5 and failures[0] == 1
+
+
 def test_writer_refuses_foreign_files(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.h5"
     garbage.write_bytes(b"not hdf5")
