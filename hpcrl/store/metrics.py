@@ -44,8 +44,9 @@ _REQUIRED_DATASETS = ("metrics/step", *(f"events/{name}" for name in _EVENT_FIEL
 # 512 float64 rows = 4 KiB per chunk: a run of a few hundred steps stays small, long runs need few chunks.
 _CHUNK_ROWS = 512
 _KEY_PART = re.compile(r"[A-Za-z0-9_.\-]+")
-# A writer outside SWMR (adding a key or an event) holds the file for milliseconds; readers wait this long.
 _T = TypeVar("_T")
+# A writer outside SWMR (adding a key or an event) holds the file for milliseconds, and an append under SWMR is
+# readable whole a moment later; readers wait this long.
 _READ_RETRY_S = 2.0
 _READ_RETRY_SLEEP_S = 0.02
 _SUPERBLOCK_OPEN_FOR_WRITE = 0x01

@@ -59,6 +59,19 @@ def test_uniform_kernel_has_the_reference_bits() -> None:
     assert torch.equal(got, ref)
 
 
+def full_vocab_params(temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> RowParams:
+    """Sampling over the whole vocabulary (no top-k/top-p/min-p), the case the fused sampler takes."""
+    n = temperature.shape[0]
+    return RowParams(
+        temperature=temperature,
+        top_k=torch.full((n,), -1, device=DEVICE),
+        top_p=torch.ones(n, device=DEVICE),
+        min_p=torch.zeros(n, device=DEVICE),
+        seeds=seeds,
+        steps=steps,
+    )
+
+
 @pytest.mark.parametrize("vocab,config", [(99, None), (5000, (1024, 4, 1)), (5000, (1024, 4, 4)), (5000, (512, 4, 8))])
 def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...] | None) -> None:
     torch.manual_seed(1)
@@ -67,14 +80,7 @@ def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...]
     temperature = torch.tensor([1.0, 0.0, 0.7, 1.3] * 4, device=DEVICE)
     seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) * 7919 + 3
     steps = torch.arange(n, dtype=torch.int64, device=DEVICE) % 5
-    p = RowParams(
-        temperature=temperature,
-        top_k=torch.full((n,), -1, device=DEVICE),
-        top_p=torch.ones(n, device=DEVICE),
-        min_p=torch.zeros(n, device=DEVICE),
-        seeds=seeds,
-        steps=steps,
-    )
+    p = full_vocab_params(temperature, seeds, steps)
     ref = sample(logits, p, want_support=False)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)
@@ -105,14 +111,7 @@ def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
     temperature = torch.tensor([1.0, 0.0, 0.7, 1.0, 1.3, 1.0, 0.5, 2.0], device=DEVICE)
     seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) * 31 + 1
     steps = torch.zeros(n, dtype=torch.int64, device=DEVICE)
-    p = RowParams(
-        temperature=temperature,
-        top_k=torch.full((n,), -1, device=DEVICE),
-        top_p=torch.ones(n, device=DEVICE),
-        min_p=torch.zeros(n, device=DEVICE),
-        seeds=seeds,
-        steps=steps,
-    )
+    p = full_vocab_params(temperature, seeds, steps)
     ref = sample(logits, p, want_support=False)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)
@@ -134,10 +133,7 @@ def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
     ones = torch.ones(n, device=DEVICE)
     seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) * 104729 + 11
     steps = torch.arange(n, dtype=torch.int64, device=DEVICE) % 7
-    p = RowParams(
-        temperature=ones, top_k=torch.full((n,), -1, device=DEVICE), top_p=ones, min_p=torch.zeros(n, device=DEVICE),
-        seeds=seeds, steps=steps,
-    )  # fmt: skip
+    p = full_vocab_params(ones, seeds, steps)
     ref = sample(lp_rows, p, want_support=False, unit_temperature=True, logprobs=lp_rows)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)

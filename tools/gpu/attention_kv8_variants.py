@@ -75,6 +75,15 @@ def _loads_kernel(KC, VC, Out, Pos, stride_cb, stride_ch, stride_cn, max_len, KV
 
 
 @triton.jit
+def _load_q(Q, b, kvh, stride_qb, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    # The GROUP query heads of KV head kvh in row b, padded to BLOCK_H rows of zeros (tl.dot needs 16).
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    heads = kvh * GROUP + offs_h
+    return tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=(offs_h < GROUP)[:, None], other=0.0)
+
+
+@triton.jit
 def _attn_variant_kernel(
     Q, KC, VC, Out, Pos, sm_scale, stride_qb, stride_cb, stride_ch, stride_cn, stride_vd, stride_vn, max_len,
     H: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,7 +96,7 @@ def _attn_variant_kernel(
     hmask = offs_h < GROUP
     offs_d = tl.arange(0, D)
     heads = kvh * GROUP + offs_h
-    q = tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    q = _load_q(Q, b, kvh, stride_qb, GROUP, BLOCK_H, D)
     qf = q.to(tl.float32)
     if QK8:
         # q as hi + lo e4m3 parts, scaled per head so its largest entry is 224: ~8 bits together, as bf16 has.
@@ -142,11 +151,8 @@ def _attn_variant_kernel(
 def _attend_span(Q, KC, VC, b, kvh, lo, hi, sm_scale, stride_qb, stride_cb, stride_ch, stride_cn,
                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     # The engine kernel's loop over [lo, hi) of one (row, KV head), K/V widened to float16: unnormalised.
-    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    heads = kvh * GROUP + offs_h
-    q = tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=(offs_h < GROUP)[:, None], other=0.0)
-    q = q.to(tl.float16)
+    q = _load_q(Q, b, kvh, stride_qb, GROUP, BLOCK_H, D).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -240,7 +246,7 @@ def _attn_kt_kernel(Q, KC, VC, Out, Pos, sm_scale, stride_qb, stride_cb, stride_
     hmask = offs_h < GROUP
     offs_d = tl.arange(0, D)
     heads = kvh * GROUP + offs_h
-    q = tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    q = _load_q(Q, b, kvh, stride_qb, GROUP, BLOCK_H, D)
     qt = tl.trans(q.to(tl.float16))  # [D, BLOCK_H]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
