@@ -468,3 +468,13 @@ def test_a_bad_kernel_launch_override_names_the_variable_and_the_fix(
         launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True)
     monkeypatch.setenv("HPCRL_INVARIANT_MATMUL", "32,64,64,4,3")
     assert launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True) == (32, 64, 64, 4, 3)
+
+
+def test_an_attention_override_with_an_unknown_dot_mode_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import kernels
+
+    monkeypatch.setenv("HPCRL_ENGINE_ATTN_CONFIG_KV8", "32,2,3,5")
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_ATTN_CONFIG_KV8=32,2,3,5: the 4th value, use_dot, .*unset it"):
+        kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
+    monkeypatch.setenv("HPCRL_ENGINE_ATTN_CONFIG_KV8", "64,4,2,2")
+    assert kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2)) == (64, 4, 2, 2)

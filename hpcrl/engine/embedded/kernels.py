@@ -41,14 +41,26 @@ def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return launch_config(f"HPCRL_ENGINE_{name}", default)
 
 
+def _attn_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """An attention launch config; its 4th value (use_dot) is checked here, at start-up, not at the first decode."""
+    config = _config(name, default)
+    if len(config) == 4 and config[3] not in (0, 1, 2):
+        raise ValueError(
+            f"HPCRL_ENGINE_{name}={','.join(map(str, config))}: the 4th value, use_dot, must be 0 (CUDA-core dots), "
+            f"1 (q the first dot operand) or 2 (K first), like {','.join(map(str, default))} (the default); "
+            "unset it to use the default"
+        )
+    return config
+
+
 # decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps, splits).
 # Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
-ATTN_CONFIG = _config("ATTN_CONFIG", (64, 8, 3, 1))
+ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
 # With an 8-bit K/V cache (tools/gpu/attention_kv8_variants.py, H200, batch 256, length 384, CUDA-graph replays):
 # small tiles, two warps, three stages; with q as the first dot operand the kernel read 3.1 TB/s of e4m3 K/V, a
 # kernel of the same math with K first 3.4 TB/s (0.059 ms a layer), the same loads alone 4.2 TB/s.
-ATTN_CONFIG_KV8 = _config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
+ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
 SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
 
