@@ -429,16 +429,22 @@ def test_an_engine_death_reissues_its_groups(tiny_model_dir: Path, engine: Engin
     engines = [engine, engine_factory(*ENGINE_ARGS)]
     parts = Parts(tiny_model_dir, [e.url for e in engines])
     try:
-        rollout = parts.make(inflight=4, capacity=8, max_new_tokens=64)
+        # Room for every group: a producer waiting for room would leave no call open on engine 1 to kill it under.
+        rollout = parts.make(inflight=4, capacity=10_000, max_new_tokens=64)
         rollout.start()
         # Kill engine 1 while it holds a group: freeze it first, then make sure a call to it is still open (a fast
-        # engine can answer between a look at the calls and the kill, and the death would then go unseen).
+        # engine can answer between a look at the calls and the kill, and the death would then go unseen). A call
+        # still listed is not enough: its answer may have arrived while the producer waits for room in the buffer.
         victim = engines[1].proc
+
+        def open_on_victim() -> bool:
+            return any(c.slot.index == 1 and not fut.done() for fut, c in list(rollout._calls.items()))
+
         while True:
-            until(lambda: sum(c.slot.index == 1 for c in rollout._calls.values()) >= 1, "a group on engine 1")
+            until(open_on_victim, "a group on engine 1")
             victim.send_signal(signal.SIGSTOP)
-            time.sleep(0.3)  # an answer already on its way is read and its call closed by now
-            if any(c.slot.index == 1 for c in rollout._calls.values()):
+            time.sleep(0.3)  # an answer already on its way is read and its call's future completed by now
+            if open_on_victim():
                 break
             victim.send_signal(signal.SIGCONT)
         victim.kill()
