@@ -182,6 +182,41 @@ def test_decode_step_matches_forward_cached(dtype: torch.dtype, llama: bool) -> 
             assert rel(cache.v[i][b, :, : length + 1], ref_cache.v[i][b, :, : length + 1]) < tol
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("llama", [False, True])
+def test_fused_prefill_matches_forward_cached(dtype: torch.dtype, llama: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import fused_prefill
+    from hpcrl.engine.embedded.runner import DecodeRunner
+
+    args = tiny_args(llama=llama)
+    model = random_model(args, dtype)
+    slots, max_len, first_slot = 7, 40, 2
+    cache = KVCache.allocate(args, slots, max_len, dtype, DEVICE)
+    ref_cache = KVCache.allocate(args, slots, max_len, dtype, DEVICE)
+    torch.manual_seed(4)
+    lengths = [5, 17, 1, 12]
+    n, width = len(lengths), max(lengths)
+    ids = torch.randint(3, args.vocab_size, (n, width), device=DEVICE)
+    last = torch.tensor(lengths, device=DEVICE) - 1
+    monkeypatch.setattr(fused_prefill, "PREFILL_PATH", "fused")
+    runner = DecodeRunner(model, cache, max_batch=slots, device=DEVICE, mode="triton")
+    assert runner.prefill_fused
+    with torch.no_grad():
+        zeros = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+        ref = model.forward_cached(ids, ref_cache, first_slot, zeros, last, from_start=True).float()
+        got = runner.prefill(ids, first_slot, last).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.shape == ref.shape and rel(got, ref) < tol, rel(got, ref)
+    rows = slice(first_slot, first_slot + n)
+    for i in range(args.num_layers):
+        for b, length in enumerate(lengths):
+            s = first_slot + b
+            assert rel(cache.k[i][s, :, :length], ref_cache.k[i][s, :, :length]) < tol
+            assert rel(cache.v[i][s, :, :length], ref_cache.v[i][s, :, :length]) < tol
+        # Slots outside first_slot.. are untouched.
+        assert not cache.k[i][:first_slot].any() and not cache.k[i][rows.stop :].any()
+
+
 # 8-bit K/V only under a bfloat16 q: the engine refuses them with float32 models (and the interpreter runs fp32 only).
 @pytest.mark.parametrize(("dtype", "kv8"), [(d, False) for d in DTYPES] + [(torch.bfloat16, True)] * (len(DTYPES) > 1))
 @pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1), (32, 2, 3, 2), (64, 4, 2, 2)])

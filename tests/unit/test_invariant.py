@@ -478,3 +478,15 @@ def test_an_attention_override_with_an_unknown_dot_mode_fails_at_start_up(monkey
         kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
     monkeypatch.setenv("HPCRL_ENGINE_ATTN_CONFIG_KV8", "64,4,2,2")
     assert kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2)) == (64, 4, 2, 2)
+
+
+def test_an_unknown_prefill_path_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import fused_prefill
+
+    monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "flash")
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_PREFILL='flash': must be one of model, fused .*unset it"):
+        fused_prefill.prefill_path()
+    monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "fused")
+    assert fused_prefill.prefill_path() == "fused"
+    monkeypatch.delenv("HPCRL_ENGINE_PREFILL")
+    assert fused_prefill.prefill_path() == "model"

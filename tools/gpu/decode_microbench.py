@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from hpcrl.engine.embedded import kernels  # noqa: E402
+from hpcrl.engine.embedded import fused_prefill, kernels  # noqa: E402
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState  # noqa: E402
 from hpcrl.engine.embedded.sampling import RowParams, sample  # noqa: E402
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs  # noqa: E402
@@ -168,6 +168,38 @@ def main() -> int:
         return {"prefill_ms": ms, "prefill_tok_s": B * ns.prompt_len / ms * 1e3}
 
     section("prefill", results, prefill)
+
+    def prefill_profile() -> dict[str, Any]:
+        # The engine prefills in batches of max_prefill_tokens (4096: 32 prompts of 128); the kernels of one.
+        from torch.profiler import ProfilerActivity, profile
+
+        rows = max(1, 4096 // ns.prompt_len)
+        ids = torch.randint(3, a.vocab_size, (rows, ns.prompt_len), device=dev, generator=gen)
+        zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
+        last = torch.full((rows,), ns.prompt_len - 1, device=dev)
+        fused, rope = DecodeRunner(model, cache, max_batch=B, device=dev, mode="triton")._kernel_tables()
+        paths: dict[str, Callable[[], torch.Tensor]] = {
+            "model": lambda: model.forward_cached(ids, cache, 0, zeros, last, from_start=True),
+            "fused": lambda: fused_prefill.prefill_logits(model, cache, fused, rope, ids, 0, last),
+        }
+        out: dict[str, Any] = {}
+        for name, fn in paths.items():
+            out[f"prefill_4096_tokens_{name}_ms"] = cuda_ms(fn, reps=5, warmup=2)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+            table = events.table(sort_by=key, row_limit=20, max_name_column_width=70)
+            (out_dir / f"profile_prefill_{name}.txt").write_text(table)
+            print(f"prefill path {name}:\n{table}", flush=True)
+        # The same logits both ways (bf16: the kernels round as the modules do, in another order of ops).
+        ref, got = paths["model"]().float(), paths["fused"]().float()
+        out["prefill_fused_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        out["prefill_fused_same_argmax"] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        return out
+
+    section("prefill_profile", results, prefill_profile)
 
     runner = DecodeRunner(model, cache, max_batch=B, device=dev, mode="graph")
     toks = torch.randint(3, a.vocab_size, (B,), generator=torch.Generator().manual_seed(2)).tolist()

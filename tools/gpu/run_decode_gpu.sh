@@ -4,8 +4,12 @@
 #   BASELINE=.ab bash tools/gpu/run_decode_gpu.sh   # .ab/ (git-ignored) holds another commit's hpcrl/ and tools/:
 #                                                   # its 8-bit bench runs too, in the same call, for an A/B
 # tests: tests/gpu/test_engine_cuda.py and test_engine_kernels.py (the fp8 cache against the model's own scoring)
-# micro: tools/gpu/decode_microbench.py per cache: prefill, the fused sampler, graph replay, the loop body
-# bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, same model and prompts
+# micro: tools/gpu/decode_microbench.py per cache: prefill (the model's forward and the fused path, with kernel
+#        tables), the fused sampler, graph replay, the loop body
+# bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, then fp8_e4m3 with
+#        HPCRL_ENGINE_PREFILL=fused, same model and prompts
+# gap: the colocated GRPO step's train/rollout log-prob gap with each cache (the engine inherits this shell's
+#      environment: HPCRL_ENGINE_PREFILL=fused STEPS=gap ... measures it with the fused prefill)
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache
 # Sections are independent: one failing does not stop the next.
 set -u
@@ -27,7 +31,7 @@ if [[ $STEPS == *micro* ]]; then
   for cache in fp8_e4m3 auto; do
     echo "=== decode_microbench, kv cache $cache" | tee -a "$OUT/decode.log"
     timeout 150 python3 tools/gpu/decode_microbench.py --kv-cache-dtype $cache --out /tmp/hpcrl-gpu/micro_$cache \
-      --sections prefill,samplers,graph_forward,full_steps 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
+      --sections prefill,prefill_profile,samplers,graph_forward,full_steps 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
   done
   if [[ -n $BASELINE ]]; then
     echo "=== decode_microbench samplers, tree $BASELINE" | tee -a "$OUT/decode.log"
@@ -36,15 +40,17 @@ if [[ $STEPS == *micro* ]]; then
   fi
 fi
 if [[ $STEPS == *bench* ]]; then
-  runs="auto:. fp8_e4m3:."
-  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE"
+  # cache:tree:prefill (HPCRL_ENGINE_PREFILL); RUNS= picks others
+  runs=${RUNS:-"auto:.:model fp8_e4m3:.:model fp8_e4m3:.:fused"}
+  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:model"
   for run in $runs; do
-    cache=${run%%:*} tree=${run#*:}
-    name=bench_${cache}$([[ $tree == . ]] || echo _baseline)
-    echo "=== 256 x 512 with log-probs, kv cache $cache, tree $tree" | tee -a "$OUT/decode.log"
+    IFS=: read -r cache tree prefill <<<"$run"
+    name=bench_${cache}_${prefill}$([[ $tree == . ]] || echo _baseline)
+    echo "=== 256 x 512 with log-probs, kv cache $cache, prefill $prefill, tree $tree" | tee -a "$OUT/decode.log"
     (cd "$tree" && PYTHONPATH=/tmp/site:. timeout 240 python3 tools/bench/engine_throughput.py \
       --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
       --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
+      --engine-env HPCRL_ENGINE_PREFILL=$prefill \
       --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine") \
       | tee -a "$OUT/decode.log"
   done

@@ -130,6 +130,8 @@ if AVAILABLE:
         stride_ch,
         stride_cn,
         max_len,
+        first_slot,
+        rows_per_slot,
         H: tl.constexpr,
         KVH: tl.constexpr,
         HP: tl.constexpr,
@@ -137,9 +139,12 @@ if AVAILABLE:
         D: tl.constexpr,
         HAS_NORM: tl.constexpr,
         KV8: tl.constexpr,
+        STORE_K: tl.constexpr,
     ):
-        # One program per row: its q heads (rewritten in place), k heads and v heads (to the cache).
+        # One program per row: its q heads (rewritten in place), k heads and v heads (to the cache slot
+        # first_slot + row // rows_per_slot: a decode step has a row per slot, a prefill a row per prompt token).
         b = tl.program_id(0).to(tl.int64)
+        slot = first_slot + b // rows_per_slot
         HALF: tl.constexpr = D // 2
         d = tl.arange(0, D)
         dr = (d + HALF) % D
@@ -173,10 +178,13 @@ if AVAILABLE:
             x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             xr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         out = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
+        if STORE_K:
+            # A prefill's attention reads k from the QKV output (in the model dtype), not from the cache.
+            tl.store(kb + hk * D + d[None, :], out, mask=mk)
         pos = tl.load(Pos + b)
         # A finished row's extra look-ahead step may sit at max_len: it must not write out of bounds.
         mc = (hk < tl.where(pos < max_len, KVH, 0)) & (d[None, :] < D)
-        off = b * stride_cb + hk.to(tl.int64) * stride_ch + pos * stride_cn + d[None, :]
+        off = slot * stride_cb + hk.to(tl.int64) * stride_ch + pos * stride_cn + d[None, :]
         vv = tl.load(row + (H + KVH) * D + hk * D + d[None, :], mask=mc, other=0.0)
         if KV8:
             # e4m3 tops out at 448; saturate explicitly rather than trust each conversion path to.
@@ -480,9 +488,14 @@ def qk_norm_rope_store(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    *,
+    first_slot: int = 0,
+    rows_per_slot: int = 1,
+    store_k: bool = False,
 ) -> None:
-    """qkv [n, (H + 2*KVH) * D] (one GEMM's output): q gets QK-norm + RoPE in place; k (normed, roped)
-    and v go to cache row b at positions[b]."""
+    """qkv [n, (H + 2*KVH) * D] (one GEMM's output), cos/sin [n, D]: q gets QK-norm + RoPE in place; k (normed,
+    roped) and v of row b go to cache slot first_slot + b // rows_per_slot at positions[b]. `store_k` also
+    writes the normed, roped k back into qkv (a prefill attends over it)."""
     n = qkv.shape[0]
     has_norm = q_norm is not None
     _qk_norm_rope_store_kernel[(n,)](
@@ -500,6 +513,8 @@ def qk_norm_rope_store(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
+        first_slot,
+        rows_per_slot,
         H=num_heads,
         KVH=num_kv_heads,
         HP=_next_pow2(num_heads),
@@ -507,6 +522,7 @@ def qk_norm_rope_store(
         D=head_dim,
         HAS_NORM=has_norm,
         KV8=k_cache.element_size() == 1,
+        STORE_K=store_k,
         num_warps=4,
     )
 

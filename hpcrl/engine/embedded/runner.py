@@ -12,6 +12,7 @@ Four ways to run the step, picked once per engine (`mode`):
   opt-in: the first step compiles for several seconds); prefill as in "eager";
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default);
+  with HPCRL_ENGINE_PREFILL=fused, "triton" and "graph" prefill with those kernels too (`fused_prefill.py`);
 - "invariant": `hpcrl.model.invariant` for prefill and decode, sampling from its log-prob rows
   (`--batch-invariant`, CPU float32): a token's log-prob does not depend on its batch or on prefill vs decode.
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded import fused_prefill, kernels
 from hpcrl.engine.embedded.sampling import RowParams, SampleOutput, sample
 from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin
@@ -154,6 +155,10 @@ class DecodeRunner:
         self.mode = mode
         self.profile = profile
         self.is_cuda = device.type == "cuda"
+        # Prompts through the decode step's kernels (prefill.py) when asked for and the kernels run the decode step.
+        self.prefill_fused = fused_prefill.PREFILL_PATH == "fused" and mode in ("triton", "graph")
+        if fused_prefill.PREFILL_PATH == "fused" and not self.prefill_fused:
+            log.warning("HPCRL_ENGINE_PREFILL=fused needs the triton or graph decode mode; %s prefills as before", mode)
         # The invariant mode uses it only on its log-prob rows at temperature 1 without supports (_invariant_step).
         self.fast_sampler = self.is_cuda and mode != "eager"
         z: dict[str, Any] = dict(device=device)
@@ -460,15 +465,10 @@ class DecodeRunner:
         model, cache = self.model, self.cache
         assert cache is not None
         a = model.args
-        if self._rope is None:
-            pos = torch.arange(cache.max_len, device=self.device)
-            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype)
-        if self._fused is None:
-            self._fuse_weights()
-        assert self._fused is not None
+        fused, rope = self._kernel_tables()
         pos = self.positions[:n]
         idx = pos.clamp(max=cache.max_len - 1)
-        cos, sin = self._rope[0][idx], self._rope[1][idx]
+        cos, sin = rope[0][idx], rope[1][idx]
         layers = model.model.decoder_layers
         resid = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
         h = torch.empty_like(resid)
@@ -478,7 +478,7 @@ class DecodeRunner:
         act = torch.empty(n, a.intermediate_size, dtype=h.dtype, device=h.device)
         for i, layer in enumerate(layers):
             at = layer.self_attn
-            qkv_w, qkv_b, gate_up_w = self._fused[i]
+            qkv_w, qkv_b, gate_up_w = fused[i]
             qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
             kernels.qk_norm_rope_store(
                 qkv,
@@ -504,6 +504,20 @@ class DecodeRunner:
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
         return model.logits(h)
+
+    def _kernel_tables(
+        self,
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
+        """The fused kernels' inputs: each layer's fused weights, and cos/sin [max_len, D] in the model's dtype."""
+        assert self.cache is not None
+        if self._rope is None:
+            a = self.model.args
+            pos = torch.arange(self.cache.max_len, device=self.device)
+            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype)
+        if self._fused is None:
+            self._fuse_weights()
+        assert self._fused is not None
+        return self._fused, self._rope
 
     def torch_forward(self, n: int) -> torch.Tensor:
         """Logits [n, V] of the tokens in slots 0..n-1 with plain torch ops (the CPU decode step).
@@ -598,6 +612,9 @@ class DecodeRunner:
         b = ids.shape[0]
         if self.mode == "invariant":
             return invariant.prefill(self.model, self.cache, ids, first_slot, last)
+        if self.prefill_fused:
+            fused, rope = self._kernel_tables()
+            return fused_prefill.prefill_logits(self.model, self.cache, fused, rope, ids, first_slot, last)
         if self.mode not in ("eager", "compile") or self.is_cuda:
             start = torch.zeros(b, dtype=torch.long, device=self.device)
             return self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)

@@ -1,0 +1,105 @@
+"""The prompt pass (prefill) with the decode step's fused kernels, for the "triton" and "graph" modes.
+
+`CausalLM.forward_cached(from_start=True)` prefills with the model's own modules: on an H200 a batch of 32
+prompts x 128 tokens of the Qwen3-0.6B shape runs about 20 ms, most of it elementwise kernels in fp32 (each
+RMSNorm is eight of them, RoPE six per tensor) over [4096 tokens x hidden] tensors, against ~5 ms of GEMMs.
+This path runs a prompt token as the decode step runs a row: one fused QKV and one gate/up GEMM, `add_rmsnorm`,
+`qk_norm_rope_store` (one program per token, into its prompt's cache slot) and `silu_mul`, with SDPA's causal
+flash attention over the QKV output. The last layer's output projection and MLP run for the `last` tokens only.
+
+Selected with HPCRL_ENGINE_PREFILL=fused; `model` (the default) keeps forward_cached until the fused path is
+measured on a GPU (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hpcrl.engine.embedded import kernels
+from hpcrl.model.qwen3 import CausalLM, KVCache
+
+PATHS = ("model", "fused")
+
+
+def prefill_path() -> str:
+    """HPCRL_ENGINE_PREFILL, checked at start-up: `model` (forward_cached) or `fused` (this module)."""
+    path = os.environ.get("HPCRL_ENGINE_PREFILL", "model").strip() or "model"
+    if path not in PATHS:
+        raise ValueError(
+            f"HPCRL_ENGINE_PREFILL={path!r}: must be one of {', '.join(PATHS)} (model: the model's own forward, "
+            "the default; fused: the decode step's Triton kernels, CUDA only); unset it to use the default"
+        )
+    return path
+
+
+PREFILL_PATH = prefill_path()  # read once, at start-up: a bad value fails before a model loads
+
+
+def prefill_logits(
+    model: CausalLM,
+    cache: KVCache,
+    fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    ids: torch.Tensor,
+    first_slot: int,
+    last: torch.Tensor,
+) -> torch.Tensor:
+    """`forward_cached(ids, cache, first_slot, zeros, last, from_start=True)`: right-padded prompts ids [B, T] from
+    position 0 into cache slots first_slot..; the logits [B, V] at `last` [B] of each row.
+
+    `fused`: each layer's (qkv weight, qkv bias, gate/up weight), views the parameters share (DecodeRunner
+    fuses them); `rope`: cos and sin tables [max_len, D] in the model's dtype. Padded tokens write cache entries
+    past their row's end, as forward_cached's do; decode overwrites them before anyone reads them."""
+    a = model.args
+    b, t = ids.shape
+    n = b * t
+    nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+    dev = ids.device
+    positions = torch.arange(t, device=dev).repeat(b)  # token r: prompt r // t, position r % t
+    cos, sin = rope[0][:t].repeat(b, 1), rope[1][:t].repeat(b, 1)
+    layers = model.model.decoder_layers
+    resid = F.embedding(ids.reshape(n), model.model.embed_tokens.weight)
+    h = torch.empty_like(resid)
+    kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
+    for i, layer in enumerate(layers):
+        at = layer.self_attn
+        qkv_w, qkv_b, gate_up_w = fused[i]
+        qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
+        kernels.qk_norm_rope_store(
+            qkv,
+            at.q_norm.weight if a.qk_norm else None,
+            at.k_norm.weight if a.qk_norm else None,
+            cos,
+            sin,
+            positions,
+            cache.k[i],
+            cache.v[i],
+            at.q_norm.eps if a.qk_norm else 0.0,
+            nh,
+            nkv,
+            hd,
+            first_slot=first_slot,
+            rows_per_slot=t,
+            store_k=True,
+        )
+        heads = qkv.view(b, t, nh + 2 * nkv, hd).transpose(1, 2)  # [B, heads, T, D], views of the GEMM's output
+        q, k, v = heads[:, :nh], heads[:, nh : nh + nkv], heads[:, nh + nkv :]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
+        o = o.transpose(1, 2).reshape(n, nh * hd)
+        if i + 1 == len(layers):
+            # Only the tokens that predict each prompt's next token go on; every token's K/V is cached by now.
+            rows = torch.arange(b, device=dev) * t + last
+            o, resid = o[rows], resid[rows]
+            h = torch.empty_like(resid)
+        o = F.linear(o, at.o_proj.weight)
+        post = layer.post_attention_layernorm
+        kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
+        act = torch.empty(h.shape[0], a.intermediate_size, dtype=h.dtype, device=dev)
+        kernels.silu_mul(F.linear(h, gate_up_w), act)
+        d = F.linear(act, layer.mlp.down_proj.weight)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+        kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
+    return model.logits(h)
