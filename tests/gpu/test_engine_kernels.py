@@ -146,11 +146,58 @@ def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
     assert torch.allclose(lp[:, 0], entries, atol=1e-5)
 
 
+# Small tiles, so that the tiny model's GEMMs have several tiles and every split-K program a share of K.
+SMALL_GEMM_CONFIGS = {
+    "qkv": (16, 32, 32, 1, 4, 2),
+    "o": (16, 32, 32, 3, 4, 2),
+    "gate_up": (16, 32, 32, 1, 4, 2),
+    "down": (16, 32, 32, 2, 4, 2),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("bias", "split"), [(False, 1), (True, 1), (False, 3)])  # partials take no bias
+def test_linear_kernel_matches_f_linear(dtype: torch.dtype, bias: bool, split: int) -> None:
+    torch.manual_seed(5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for m, k, n in ((5, 70, 40), (33, 130, 17)):
+        x, w = torch.randn(m, k, device=DEVICE).to(dtype), torch.randn(n, k, device=DEVICE).to(dtype)
+        b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+        out = kernels.linear(x, w, b, config=(16, 16, 32, split, 4, 2))
+        assert out.shape == ((split, m, n) if split > 1 else (m, n))
+        assert rel(out.sum(0) if split > 1 else out, torch.nn.functional.linear(x, w, b).float()) < tol
+        gate_up = torch.randn(2 * n, k, device=DEVICE).to(dtype)
+        act = kernels.linear(x, gate_up, config=(16, 16, 32, 1, 4, 2), gated=True)
+        g, u = torch.nn.functional.linear(x, gate_up).split(n, dim=1)
+        assert act.shape == (m, n) and rel(act, torch.nn.functional.silu(g) * u) < tol
+        # add_rmsnorm sums the partials into the residual as it adds a whole product.
+        r1 = torch.randn(m, n, device=DEVICE).to(dtype)
+        r2 = r1.clone()
+        weight = torch.rand(n, device=DEVICE).to(dtype) + 0.5
+        h1, h2 = torch.empty_like(r1), torch.empty_like(r1)
+        kernels.add_rmsnorm(kernels.linear(x, w, config=(16, 16, 32, split, 4, 2)), r1, weight, 1e-6, h1)
+        kernels.add_rmsnorm(torch.nn.functional.linear(x, w), r2, weight, 1e-6, h2)
+        assert rel(r1, r2) < tol and rel(h1, h2) < tol
+
+
+def test_linear_kernel_refuses_a_bias_or_gate_on_partials() -> None:
+    x, w = torch.randn(4, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="SPLIT_K 2 returns partial products"):
+        kernels.linear(x, w, torch.zeros(8, device=DEVICE), config=(16, 16, 32, 2, 4, 2))
+    with pytest.raises(ValueError, match="SPLIT_K 2 returns partial products"):
+        kernels.linear(x, w, config=(16, 16, 32, 2, 4, 2), gated=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("llama", [False, True])
-def test_decode_step_matches_forward_cached(dtype: torch.dtype, llama: bool) -> None:
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_decode_step_matches_forward_cached(
+    dtype: torch.dtype, llama: bool, gemm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
 
+    monkeypatch.setattr(kernels, "GEMM_PATH", gemm)
+    monkeypatch.setattr(kernels, "GEMM_CONFIGS", SMALL_GEMM_CONFIGS)
     args = tiny_args(llama=llama)
     model = random_model(args, dtype)
     slots, max_len = 6, 40

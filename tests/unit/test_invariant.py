@@ -490,3 +490,22 @@ def test_an_unknown_prefill_path_fails_at_start_up(monkeypatch: pytest.MonkeyPat
     assert fused_prefill.prefill_path() == "fused"
     monkeypatch.delenv("HPCRL_ENGINE_PREFILL")
     assert fused_prefill.prefill_path() == "model"
+
+
+def test_an_unknown_gemm_path_or_a_bad_gemm_config_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import kernels
+
+    monkeypatch.setenv("HPCRL_ENGINE_GEMM", "cutlass")
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_GEMM='cutlass': must be cublas .* or triton"):
+        kernels._gemm_path()
+    monkeypatch.setenv("HPCRL_ENGINE_GEMM", "triton")
+    assert kernels._gemm_path() == "triton"
+    for bad in ("64,48,128,1,4,3", "64,64,128,0,4,3", "64,64,128,1,4"):
+        monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", bad)
+        with pytest.raises(ValueError, match=r"HPCRL_ENGINE_GEMM_CONFIG_O=.*unset it"):
+            kernels._gemm_config("O", (64, 64, 128, 4, 4, 3))
+    monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_GATE_UP", "64,64,64,2,4,4")
+    with pytest.raises(ValueError, match="SPLIT_K 1 for GATE_UP"):
+        kernels._gemm_config("GATE_UP", (64, 64, 64, 1, 4, 4))
+    monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", "32,64,256,8,4,3")
+    assert kernels._gemm_config("O", (64, 64, 128, 4, 4, 3)) == (32, 64, 256, 8, 4, 3)

@@ -6,8 +6,10 @@
 # tests: tests/gpu/test_engine_cuda.py and test_engine_kernels.py (the fp8 cache against the model's own scoring)
 # micro: tools/gpu/decode_microbench.py per cache: prefill (the model's forward and the fused path, with kernel
 #        tables), the fused sampler, graph replay, the loop body
+# gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go to
+#       the bench's triton-GEMM run
 # bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, then fp8_e4m3 with
-#        HPCRL_ENGINE_PREFILL=fused, same model and prompts
+#        HPCRL_ENGINE_PREFILL=fused, then also HPCRL_ENGINE_GEMM=triton; same model and prompts
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache (the engine inherits this shell's
 #      environment: HPCRL_ENGINE_PREFILL=fused STEPS=gap ... measures it with the fused prefill)
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache
@@ -39,18 +41,31 @@ if [[ $STEPS == *micro* ]]; then
       --sections samplers 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log")
   fi
 fi
+GEMM_ENV=/tmp/hpcrl-gpu/best_gemm_env.txt
+if [[ $STEPS == *gemm* ]]; then
+  echo "=== decode GEMMs at M = 256: cuBLAS path against kernels.linear (best configs -> $GEMM_ENV)" \
+    | tee -a "$OUT/decode.log"
+  PYTHONPATH=/tmp/site:.:tools/gpu timeout 400 python3 tools/gpu/decode_gemm_sweep.py --env-out $GEMM_ENV 2>&1 \
+    | tee "$OUT/gemm_sweep.log" | grep -E "^best|^a layer|failed" | tee -a "$OUT/decode.log"
+fi
 if [[ $STEPS == *bench* ]]; then
-  # cache:tree:prefill (HPCRL_ENGINE_PREFILL); RUNS= picks others
-  runs=${RUNS:-"auto:.:model fp8_e4m3:.:model fp8_e4m3:.:fused"}
-  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:model"
+  # cache:tree:prefill:gemm (HPCRL_ENGINE_PREFILL, HPCRL_ENGINE_GEMM; triton takes the gemm step's configs when it
+  # ran in this call, else the defaults); RUNS= picks others
+  runs=${RUNS:-"auto:.:model:cublas fp8_e4m3:.:model:cublas fp8_e4m3:.:fused:cublas fp8_e4m3:.:fused:triton"}
+  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:model:cublas"
   for run in $runs; do
-    IFS=: read -r cache tree prefill <<<"$run"
-    name=bench_${cache}_${prefill}$([[ $tree == . ]] || echo _baseline)
-    echo "=== 256 x 512 with log-probs, kv cache $cache, prefill $prefill, tree $tree" | tee -a "$OUT/decode.log"
+    IFS=: read -r cache tree prefill gemm <<<"$run"
+    name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo _baseline)
+    extra=()
+    if [[ $gemm == triton && -f $GEMM_ENV ]]; then
+      while read -r line; do [[ -n $line ]] && extra+=(--engine-env "$line"); done <"$GEMM_ENV"
+    fi
+    echo "=== 256 x 512 with log-probs, kv cache $cache, prefill $prefill, gemm $gemm ${extra[*]+${extra[*]}}, tree $tree" \
+      | tee -a "$OUT/decode.log"
     (cd "$tree" && PYTHONPATH=/tmp/site:. timeout 240 python3 tools/bench/engine_throughput.py \
       --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
       --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
-      --engine-env HPCRL_ENGINE_PREFILL=$prefill \
+      --engine-env HPCRL_ENGINE_PREFILL=$prefill --engine-env HPCRL_ENGINE_GEMM=$gemm ${extra[@]+"${extra[@]}"} \
       --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine") \
       | tee -a "$OUT/decode.log"
   done

@@ -21,6 +21,8 @@ is False and the engine runs the eager model.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hpcrl.model.invariant_kernels import launch_config
@@ -64,6 +66,43 @@ ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
 SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
 
+def _gemm_path() -> str:
+    path = os.environ.get("HPCRL_ENGINE_GEMM", "cublas").strip() or "cublas"
+    if path not in ("cublas", "triton"):
+        raise ValueError(
+            f"HPCRL_ENGINE_GEMM={path!r}: must be cublas (torch's GEMMs, the default) or triton (`linear` below, "
+            "with split-K partials summed by add_rmsnorm and the SwiGLU product in the gate/up GEMM); unset it to "
+            "use the default"
+        )
+    return path
+
+
+def _gemm_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of one decode GEMM, checked at start-up."""
+    config = launch_config(f"HPCRL_ENGINE_GEMM_CONFIG_{name}", default, exact=True)
+    blocks_ok = all(b >= 16 and b & (b - 1) == 0 for b in config[:3])
+    if not blocks_ok or config[3] < 1 or (name == "GATE_UP" and config[3] != 1) or config[4] < 1:
+        raise ValueError(
+            f"HPCRL_ENGINE_GEMM_CONFIG_{name}={','.join(map(str, config))}: the blocks must be powers of two >= 16, "
+            "SPLIT_K and the warps >= 1 (SPLIT_K 1 for GATE_UP, whose epilogue needs whole sums), like "
+            f"{','.join(map(str, default))} (the default); unset it to use the default"
+        )
+    return config
+
+
+# The decode GEMMs on Triton tiles (HPCRL_ENGINE_GEMM=triton; cuBLAS by default). At batch 256 cuBLAS takes 6.5-7.8
+# us for each of a Qwen3-0.6B layer's four GEMMs, against 2-3 us of bytes and FLOPs (docs/benchmarks.md).
+# NOT YET TIMED ON A GPU: these defaults are starting points for tools/gpu/decode_gemm_sweep.py, which prints the
+# measured best of each as the HPCRL_ENGINE_GEMM_CONFIG_* lines to use.
+GEMM_PATH = _gemm_path()
+GEMM_CONFIGS = {
+    "qkv": _gemm_config("QKV", (64, 64, 128, 1, 4, 3)),
+    "o": _gemm_config("O", (64, 64, 128, 4, 4, 3)),
+    "gate_up": _gemm_config("GATE_UP", (64, 64, 64, 1, 4, 4)),
+    "down": _gemm_config("DOWN", (64, 64, 128, 4, 4, 3)),
+}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -99,14 +138,24 @@ if AVAILABLE:
         return _mix32(s ^ (step & 0xFFFFFFFF).to(tl.uint32))
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, Out, eps, N, HAS_X: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(
+        X, R, W, Out, eps, N, part_stride, HAS_X: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
         x = tl.load(R + row * N + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_X:
+            if PARTS > 1:
+                # X holds a split-K GEMM's fp32 partial products: their sum, rounded as the GEMM's output would be.
+                y = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(PARTS):
+                    y += tl.load(X + p * part_stride + row * N + offs, mask=m, other=0.0)
+                y = y.to(R.dtype.element_ty).to(tl.float32)
+            else:
+                y = tl.load(X + row * N + offs, mask=m, other=0.0).to(tl.float32)
             # residual = residual + x, rounded to the model dtype as the eager `h = h + f(h)` is.
-            x = (x + tl.load(X + row * N + offs, mask=m, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
+            x = (x + y).to(R.dtype.element_ty)
             tl.store(R + row * N + offs, x, mask=m)
             x = x.to(tl.float32)
         var = tl.sum(x * x, axis=0) / N
@@ -300,6 +349,70 @@ if AVAILABLE:
         )
 
     @triton.jit
+    def _linear_kernel(
+        X,
+        W,
+        Bias,
+        Out,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        part_stride,
+        up_rows,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
+    ):
+        # Out [M, N] = X [M, K] @ W[:N]^T (+ bias), over program (m, n)'s tile. With SPLIT_K > 1, program k's share
+        # of K goes to Out[k] (fp32 partials that add_rmsnorm sums: at M = 256 an [M, 1024] output has too few tiles
+        # to fill the GPU, and the reduction costs no launch of its own there). GATED: W is [gate; up] with the up
+        # rows from `up_rows`, and Out gets silu(gate) * up, each product rounded as a separate GEMM's would be.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mm = offs_m[:, None] < M
+        mn = offs_n[:, None] < N
+        k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        xp = X + offs_m[:, None].to(tl.int64) * stride_xm
+        wp = W + offs_n[:, None].to(tl.int64) * stride_wn
+        for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):
+            ks = k0 + offs_k
+            mk = ks[None, :] < K
+            x = tl.load(xp + ks[None, :], mask=mm & mk, other=0.0)
+            w = tl.load(wp + ks[None, :], mask=mn & mk, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            if GATED:
+                wu = tl.load(wp + up_rows * stride_wn + ks[None, :], mask=mn & mk, other=0.0)
+                acc_up = tl.dot(x, tl.trans(wu), acc_up)
+        mask = mm & (offs_n[None, :] < N)
+        ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        if SPLIT_K > 1:
+            tl.store(ptrs + pid_k * part_stride, acc, mask=mask)
+        else:
+            dt = Out.dtype.element_ty
+            if HAS_BIAS:
+                acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                g = acc.to(dt).to(tl.float32)
+                u = acc_up.to(dt).to(tl.float32)
+                sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+                tl.store(ptrs, (sg * u).to(dt), mask=mask)
+            else:
+                tl.store(ptrs, acc.to(dt), mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(GU, Out, n, inter, BLOCK: tl.constexpr):
         # GU [rows, 2*inter] = [gate | up] (one GEMM); Out [rows, inter] = silu(gate) * up.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -460,8 +573,10 @@ if AVAILABLE:
 def add_rmsnorm(
     x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
 ) -> None:
-    """residual += x (if given); out = RMSNorm(residual) * weight. All [n, hidden], contiguous."""
+    """residual += x (if given); out = RMSNorm(residual) * weight. All [n, hidden], contiguous; x may also be a
+    split-K `linear`'s fp32 partials [parts, n, hidden], summed here."""
     n, hidden = residual.shape
+    parts = x.shape[0] if x is not None and x.dim() == 3 else 1
     _add_rmsnorm_kernel[(n,)](
         x if x is not None else residual,
         residual,
@@ -469,7 +584,9 @@ def add_rmsnorm(
         out,
         eps,
         hidden,
+        n * hidden,
         HAS_X=x is not None,
+        PARTS=parts,
         BLOCK=_next_pow2(hidden),
         num_warps=4 if hidden <= 2048 else 8,
     )
@@ -576,6 +693,52 @@ def decode_attention(
         num_warps=warps,
         num_stages=stages,
     )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, ...],
+    gated: bool = False,
+) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias), as F.linear, on Triton tiles; config = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+    num_warps, num_stages). SPLIT_K > 1 returns fp32 partials [SPLIT_K, M, N] for `add_rmsnorm` to sum (no
+    bias then). gated: weight is [gate; up] (2I rows) and the result is silu(x @ gate.T) * (x @ up.T), [M, I]."""
+    bm, bn, bk, split, warps, stages = config
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if split > 1 and (bias is not None or gated):
+        raise ValueError(f"linear: SPLIT_K {split} returns partial products, which take no bias or gate; use 1")
+    if split > 1:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    _linear_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        n,
+        m * n,
+        n,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:

@@ -476,10 +476,14 @@ class DecodeRunner:
         nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
         scale = 1.0 / math.sqrt(hd)
         act = torch.empty(n, a.intermediate_size, dtype=h.dtype, device=h.device)
+        gemm = kernels.GEMM_CONFIGS if kernels.GEMM_PATH == "triton" else None
         for i, layer in enumerate(layers):
             at = layer.self_attn
             qkv_w, qkv_b, gate_up_w = fused[i]
-            qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
+            if gemm is not None:
+                qkv = kernels.linear(h, qkv_w, qkv_b, config=gemm["qkv"])
+            else:
+                qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
             kernels.qk_norm_rope_store(
                 qkv,
                 at.q_norm.weight if a.qk_norm else None,
@@ -496,11 +500,18 @@ class DecodeRunner:
             )
             o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
             kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
-            o = F.linear(o, at.o_proj.weight)
             post = layer.post_attention_layernorm
-            kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
-            kernels.silu_mul(F.linear(h, gate_up_w), act)
-            d = F.linear(act, layer.mlp.down_proj.weight)
+            if gemm is not None:
+                # o and down as split-K partials that add_rmsnorm sums; gate/up with the SwiGLU product built in.
+                kernels.add_rmsnorm(kernels.linear(o, at.o_proj.weight, config=gemm["o"]), resid, post.weight,
+                                    post.eps, h)  # fmt: skip
+                act = kernels.linear(h, gate_up_w, config=gemm["gate_up"], gated=True)
+                d = kernels.linear(act, layer.mlp.down_proj.weight, config=gemm["down"])
+            else:
+                o = F.linear(o, at.o_proj.weight)
+                kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
+                kernels.silu_mul(F.linear(h, gate_up_w), act)
+                d = F.linear(act, layer.mlp.down_proj.weight)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
         return model.logits(h)
