@@ -149,7 +149,7 @@ def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
 # Small tiles, so that the tiny model's GEMMs have several tiles and every split-K program a share of K.
 SMALL_GEMM_CONFIGS = {
     "qkv": (16, 32, 32, 1, 4, 2),
-    "o": (16, 32, 32, 3, 4, 2),
+    "o": (16, 32, 16, 3, 4, 2),  # K = 128 in three slices of 48, 48 and 32: every partial has work
     "gate_up": (16, 32, 32, 1, 4, 2),
     "down": (16, 32, 32, 2, 4, 2),
 }
@@ -178,6 +178,19 @@ def test_linear_kernel_matches_f_linear(dtype: torch.dtype, bias: bool, split: i
         kernels.add_rmsnorm(kernels.linear(x, w, config=(16, 16, 32, split, 4, 2)), r1, weight, 1e-6, h1)
         kernels.add_rmsnorm(torch.nn.functional.linear(x, w), r2, weight, 1e-6, h2)
         assert rel(r1, r2) < tol and rel(h1, h2) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_linear_is_silu_mul_of_the_same_products_bit_for_bit(dtype: torch.dtype) -> None:
+    # The same tiles accumulate the same products, so the fused epilogue must round exactly as silu_mul does.
+    torch.manual_seed(6)
+    x = torch.randn(37, 96, device=DEVICE).to(dtype)
+    gate_up = (torch.randn(2 * 64, 96, device=DEVICE) / 10).to(dtype)
+    config = (16, 32, 32, 1, 4, 2)
+    fused = kernels.linear(x, gate_up, config=config, gated=True)
+    separate = torch.empty_like(fused)
+    kernels.silu_mul(kernels.linear(x, gate_up, config=config), separate)
+    assert torch.equal(fused, separate)
 
 
 def test_linear_kernel_refuses_a_bias_or_gate_on_partials() -> None:
@@ -262,6 +275,33 @@ def test_fused_prefill_matches_forward_cached(dtype: torch.dtype, llama: bool, m
             assert rel(cache.v[i][s, :, :length], ref_cache.v[i][s, :, :length]) < tol
         # Slots outside first_slot.. are untouched.
         assert not cache.k[i][:first_slot].any() and not cache.k[i][rows.stop :].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an 8-bit K/V cache needs CUDA and bfloat16")
+def test_fused_prefill_into_an_fp8_cache_matches_forward_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import fused_prefill
+    from hpcrl.engine.embedded.runner import DecodeRunner
+
+    args = tiny_args()
+    model = random_model(args, torch.bfloat16)
+    cache = KVCache.allocate(args, 6, 40, torch.float8_e4m3fn, DEVICE)
+    ref_cache = KVCache.allocate(args, 6, 40, torch.float8_e4m3fn, DEVICE)
+    torch.manual_seed(7)
+    lengths = [9, 33, 4]
+    ids = torch.randint(3, args.vocab_size, (3, 33), device=DEVICE)
+    last = torch.tensor(lengths, device=DEVICE) - 1
+    monkeypatch.setattr(fused_prefill, "PREFILL_PATH", "fused")
+    runner = DecodeRunner(model, cache, max_batch=6, device=DEVICE, mode="triton")
+    with torch.no_grad():
+        ref = model.forward_cached(ids, ref_cache, 1, torch.zeros(3, dtype=torch.int64, device=DEVICE), last,
+                                   from_start=True).float()  # fmt: skip
+        got = runner.prefill(ids, 1, last).float()
+    assert rel(got, ref) < 3e-2
+    for i in range(args.num_layers):
+        for b, length in enumerate(lengths):
+            k, k_ref = cache.k[i][1 + b, :, :length].float(), ref_cache.k[i][1 + b, :, :length].float()
+            v, v_ref = cache.v[i][1 + b, :, :length].float(), ref_cache.v[i][1 + b, :, :length].float()
+            assert rel(k, k_ref) < 5e-2 and rel(v, v_ref) < 5e-2
 
 
 # 8-bit K/V only under a bfloat16 q: the engine refuses them with float32 models (and the interpreter runs fp32 only).

@@ -504,8 +504,9 @@ def test_an_unknown_gemm_path_or_a_bad_gemm_config_fails_at_start_up(monkeypatch
         monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", bad)
         with pytest.raises(ValueError, match=r"HPCRL_ENGINE_GEMM_CONFIG_O=.*unset it"):
             kernels._gemm_config("O", (64, 64, 128, 4, 4, 3))
-    monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_GATE_UP", "64,64,64,2,4,4")
-    with pytest.raises(ValueError, match="SPLIT_K 1 for GATE_UP"):
-        kernels._gemm_config("GATE_UP", (64, 64, 64, 1, 4, 4))
+    for name in ("GATE_UP", "QKV"):
+        monkeypatch.setenv(f"HPCRL_ENGINE_GEMM_CONFIG_{name}", "64,64,64,2,4,4")
+        with pytest.raises(ValueError, match="SPLIT_K 1 for QKV and GATE_UP"):
+            kernels._gemm_config(name, (64, 64, 64, 1, 4, 4))
     monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", "32,64,256,8,4,3")
     assert kernels._gemm_config("O", (64, 64, 128, 4, 4, 3)) == (32, 64, 256, 8, 4, 3)

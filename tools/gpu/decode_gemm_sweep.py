@@ -11,11 +11,12 @@ HPCRL_ENGINE_GEMM=cublas (the default) and =triton, the op after the GEMM includ
     gate_up    F.linear + silu_mul            | linear(gated): the SwiGLU product in the GEMM's epilogue
     down       F.linear + add_rmsnorm         | as o
 
-Device time per launch from CUDA-graph replays (`decode_microbench.graph_ms`), rotating through 4 weight copies so
-that L2 does not hold them (a decode step's 28 layers do not fit it either); the floor is the max of the weight bytes
-at 4.3 TB/s and the FLOPs at 790 TFLOP/s; the error is against the cuBLAS stage's output. A config is BLOCK_M,
-BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages. The best config of each stage goes to --env-out as
-HPCRL_ENGINE_GEMM_CONFIG_<STAGE>=... lines for the engine (run_decode_gpu.sh passes them to its triton-GEMM bench).
+Device time per launch from CUDA-graph replays (`decode_microbench.graph_ms`), rotating through weight copies of
+100 MB together so that L2 does not hold them (a decode step's 28 layers do not fit it either); the floor is the max
+of the weight bytes at 4.3 TB/s and the FLOPs at 790 TFLOP/s; the error is against the cuBLAS stage's output. A
+config is BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages. The best config of each stage (among those within
+MAX_REL_ERR) goes to --env-out as HPCRL_ENGINE_GEMM_CONFIG_<STAGE>=... lines for the engine (run_decode_gpu.sh passes
+them to its triton-GEMM bench).
 Without a GPU, `TRITON_INTERPRET=1 ... --check-only` runs every stage's Triton side against its cuBLAS side on the CPU.
 """
 
@@ -49,6 +50,10 @@ SPLIT = [
 ]
 
 
+MAX_REL_ERR = 1e-2
+"""A config whose output is further than this from the cuBLAS path's (bf16 rounding is ~4e-3) is never picked."""
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -60,7 +65,9 @@ class Stage:
         self.name, self.n, self.k, self.m = name, n, k, m
         gen = torch.Generator(device=device).manual_seed(0)
         self.x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
-        self.ws = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) / k**0.5 for _ in range(4)]
+        # Enough weight copies to overflow the H200's ~50 MB L2 twice over: a decode step's 28 layers do not fit it.
+        copies = max(4, -(-100_000_000 // (n * k * torch.finfo(dtype).bits // 8)))
+        self.ws = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
         # o and down write the residual stream (n wide); gate_up's SwiGLU product is n / 2 wide.
         self.resid0 = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
         self.resid = self.resid0.clone()
@@ -70,7 +77,7 @@ class Stage:
         self._turn = itertools.count()
 
     def _w(self, rotate: bool) -> torch.Tensor:
-        return self.ws[next(self._turn) % 4] if rotate else self.ws[0]
+        return self.ws[next(self._turn) % len(self.ws)] if rotate else self.ws[0]
 
     def cublas(self, rotate: bool = True) -> torch.Tensor:
         y = F.linear(self.x, self._w(rotate))
@@ -150,7 +157,7 @@ def main() -> int:
                 continue
             print(f"| {name} | {n} x {k} | {stage.floor_us():.1f} | {cublas_us:.1f} | {us:.1f} "
                   f"({','.join(map(str, cfg))}) | {err:.1e} |", flush=True)  # fmt: skip
-            if best is None or us < best[0]:
+            if err < MAX_REL_ERR and (best is None or us < best[0]):
                 best = (us, cfg)
         total_cublas += cublas_us
         if best is not None:
@@ -158,9 +165,9 @@ def main() -> int:
             print(f"best {name}: cuBLAS path {cublas_us:.1f} us, Triton path {best[0]:.1f} us "
                   f"({','.join(map(str, best[1]))})", flush=True)  # fmt: skip
             env.append(f"HPCRL_ENGINE_GEMM_CONFIG_{name.upper()}={','.join(map(str, best[1]))}")
+            if ns.env_out:  # after each stage: a sweep cut short still configures the stages it finished
+                Path(ns.env_out).write_text("\n".join(env) + "\n")
     print(f"a layer's four stages: cuBLAS path {total_cublas:.1f} us, best Triton configs {total_best:.1f} us")
-    if ns.env_out:
-        Path(ns.env_out).write_text("\n".join(env) + "\n")
     return 0
 
 

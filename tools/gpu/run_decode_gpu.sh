@@ -12,7 +12,6 @@
 #        HPCRL_ENGINE_PREFILL=fused, then also HPCRL_ENGINE_GEMM=triton; same model and prompts
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache (the engine inherits this shell's
 #      environment: HPCRL_ENGINE_PREFILL=fused STEPS=gap ... measures it with the fused prefill)
-# gap: the colocated GRPO step's train/rollout log-prob gap with each cache
 # Sections are independent: one failing does not stop the next.
 set -u
 export PYTHONUNBUFFERED=1
@@ -26,7 +25,7 @@ REPO=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv 2>&1 | tee "$OUT/decode.log"
 if [[ $STEPS == *tests* ]]; then
   echo "=== tests/gpu (engine)" | tee -a "$OUT/decode.log"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_engine_cuda.py tests/gpu/test_engine_kernels.py \
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_engine_cuda.py tests/gpu/test_engine_kernels.py \
     2>&1 | grep -E "passed|failed|error|Error|fp8|\{'auto'" | tail -20 | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *micro* ]]; then
@@ -42,6 +41,7 @@ if [[ $STEPS == *micro* ]]; then
   fi
 fi
 GEMM_ENV=/tmp/hpcrl-gpu/best_gemm_env.txt
+rm -f "$GEMM_ENV"  # only this call's sweep may configure the triton-GEMM bench (/tmp outlives a call on a warm machine)
 if [[ $STEPS == *gemm* ]]; then
   echo "=== decode GEMMs at M = 256: cuBLAS path against kernels.linear (best configs -> $GEMM_ENV)" \
     | tee -a "$OUT/decode.log"

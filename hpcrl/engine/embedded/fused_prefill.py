@@ -56,6 +56,12 @@ def prefill_logits(
     a = model.args
     b, t = ids.shape
     n = b * t
+    # forward_cached's slicing refuses these; the kernels would write outside the prompts' slots or read past RoPE.
+    if first_slot < 0 or first_slot + b > cache.k[0].shape[0] or t > rope[0].shape[0]:
+        raise ValueError(
+            f"prefill of {b} prompts x {t} tokens into slots {first_slot}.. does not fit a cache of "
+            f"{cache.k[0].shape[0]} slots x {rope[0].shape[0]} positions"
+        )
     nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
     dev = ids.device
     positions = torch.arange(t, device=dev).repeat(b)  # token r: prompt r // t, position r % t

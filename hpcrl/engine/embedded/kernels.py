@@ -81,10 +81,11 @@ def _gemm_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of one decode GEMM, checked at start-up."""
     config = launch_config(f"HPCRL_ENGINE_GEMM_CONFIG_{name}", default, exact=True)
     blocks_ok = all(b >= 16 and b & (b - 1) == 0 for b in config[:3])
-    if not blocks_ok or config[3] < 1 or (name == "GATE_UP" and config[3] != 1) or config[4] < 1:
+    whole = name in ("QKV", "GATE_UP")  # their outputs feed kernels that need whole sums, not partials
+    if not blocks_ok or config[3] < 1 or (whole and config[3] != 1) or config[4] < 1:
         raise ValueError(
             f"HPCRL_ENGINE_GEMM_CONFIG_{name}={','.join(map(str, config))}: the blocks must be powers of two >= 16, "
-            "SPLIT_K and the warps >= 1 (SPLIT_K 1 for GATE_UP, whose epilogue needs whole sums), like "
+            "SPLIT_K and the warps >= 1 (SPLIT_K 1 for QKV and GATE_UP, whose outputs must be whole sums), like "
             f"{','.join(map(str, default))} (the default); unset it to use the default"
         )
     return config
@@ -368,6 +369,7 @@ if AVAILABLE:
         SPLIT_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         GATED: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         # Out [M, N] = X [M, K] @ W[:N]^T (+ bias), over program (m, n)'s tile. With SPLIT_K > 1, program k's share
         # of K goes to Out[k] (fp32 partials that add_rmsnorm sums: at M = 256 an [M, 1024] output has too few tiles
@@ -392,10 +394,17 @@ if AVAILABLE:
             mk = ks[None, :] < K
             x = tl.load(xp + ks[None, :], mask=mm & mk, other=0.0)
             w = tl.load(wp + ks[None, :], mask=mn & mk, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            # fp32 models: full-precision products, as cuBLAS's fp32 GEMM (tl.dot would round them to TF32).
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
             if GATED:
                 wu = tl.load(wp + up_rows * stride_wn + ks[None, :], mask=mn & mk, other=0.0)
-                acc_up = tl.dot(x, tl.trans(wu), acc_up)
+                if IEEE:
+                    acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(x, tl.trans(wu), acc_up)
         mask = mm & (offs_n[None, :] < N)
         ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         if SPLIT_K > 1:
@@ -735,6 +744,7 @@ def linear(
         SPLIT_K=split,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        IEEE=x.dtype == torch.float32,
         num_warps=warps,
         num_stages=stages,
     )

@@ -623,9 +623,13 @@ class DecodeRunner:
         b = ids.shape[0]
         if self.mode == "invariant":
             return invariant.prefill(self.model, self.cache, ids, first_slot, last)
-        if self.prefill_fused:
+        if self.prefill_fused and self.mode in ("triton", "graph"):  # not after a fallback of the decode kernels
             fused, rope = self._kernel_tables()
-            return fused_prefill.prefill_logits(self.model, self.cache, fused, rope, ids, first_slot, last)
+            try:
+                return fused_prefill.prefill_logits(self.model, self.cache, fused, rope, ids, first_slot, last)
+            except Exception:  # noqa: BLE001 - fall back rather than fail every request, as decode does
+                log.exception("the fused prefill failed; prefilling with the model's forward from now on")
+                self.prefill_fused = False
         if self.mode not in ("eager", "compile") or self.is_cuda:
             start = torch.zeros(b, dtype=torch.long, device=self.device)
             return self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
