@@ -169,6 +169,18 @@ def test_two_hundred_concurrent_requests_are_batched(shared_engine: EngineProces
     assert steps < 200 * 15 / 4, steps
 
 
+def test_a_batch_larger_than_one_prefill_chunk_decodes_in_max_new_tokens_steps(engine_factory) -> None:
+    # 24 prompts of 8 tokens, 3 prompts a prefill chunk: all 8 chunks run before the first decode step, so the
+    # batch decodes together and takes max_new_tokens - 1 steps (the first token comes from the prefill), not 7
+    # more with the first chunk's rows running ahead of the last's.
+    url = engine_factory("--max-prefill-tokens", "24").url
+    prompts = [PROMPT + [20 + i % 10, 30 + i // 10] for i in range(24)]
+    before = info(url)["num_decode_steps"]
+    out = gen(url, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}).json()
+    assert [len(o["output_ids"]) for o in out] == [16] * 24
+    assert info(url)["num_decode_steps"] - before == 15
+
+
 def test_pause_abort_returns_partial_outputs(engine_factory) -> None:
     eng = engine_factory()
     box: dict = {}

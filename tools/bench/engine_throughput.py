@@ -106,7 +106,7 @@ def _embedded_command(ns: argparse.Namespace, model_dir: Path, port: int) -> lis
         "--context-length",
         str(ns.prompt_len + ns.max_new_tokens),
         "--max-prefill-tokens",
-        str(max(ns.num_seqs * ns.prompt_len, 4096)),
+        str(ns.max_prefill_tokens or max(ns.num_seqs * ns.prompt_len, 4096)),
     ]
 
 
@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sglang-arg", action="append", default=[], help="an extra SGLang launch argument (repeat)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.5, help="SGLang --mem-fraction-static")
     p.add_argument("--engine-env", action="append", default=[], help="KEY=VALUE for the engine process (repeat)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="the embedded engine's prefill chunk (default: every prompt in one forward; the engine's own "
+                        "default is 4096)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="where models and the engine log go (default: a temp dir)")
     p.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ns = p.parse_args(argv)

@@ -306,8 +306,13 @@ class Scheduler:
             return
         if self._can_admit():
             self._drain()
-            self._admit()
-            self._compact()
+            # Every waiting prompt that fits is prefilled before the next decode step, a max_prefill_tokens chunk per
+            # forward (prefill first, as SGLang schedules): with a decode step after each chunk, the first chunk's
+            # rows ran ahead of the last's, and a pass ended that many steps later on a shrinking batch. Each round
+            # takes at least one waiting request, so the loop ends.
+            while self._can_admit():
+                self._admit()
+                self._compact()
         if not self.running:
             return
         self._launch()
