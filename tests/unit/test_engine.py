@@ -181,6 +181,18 @@ def test_a_batch_larger_than_one_prefill_chunk_decodes_in_max_new_tokens_steps(e
     assert info(url)["num_decode_steps"] - before == 15
 
 
+def test_a_groups_samples_share_one_prefill_and_count_once_against_the_chunk(engine_factory) -> None:
+    # 3 prompts x 4 samples (n), a chunk of one prompt's 8 tokens: one forward per prompt, its 3 other samples
+    # copied from it (a chunk counting every sample's tokens took 12 forwards, one per sample).
+    url = engine_factory("--max-prefill-tokens", "8").url
+    prompts = [PROMPT + [20 + i, 30] for i in range(3)]
+    before = info(url)
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "n": 4}}
+    out = gen(url, body).json()
+    assert len(out) == 12 and all(len(o["output_ids"]) == 4 for o in out)
+    assert info(url)["num_prefill_forwards"] - before["num_prefill_forwards"] == 3
+
+
 def test_pause_abort_returns_partial_outputs(engine_factory) -> None:
     eng = engine_factory()
     box: dict = {}

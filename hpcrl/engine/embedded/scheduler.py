@@ -193,6 +193,7 @@ class Scheduler:
         self._torch_sampler = False  # some running row needs top-k/top-p/min-p or its sampling support
         self._want_support = False
         self.num_decode_steps = 0
+        self.num_prefill_forwards = 0
         self.num_generated_tokens = 0
         # answer_s: the HTTP layer's time turning finished requests into an answer (it adds to it).
         self.host_stats: dict[str, float] = {
@@ -368,12 +369,17 @@ class Scheduler:
             return []
         taken: list[SeqRequest] = []
         budget = self.cfg.max_prefill_tokens
+        prompts: set[tuple[int, ...]] = set()
         with self._lock:
             while self.waiting and len(taken) < free:
-                need = len(self.waiting[0].all_ids)
+                # A sequence already taken (a group's other samples) is copied from its prefill, not recomputed:
+                # it costs no budget, and a group is not split over two forwards that would each run its prompt.
+                ids = tuple(self.waiting[0].all_ids)
+                need = 0 if ids in prompts else len(ids)
                 if taken and need > budget:
                     break
                 budget -= need
+                prompts.add(ids)
                 taken.append(self.waiting.popleft())
         return taken
 
@@ -402,6 +408,7 @@ class Scheduler:
         ids = torch.tensor([r.all_ids + [0] * (width - n) for r, n in zip(heads, lengths, strict=True)])
         last = torch.tensor(lengths) - 1
         logits = self.runner.prefill(ids.to(self.device), first_slot, last.to(self.device))
+        self.num_prefill_forwards += 1
         if copies:
             assert self.cache is not None
             row_of_lead = {k: row for row, k in enumerate(leads)}

@@ -452,6 +452,7 @@ class EmbeddedEngine:
                     {
                         **self.scheduler.load(),
                         "num_decode_steps": self.scheduler.num_decode_steps,
+                        "num_prefill_forwards": self.scheduler.num_prefill_forwards,
                         "num_generated_tokens": self.scheduler.num_generated_tokens,
                         "paused": self.scheduler.paused,
                         "weights_released": self.scheduler.weights_released,
