@@ -74,23 +74,10 @@ def prefill_logits(
         at = layer.self_attn
         qkv_w, qkv_b, gate_up_w = fused[i]
         qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
-        kernels.qk_norm_rope_store(
-            qkv,
-            at.q_norm.weight if a.qk_norm else None,
-            at.k_norm.weight if a.qk_norm else None,
-            cos,
-            sin,
-            positions,
-            cache.k[i],
-            cache.v[i],
-            at.q_norm.eps if a.qk_norm else 0.0,
-            nh,
-            nkv,
-            hd,
-            first_slot=first_slot,
-            rows_per_slot=t,
+        kernels.layer_qk_norm_rope_store(
+            at, a, qkv, cos, sin, positions, cache.k[i], cache.v[i], first_slot=first_slot, rows_per_slot=t,
             store_k=True,
-        )
+        )  # fmt: skip
         heads = qkv.view(b, t, nh + 2 * nkv, hd).transpose(1, 2)  # [B, heads, T, D], views of the GEMM's output
         q, k, v = heads[:, :nh], heads[:, nh : nh + nkv], heads[:, nh + nkv :]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)

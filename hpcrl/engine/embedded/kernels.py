@@ -22,6 +22,7 @@ is False and the engine runs the eager model.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -650,6 +651,37 @@ def qk_norm_rope_store(
         KV8=k_cache.element_size() == 1,
         STORE_K=store_k,
         num_warps=4,
+    )
+
+
+def layer_qk_norm_rope_store(
+    attn: Any,
+    args: Any,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    **placement: Any,
+) -> None:
+    """`qk_norm_rope_store` for one layer's attention module `attn` of a model with ModelArgs `args` (its QK-norm
+    weights when it has them); `placement`: first_slot, rows_per_slot, store_k."""
+    qk_norm = bool(args.qk_norm)
+    qk_norm_rope_store(
+        qkv,
+        attn.q_norm.weight if qk_norm else None,
+        attn.k_norm.weight if qk_norm else None,
+        cos,
+        sin,
+        positions,
+        k_cache,
+        v_cache,
+        attn.q_norm.eps if qk_norm else 0.0,
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        **placement,
     )
 
 

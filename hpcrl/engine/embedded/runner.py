@@ -484,20 +484,7 @@ class DecodeRunner:
                 qkv = kernels.linear(h, qkv_w, qkv_b, config=gemm["qkv"])
             else:
                 qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
-            kernels.qk_norm_rope_store(
-                qkv,
-                at.q_norm.weight if a.qk_norm else None,
-                at.k_norm.weight if a.qk_norm else None,
-                cos,
-                sin,
-                pos,
-                cache.k[i],
-                cache.v[i],
-                at.q_norm.eps if a.qk_norm else 0.0,
-                nh,
-                nkv,
-                hd,
-            )
+            kernels.layer_qk_norm_rope_store(at, a, qkv, cos, sin, pos, cache.k[i], cache.v[i])
             o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
             kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
             post = layer.post_attention_layernorm
