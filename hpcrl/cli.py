@@ -192,7 +192,14 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="sequences decoded together (KV slots; default %(default)s)",
     )
     p.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens (default: model's)")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens prefilled in one forward")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens prefilled in one forward (a group's other samples are copied from its prompt's prefill "
+        "and not counted); every waiting prompt that fits is prefilled, a forward of at most this many, before the "
+        "next decode step",
+    )
     p.add_argument(
         "--deterministic",
         action="store_true",
