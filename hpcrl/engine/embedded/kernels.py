@@ -71,9 +71,8 @@ def _gemm_path() -> str:
     path = os.environ.get("HPCRL_ENGINE_GEMM", "cublas").strip() or "cublas"
     if path not in ("cublas", "triton"):
         raise ValueError(
-            f"HPCRL_ENGINE_GEMM={path!r}: must be cublas (torch's GEMMs, the default) or triton (`linear` below, "
-            "with split-K partials summed by add_rmsnorm and the SwiGLU product in the gate/up GEMM); unset it to "
-            "use the default"
+            f"HPCRL_ENGINE_GEMM={path!r}: must be cublas (torch's GEMMs, the default) or triton (the decode step's "
+            "GEMMs as the engine's own Triton kernels, CUDA only); unset it to use the default"
         )
     return path
 
