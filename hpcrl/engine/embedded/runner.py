@@ -159,6 +159,8 @@ class DecodeRunner:
         self.prefill_fused = fused_prefill.PREFILL_PATH == "fused" and mode in ("triton", "graph")
         if fused_prefill.PREFILL_PATH == "fused" and not self.prefill_fused:
             log.warning("HPCRL_ENGINE_PREFILL=fused needs the triton or graph decode mode; %s prefills as before", mode)
+        if kernels.GEMM_PATH == "triton" and mode not in ("triton", "graph"):
+            log.warning("HPCRL_ENGINE_GEMM=triton needs the triton or graph decode mode; %s decodes as before", mode)
         # The invariant mode uses it only on its log-prob rows at temperature 1 without supports (_invariant_step).
         self.fast_sampler = self.is_cuda and mode != "eager"
         z: dict[str, Any] = dict(device=device)
