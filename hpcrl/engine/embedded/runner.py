@@ -155,7 +155,7 @@ class DecodeRunner:
         self.mode = mode
         self.profile = profile
         self.is_cuda = device.type == "cuda"
-        # Prompts through the decode step's kernels (prefill.py) when asked for and the kernels run the decode step.
+        # Prompts through the decode step's kernels (fused_prefill.py) when asked for and those kernels decode.
         self.prefill_fused = fused_prefill.PREFILL_PATH == "fused" and mode in ("triton", "graph")
         if fused_prefill.PREFILL_PATH == "fused" and not self.prefill_fused:
             log.warning("HPCRL_ENGINE_PREFILL=fused needs the triton or graph decode mode; %s prefills as before", mode)
