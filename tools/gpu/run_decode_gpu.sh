@@ -6,8 +6,9 @@
 # tests: tests/gpu/test_engine_cuda.py and test_engine_kernels.py (the fp8 cache against the model's own scoring)
 # micro: tools/gpu/decode_microbench.py per cache: prefill (the model's forward and the fused path, with kernel
 #        tables), the fused sampler, graph replay, the loop body
-# gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go to
-#       the bench's triton-GEMM run
+# gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go
+#       to $OUT/best_gemm_env.txt and the bench's triton-GEMM run (GEMM_ENV_FILE= names an earlier call's, carried)
+# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S; each section logs its start [s]
 # bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, then fp8_e4m3 with
 #        HPCRL_ENGINE_PREFILL=fused, then also HPCRL_ENGINE_GEMM=triton; same model and prompts
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache (the engine inherits this shell's
@@ -22,30 +23,33 @@ export PYTHONPATH=/tmp/site:.
 STEPS=${STEPS:-"tests bench gap"}
 BASELINE=${BASELINE:-}
 REPO=$PWD
+section() { echo "=== [${SECONDS}s] $*" | tee -a "$OUT/decode.log"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv 2>&1 | tee "$OUT/decode.log"
 if [[ $STEPS == *tests* ]]; then
-  echo "=== tests/gpu (engine)" | tee -a "$OUT/decode.log"
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_engine_cuda.py tests/gpu/test_engine_kernels.py \
+  section "tests/gpu (engine)"
+  timeout ${TESTS_TIMEOUT_S:-420} python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_engine_cuda.py tests/gpu/test_engine_kernels.py \
     2>&1 | grep -E "passed|failed|error|Error|fp8|\{'auto'" | tail -20 | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *micro* ]]; then
-  for cache in fp8_e4m3 auto; do
-    echo "=== decode_microbench, kv cache $cache" | tee -a "$OUT/decode.log"
+  for cache in ${MICRO_CACHES:-fp8_e4m3 auto}; do
+    section "decode_microbench, kv cache $cache"
     timeout 150 python3 tools/gpu/decode_microbench.py --kv-cache-dtype $cache --out /tmp/hpcrl-gpu/micro_$cache \
-      --sections prefill,prefill_profile,samplers,graph_forward,full_steps 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
+      --sections ${MICRO_SECTIONS:-prefill,prefill_profile,samplers,graph_forward,full_steps} 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
   done
   if [[ -n $BASELINE ]]; then
-    echo "=== decode_microbench samplers, tree $BASELINE" | tee -a "$OUT/decode.log"
+    section "decode_microbench samplers, tree $BASELINE"
     (cd "$BASELINE" && timeout 100 python3 tools/gpu/decode_microbench.py --out /tmp/hpcrl-gpu/micro_baseline \
       --sections samplers 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log")
   fi
 fi
-GEMM_ENV=/tmp/hpcrl-gpu/best_gemm_env.txt
-rm -f "$GEMM_ENV"  # only this call's sweep may configure the triton-GEMM bench (/tmp outlives a call on a warm machine)
+# The triton-GEMM bench takes this call's sweep, or GEMM_ENV_FILE (an earlier call's best_gemm_env.txt, carried);
+# never a file a previous call left in /tmp, which outlives a call on a warm machine.
+GEMM_ENV=${GEMM_ENV_FILE:-}
 if [[ $STEPS == *gemm* ]]; then
-  echo "=== decode GEMMs at M = 256: cuBLAS path against kernels.linear (best configs -> $GEMM_ENV)" \
-    | tee -a "$OUT/decode.log"
-  PYTHONPATH=/tmp/site:.:tools/gpu timeout 400 python3 tools/gpu/decode_gemm_sweep.py --env-out $GEMM_ENV 2>&1 \
+  GEMM_ENV=$OUT/best_gemm_env.txt
+  rm -f "$GEMM_ENV"
+  section "decode GEMMs at M = 256: cuBLAS path against kernels.linear (best configs -> $GEMM_ENV)"
+  PYTHONPATH=/tmp/site:.:tools/gpu timeout ${GEMM_TIMEOUT_S:-400} python3 tools/gpu/decode_gemm_sweep.py --env-out $GEMM_ENV 2>&1 \
     | tee "$OUT/gemm_sweep.log" | grep -E "^best|^a layer|failed" | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *bench* ]]; then
@@ -57,11 +61,10 @@ if [[ $STEPS == *bench* ]]; then
     IFS=: read -r cache tree prefill gemm <<<"$run"
     name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo _baseline)
     extra=()
-    if [[ $gemm == triton && -f $GEMM_ENV ]]; then
+    if [[ $gemm == triton && -n $GEMM_ENV && -f $GEMM_ENV ]]; then
       while read -r line; do [[ -n $line ]] && extra+=(--engine-env "$line"); done <"$GEMM_ENV"
     fi
-    echo "=== 256 x 512 with log-probs, kv cache $cache, prefill $prefill, gemm $gemm ${extra[*]+${extra[*]}}, tree $tree" \
-      | tee -a "$OUT/decode.log"
+    section "256 x 512 with log-probs, kv cache $cache, prefill $prefill, gemm $gemm ${extra[*]+${extra[*]}}, tree $tree"
     (cd "$tree" && PYTHONPATH=/tmp/site:. timeout 240 python3 tools/bench/engine_throughput.py \
       --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
       --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
@@ -73,7 +76,7 @@ if [[ $STEPS == *bench* ]]; then
 fi
 if [[ $STEPS == *gap* ]]; then
   for cache in auto fp8_e4m3; do
-    echo "=== colocated GRPO step, kv cache $cache" | tee -a "$OUT/decode.log"
+    section "colocated GRPO step, kv cache $cache"
     timeout 200 python3 tools/bench/step_time.py --shape qwen3-0.6b --device cuda --dtype bfloat16 --colocate \
       --steps 6 --threads 4 --no-baseline --set engine.kv_cache_dtype=$cache 2>&1 \
       | grep -E "abs_diff|gap|^\| [a-z]" | tee -a "$OUT/decode.log"
