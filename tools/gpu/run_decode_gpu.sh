@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 if [[ $STEPS == *tests* ]]; then
   section "tests/gpu (engine)"
   timeout ${TESTS_TIMEOUT_S:-420} python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_engine_cuda.py tests/gpu/test_engine_kernels.py \
-    2>&1 | grep -E "passed|failed|error|Error|fp8|\{'auto'" | tail -20 | tee -a "$OUT/decode.log"
+    2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|error|Error|fp8|\{'auto'" | tail -20 | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *micro* ]]; then
   for cache in ${MICRO_CACHES:-fp8_e4m3 auto}; do
