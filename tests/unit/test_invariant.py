@@ -484,12 +484,12 @@ def test_an_unknown_prefill_path_fails_at_start_up(monkeypatch: pytest.MonkeyPat
     from hpcrl.engine.embedded import fused_prefill
 
     monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "flash")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_PREFILL='flash': must be one of model, fused .*unset it"):
+    with pytest.raises(ValueError, match=r"PREFILL='flash': must be one of model, fused \(fused: .*unset it"):
         fused_prefill.prefill_path()
-    monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "fused")
-    assert fused_prefill.prefill_path() == "fused"
-    monkeypatch.delenv("HPCRL_ENGINE_PREFILL")
+    monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "model")
     assert fused_prefill.prefill_path() == "model"
+    monkeypatch.delenv("HPCRL_ENGINE_PREFILL")
+    assert fused_prefill.prefill_path() == "fused"
 
 
 def test_an_unknown_gemm_path_or_a_bad_gemm_config_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,7 +60,9 @@ if [[ $STEPS == *bench* ]]; then
   for run in $runs; do
     IFS=: read -r cache tree prefill gemm <<<"$run"
     name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo _baseline)
-    extra=()
+    extra=()  # prefill or gemm "default": the variable is left unset, as a user's run would have it
+    [[ $prefill == default ]] || extra+=(--engine-env "HPCRL_ENGINE_PREFILL=$prefill")
+    [[ $gemm == default ]] || extra+=(--engine-env "HPCRL_ENGINE_GEMM=$gemm")
     if [[ $gemm == triton && -n $GEMM_ENV && -f $GEMM_ENV ]]; then
       while read -r line; do [[ -n $line ]] && extra+=(--engine-env "$line"); done <"$GEMM_ENV"
     fi
@@ -68,7 +70,7 @@ if [[ $STEPS == *bench* ]]; then
     (cd "$tree" && PYTHONPATH=/tmp/site:. timeout 240 python3 tools/bench/engine_throughput.py \
       --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
       --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
-      --engine-env HPCRL_ENGINE_PREFILL=$prefill --engine-env HPCRL_ENGINE_GEMM=$gemm ${extra[@]+"${extra[@]}"} \
+      ${extra[@]+"${extra[@]}"} \
       --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine") \
       | tee -a "$OUT/decode.log"
   done

@@ -12,7 +12,7 @@ Four ways to run the step, picked once per engine (`mode`):
   opt-in: the first step compiles for several seconds); prefill as in "eager";
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default);
-  with HPCRL_ENGINE_PREFILL=fused, "triton" and "graph" prefill with those kernels too (`fused_prefill.py`);
+  "triton" and "graph" prefill with those kernels too (`fused_prefill.py`; HPCRL_ENGINE_PREFILL=model: the model's);
 - "invariant": `hpcrl.model.invariant` for prefill and decode, sampling from its log-prob rows
   (`--batch-invariant`, CPU float32): a token's log-prob does not depend on its batch or on prefill vs decode.
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
@@ -155,9 +155,9 @@ class DecodeRunner:
         self.mode = mode
         self.profile = profile
         self.is_cuda = device.type == "cuda"
-        # Prompts through the decode step's kernels (fused_prefill.py) when asked for and those kernels decode.
+        # Prompts through the decode step's kernels (fused_prefill.py) wherever those kernels decode.
         self.prefill_fused = fused_prefill.PREFILL_PATH == "fused" and mode in ("triton", "graph")
-        if fused_prefill.PREFILL_PATH == "fused" and not self.prefill_fused:
+        if fused_prefill.PREFILL_PATH_ASKED and fused_prefill.PREFILL_PATH == "fused" and not self.prefill_fused:
             log.warning("HPCRL_ENGINE_PREFILL=fused needs the triton or graph decode mode; %s prefills as before", mode)
         if kernels.GEMM_PATH == "triton" and mode not in ("triton", "graph"):
             log.warning("HPCRL_ENGINE_GEMM=triton needs the triton or graph decode mode; %s decodes as before", mode)
