@@ -4,6 +4,8 @@
     PYTHONPATH=. python tools/bench/answer_speed.py [--num-seqs 256] [--tokens 512] [--repeats 5]
 
 Builds the results a 256 x 512 batch returns (random ids and log-probs), then times, median of --repeats:
+- text: the answer's `text` fields, `decode_ids` with the character tokenizer of `init_shaped_model` (the decode
+  bench's model), and which decode path it takes (transformers versions differ between machines);
 - write: `GenerateResult.to_response` for each and `jsonwire.dumps`, with the collector paused as the server does;
 - read: `jsonwire.loads` and `parse_generate_response`, as `EngineClient.generate` does, with the bulk check of the
   log-prob entries, and the same with the per-entry checks alone (what every answer went through before the bulk
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import platform
 import random
 import statistics
 import sys
@@ -26,10 +29,14 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import orjson  # noqa: E402
 import torch  # noqa: E402, F401 - a process as large as the engine's and the client's: collections scan it
+import transformers  # noqa: E402
 
 from hpcrl.engine import jsonwire  # noqa: E402
 from hpcrl.engine import protocol as P  # noqa: E402
+from hpcrl.engine.embedded.server import _decode_is_transformers_own, decode_ids  # noqa: E402
+from hpcrl.model.tiny import build_tokenizer  # noqa: E402
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
@@ -85,11 +92,19 @@ def main() -> int:
         finally:
             P._logprob_columns = bulk
 
+    tokenizer = build_tokenizer()
+    decode_path = "_decode" if _decode_is_transformers_own(type(tokenizer)) else "decode"
+
+    def text() -> list[str]:
+        return [decode_ids(tokenizer, r.output_ids) for r in results]
+
     parsed = read()
     assert isinstance(parsed, list) and parsed == results, "the answer did not read back as the results written"
     assert read_per_entry() == parsed
+    print(f"python {platform.python_version()}, transformers {transformers.__version__}, orjson {orjson.__version__}")
     print(f"{ns.num_seqs} results x {ns.tokens} tokens with log-probs: {len(body) / 1e6:.1f} MB of JSON")
     print(f"| step | s (median of {ns.repeats}) |\n|---|---:|")
+    print(f"| text (decode_ids x {ns.num_seqs}, {decode_path}) | {_median_s(text, ns.repeats):.4f} |")
     print(f"| write (to_response + dumps, collector paused) | {_median_s(write, ns.repeats):.4f} |")
     print(f"| read, bulk check (loads + parse_generate_response) | {_median_s(read, ns.repeats):.4f} |")
     print(f"| read, per-entry checks only (before) | {_median_s(read_per_entry, ns.repeats):.4f} |")
