@@ -290,10 +290,12 @@ def test_recompute_mode_reports_the_rescore_and_keeps_the_sampled(tiny_model_dir
     for r in reqs:
         with torch.inference_mode():
             rescore = token_logprobs_of_sequence(model, torch.tensor(r.all_ids), len(r.prompt_ids)).tolist()
-        assert r.logprobs == rescore and r.sampled_logprobs is not None
+        assert r.logprobs.tolist() == rescore and r.sampled_logprobs is not None
         assert len(r.sampled_logprobs) == len(r.output_ids)
         samples.append(
-            Sample(r.prompt_ids, r.output_ids, r.logprobs, "", "length", [], sampled_logprobs=r.sampled_logprobs)
+            Sample(
+                r.prompt_ids, r.output_ids, r.logprobs.tolist(), "", "length", [], sampled_logprobs=r.sampled_logprobs
+            )
         )
     diff = recompute_abs_diff(samples)
     expected = sum(abs(a - b) for r in reqs for a, b in zip(r.sampled_logprobs or [], r.logprobs, strict=True))

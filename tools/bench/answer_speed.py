@@ -7,6 +7,9 @@ Builds the results a 256 x 512 batch returns (random ids and log-probs), then ti
 - text: the answer's `text` fields, `decode_ids` with the character tokenizer of `init_shaped_model` (the decode
   bench's model), and which decode path it takes (transformers versions differ between machines);
 - write: `GenerateResult.to_response` for each and `jsonwire.dumps`, with the collector paused as the server does;
+- filled a step at a time: the same write from log-prob rows that grew one entry a step, every row in turn, as the
+  engine's scheduler fills them: as lists of float objects (scattered over the heap) and as `array("d")` (inline
+  doubles, what the scheduler keeps since session 16);
 - read: `jsonwire.loads` and `parse_generate_response`, as `EngineClient.generate` does, with the bulk check of the
   log-prob entries, and the same with the per-entry checks alone (what every answer went through before the bulk
   check; they still run, for the error message, when the bulk check finds something off).
@@ -15,12 +18,14 @@ Builds the results a 256 x 512 batch returns (random ids and log-probs), then ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import platform
 import random
 import statistics
 import sys
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +103,31 @@ def main() -> int:
     def text() -> list[str]:
         return [decode_ids(tokenizer, r.output_ids) for r in results]
 
+    def filled_step_by_step(kind: Callable[[], Any]) -> list[Any]:
+        rows = [kind() for _ in results]
+        others = []  # the engine allocates between steps too
+        for t in range(ns.tokens):
+            step = [r.output_token_logprobs[t] + 0.0 for r in results]  # fresh floats, as a step's tolist()
+            others.append([object() for _ in range(64)])
+            for row, lp in zip(rows, step, strict=True):
+                row.append(lp)
+        return rows
+
+    def write_from(rows: list[Any]) -> Callable[[], bytes]:
+        def write_rows() -> bytes:
+            with jsonwire.gc_paused():
+                out = []
+                for r, lps in zip(results, rows, strict=True):
+                    lps = lps if isinstance(lps, list) else lps.tolist()
+                    out.append(dataclasses.replace(r, output_token_logprobs=lps).to_response())
+                return jsonwire.dumps(out)
+
+        return write_rows
+
+    as_lists = filled_step_by_step(list)
+    as_arrays = filled_step_by_step(lambda: array("d"))
+    assert write_from(as_lists)() == write_from(as_arrays)() == write(), "the layouts wrote different answers"
+
     parsed = read()
     assert isinstance(parsed, list) and parsed == results, "the answer did not read back as the results written"
     assert read_per_entry() == parsed
@@ -106,6 +136,9 @@ def main() -> int:
     print(f"| step | s (median of {ns.repeats}) |\n|---|---:|")
     print(f"| text (decode_ids x {ns.num_seqs}, {decode_path}) | {_median_s(text, ns.repeats):.4f} |")
     print(f"| write (to_response + dumps, collector paused) | {_median_s(write, ns.repeats):.4f} |")
+    for name, rows in (("lists", as_lists), ("array('d')", as_arrays)):
+        t = _median_s(write_from(rows), ns.repeats)
+        print(f"| write, log-probs filled a step at a time as {name} | {t:.4f} |")
     print(f"| read, bulk check (loads + parse_generate_response) | {_median_s(read, ns.repeats):.4f} |")
     print(f"| read, per-entry checks only (before) | {_median_s(read_per_entry, ns.repeats):.4f} |")
     return 0

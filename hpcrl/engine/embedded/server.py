@@ -308,7 +308,9 @@ class EmbeddedEngine:
             prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
             weight_version=self.scheduler.weight_version,
-            output_token_logprobs=(r.scaled_logprobs if r.logprob_scaled else r.logprobs) if r.return_logprob else None,
+            output_token_logprobs=(r.scaled_logprobs if r.logprob_scaled else r.logprobs).tolist()
+            if r.return_logprob
+            else None,
             weight_versions=[P.WeightVersionSpan(version=v, start=s, end=e) for v, s, e in r.version_spans],
             sampling_mask=list(r.support_ids) if r.return_sampling_mask else None,
             support_logprobs=list(r.support_logprobs) if r.return_sampling_mask else None,
@@ -385,12 +387,17 @@ class EmbeddedEngine:
                 self.scheduler.call(functools.partial(self.scheduler.abort, s.rid))
             raise
         want_text = self.tokenizer is not None
-        t0 = time.perf_counter()
+        t0, cpu0, mono0 = time.perf_counter(), time.thread_time(), time.monotonic()
         # The answer is acyclic: collections it would set off (each scanning the model's heap) find nothing.
         with jsonwire.gc_paused():
             results = [self._result(r, want_text, req.return_text_in_logprobs) for r in finished]
             response = _json_response(results if req.returns_list else results[0])
-        self.scheduler.host_stats["answer_s"] += time.perf_counter() - t0
+        stats = self.scheduler.host_stats
+        stats["answer_s"] += time.perf_counter() - t0
+        # Wall time above CPU time is time this thread waited (the GIL, the OS); the queue is the last finish's
+        # callback reaching this coroutine.
+        stats["answer_cpu_s"] += time.thread_time() - cpu0
+        stats["answer_queue_s"] += mono0 - max(r.finished_s or mono0 for r in finished)
         return response
 
     async def health(self, request: web.Request) -> web.Response:
