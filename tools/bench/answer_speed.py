@@ -5,7 +5,8 @@
 
 Builds the results a 256 x 512 batch returns (random ids and log-probs), then times, median of --repeats:
 - text: the answer's `text` fields, `decode_ids` with the character tokenizer of `init_shaped_model` (the decode
-  bench's model), and which decode path it takes (transformers versions differ between machines);
+  bench's model, whose 99 tokens leave nearly every sampled id unknown: this times what that bench's server does,
+  not the decoding of real text), and which decode path it takes (transformers versions differ between machines);
 - write: `GenerateResult.to_response` for each and `jsonwire.dumps`, with the collector paused as the server does;
 - filled a step at a time: the same write from log-prob rows that grew one entry a step, every row in turn, as the
   engine's scheduler fills them: as lists of float objects (scattered over the heap) and as `array("d")` (inline
@@ -98,7 +99,8 @@ def main() -> int:
             P._logprob_columns = bulk
 
     tokenizer = build_tokenizer()
-    decode_path = "_decode" if _decode_is_transformers_own(type(tokenizer)) else "decode"
+    own = _decode_is_transformers_own(type(tokenizer)) and hasattr(tokenizer, "_decode")
+    decode_path = "_decode" if own else "decode"  # as decode_ids chooses
 
     def text() -> list[str]:
         return [decode_ids(tokenizer, r.output_ids) for r in results]
@@ -106,8 +108,10 @@ def main() -> int:
     def filled_step_by_step(kind: Callable[[], Any]) -> list[Any]:
         rows = [kind() for _ in results]
         others = []  # the engine allocates between steps too
+        columns = [r.output_token_logprobs for r in results]
+        assert all(c is not None for c in columns)
         for t in range(ns.tokens):
-            step = [r.output_token_logprobs[t] + 0.0 for r in results]  # fresh floats, as a step's tolist()
+            step = [c[t] + 0.0 for c in columns if c is not None]  # fresh floats, as a step's tolist()
             others.append([object() for _ in range(64)])
             for row, lp in zip(rows, step, strict=True):
                 row.append(lp)

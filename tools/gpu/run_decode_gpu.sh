@@ -8,11 +8,13 @@
 #        tables), the fused sampler, graph replay, the loop body
 # gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go
 #       to $OUT/best_gemm_env.txt and the bench's triton-GEMM run (GEMM_ENV_FILE= names an earlier call's, carried)
-# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S; each section logs its start [s]
-# bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, then fp8_e4m3 with
-#        HPCRL_ENGINE_PREFILL=fused, then also HPCRL_ENGINE_GEMM=triton; same model and prompts
+# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section
+# logs its start [s]
+# bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, each with the model's
+#        prefill (HPCRL_ENGINE_PREFILL=model), then fp8_e4m3 with the fused prefill (the default), then also
+#        HPCRL_ENGINE_GEMM=triton; same model and prompts. RUNS= picks others; "default" leaves a variable unset
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache (the engine inherits this shell's
-#      environment: HPCRL_ENGINE_PREFILL=fused STEPS=gap ... measures it with the fused prefill)
+#      environment: HPCRL_ENGINE_PREFILL=model STEPS=gap ... measures it with the model's prefill)
 # Sections are independent: one failing does not stop the next.
 set -u
 export PYTHONUNBUFFERED=1
@@ -45,16 +47,20 @@ fi
 # The triton-GEMM bench takes this call's sweep, or GEMM_ENV_FILE (an earlier call's best_gemm_env.txt, carried);
 # never a file a previous call left in /tmp, which outlives a call on a warm machine.
 GEMM_ENV=${GEMM_ENV_FILE:-}
+if [[ -n $GEMM_ENV && ! -f $GEMM_ENV ]]; then
+  echo "GEMM_ENV_FILE=$GEMM_ENV: no such file; the triton-GEMM bench runs with the default configs" | tee -a "$OUT/decode.log"
+fi
 if [[ $STEPS == *gemm* ]]; then
+  [[ -n $GEMM_ENV ]] && echo "GEMM_ENV_FILE=$GEMM_ENV is ignored: this call's sweep configures the bench" | tee -a "$OUT/decode.log"
   GEMM_ENV=$OUT/best_gemm_env.txt
   rm -f "$GEMM_ENV"
   section "decode GEMMs at M = 256: cuBLAS path against kernels.linear (best configs -> $GEMM_ENV)"
-  PYTHONPATH=/tmp/site:.:tools/gpu timeout ${GEMM_TIMEOUT_S:-400} python3 tools/gpu/decode_gemm_sweep.py --env-out $GEMM_ENV 2>&1 \
+  PYTHONPATH=/tmp/site:.:tools/gpu timeout ${GEMM_TIMEOUT_S:-400} python3 tools/gpu/decode_gemm_sweep.py --env-out "$GEMM_ENV" 2>&1 \
     | tee "$OUT/gemm_sweep.log" | grep -E "^best|^a layer|failed" | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *bench* ]]; then
-  # cache:tree:prefill:gemm (HPCRL_ENGINE_PREFILL, HPCRL_ENGINE_GEMM; triton takes the gemm step's configs when it
-  # ran in this call, else the defaults); RUNS= picks others
+  # cache:tree:prefill:gemm (HPCRL_ENGINE_PREFILL, HPCRL_ENGINE_GEMM, or "default": unset; triton takes the gemm
+  # step's configs when it ran in this call, else GEMM_ENV_FILE's, else the defaults); RUNS= picks others
   runs=${RUNS:-"auto:.:model:cublas fp8_e4m3:.:model:cublas fp8_e4m3:.:fused:cublas fp8_e4m3:.:fused:triton"}
   [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:model:cublas"
   for run in $runs; do

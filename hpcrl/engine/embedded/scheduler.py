@@ -77,6 +77,7 @@ class SeqRequest:
     num_retractions: int = 0
     created_s: float = field(default_factory=time.monotonic)
     finished_s: float | None = None
+    answered_s: float | None = None  # handed to on_done: after any re-score, which finished_s precedes
     cached_len: int = 0  # tokens of prompt+output whose K/V are in the cache
     sampled_logprobs: list[float] | None = None  # the sampled log-probs, when `logprobs` holds a re-score
 
@@ -526,6 +527,7 @@ class Scheduler:
             ids = torch.tensor(r.all_ids, device=self.device)
             r.sampled_logprobs = r.logprobs.tolist()
             r.logprobs = array("d", token_logprobs_of_sequence(self.model, ids, len(r.prompt_ids)).tolist())
+        r.answered_s = time.monotonic()
         try:
             r.on_done(r)
         except Exception:  # noqa: BLE001 - a broken callback must not kill the scheduler

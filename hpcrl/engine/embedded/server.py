@@ -394,10 +394,10 @@ class EmbeddedEngine:
             response = _json_response(results if req.returns_list else results[0])
         stats = self.scheduler.host_stats
         stats["answer_s"] += time.perf_counter() - t0
-        # Wall time above CPU time is time this thread waited (the GIL, the OS); the queue is the last finish's
-        # callback reaching this coroutine.
+        # Wall time above CPU time is time this thread waited (the GIL, the OS); the queue is the last request's
+        # hand-over reaching this coroutine.
         stats["answer_cpu_s"] += time.thread_time() - cpu0
-        stats["answer_queue_s"] += mono0 - max(r.finished_s or mono0 for r in finished)
+        stats["answer_queue_s"] += mono0 - max(r.answered_s or mono0 for r in finished)
         return response
 
     async def health(self, request: web.Request) -> web.Response:
