@@ -250,6 +250,15 @@ class SlurmCluster:
     def wait_done(self, job_id: str, timeout_s: float = 60) -> str:
         return self.wait_state(job_id, TERMINAL_STATES, timeout_s)
 
+    def job_state(self, job_id: str) -> str:
+        """The controller's JobState (RUNNING, PENDING, ...): after `scontrol requeue` it leaves RUNNING at once,
+        where sacct may still list the dying incarnation."""
+        show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        for token in show.split():
+            if token.startswith("JobState="):
+                return token.split("=", 1)[1]
+        return ""
+
     def restart_count(self, job_id: str) -> int:
         show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
         for token in show.split():

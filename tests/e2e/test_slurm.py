@@ -318,9 +318,14 @@ def test_real_roles_async_requeued_at_random_points_keeps_the_prompt_ledger(
     cfg = real_config(tiny_model_dir, **{"rollout.mode": "async", "buffer.max_staleness": 2})
     job = submit_run(cfg, run_dir)
     rng = random.Random()
+    running = lambda: slurm_cluster.job_state(job.job_id) == "RUNNING"  # noqa: E731
     for restart in (1, 2):
+        # A requeued job's dying incarnation can log steps while Slurm holds the job pending, and Slurm refuses to
+        # requeue a pending job ("Job is pending execution"): count steps from, and requeue, a running one.
+        wait_for(running, 300, f"the job running before requeue {restart}")
         at = progress_now(run_dir) + rng.randint(1, 20)
         wait_for(lambda at=at: progress(run_dir) >= at, 300, f"step {at}")
+        wait_for(running, 120, f"the job running at requeue {restart}")
         subprocess.run(["scontrol", "requeue", job.job_id], check=True)
         wait_for(lambda r=restart: slurm_cluster.restart_count(job.job_id) >= r, 60, f"requeue {restart}")
     outcome = result(job, slurm_cluster, 300)
