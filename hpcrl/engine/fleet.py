@@ -93,27 +93,31 @@ class EngineFleet:
         return self.launcher.exit_code(slot.index)
 
     def _probe(self, slot: EngineSlot) -> None:
+        # A probe of a dying engine takes seconds (the client's retries); the slot may hold a restarted engine by
+        # the time it ends, which its verdict must not reach (a second, needless restart; with a launcher, a kill).
+        client = slot.client
         code = self._process_exit(slot)
         if code is not None:
-            self.mark_dead(slot, f"process exited with code {code}")
+            self.mark_dead(slot, f"process exited with code {code}", client=client)
             return
         try:
-            ok = slot.client.health(timeout_s=self.cfg.health_timeout_s)
+            ok = client.health(timeout_s=self.cfg.health_timeout_s)
         except Exception as exc:  # noqa: BLE001 - classified below
             name = type(exc).__name__
             if name == "EngineUnreachableError" and "refused" in str(exc).lower():
-                self.mark_dead(slot, f"connection refused: {exc}")
+                self.mark_dead(slot, f"connection refused: {exc}", client=client)
                 return
             ok = False
         now = time.monotonic()
         if ok:
             slot.last_ok_s = now
         elif now - slot.last_ok_s > self.cfg.hung_after_s:
-            self.mark_dead(slot, f"hung: no answer to /health for {now - slot.last_ok_s:.1f} s")
+            self.mark_dead(slot, f"hung: no answer to /health for {now - slot.last_ok_s:.1f} s", client=client)
 
-    def mark_dead(self, slot: EngineSlot, cause: str) -> None:
+    def mark_dead(self, slot: EngineSlot, cause: str, *, client: EngineClient | None = None) -> None:
+        """`client`: the engine the evidence is about; a slot that holds another one since (restarted) stays."""
         with self._lock:
-            if slot.state != "live":
+            if slot.state != "live" or (client is not None and slot.client is not client):
                 return
             slot.state, slot.died_s, slot.cause = "dead", time.monotonic(), cause
         silent_s = time.monotonic() - slot.last_ok_s
@@ -134,7 +138,7 @@ class EngineFleet:
         if client is not None and client is not slot.client:
             return
         if self._process_exit(slot) is not None or type(exc).__name__ == "EngineUnreachableError":
-            self.mark_dead(slot, f"request failed: {type(exc).__name__}: {exc}")
+            self.mark_dead(slot, f"request failed: {type(exc).__name__}: {exc}", client=client)
 
     def abort_all(self) -> None:
         """Abort every request on every live engine, each addressed directly: routers have not forwarded

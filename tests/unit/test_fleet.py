@@ -183,3 +183,35 @@ def test_a_late_failure_from_before_a_restart_leaves_the_restarted_engine_live()
     fleet.report_failure(slot, EngineUnreachableError("connection refused", url=new.url), client=new)
     fleet.close()
     assert slot.state == "dead" and events == ["engine_dead"]
+
+
+def test_a_probe_that_outlasts_a_restart_leaves_the_restarted_engine_live() -> None:
+    """The monitor's probe of a killed engine retries for seconds; a restart can land meanwhile (CI saw the
+    trainer's thread restore the engines twice): the probe's verdict is about the old process only."""
+    import socket
+    import threading
+
+    from hpcrl.engine.client import EngineClient
+    from hpcrl.engine.config import EngineConfig
+    from hpcrl.engine.fleet import EngineFleet
+
+    with socket.socket() as sock:  # a port that nothing listens on: connections are refused, as to a killed engine
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    events: list[str] = []
+    old, new = EngineClient(f"http://127.0.0.1:{port}"), EngineClient(f"http://127.0.0.1:{port}")
+    cfg = EngineConfig(health_interval_s=3600.0)  # the test probes; the monitor thread stays asleep
+    fleet = EngineFleet(cfg, [old], launcher=None, on_event=lambda k, d: events.append(k))
+    slot = fleet.slots[0]
+    probe = threading.Thread(target=fleet.probe_all)
+    t0 = time.monotonic()
+    probe.start()
+    time.sleep(0.2)  # the probe is in its retries (0.5 + 1 + 2 s)
+    slot.client = new  # what a restart does (restart_dead, or the publisher's restore)
+    probe.join(timeout=30)
+    print(f"probe of the refused port took {time.monotonic() - t0:.2f} s")
+    assert not probe.is_alive() and time.monotonic() - t0 > 0.5, "the probe ended before the swap"
+    assert slot.state == "live" and events == [], (slot.state, slot.cause)
+    fleet.probe_all()  # the same evidence about the slot's own engine still counts
+    fleet.close()
+    assert slot.state == "dead" and events == ["engine_dead"] and "refused" in slot.cause
