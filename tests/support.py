@@ -250,21 +250,21 @@ class SlurmCluster:
     def wait_done(self, job_id: str, timeout_s: float = 60) -> str:
         return self.wait_state(job_id, TERMINAL_STATES, timeout_s)
 
-    def job_state(self, job_id: str) -> str:
-        """The controller's JobState (RUNNING, PENDING, ...): after `scontrol requeue` it leaves RUNNING at once,
-        where sacct may still list the dying incarnation."""
+    def _show_job(self, job_id: str, field: str) -> str:
+        """One `Field=value` of `scontrol show job` (the controller's view); "" when it is not there."""
         show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
         for token in show.split():
-            if token.startswith("JobState="):
+            if token.startswith(f"{field}="):
                 return token.split("=", 1)[1]
         return ""
 
+    def job_state(self, job_id: str) -> str:
+        """The controller's JobState (RUNNING, PENDING, ...): after `scontrol requeue` it leaves RUNNING at once,
+        where sacct may still list the dying incarnation."""
+        return self._show_job(job_id, "JobState")
+
     def restart_count(self, job_id: str) -> int:
-        show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-        for token in show.split():
-            if token.startswith("Restarts="):
-                return int(token.split("=", 1)[1])
-        return 0
+        return int(self._show_job(job_id, "Restarts") or 0)
 
 
 def skip_or_fail(reason: str, *, missing: str = "no Slurm cluster") -> None:

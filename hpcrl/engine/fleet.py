@@ -135,8 +135,6 @@ class EngineFleet:
         `client`: the one the request went to. A request sent before a restart fails late, against the old
         process; the slot then holds the restarted engine, which must not be declared dead (and killed)."""
         self.num_errors += 1
-        if client is not None and client is not slot.client:
-            return
         if self._process_exit(slot) is not None or type(exc).__name__ == "EngineUnreachableError":
             self.mark_dead(slot, f"request failed: {type(exc).__name__}: {exc}", client=client)
 
