@@ -13,11 +13,18 @@ Failure model (why the retry rules differ per call):
 - Weight-update calls are never re-sent: each pairs with collectives on the trainer side, and a second call
   would wait for broadcasts that never come.
 Every call is bounded by a timeout; no loop retries forever.
+
+Log-probs travel as SGLang's `[logprob, token_id, text]` triples, except from an engine whose /server_info lists
+"packed" under `logprob_wire` (hpcrl's embedded engine): there `generate_request` asks for them packed
+(`return_logprob_packed`, one base64 column of float64), which saves writing, moving and parsing 131k triples per
+256 x 512 batch. The client asks /server_info once, at its first /generate with log-probs, and keeps the answer
+(a restarted engine gets a new client). Stock SGLang never sees the field: it refuses keys it does not know.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -251,6 +258,9 @@ class EngineClient:
         # Endpoint paths changed across SGLang versions (/get_model_info -> /model_info); remember what worked.
         self._path_cache: dict[str, str] = {}
         self._path_lock = threading.Lock()
+        # Whether the engine answers return_logprob_packed (None: not asked yet); see speaks_packed_logprobs.
+        self._packed_logprobs: bool | None = None
+        self._wire_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------------------------
     # lifecycle
@@ -502,9 +512,21 @@ class EngineClient:
     def generate_request(
         self, request: GenerateRequest, *, timeout_s: float | None = None
     ) -> GenerateResult | list[GenerateResult]:
-        """POST /generate with a prepared request (also for `text` prompts)."""
+        """POST /generate with a prepared request (also for `text` prompts).
+
+        Log-probs are asked for packed when the engine speaks that wire (`speaks_packed_logprobs`) and the request
+        wants no text per token; the result is the same either way. A request that sets return_logprob_packed
+        itself is sent as it is.
+        """
         if request.stream:
             raise ValueError("EngineClient does not stream; send the request with stream=False")
+        if (
+            request.return_logprob
+            and not request.return_logprob_packed
+            and not request.return_text_in_logprobs
+            and self.speaks_packed_logprobs(timeout_s=timeout_s)
+        ):
+            request = dataclasses.replace(request, return_logprob_packed=True)
         parsed = self.call(C.GENERATE, request, timeout_s=timeout_s)
         if isinstance(parsed, list) != request.returns_list or (
             isinstance(parsed, list) and len(parsed) != request.num_results
@@ -574,6 +596,26 @@ class EngineClient:
     def server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """GET /server_info (older servers: /get_server_info): server args, scheduler info, version."""
         return cast(dict[str, Any], self.call(C.SERVER_INFO, timeout_s=timeout_s))
+
+    def speaks_packed_logprobs(self, *, timeout_s: float | None = None) -> bool:
+        """Whether the engine answers return_logprob_packed: its /server_info lists "packed" under `logprob_wire`
+        (hpcrl's embedded engine does; SGLang's has no such key). Asked once, then remembered.
+
+        An engine that answers /server_info with an error (or not at all: an older server) keeps the triples. One
+        that cannot be reached, stays busy or times out raises, as the /generate this is for would have.
+        """
+        with self._wire_lock:  # held while asking: concurrent first calls ask once and all wait for the answer
+            if self._packed_logprobs is None:
+                try:
+                    info = self.server_info(timeout_s=timeout_s)
+                except (EngineUnreachableError, EngineTimeoutError, EngineBusyError):
+                    raise  # not remembered: the next call asks again
+                except EngineError as exc:
+                    logger.info("engine %s: no readable /server_info (%s); log-probs as triples", self.url, exc)
+                    info = {}
+                wires = info.get("logprob_wire")
+                self._packed_logprobs = isinstance(wires, list) and "packed" in wires
+            return self._packed_logprobs
 
     def weight_version(self, *, timeout_s: float | None = None) -> str:
         """The engine's current weight version (model_info; older servers: /get_weight_version)."""

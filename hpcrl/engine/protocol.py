@@ -11,15 +11,23 @@ accept every name, writers send SGLang 0.5.16's. With `return_sampling_mask` tha
 `output_token_sampling_logprobs` (per output token, the log-prob renormalised over that support) and
 `output_token_sampling_mask_length` (the number of output tokens those lists cover).
 
-hpcrl's extension to `meta_info` (absent from upstream SGLang, so every reader treats it as optional):
+hpcrl's extensions to `meta_info` (absent from upstream SGLang, so every reader treats them as optional):
 `weight_versions`: `[{"version": str, "start": int, "end": int}, ...]` half-open spans `[start, end)` over
 output-token indices saying which weight version produced each token (weights can change mid-request).
+`output_token_logprobs_packed`: with the request's `return_logprob_packed` (hpcrl's engine client sets it only
+for an engine whose /server_info lists "packed" under `logprob_wire`), the log-probs as base64 of little-endian
+float64, one per `output_ids` entry, instead of the `output_token_logprobs` triples: a 256 x 512 answer's 131k
+`[logprob, id, text]` triples cost ~0.14 s a pass to write, move and parse on the H200's host, and a decimal
+round trip per float. `from_response` reads either form into the same `output_token_logprobs` list.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
@@ -44,11 +52,14 @@ __all__ = [
     "UpdateWeightsFromDistributed",
     "UpdateWeightsFromTensor",
     "WeightVersionSpan",
+    "pack_logprobs",
     "parse_generate_response",
     "DEFAULT_GROUP_NAME",
     "DEFAULT_WEIGHT_VERSION",
     "LOAD_FORMATS",
+    "LOGPROB_WIRES",
     "MEMORY_TAGS",
+    "PACKED_LOGPROBS_KEY",
     "PAUSE_MODES",
     "WEIGHT_DTYPES",
 ]
@@ -78,6 +89,10 @@ WEIGHT_DTYPES = (
     "uint8",
     "bool",
 )
+# How /generate answers carry log-probs: SGLang's [logprob, token_id, text] triples, or hpcrl's packed column
+# (base64 of little-endian float64). The embedded engine lists the wires it speaks in /server_info's `logprob_wire`.
+LOGPROB_WIRES = ("triples", "packed")
+PACKED_LOGPROBS_KEY = "output_token_logprobs_packed"
 FinishType = Literal["stop", "length", "abort"]
 FINISH_TYPES: tuple[str, ...] = get_args(FinishType)
 
@@ -397,6 +412,10 @@ class GenerateRequest(Message):
     Exactly one of `input_ids` and `text` is set. For a batch, `sampling_params` is one object for all items
     or a list with one per item, and `rid` (if set) is a list with one id per item. With `n > 1` SGLang
     answers a list of `batch_size * n` results, prompt-major (all samples of prompt 0 first).
+
+    `return_logprob_packed` is hpcrl's extension (the embedded engine only; stock SGLang refuses unknown keys, so
+    `to_dict` sends it only when true): log-probs come back as `meta_info.output_token_logprobs_packed` instead
+    of the triples. Without `return_logprob` it asks for nothing and is ignored.
     """
 
     endpoint: ClassVar[Endpoint] = C.GENERATE
@@ -409,6 +428,7 @@ class GenerateRequest(Message):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     stream: bool = False
+    return_logprob_packed: bool = False
 
     def __post_init__(self) -> None:
         if self.input_ids is not None and self.text is not None:
@@ -482,6 +502,13 @@ class GenerateRequest(Message):
         _int("logprob_start_len", self.logprob_start_len, minimum=-1)
         _bool("return_text_in_logprobs", self.return_text_in_logprobs)
         _bool("stream", self.stream)
+        _bool("return_logprob_packed", self.return_logprob_packed)
+        if self.return_logprob_packed and self.return_text_in_logprobs:
+            raise ValueError(
+                "return_logprob_packed and return_text_in_logprobs cannot be combined: the packed wire carries the "
+                "log-probs alone, without a text per token; drop return_text_in_logprobs (decode output_ids "
+                "instead) or drop return_logprob_packed to get [logprob, token_id, text] triples"
+            )
 
     @property
     def is_batch(self) -> bool:
@@ -537,6 +564,8 @@ class GenerateRequest(Message):
             out["return_text_in_logprobs"] = True
         if self.stream:
             out["stream"] = True
+        if self.return_logprob_packed:
+            out["return_logprob_packed"] = True
         return out
 
     @classmethod
@@ -665,8 +694,9 @@ class WeightVersionSpan:
 class GenerateResult:
     """One sample of a `/generate` response.
 
-    `output_token_logprobs` holds the log-prob of each output token (from `meta_info.output_token_logprobs`,
-    present when the request set return_logprob). `sampling_mask` (the support's token ids per output token) and
+    `output_token_logprobs` holds the log-prob of each output token (from `meta_info.output_token_logprobs`, or
+    from `output_token_logprobs_packed` when the request set return_logprob_packed; present when the request set
+    return_logprob). `sampling_mask` (the support's token ids per output token) and
     `support_logprobs` (the log-prob renormalised over it) are what the request's return_sampling_mask asked for,
     read under any engine's field names; `weight_versions` is hpcrl's extension. Each is None when the engine did
     not send it.
@@ -730,9 +760,23 @@ class GenerateResult:
         body = _mapping("a /generate result", data)
         meta = dict(_mapping("meta_info of a /generate result", body.get("meta_info")))
         raw_logprobs = meta.get("output_token_logprobs")
+        packed = meta.get(PACKED_LOGPROBS_KEY)
         logprobs: list[float] | None = None
         output_ids = body.get("output_ids")
-        if raw_logprobs is not None:
+        if packed is not None:
+            if raw_logprobs is not None:
+                # Two copies could disagree, and neither is more right: an engine sends the one it was asked for.
+                raise ValueError(
+                    f"meta_info carries both output_token_logprobs and {PACKED_LOGPROBS_KEY}; an engine must send "
+                    "one (the packed column when the request set return_logprob_packed, else the triples)"
+                )
+            if output_ids is None:
+                raise ValueError(
+                    f"meta_info.{PACKED_LOGPROBS_KEY} needs output_ids (the packed column holds the log-probs alone, "
+                    "one per output_ids entry), and the result has none"
+                )
+            logprobs = _unpack_logprobs(packed, len(_list("output_ids", output_ids)))
+        elif raw_logprobs is not None:
             entries = _list("meta_info.output_token_logprobs", raw_logprobs)
             logprobs, logprob_ids = _logprob_columns(entries) or _logprob_columns_checked(entries)
             # The token ids next to the log-probs are the ones those log-probs describe, so they are what a
@@ -780,11 +824,14 @@ class GenerateResult:
         """The contract's JSON object for this result (what the embedded server sends).
 
         `token_texts` fills the third element of each output_token_logprobs entry (null unless the request
-        set return_text_in_logprobs).
+        set return_text_in_logprobs). The log-probs go as triples; for return_logprob_packed the server leaves
+        output_token_logprobs None and adds `pack_logprobs` of its own array.
         """
-        # Older names of the fields written below would otherwise travel next to the canonical ones.
-        aliases = {name for names in C.META_INFO_ALIASES.values() for name in names[1:]}
-        meta: dict[str, Any] = {k: v for k, v in self.meta_info.items() if k not in aliases}
+        # Older names of the fields written below would otherwise travel next to the canonical ones, and a log-prob
+        # column of the raw meta_info (a parsed answer's) next to the one written from output_token_logprobs.
+        skip = {name for names in C.META_INFO_ALIASES.values() for name in names[1:]}
+        skip |= {"output_token_logprobs", PACKED_LOGPROBS_KEY}
+        meta: dict[str, Any] = {k: v for k, v in self.meta_info.items() if k not in skip}
         meta.update(
             {
                 "id": self.rid,
@@ -816,6 +863,45 @@ class GenerateResult:
         if self.text is not None:
             out["text"] = self.text
         return out
+
+
+def pack_logprobs(logprobs: Sequence[float]) -> str:
+    """`meta_info.output_token_logprobs_packed` for these log-probs: base64 of little-endian float64, so the client
+    gets the engine's doubles bit for bit, without printing and parsing a decimal per token. An `array("d")` (what
+    the scheduler keeps) is written as it is."""
+    column = logprobs if isinstance(logprobs, array) and logprobs.typecode == "d" else array("d", logprobs)
+    if sys.byteorder != "little":
+        column = array("d", column)  # a copy: the caller's array stays native
+        column.byteswap()
+    return base64.b64encode(column.tobytes()).decode("ascii")
+
+
+def _unpack_logprobs(value: object, num_tokens: int) -> list[float]:
+    """The log-probs of a packed column, checked as the triples are (one finite float per output token)."""
+    name = f"meta_info.{PACKED_LOGPROBS_KEY}"
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{name} must be a base64 string of little-endian float64 log-probs, got {type(value).__name__}"
+        )
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError as exc:  # binascii.Error, or a str that is not ASCII
+        raise ValueError(
+            f"{name} is not valid base64 ({exc}); it must be base64 of little-endian float64 log-probs"
+        ) from exc
+    if len(raw) != 8 * num_tokens:
+        raise ValueError(
+            f"{name} holds {len(raw)} bytes, but {num_tokens} output tokens need {8 * num_tokens} (one 8-byte "
+            "float64 log-prob per output_ids entry)"
+        )
+    column = array("d", raw)
+    if sys.byteorder != "little":
+        column.byteswap()
+    logprobs = column.tolist()
+    if not all(map(math.isfinite, logprobs)):
+        index = next(i for i, lp in enumerate(logprobs) if not math.isfinite(lp))
+        raise ValueError(f"{name}[{index}] must be a finite log-prob, got {logprobs[index]}")
+    return logprobs
 
 
 def _logprob_columns(entries: list[Any]) -> tuple[list[float], list[int]] | None:

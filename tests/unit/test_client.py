@@ -3,10 +3,13 @@ purpose; protocol types' validation and (de)serialisation."""
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
+import struct
 import threading
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +39,7 @@ from hpcrl.engine.protocol import (
     UpdateWeightsFromTensor,
     UpdateWeightVersion,
     WeightVersionSpan,
+    pack_logprobs,
     parse_generate_response,
 )
 
@@ -63,6 +67,8 @@ class EngineState:
     requests: list[Recorded] = field(default_factory=list)
     scripts: dict[str, list[Action]] = field(default_factory=dict)
     missing_paths: set[str] = field(default_factory=set)
+    # /server_info's `logprob_wire` (None: no such key, as SGLang): what the client reads to ask for packed log-probs.
+    logprob_wire: list[str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def script(self, path: str, *actions: Action) -> None:
@@ -111,7 +117,10 @@ def _canned(state: EngineState, method: str, path: str, body: Any) -> tuple[int,
     if path == "/get_model_info":
         return 200, {"model_path": "tiny-old", "weight_version": state.weight_version}
     if path in ("/server_info", "/get_server_info"):
-        return 200, {"tp_size": 1, "version": "0.0-test", "internal_states": [{}]}
+        info: dict[str, Any] = {"tp_size": 1, "version": "0.0-test", "internal_states": [{}]}
+        if state.logprob_wire is not None:
+            info["logprob_wire"] = state.logprob_wire
+        return 200, info
     if path == "/flush_cache":
         return 200, b"Cache flushed.\n"
     if path == "/abort_request":
@@ -140,6 +149,12 @@ def _canned(state: EngineState, method: str, path: str, body: Any) -> tuple[int,
             base = (rids[i] if isinstance(rids, list) else rids) or f"req{i}"
             for j in range(params.get("n", 1)):
                 results.append(_sample(prompt, j, params, state.weight_version, base))
+        if body.get("return_logprob_packed"):
+            for result in results:  # written here with struct, not with the hpcrl code under test
+                meta = result["meta_info"]
+                column = [lp for lp, _, _ in meta.pop("output_token_logprobs")]
+                packed = base64.b64encode(struct.pack(f"<{len(column)}d", *column)).decode()
+                meta["output_token_logprobs_packed"] = packed
         single = not isinstance(ids[0], list) and len(results) == 1
         return 200, results[0] if single else results
     return 404, {"detail": "Not Found"}
@@ -844,7 +859,9 @@ def test_an_idle_connection_past_the_servers_keep_alive_is_never_reused():
             assert client.generate([1], SamplingParams(max_new_tokens=2)).output_ids == [4, 5]
     finally:
         listener.close()
-    assert len(answered) == 2 and dropped == []
+    # The first /generate with log-probs is preceded by the client's one /server_info (which log-prob wire).
+    assert [line.split()[:2] for line in answered] == [[b"GET", b"/server_info"]] + [[b"POST", b"/generate"]] * 2
+    assert dropped == []
 
 
 def test_many_threads_sharing_a_client_never_lose_a_request_to_a_connection_closed_under_them(
@@ -938,3 +955,120 @@ def test_log_prob_entries_parse_to_the_same_columns_however_they_come() -> None:
         result = GenerateResult.from_response({"output_ids": [], "meta_info": meta})
         assert result.output_token_logprobs == logprobs and result.output_ids == [7, 0]
         assert all(type(x) is float for x in result.output_token_logprobs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the packed log-prob wire (hpcrl's extension; the embedded engine's side is in test_engine.py)
+
+
+def _packed(values: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}d", *values)).decode()
+
+
+def test_the_client_asks_for_packed_log_probs_only_from_an_engine_that_lists_them(server: _Server, engine: EngineState):
+    host, port = server.server_address[:2]
+    url = f"http://{host}:{port}"
+    params = SamplingParams(max_new_tokens=3)
+    # An engine whose /server_info has no logprob_wire (SGLang): the triples, and not one unknown key in the body.
+    with EngineClient(url, retry_backoff_s=0.01) as client:
+        triples = [client.generate([5, 6], params), client.generate([[5, 6], [1]], params)]
+        assert client.speaks_packed_logprobs() is False
+    assert engine.count("/server_info") == 1, "asked once, then remembered"
+    assert not any("return_logprob_packed" in body for body in engine.bodies("/generate"))
+
+    engine.requests.clear()
+    engine.logprob_wire = ["triples", "packed"]
+    with EngineClient(url, retry_backoff_s=0.01) as client:
+        packed = [client.generate([5, 6], params), client.generate([[5, 6], [1]], params)]
+        assert client.speaks_packed_logprobs() is True
+        # Without log-probs, or with a text per token (which only the triples carry), the request stays as asked.
+        client.generate([5, 6], params, return_logprob=False)
+        client.generate_request(GenerateRequest(input_ids=[5], return_logprob=True, return_text_in_logprobs=True))
+    assert engine.count("/server_info") == 1
+    flags = [body.get("return_logprob_packed") for body in engine.bodies("/generate")]
+    assert flags == [True, True, None, None]
+    assert packed == triples  # the same results, whichever wire carried the log-probs
+    assert "output_token_logprobs_packed" in packed[0].meta_info  # type: ignore[union-attr]
+
+
+def test_no_readable_server_info_means_triples_and_an_unanswered_one_is_asked_again(
+    client: EngineClient, engine: EngineState
+):
+    engine.logprob_wire = ["triples", "packed"]
+    engine.script("/server_info", *[(503, {"error": {"message": "warming up"}})] * 4)
+    with pytest.raises(EngineBusyError, match="server_info"):
+        client.generate([1], SamplingParams(max_new_tokens=1))
+    assert engine.count("/generate") == 0
+    # Busy is not an answer: the next call asks again (and gets the packed wire).
+    assert client.generate([1], SamplingParams(max_new_tokens=1)).output_token_logprobs == [-0.25]  # type: ignore[union-attr]
+    assert engine.bodies("/generate")[-1]["return_logprob_packed"] is True
+
+    engine.missing_paths |= {"/server_info", "/get_server_info"}  # an older server: no server info at all
+    with EngineClient(client.url, retry_backoff_s=0.01) as old:
+        assert old.generate([1], SamplingParams(max_new_tokens=1)).output_token_logprobs == [-0.25]  # type: ignore[union-attr]
+        assert old.speaks_packed_logprobs() is False
+    assert "return_logprob_packed" not in engine.bodies("/generate")[-1]
+
+
+def test_the_packed_request_flag_is_sent_only_when_set_and_never_with_texts():
+    plain = GenerateRequest(input_ids=[1], return_logprob=True)
+    assert "return_logprob_packed" not in plain.to_dict()
+    packed = GenerateRequest(input_ids=[1], return_logprob=True, return_logprob_packed=True)
+    assert packed.to_dict()["return_logprob_packed"] is True
+    assert GenerateRequest.from_dict(packed.to_dict()) == packed
+    with pytest.raises(ValueError, match="return_logprob_packed and return_text_in_logprobs cannot be combined"):
+        GenerateRequest.from_dict({"input_ids": [1], "return_logprob_packed": True, "return_text_in_logprobs": True})
+    with pytest.raises(ValueError, match="return_logprob_packed must be true or false"):
+        GenerateRequest.from_dict({"input_ids": [1], "return_logprob_packed": "yes"})
+    with pytest.raises(ValueError, match=r"unknown key 'return_logprobs_packed' .*'return_logprob_packed'"):
+        GenerateRequest.from_dict({"input_ids": [1], "return_logprobs_packed": True})
+
+
+def test_packed_log_probs_read_as_the_triples_do_bit_for_bit():
+    values = [-0.1, -1e-300, -7.123456789012345, 0.0, -(2.0**-1074)]
+    ids = [4, 5, 6, 7, 8]
+    packed = GenerateResult.from_response(
+        {"output_ids": ids, "meta_info": {"output_token_logprobs_packed": _packed(values)}}
+    )
+    triples = GenerateResult.from_response(
+        {
+            "output_ids": ids,
+            "meta_info": {"output_token_logprobs": [[v, t, None] for v, t in zip(values, ids, strict=True)]},
+        }
+    )
+    assert packed.output_token_logprobs == triples.output_token_logprobs == values
+    assert struct.pack("<5d", *packed.output_token_logprobs) == base64.b64decode(_packed(values))  # type: ignore[misc]
+    # What the embedded engine writes (pack_logprobs of its array("d")) is that little-endian column.
+    assert pack_logprobs(array("d", values)) == pack_logprobs(values) == _packed(values)
+    # A parsed packed answer written again goes as triples alone, without its raw packed column next to them.
+    wire = json.loads(jsonwire.dumps(packed.to_response()))
+    assert "output_token_logprobs_packed" not in wire["meta_info"]
+    assert GenerateResult.from_response(wire).output_token_logprobs == values
+
+
+@pytest.mark.parametrize(
+    ("packed", "error"),
+    [
+        ("not base64!", r"meta_info.output_token_logprobs_packed is not valid base64"),
+        (_packed([-0.5]), r"meta_info.output_token_logprobs_packed holds 8 bytes, but 2 output tokens need 16"),
+        (_packed([-0.5, -0.25, -1.0]), r"output_token_logprobs_packed holds 24 bytes, but 2 output tokens need 16"),
+        (_packed([-0.5, float("nan")]), r"meta_info.output_token_logprobs_packed\[1\] must be a finite log-prob"),
+        (_packed([float("-inf"), -0.5]), r"meta_info.output_token_logprobs_packed\[0\] must be a finite log-prob"),
+        ([-0.5, -0.25], r"meta_info.output_token_logprobs_packed must be a base64 string"),
+    ],
+)
+def test_a_malformed_packed_log_prob_column_is_named(packed: Any, error: str) -> None:
+    answer = {"output_ids": [4, 5], "meta_info": {"id": "r", "output_token_logprobs_packed": packed}}
+    with pytest.raises(ValueError, match=error):
+        GenerateResult.from_response(answer)
+
+
+def test_packed_log_probs_need_output_ids_and_never_come_with_the_triples() -> None:
+    with pytest.raises(ValueError, match="output_token_logprobs_packed needs output_ids"):
+        GenerateResult.from_response({"meta_info": {"output_token_logprobs_packed": _packed([-0.5])}})
+    both = _meta_with(output_token_logprobs_packed=_packed([-0.5, -0.25]))
+    with pytest.raises(ValueError, match="carries both output_token_logprobs and output_token_logprobs_packed"):
+        GenerateResult.from_response(both)
+    # The engine client names the broken answer.
+    with pytest.raises(ValueError, match=r"result 1: meta_info.output_token_logprobs_packed is not valid base64"):
+        parse_generate_response([_meta_with(), {"output_ids": [1], "meta_info": {"output_token_logprobs_packed": "?"}}])

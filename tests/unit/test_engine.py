@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import sys
 import threading
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,8 @@ import httpx
 import pytest
 import torch
 
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
 from hpcrl.sync.group import broadcast, destroy_weight_group
@@ -129,6 +134,62 @@ def test_temperature_scaled_logprobs_and_support(shared_engine: EngineProcess) -
     lps = [x[0] for x in scaled["meta_info"]["output_token_logprobs"]]
     assert all(s >= a - 1e-6 for s, a in zip(meta["output_token_sampling_logprobs"], lps, strict=True))
     assert lp1 != lps
+
+
+def _packed_column(meta: dict[str, Any]) -> array:
+    column = array("d", base64.b64decode(meta["output_token_logprobs_packed"]))
+    if sys.byteorder != "little":
+        column.byteswap()  # the wire is little-endian
+    return column
+
+
+def test_packed_logprobs_are_the_triples_bit_for_bit(shared_engine: EngineProcess) -> None:
+    body: dict[str, Any] = {
+        "input_ids": [PROMPT, PROMPT[:4]],
+        "sampling_params": [
+            {"max_new_tokens": 24, "sampling_seed": 3, "ignore_eos": True},
+            {"max_new_tokens": 9, "sampling_seed": 4, "temperature": 0.8, "top_k": 7},
+        ],
+        "return_logprob": True,
+    }
+    for extra in ({}, {"return_scaled_logprob": True}):  # the scaled column is packed the same way
+        triples = gen(shared_engine.url, {**body, **extra}).json()
+        packed = gen(shared_engine.url, {**body, **extra, "return_logprob_packed": True}).json()
+        assert len(triples) == len(packed) == 2
+        for t, p in zip(triples, packed, strict=True):
+            assert p["output_ids"] == t["output_ids"], "the same seeds sample the same tokens"
+            assert "output_token_logprobs" not in p["meta_info"], "packed replaces the triples, not adds to them"
+            want = array("d", [lp for lp, _, _ in t["meta_info"]["output_token_logprobs"]])
+            assert _packed_column(p["meta_info"]).tobytes() == want.tobytes()
+            parsed = GenerateResult.from_response(p)
+            assert parsed.output_token_logprobs == want.tolist() and parsed.output_ids == t["output_ids"]
+
+
+def test_packed_logprobs_refuse_text_in_logprobs_and_need_return_logprob(shared_engine: EngineProcess) -> None:
+    base = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "return_logprob_packed": True}
+    r = gen(shared_engine.url, {**base, "return_logprob": True, "return_text_in_logprobs": True})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "return_logprob_packed and return_text_in_logprobs cannot be combined" in message
+    assert "drop return_text_in_logprobs" in message
+    # Without return_logprob there is nothing to pack: the flag is ignored, as it would be for the triples.
+    r = gen(shared_engine.url, base)
+    assert r.status_code == 200, r.text
+    assert not {"output_token_logprobs", "output_token_logprobs_packed"} & set(r.json()["meta_info"])
+
+
+def test_the_engine_client_asks_the_embedded_engine_for_packed_logprobs(shared_engine: EngineProcess) -> None:
+    assert httpx.get(shared_engine.url + "/server_info", timeout=10).json()["logprob_wire"] == ["triples", "packed"]
+    params = SamplingParams(max_new_tokens=10, sampling_seed=21, ignore_eos=True)
+    with EngineClient(shared_engine.url) as client:
+        result = client.generate(PROMPT, params)
+        assert client.speaks_packed_logprobs()
+    assert isinstance(result, GenerateResult)
+    assert "output_token_logprobs_packed" in result.meta_info and "output_token_logprobs" not in result.meta_info
+    triples = gen(shared_engine.url, {"input_ids": PROMPT, "sampling_params": params.to_dict(), "return_logprob": True})
+    meta = triples.json()["meta_info"]
+    assert result.output_ids == [t for _, t, _ in meta["output_token_logprobs"]]
+    assert result.output_token_logprobs == [lp for lp, _, _ in meta["output_token_logprobs"]]
 
 
 def test_bad_requests_get_400_and_server_keeps_serving(shared_engine: EngineProcess) -> None:

@@ -300,17 +300,18 @@ def test_a_dropped_connection_to_a_live_engine_resends_the_turn_with_the_same_to
                 dst.sendall(chunk)
 
     def handle(conn: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
-            head += chunk
-        if head.startswith(b"POST /generate") and not dropped:
-            dropped.append(head.split(b"\r\n")[0])
-            conn.close()  # the first request of this connection gets no answer at all
-            return
         up = socket.create_connection((upstream.host, upstream.port))
-        up.sendall(head)
         threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
-        pipe(conn, up)
+        with conn, up:
+            # A client sends its next request on a kept-alive connection only after the last answer, so each
+            # request starts a chunk. The first /generate need not be its connection's first request: the engine
+            # client asks /server_info (which log-prob wire) before it, on the same connection.
+            while chunk := conn.recv(65536):
+                if chunk.startswith(b"POST /generate") and not dropped:
+                    dropped.append(chunk.split(b"\r\n")[0])
+                    up.shutdown(socket.SHUT_RDWR)
+                    return  # the connection closes: this /generate gets no answer at all
+                up.sendall(chunk)
 
     listener = tcp_server(handle)
     proxied = f"http://127.0.0.1:{listener.getsockname()[1]}"

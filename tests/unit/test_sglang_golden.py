@@ -340,6 +340,24 @@ def test_client_reads_what_sglang_answered(name: str, client: EngineClient, repl
         assert first.weight_version == case["notes"]["final_weight_version"]
 
 
+def test_the_client_sends_sglang_the_triples_request_after_reading_its_server_info(
+    client: EngineClient, replay: _Replay
+) -> None:
+    """hpcrl's packed log-probs (return_logprob_packed) are for engines that list them in /server_info; SGLang's
+    recorded /server_info does not, and SGLang refuses unknown fields, so its /generate body must be the recorded one,
+    without the key, and its triples must be read."""
+    info = load_case("server_info")["exchanges"]
+    generate = load_case("generate_logprobs_single")["exchanges"]
+    replay.load(info + generate)
+    recorded = generate[0]["request"]["body"]
+    result = client.generate_request(GenerateRequest.from_dict(recorded))
+    assert ("GET", "/server_info", None) in replay.received, "the client must ask which log-prob wire SGLang speaks"
+    assert client.speaks_packed_logprobs() is False
+    assert [body for _, path, body in replay.received if path == "/generate"] == [recorded]
+    assert isinstance(result, GenerateResult)
+    check_result(result, generate[0]["response"]["body"], recorded)
+
+
 def test_sampling_supports_are_normalised_from_sglang_names() -> None:
     case = load_case("generate_sampling_mask")
     raw = case["exchanges"][0]["response"]["body"]

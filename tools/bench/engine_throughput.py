@@ -22,6 +22,7 @@ after the other, never at once: each has the GPU to itself. SGLang runs with CUD
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,7 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hpcrl.engine import jsonwire  # noqa: E402 - after the path that finds hpcrl
-from hpcrl.engine.protocol import parse_generate_response  # noqa: E402
+from hpcrl.engine.protocol import PACKED_LOGPROBS_KEY, parse_generate_response  # noqa: E402
 
 
 def _free_port() -> int:
@@ -180,33 +182,63 @@ class PassTime(NamedTuple):
     check_s: float  # hpcrl's engine client checking the parsed answer (parse_generate_response); not in `s`
 
 
-def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[list[int]]) -> PassTime:
+def _logprob_wire(ns: argparse.Namespace, kind: str) -> str | None:
+    """The log-prob wire a pass on engine `kind` uses: --logprob-wire on the embedded engine, the triples on SGLang
+    (it refuses return_logprob_packed, as hpcrl's engine client knows from its /server_info); None without
+    --logprobs."""
+    if not ns.logprobs:
+        return None
+    return ns.logprob_wire if kind == "embedded" else "triples"
+
+
+def _parse(raw: bytes, wire: str | None) -> tuple[list[dict[str, Any]], list[list[float]] | None]:
+    """The answer as hpcrl's engine client parses it (orjson), with the packed log-probs decoded into Python floats
+    (None on the other wires): the triples hold theirs as floats once parsed, so both wires' parse times include
+    the floats."""
+    outs = jsonwire.loads(raw)
+    outs = outs if isinstance(outs, list) else [outs]
+    if wire == "packed":
+        return outs, [array("d", base64.b64decode(o["meta_info"][PACKED_LOGPROBS_KEY])).tolist() for o in outs]
+    return outs, None
+
+
+def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[list[int]], wire: str | None) -> PassTime:
     params = {"max_new_tokens": ns.max_new_tokens, "ignore_eos": True, "temperature": 1.0}
-    extra = {"return_logprob": True} if ns.logprobs else {}
+    extra: dict[str, Any] = {"return_logprob": True} if wire else {}
+    if wire == "packed":
+        extra["return_logprob_packed"] = True
     t0 = time.perf_counter()
     parse_s = 0.0
     if ns.client == "batch":
         r = client.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params, **extra})
         r.raise_for_status()
         t1 = time.perf_counter()
-        outs = jsonwire.loads(r.content)  # as hpcrl's engine client parses answers
+        outs, decoded = _parse(r.content, wire)
         parse_s = time.perf_counter() - t1
     else:
 
-        def one(p: list[int]) -> dict[str, Any]:
+        def one(p: list[int]) -> tuple[list[dict[str, Any]], list[list[float]] | None]:
             r = client.post(url + "/generate", json={"input_ids": p, "sampling_params": params, **extra})
             r.raise_for_status()
-            return jsonwire.loads(r.content)
+            return _parse(r.content, wire)
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), 256)) as pool:
-            outs = list(pool.map(one, prompts))
+            parsed = list(pool.map(one, prompts))
+        outs = [o for os_, _ in parsed for o in os_]
+        decoded = None if wire != "packed" else [lp for _, lps in parsed for lp in lps or []]
         parse_s = math.nan  # each request parses its own answer inside the pass: not apart from the rest
     dt = time.perf_counter() - t0
     lengths = [o["meta_info"]["completion_tokens"] for o in outs]
     if any(n != ns.max_new_tokens for n in lengths):
         raise RuntimeError(f"engine returned lengths {sorted(set(lengths))}, expected {ns.max_new_tokens}")
-    if ns.logprobs and any(len(o["meta_info"].get("output_token_logprobs") or []) != ns.max_new_tokens for o in outs):
-        raise RuntimeError("--logprobs: the engine did not return one log-prob per output token")
+    if wire is not None:
+        counts = (
+            [len(lp) for lp in decoded]
+            if decoded is not None
+            else [len(o["meta_info"].get("output_token_logprobs") or []) for o in outs]
+        )
+        if len(counts) != len(outs) or any(n != ns.max_new_tokens for n in counts):
+            raise RuntimeError(f"--logprobs ({wire} wire): the engine did not return one log-prob per output token")
     server_s = max((o["meta_info"].get("e2e_latency") or 0.0) for o in outs)
     t2 = time.perf_counter()
     parse_generate_response(outs)
@@ -220,6 +252,7 @@ def run_engine(
 
     eng = Engine(ns, model_dir, workdir / f"{kind}.log", kind=kind)
     key = "engine" if kind == "embedded" else kind
+    wire = _logprob_wire(ns, kind)
     try:
         t0 = time.perf_counter()
         eng.wait_ready(600)
@@ -232,9 +265,9 @@ def run_engine(
             def server_info() -> dict[str, Any]:
                 return client.get(eng.url + "/server_info").json()["internal_states"][0] if kind == "embedded" else {}
 
-            passes = [_engine_pass(ns, client, eng.url, prompts) for _ in range(ns.warmup_runs)]
+            passes = [_engine_pass(ns, client, eng.url, prompts, wire) for _ in range(ns.warmup_runs)]
             warm = server_info()
-            passes += [_engine_pass(ns, client, eng.url, prompts) for _ in range(ns.timed_runs)]
+            passes += [_engine_pass(ns, client, eng.url, prompts, wire) for _ in range(ns.timed_runs)]
             info = server_info()
     except Exception:
         print(eng.log_tail(), file=sys.stderr)
@@ -246,6 +279,7 @@ def run_engine(
     dt, tokens = median.s, median.tokens
     return {
         f"{key}_tok_s": tokens / dt,
+        f"{key}_logprob_wire": wire,
         f"{key}_s": dt,
         f"{key}_tokens": tokens,
         f"{key}_timed_passes_tok_s": [p.tokens / p.s for p in passes[ns.warmup_runs :]],
@@ -261,6 +295,17 @@ def run_engine(
         f"{key}_profile": info.get("profile"),
         f"{key}_profile_timed": _timed_profile(warm.get("profile"), info.get("profile")),
     }
+
+
+def _logprobs_text(ns: argparse.Namespace) -> str:
+    """`yes (packed wire)`, or one wire per engine with --engine both (SGLang always gets the triples)."""
+    if not ns.logprobs:
+        return "no"
+    kinds = ["embedded", "sglang"] if ns.engine == "both" else [ns.engine]
+    wires = {kind: _logprob_wire(ns, kind) for kind in kinds}
+    if len(set(wires.values())) == 1:
+        return f"yes ({wires[kinds[0]]} wire)"
+    return "yes (" + ", ".join(f"{kind}: {wire} wire" for kind, wire in wires.items()) + ")"
 
 
 def _seconds(value: float) -> str:
@@ -365,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         help="which engine(s): both = the embedded engine, then stock SGLang (needs sglang installed)",
     )  # fmt: skip
     p.add_argument("--logprobs", action="store_true", help="ask every request for its output log-probs (RL)")
+    p.add_argument(
+        "--logprob-wire", choices=["triples", "packed"], default="packed",
+        help="with --logprobs, how the embedded engine answers them: SGLang's [logprob, id, text] triples, or hpcrl's "
+             "packed float64 column (return_logprob_packed; what hpcrl's engine client asks it for). SGLang: triples",
+    )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                    help="K/V cache storage of every engine measured (--kv-cache-dtype of both)")  # fmt: skip
     p.add_argument("--sglang-arg", action="append", default=[], help="an extra SGLang launch argument (repeat)")
@@ -387,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     config = (
         f"{model_dir.name} {ns.device}/{ns.dtype} {ns.num_seqs} seqs x {ns.max_new_tokens} new tokens "
         f"(prompt {ns.prompt_len}), threads={ns.threads or 'default'}, client={ns.client}, "
-        f"logprobs={'yes' if ns.logprobs else 'no'}, kv_cache={ns.kv_cache_dtype}"
+        f"logprobs={_logprobs_text(ns)}, kv_cache={ns.kv_cache_dtype}"
     )
     print(f"config: {config}", flush=True)
     results: dict[str, Any] = {"config": config, "argv": sys.argv[1:]}
@@ -403,8 +453,10 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; decode path {results['engine_decode_path']})" if kind == "embedded" else ")"),
             flush=True,
         )
+        wire = results[f"{key}_logprob_wire"]
         print(
-            f"{key} median pass: {results[f'{key}_s']:.3f} s = in the engine {results[f'{key}_pass_server_s']:.3f} s "
+            f"{key} median pass (log-probs: {wire or 'none'}): {results[f'{key}_s']:.3f} s = in the engine "
+            f"{results[f'{key}_pass_server_s']:.3f} s "
             f"(arrival -> last token) + client parse {_seconds(results[f'{key}_pass_parse_s'])} + rest "
             f"{results[f'{key}_pass_rest_s']:.3f} s (sending, the engine's answer, the transfer); then hpcrl's client "
             f"would check it in {results[f'{key}_client_check_s']:.3f} s (not in the pass)",

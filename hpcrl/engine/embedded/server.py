@@ -294,12 +294,13 @@ class EmbeddedEngine:
                 )
         return batch
 
-    def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool) -> dict[str, Any]:
+    def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool, packed: bool) -> dict[str, Any]:
         lat = (r.finished_s or time.monotonic()) - r.created_s
         texts: list[str | None] | None = None
         if text_in_logprobs and self.tokenizer:
             texts = [self.tokenizer.decode([t]) for t in r.output_ids]
         reason = r.finish_reason or {"type": "abort", "message": "no finish reason"}
+        column = (r.scaled_logprobs if r.logprob_scaled else r.logprobs) if r.return_logprob else None
         result = P.GenerateResult(
             text=decode_ids(self.tokenizer, r.output_ids) if want_text and self.tokenizer else None,
             output_ids=list(r.output_ids),
@@ -308,9 +309,7 @@ class EmbeddedEngine:
             prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
             weight_version=self.scheduler.weight_version,
-            output_token_logprobs=(r.scaled_logprobs if r.logprob_scaled else r.logprobs).tolist()
-            if r.return_logprob
-            else None,
+            output_token_logprobs=column.tolist() if column is not None and not packed else None,
             weight_versions=[P.WeightVersionSpan(version=v, start=s, end=e) for v, s, e in r.version_spans],
             sampling_mask=list(r.support_ids) if r.return_sampling_mask else None,
             support_logprobs=list(r.support_logprobs) if r.return_sampling_mask else None,
@@ -320,7 +319,14 @@ class EmbeddedEngine:
             if r.sampled_logprobs is not None and r.return_logprob
             else {},
         )
-        return result.to_response(token_texts=texts)
+        response = result.to_response(token_texts=texts)
+        if column is not None and packed:
+            # Packed straight from the scheduler's array("d"): going through a list of the floats (made only to be
+            # packed again) took a packed 256 x 512 answer from 16 to 19 ms on a 2-core CPU.
+            if len(column) != len(r.output_ids):
+                raise RuntimeError(f"request {r.rid} has {len(column)} log-probs for {len(r.output_ids)} output tokens")
+            response["meta_info"][P.PACKED_LOGPROBS_KEY] = P.pack_logprobs(column)
+        return response
 
     # ----- handlers -----
     async def generate(self, request: web.Request) -> web.Response:
@@ -390,7 +396,9 @@ class EmbeddedEngine:
         t0, cpu0, mono0 = time.perf_counter(), time.thread_time(), time.monotonic()
         # The answer is acyclic: collections it would set off (each scanning the model's heap) find nothing.
         with jsonwire.gc_paused():
-            results = [self._result(r, want_text, req.return_text_in_logprobs) for r in finished]
+            results = [
+                self._result(r, want_text, req.return_text_in_logprobs, req.return_logprob_packed) for r in finished
+            ]
             response = _json_response(results if req.returns_list else results[0])
         stats = self.scheduler.host_stats
         stats["answer_s"] += time.perf_counter() - t0
@@ -455,6 +463,9 @@ class EmbeddedEngine:
             {
                 "engine": "hpcrl-embedded",
                 "version": _version(),
+                # hpcrl's engine client asks for the packed log-probs (return_logprob_packed) only where this
+                # lists them: SGLang's /server_info has no such key, and SGLang refuses the request field.
+                "logprob_wire": list(P.LOGPROB_WIRES),
                 "internal_states": [
                     {
                         **self.scheduler.load(),
