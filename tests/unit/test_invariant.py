@@ -512,3 +512,27 @@ def test_an_unknown_gemm_path_or_a_bad_gemm_config_fails_at_start_up(monkeypatch
             kernels._gemm_config(name, (64, 64, 64, 1, 4, 4))
     monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", "32,64,256,8,4,3")
     assert kernels._gemm_config("O", (64, 64, 128, 4, 4, 3)) == (32, 64, 256, 8, 4, 3)
+
+
+def test_a_bad_pdl_switch_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import kernels
+
+    monkeypatch.setenv("HPCRL_ENGINE_PDL", "yes")
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_PDL='yes': must be 1 .* or 0 .*unset it"):
+        kernels._pdl_setting()
+    monkeypatch.setenv("HPCRL_ENGINE_PDL", "0")
+    assert kernels._pdl_setting() is False
+    monkeypatch.delenv("HPCRL_ENGINE_PDL")
+    assert kernels._pdl_setting() is True
+
+
+def test_a_bad_prefetch_switch_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.engine.embedded import kernels
+
+    monkeypatch.setenv("HPCRL_ENGINE_PREFETCH", "on")
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_PREFETCH='on': must be 0 .* or 1 .*unset it"):
+        kernels._prefetch_setting()
+    monkeypatch.setenv("HPCRL_ENGINE_PREFETCH", "1")
+    assert kernels._prefetch_setting() is True
+    monkeypatch.delenv("HPCRL_ENGINE_PREFETCH")
+    assert kernels._prefetch_setting() is False

@@ -326,10 +326,10 @@ def main() -> int:
 
     section("attention", results, attention)
 
-    def full_steps() -> dict[str, Any]:
-        # The engine's real loop body: launch (graph + fused sampler + async copy), read the previous step.
+    def loop_steps(steps: int = 64) -> float:
+        """Seconds a step of the engine's real loop body: launch (graph + fused sampler + async copy), read the
+        previous step's outputs."""
         runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
-        steps = 64
         for _ in range(3):  # compiles the sampler's state-advancing variant before the clock starts
             runner.decode(B, torch_sampler=False, want_support=False).result()
         runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
@@ -343,10 +343,56 @@ def main() -> int:
             prev = h
         assert prev is not None
         prev.result()
-        dt = time.perf_counter() - t0
-        return {"full_step_ms": dt / steps * 1e3, "full_step_tok_s": B * steps / dt}
+        return (time.perf_counter() - t0) / steps
+
+    def full_steps() -> dict[str, Any]:
+        dt = loop_steps()
+        return {"full_step_ms": dt * 1e3, "full_step_tok_s": B / dt}
 
     section("full_steps", results, full_steps)
+
+    def step_variants() -> dict[str, Any]:
+        # Variants of the same decode step, in one process: programmatic dependent launch of the Triton kernels
+        # (kernels.PDL, HPCRL_ENGINE_PDL), the next GEMM's weights prefetched into L2 by the kernel before it
+        # (kernels.PREFETCH, HPCRL_ENGINE_PREFETCH) and torch's GEMMs through cuBLASLt instead of cuBLAS. Each is
+        # captured afresh; rounds interleave the variants so that clock drift spreads over all of them. None of
+        # them may change the logits: the same kernels, launched earlier or with their loads warmed.
+        variants = {  # name: (pdl, prefetch, blas library)
+            "plain": (False, False, "cublas"),
+            "pdl": (True, False, "cublas"),
+            "prefetch": (False, True, "cublas"),
+            "pdl_prefetch": (True, True, "cublas"),
+            "cublaslt": (False, False, "cublaslt"),
+        }
+        graph_times: dict[str, list[float]] = {k: [] for k in variants}
+        loop_times: dict[str, list[float]] = {k: [] for k in variants}
+        out: dict[str, Any] = {}
+        ref: torch.Tensor | None = None
+        defaults = kernels.PDL, kernels.PREFETCH
+        try:
+            for _ in range(3):
+                for name, (pdl, prefetch, blas) in variants.items():
+                    kernels.PDL, kernels.PREFETCH = pdl, prefetch
+                    torch.backends.cuda.preferred_blas_library(blas)
+                    runner.reset_graphs()
+                    runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
+                    graph, logits = runner._graph(B)
+                    graph_times[name].append(cuda_ms(graph.replay, reps=30))
+                    got = logits.float()
+                    if ref is None:
+                        ref = got.clone()
+                    out[f"step_logits_maxdiff_{name}"] = (got - ref).abs().max().item()
+                    loop_times[name].append(loop_steps() * 1e3)
+        finally:
+            kernels.PDL, kernels.PREFETCH = defaults
+            torch.backends.cuda.preferred_blas_library("cublas")
+            runner.reset_graphs()
+        for name in variants:
+            out[f"step_graph_ms_{name}"] = statistics.median(graph_times[name])
+            out[f"step_loop_ms_{name}"] = statistics.median(loop_times[name])
+        return out
+
+    section("step_variants", results, step_variants)
 
     def profile() -> dict[str, Any]:
         from torch.profiler import ProfilerActivity, profile

@@ -8,7 +8,7 @@
 #        tables), the fused sampler, graph replay, the loop body
 # gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go
 #       to $OUT/best_gemm_env.txt and the bench's triton-GEMM run (GEMM_ENV_FILE= names an earlier call's, carried)
-# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section
+# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS (default adds step_variants: PDL and cuBLASLt), TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section
 # logs its start [s]
 # bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, each with the model's
 #        prefill (HPCRL_ENGINE_PREFILL=model), then fp8_e4m3 with the fused prefill (the default), then also
@@ -35,8 +35,8 @@ fi
 if [[ $STEPS == *micro* ]]; then
   for cache in ${MICRO_CACHES:-fp8_e4m3 auto}; do
     section "decode_microbench, kv cache $cache"
-    timeout 150 python3 tools/gpu/decode_microbench.py --kv-cache-dtype $cache --out /tmp/hpcrl-gpu/micro_$cache \
-      --sections ${MICRO_SECTIONS:-prefill,prefill_profile,samplers,graph_forward,full_steps} 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
+    timeout ${MICRO_TIMEOUT_S:-240} python3 tools/gpu/decode_microbench.py --kv-cache-dtype $cache --out /tmp/hpcrl-gpu/micro_$cache \
+      --sections ${MICRO_SECTIONS:-prefill,prefill_profile,samplers,graph_forward,full_steps,step_variants} 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
   done
   if [[ -n $BASELINE ]]; then
     section "decode_microbench samplers, tree $BASELINE"
@@ -59,14 +59,23 @@ if [[ $STEPS == *gemm* ]]; then
     | tee "$OUT/gemm_sweep.log" | grep -E "^best|^a layer|failed" | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *bench* ]]; then
-  # cache:tree:prefill:gemm (HPCRL_ENGINE_PREFILL, HPCRL_ENGINE_GEMM, or "default": unset; triton takes the gemm
-  # step's configs when it ran in this call, else GEMM_ENV_FILE's, else the defaults); RUNS= picks others
+  # cache:tree:prefill:gemm[:extra] (HPCRL_ENGINE_PREFILL, HPCRL_ENGINE_GEMM, or "default": unset; triton takes the
+  # gemm step's configs when it ran in this call, else GEMM_ENV_FILE's, else the defaults); RUNS= picks others.
+  # extra: "+"-separated NAME=VALUE engine variables and --bench-flag=value arguments, e.g.
+  # fp8_e4m3:.:default:default:HPCRL_ENGINE_PDL=1+--logprob-wire=triples
   runs=${RUNS:-"auto:.:model:cublas fp8_e4m3:.:model:cublas fp8_e4m3:.:fused:cublas fp8_e4m3:.:fused:triton"}
   [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:model:cublas"
   for run in $runs; do
-    IFS=: read -r cache tree prefill gemm <<<"$run"
+    IFS=: read -r cache tree prefill gemm more <<<"$run"
     name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo _baseline)
     extra=()  # prefill or gemm "default": the variable is left unset, as a user's run would have it
+    if [[ -n ${more:-} ]]; then
+      name=${name}_$(tr -c 'A-Za-z0-9_\n' _ <<<"$more")
+      IFS=+ read -r -a items <<<"$more"
+      for item in "${items[@]}"; do
+        if [[ $item == --* ]]; then extra+=("$item"); else extra+=(--engine-env "$item"); fi
+      done
+    fi
     [[ $prefill == default ]] || extra+=(--engine-env "HPCRL_ENGINE_PREFILL=$prefill")
     [[ $gemm == default ]] || extra+=(--engine-env "HPCRL_ENGINE_GEMM=$gemm")
     if [[ $gemm == triton && -n $GEMM_ENV && -f $GEMM_ENV ]]; then

@@ -21,6 +21,7 @@ is False and the engine runs the eager model.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -104,6 +105,63 @@ GEMM_CONFIGS = {
 }
 
 
+def _pdl_setting() -> bool:
+    value = os.environ.get("HPCRL_ENGINE_PDL", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"HPCRL_ENGINE_PDL={value!r}: must be 1 (programmatic dependent launch where the GPU has it, compute "
+            "capability 9 and newer: the default) or 0 (each kernel launched after the previous one has ended); "
+            "unset it to use the default"
+        )
+    return value == "1"
+
+
+# Programmatic dependent launch (on by default; HPCRL_ENGINE_PDL=0 turns it off; CUDA compute capability >= 9 only):
+# the decode step's Triton kernels are launched while the kernel before them drains, and wait on the device
+# (griddepcontrol.wait, before their first load) until its writes are visible. A decode step is ~260 launches, most
+# of them a few microseconds long. On an H200 (256 x 512, docs/benchmarks.md) it took the step's GPU time from
+# 3.11-3.12 to 3.04-3.05 ms, the same bits. Read at each launch, so that a benchmark can compare both ways in one
+# process (recapturing its graphs).
+PDL = _pdl_setting()
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl(t: torch.Tensor) -> dict[str, Any]:
+    """The launch keywords of one kernel: PDL (its constexpr) and, with it on, Triton's launch_pdl."""
+    on = PDL and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None else 0)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def _prefetch_setting() -> bool:
+    value = os.environ.get("HPCRL_ENGINE_PREFETCH", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"HPCRL_ENGINE_PREFETCH={value!r}: must be 0 (each GEMM reads its weights from HBM, the default) or 1 (the "
+            "kernel before each decode GEMM prefetches its weights into L2); unset it to use the default"
+        )
+    return value == "1"
+
+
+# L2 prefetch of the next GEMM's weights (HPCRL_ENGINE_PREFETCH=1, CUDA): at M = 256 a decode GEMM waits on its weight
+# loads, not on its math (6-10 us each against 1-3 us of bytes), and the small kernel before it can start those loads
+# early. The decode attention then streams K/V with evict_first, so that 200 MB of it a layer do not push the next
+# GEMM's weights out of L2. Read at each launch, as PDL is.
+PREFETCH = _prefetch_setting()
+_LINE_BYTES = 128
+
+
+def _prefetch(weight: torch.Tensor | None, programs: int) -> dict[str, Any]:
+    """A kernel's prefetch arguments: `weight` (contiguous, constant during the step) split over `programs`."""
+    if weight is None or not PREFETCH or not weight.is_cuda:
+        return {"PF": None, "pf_lines": 0, "PF_LINES": 0}
+    lines = triton.cdiv(weight.numel() * weight.element_size(), _LINE_BYTES)
+    return {"PF": weight, "pf_lines": lines, "PF_LINES": _next_pow2(triton.cdiv(lines, programs))}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -139,9 +197,38 @@ if AVAILABLE:
         return _mix32(s ^ (step & 0xFFFFFFFF).to(tl.uint32))
 
     @triton.jit
+    def _prefetch_l2(PF, pf_lines, pid, PF_LINES: tl.constexpr):
+        # This program's PF_LINES lines of the weights at PF into L2 (non-blocking, nothing to wait for). Issued
+        # before griddepcontrol.wait: the weights do not depend on the kernel ahead.
+        if PF_LINES > 0:
+            line = pid.to(tl.int64) * PF_LINES + tl.arange(0, PF_LINES)
+            ptr = PF.to(tl.pointer_type(tl.int8)) + tl.where(line < pf_lines, line, 0) * 128
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+            )
+
+    @triton.jit
     def _add_rmsnorm_kernel(
-        X, R, W, Out, eps, N, part_stride, HAS_X: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr
+        X,
+        R,
+        W,
+        Out,
+        eps,
+        N,
+        part_stride,
+        HAS_X: tl.constexpr,
+        PARTS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+        PF,
+        pf_lines,
+        PF_LINES: tl.constexpr,
     ):
+        _prefetch_l2(PF, pf_lines, tl.program_id(0), PF_LINES)
+        if PDL:
+            # Launched while the kernel before it drains: nothing it reads or writes is safe before this.
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -190,7 +277,15 @@ if AVAILABLE:
         HAS_NORM: tl.constexpr,
         KV8: tl.constexpr,
         STORE_K: tl.constexpr,
+        PDL: tl.constexpr,
+        PF,
+        pf_lines,
+        PF_LINES: tl.constexpr,
     ):
+        _prefetch_l2(PF, pf_lines, tl.program_id(0), PF_LINES)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
+            tl.extra.cuda.gdc_launch_dependents()
         # One program per row: its q heads (rewritten in place), k heads and v heads (to the cache slot
         # first_slot + row // rows_per_slot: a decode step has a row per slot, a prefill a row per prompt token).
         b = tl.program_id(0).to(tl.int64)
@@ -268,7 +363,12 @@ if AVAILABLE:
         IEEE: tl.constexpr,
         KV8: tl.constexpr,
         K_FIRST: tl.constexpr,
+        PDL: tl.constexpr,
+        EVICT_KV: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
+            tl.extra.cuda.gdc_launch_dependents()
         # One program per (row, kv head): the GROUP query heads that share it read its K/V once.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
@@ -298,8 +398,15 @@ if AVAILABLE:
         for start in range(0, length, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < length
-            k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            kp = kbase + offs_n[:, None] * stride_cn + offs_d[None, :]
+            vp = vbase + offs_n[:, None] * stride_cn + offs_d[None, :]
+            if EVICT_KV:
+                # Read once a step: first out of L2, before the next GEMM's prefetched weights.
+                k = tl.load(kp, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+                v = tl.load(vp, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                k = tl.load(kp, mask=nmask[:, None], other=0.0)
+                v = tl.load(vp, mask=nmask[:, None], other=0.0)
             if KV8 and USE_DOT:
                 # 8-bit K/V: half the bytes from HBM, widened in registers for the dots.
                 k = k.to(tl.float16)
@@ -370,7 +477,11 @@ if AVAILABLE:
         HAS_BIAS: tl.constexpr,
         GATED: tl.constexpr,
         IEEE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
+            tl.extra.cuda.gdc_launch_dependents()
         # Out [M, N] = X [M, K] @ W[:N]^T (+ bias), over program (m, n)'s tile. With SPLIT_K > 1, program k's share
         # of K goes to Out[k] (fp32 partials that add_rmsnorm sums: at M = 256 an [M, 1024] output has too few tiles
         # to fill the GPU, and the reduction costs no launch of its own there). GATED: W is [gate; up] with the up
@@ -422,7 +533,13 @@ if AVAILABLE:
                 tl.store(ptrs, acc.to(dt), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Out, n, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(
+        GU, Out, n, inter, BLOCK: tl.constexpr, PDL: tl.constexpr, PF, pf_lines, PF_LINES: tl.constexpr
+    ):
+        _prefetch_l2(PF, pf_lines, tl.program_id(0), PF_LINES)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
+            tl.extra.cuda.gdc_launch_dependents()
         # GU [rows, 2*inter] = [gate | up] (one GEMM); Out [rows, inter] = silu(gate) * up.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -447,7 +564,11 @@ if AVAILABLE:
         PartI,
         NSPLIT: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
+            tl.extra.cuda.gdc_launch_dependents()
         # Program (row, split) scans logits[row, split*chunk : (split+1)*chunk]. Per lane it keeps a
         # running max / sum-exp for log-softmax at T=1 and at T and an arg-max of the Gumbel-perturbed
         # scores; lanes are reduced once at the end, and splits by _sample_combine_kernel.
@@ -492,7 +613,9 @@ if AVAILABLE:
                 s2 = tl.where(up2, s2 * e2 + 1.0, s2 + e2)
                 m2 = tl.where(up2, z, m2)
             h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
-            u = ((h >> 9).to(tl.float32) + 0.5) / 8388608.0  # 23 bits: k + 0.5 is exact in fp32, u < 1
+            # 23 bits: k + 0.5 is exact in fp32, u < 1. Times 2**-23, not / 2**23: the same value (a power of two
+            # scales exactly), without the division's instructions in a loop that is compute-bound.
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
             score = tl.where(greedy, x, z - tl.log(-tl.log(u)))
             score = tl.where(msk, score, neg)
             better = score > best  # strict: a lane keeps its first maximum, as torch.argmax does
@@ -531,7 +654,11 @@ if AVAILABLE:
         SP: tl.constexpr,
         UPDATE: tl.constexpr,
         LP_ROWS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         neg = float("-inf")
         k = tl.arange(0, SP)
@@ -576,14 +703,21 @@ if AVAILABLE:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
         h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
-        tl.store(Out + row * V + offs, ((h >> 9).to(tl.float32) + 0.5) / 8388608.0, mask=offs < V)
+        tl.store(Out + row * V + offs, ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07, mask=offs < V)
 
 
 def add_rmsnorm(
-    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    *,
+    prefetch: torch.Tensor | None = None,
 ) -> None:
     """residual += x (if given); out = RMSNorm(residual) * weight. All [n, hidden], contiguous; x may also be a
-    split-K `linear`'s fp32 partials [parts, n, hidden], summed here."""
+    split-K `linear`'s fp32 partials [parts, n, hidden], summed here. `prefetch`: the next GEMM's weight, brought
+    into L2 meanwhile when PREFETCH is on."""
     n, hidden = residual.shape
     parts = x.shape[0] if x is not None and x.dim() == 3 else 1
     _add_rmsnorm_kernel[(n,)](
@@ -598,6 +732,8 @@ def add_rmsnorm(
         PARTS=parts,
         BLOCK=_next_pow2(hidden),
         num_warps=4 if hidden <= 2048 else 8,
+        **_pdl(residual),
+        **_prefetch(prefetch, n),
     )
 
 
@@ -618,6 +754,7 @@ def qk_norm_rope_store(
     first_slot: int = 0,
     rows_per_slot: int = 1,
     store_k: bool = False,
+    prefetch: torch.Tensor | None = None,
 ) -> None:
     """qkv [n, (H + 2*KVH) * D] (one GEMM's output), cos/sin [n, D]: q gets QK-norm + RoPE in place; k (normed,
     roped) and v of row b go to cache slot first_slot + b // rows_per_slot at positions[b]. `store_k` also
@@ -650,6 +787,8 @@ def qk_norm_rope_store(
         KV8=k_cache.element_size() == 1,
         STORE_K=store_k,
         num_warps=4,
+        **_pdl(qkv),
+        **_prefetch(prefetch, n),
     )
 
 
@@ -732,6 +871,8 @@ def decode_attention(
         K_FIRST=use_dot == 2,
         num_warps=warps,
         num_stages=stages,
+        EVICT_KV=PREFETCH,
+        **_pdl(q),
     )
 
 
@@ -778,15 +919,19 @@ def linear(
         IEEE=x.dtype == torch.float32,
         num_warps=warps,
         num_stages=stages,
+        **_pdl(x),
     )
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, *, prefetch: torch.Tensor | None = None) -> None:
+    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; `prefetch` as in add_rmsnorm."""
     n = out.numel()
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4)
+    programs = triton.cdiv(n, block)
+    _silu_mul_kernel[(programs,)](
+        gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4, **_pdl(out), **_prefetch(prefetch, programs)
+    )
 
 
 def sample_rows(
@@ -830,6 +975,7 @@ def sample_rows(
         NSPLIT=nsplit,
         BLOCK=block,
         num_warps=warps if block >= 1024 else 4,
+        **_pdl(logits),
     )
     _sample_combine_kernel[(n,)](
         logits,
@@ -848,6 +994,7 @@ def sample_rows(
         UPDATE=update,
         LP_ROWS=logprob_rows,
         num_warps=1,
+        **_pdl(logits),
     )
 
 
