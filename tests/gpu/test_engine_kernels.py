@@ -342,24 +342,23 @@ def test_graph_replay_equals_eager_kernels() -> None:
         assert torch.equal(logits[:5].float(), eager)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="launch switches of the CUDA decode step")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs a CUDA device of compute capability 9 or newer",
+)
 @pytest.mark.parametrize("kv8", [False, True])
-@pytest.mark.parametrize("switch", ["PDL", "PREFETCH"])
-def test_launch_switches_decode_the_same_bits(switch: str, kv8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # PDL: each kernel waits on the device for the one before it; a wait missing or placed after a read would let
-    # a kernel read its input before it is written. PREFETCH: the L2 prefetch and the attention's evict_first
-    # loads change where bytes come from, never their values. Either way the tokens, log-probs and cache of a
-    # 40-step generation must be the same bits as without the switch.
-    if switch == "PDL" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs a CUDA device of compute capability 9 or newer")
+def test_programmatic_dependent_launch_decodes_the_same_bits(kv8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each kernel waits on the device for the one before it; a wait missing or placed after a read would let a
+    # kernel read its input before it is written, and the tokens, log-probs or cache of a 40-step generation
+    # would differ from those of kernels launched one after the other.
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
 
     args = tiny_args()
     model = random_model(args, torch.bfloat16)
     rows = [RowState(5 + i, 3 + i, i, 0, 1.0, -1, 1.0, 0.0) for i in range(8)]
 
-    def generate(on: bool) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
-        monkeypatch.setattr(kernels, switch, on)
+    def generate(pdl: bool) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
+        monkeypatch.setattr(kernels, "PDL", pdl)
         cache = KVCache.allocate(args, 8, 64, torch.float8_e4m3fn if kv8 else torch.bfloat16, DEVICE)
         runner = DecodeRunner(model, cache, max_batch=8, device=DEVICE, mode="graph")
         tokens, logprobs = [], []
@@ -371,10 +370,10 @@ def test_launch_switches_decode_the_same_bits(switch: str, kv8: bool, monkeypatc
                 logprobs.append(out.logprobs)
         return tokens, logprobs, torch.stack([t.float() for t in cache.k + cache.v])
 
-    plain, switched = generate(False), generate(True)
-    assert switched[0] == plain[0]
-    assert switched[1] == plain[1]
-    assert torch.equal(switched[2], plain[2])
+    plain, pdl = generate(False), generate(True)
+    assert pdl[0] == plain[0]
+    assert pdl[1] == plain[1]
+    assert torch.equal(pdl[2], plain[2])
 
 
 def test_rope_table_matches_rope_cos_sin() -> None:

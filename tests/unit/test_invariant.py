@@ -524,15 +524,3 @@ def test_a_bad_pdl_switch_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> 
     assert kernels._pdl_setting() is False
     monkeypatch.delenv("HPCRL_ENGINE_PDL")
     assert kernels._pdl_setting() is True
-
-
-def test_a_bad_prefetch_switch_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import kernels
-
-    monkeypatch.setenv("HPCRL_ENGINE_PREFETCH", "on")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_PREFETCH='on': must be 0 .* or 1 .*unset it"):
-        kernels._prefetch_setting()
-    monkeypatch.setenv("HPCRL_ENGINE_PREFETCH", "1")
-    assert kernels._prefetch_setting() is True
-    monkeypatch.delenv("HPCRL_ENGINE_PREFETCH")
-    assert kernels._prefetch_setting() is False

@@ -353,26 +353,24 @@ def main() -> int:
 
     def step_variants() -> dict[str, Any]:
         # Variants of the same decode step, in one process: programmatic dependent launch of the Triton kernels
-        # (kernels.PDL, HPCRL_ENGINE_PDL), the next GEMM's weights prefetched into L2 by the kernel before it
-        # (kernels.PREFETCH, HPCRL_ENGINE_PREFETCH) and torch's GEMMs through cuBLASLt instead of cuBLAS. Each is
-        # captured afresh; rounds interleave the variants so that clock drift spreads over all of them. None of
-        # them may change the logits: the same kernels, launched earlier or with their loads warmed.
-        variants = {  # name: (pdl, prefetch, blas library)
-            "plain": (False, False, "cublas"),
-            "pdl": (True, False, "cublas"),
-            "prefetch": (False, True, "cublas"),
-            "pdl_prefetch": (True, True, "cublas"),
-            "cublaslt": (False, False, "cublaslt"),
+        # (kernels.PDL, HPCRL_ENGINE_PDL) and torch's GEMMs through cuBLASLt instead of cuBLAS. Each is captured
+        # afresh; rounds interleave the variants so that clock drift spreads over all of them. Neither may change
+        # the logits. (Session 17 also timed two half-batches on two streams and an L2 prefetch of each GEMM's
+        # weights here: both slower, not kept; docs/benchmarks.md.)
+        variants = {  # name: (pdl, blas library)
+            "plain": (False, "cublas"),
+            "pdl": (True, "cublas"),
+            "cublaslt": (False, "cublaslt"),
         }
         graph_times: dict[str, list[float]] = {k: [] for k in variants}
         loop_times: dict[str, list[float]] = {k: [] for k in variants}
         out: dict[str, Any] = {}
         ref: torch.Tensor | None = None
-        defaults = kernels.PDL, kernels.PREFETCH
+        default_pdl = kernels.PDL
         try:
             for _ in range(3):
-                for name, (pdl, prefetch, blas) in variants.items():
-                    kernels.PDL, kernels.PREFETCH = pdl, prefetch
+                for name, (pdl, blas) in variants.items():
+                    kernels.PDL = pdl
                     torch.backends.cuda.preferred_blas_library(blas)
                     runner.reset_graphs()
                     runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
@@ -384,7 +382,7 @@ def main() -> int:
                     out[f"step_logits_maxdiff_{name}"] = (got - ref).abs().max().item()
                     loop_times[name].append(loop_steps() * 1e3)
         finally:
-            kernels.PDL, kernels.PREFETCH = defaults
+            kernels.PDL = default_pdl
             torch.backends.cuda.preferred_blas_library("cublas")
             runner.reset_graphs()
         for name in variants:

@@ -136,32 +136,6 @@ def _pdl(t: torch.Tensor) -> dict[str, Any]:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-def _prefetch_setting() -> bool:
-    value = os.environ.get("HPCRL_ENGINE_PREFETCH", "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"HPCRL_ENGINE_PREFETCH={value!r}: must be 0 (each GEMM reads its weights from HBM, the default) or 1 (the "
-            "kernel before each decode GEMM prefetches its weights into L2); unset it to use the default"
-        )
-    return value == "1"
-
-
-# L2 prefetch of the next GEMM's weights (HPCRL_ENGINE_PREFETCH=1, CUDA): at M = 256 a decode GEMM waits on its weight
-# loads, not on its math (6-10 us each against 1-3 us of bytes), and the small kernel before it can start those loads
-# early. The decode attention then streams K/V with evict_first, so that 200 MB of it a layer do not push the next
-# GEMM's weights out of L2. Read at each launch, as PDL is.
-PREFETCH = _prefetch_setting()
-_LINE_BYTES = 128
-
-
-def _prefetch(weight: torch.Tensor | None, programs: int) -> dict[str, Any]:
-    """A kernel's prefetch arguments: `weight` (contiguous, constant during the step) split over `programs`."""
-    if weight is None or not PREFETCH or not weight.is_cuda:
-        return {"PF": None, "pf_lines": 0, "PF_LINES": 0}
-    lines = triton.cdiv(weight.numel() * weight.element_size(), _LINE_BYTES)
-    return {"PF": weight, "pf_lines": lines, "PF_LINES": _next_pow2(triton.cdiv(lines, programs))}
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -197,17 +171,6 @@ if AVAILABLE:
         return _mix32(s ^ (step & 0xFFFFFFFF).to(tl.uint32))
 
     @triton.jit
-    def _prefetch_l2(PF, pf_lines, pid, PF_LINES: tl.constexpr):
-        # This program's PF_LINES lines of the weights at PF into L2 (non-blocking, nothing to wait for). Issued
-        # before griddepcontrol.wait: the weights do not depend on the kernel ahead.
-        if PF_LINES > 0:
-            line = pid.to(tl.int64) * PF_LINES + tl.arange(0, PF_LINES)
-            ptr = PF.to(tl.pointer_type(tl.int8)) + tl.where(line < pf_lines, line, 0) * 128
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-            )
-
-    @triton.jit
     def _add_rmsnorm_kernel(
         X,
         R,
@@ -220,11 +183,7 @@ if AVAILABLE:
         PARTS: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
-        PF,
-        pf_lines,
-        PF_LINES: tl.constexpr,
     ):
-        _prefetch_l2(PF, pf_lines, tl.program_id(0), PF_LINES)
         if PDL:
             # Launched while the kernel before it drains: nothing it reads or writes is safe before this.
             tl.extra.cuda.gdc_wait()
@@ -278,11 +237,7 @@ if AVAILABLE:
         KV8: tl.constexpr,
         STORE_K: tl.constexpr,
         PDL: tl.constexpr,
-        PF,
-        pf_lines,
-        PF_LINES: tl.constexpr,
     ):
-        _prefetch_l2(PF, pf_lines, tl.program_id(0), PF_LINES)
         if PDL:
             tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
             tl.extra.cuda.gdc_launch_dependents()
@@ -364,7 +319,6 @@ if AVAILABLE:
         KV8: tl.constexpr,
         K_FIRST: tl.constexpr,
         PDL: tl.constexpr,
-        EVICT_KV: tl.constexpr,
     ):
         if PDL:
             tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
@@ -398,15 +352,8 @@ if AVAILABLE:
         for start in range(0, length, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < length
-            kp = kbase + offs_n[:, None] * stride_cn + offs_d[None, :]
-            vp = vbase + offs_n[:, None] * stride_cn + offs_d[None, :]
-            if EVICT_KV:
-                # Read once a step: first out of L2, before the next GEMM's prefetched weights.
-                k = tl.load(kp, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-                v = tl.load(vp, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-            else:
-                k = tl.load(kp, mask=nmask[:, None], other=0.0)
-                v = tl.load(vp, mask=nmask[:, None], other=0.0)
+            k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
             if KV8 and USE_DOT:
                 # 8-bit K/V: half the bytes from HBM, widened in registers for the dots.
                 k = k.to(tl.float16)
@@ -533,10 +480,7 @@ if AVAILABLE:
                 tl.store(ptrs, acc.to(dt), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(
-        GU, Out, n, inter, BLOCK: tl.constexpr, PDL: tl.constexpr, PF, pf_lines, PF_LINES: tl.constexpr
-    ):
-        _prefetch_l2(PF, pf_lines, tl.program_id(0), PF_LINES)
+    def _silu_mul_kernel(GU, Out, n, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
             tl.extra.cuda.gdc_launch_dependents()
@@ -712,12 +656,9 @@ def add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
-    *,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """residual += x (if given); out = RMSNorm(residual) * weight. All [n, hidden], contiguous; x may also be a
-    split-K `linear`'s fp32 partials [parts, n, hidden], summed here. `prefetch`: the next GEMM's weight, brought
-    into L2 meanwhile when PREFETCH is on."""
+    split-K `linear`'s fp32 partials [parts, n, hidden], summed here."""
     n, hidden = residual.shape
     parts = x.shape[0] if x is not None and x.dim() == 3 else 1
     _add_rmsnorm_kernel[(n,)](
@@ -733,7 +674,6 @@ def add_rmsnorm(
         BLOCK=_next_pow2(hidden),
         num_warps=4 if hidden <= 2048 else 8,
         **_pdl(residual),
-        **_prefetch(prefetch, n),
     )
 
 
@@ -754,7 +694,6 @@ def qk_norm_rope_store(
     first_slot: int = 0,
     rows_per_slot: int = 1,
     store_k: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """qkv [n, (H + 2*KVH) * D] (one GEMM's output), cos/sin [n, D]: q gets QK-norm + RoPE in place; k (normed,
     roped) and v of row b go to cache slot first_slot + b // rows_per_slot at positions[b]. `store_k` also
@@ -788,7 +727,6 @@ def qk_norm_rope_store(
         STORE_K=store_k,
         num_warps=4,
         **_pdl(qkv),
-        **_prefetch(prefetch, n),
     )
 
 
@@ -871,7 +809,6 @@ def decode_attention(
         K_FIRST=use_dot == 2,
         num_warps=warps,
         num_stages=stages,
-        EVICT_KV=PREFETCH,
         **_pdl(q),
     )
 
@@ -924,14 +861,12 @@ def linear(
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, *, prefetch: torch.Tensor | None = None) -> None:
-    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; `prefetch` as in add_rmsnorm."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
     n = out.numel()
     block = 1024
     programs = triton.cdiv(n, block)
-    _silu_mul_kernel[(programs,)](
-        gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4, **_pdl(out), **_prefetch(prefetch, programs)
-    )
+    _silu_mul_kernel[(programs,)](gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4, **_pdl(out))
 
 
 def sample_rows(

@@ -474,9 +474,7 @@ class DecodeRunner:
         layers = model.model.decoder_layers
         resid = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
         h = torch.empty_like(resid)
-        # prefetch=: each small kernel brings the next GEMM's weights into L2 (kernels.PREFETCH).
-        first = layers[0].input_layernorm
-        kernels.add_rmsnorm(None, resid, first.weight, first.eps, h, prefetch=fused[0][0])
+        kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
         nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
         scale = 1.0 / math.sqrt(hd)
         act = torch.empty(n, a.intermediate_size, dtype=h.dtype, device=h.device)
@@ -488,26 +486,23 @@ class DecodeRunner:
                 qkv = kernels.linear(h, qkv_w, qkv_b, config=gemm["qkv"])
             else:
                 qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
-            kernels.layer_qk_norm_rope_store(
-                at, a, qkv, cos, sin, pos, cache.k[i], cache.v[i], prefetch=at.o_proj.weight
-            )
+            kernels.layer_qk_norm_rope_store(at, a, qkv, cos, sin, pos, cache.k[i], cache.v[i])
             o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
             kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
             post = layer.post_attention_layernorm
             if gemm is not None:
                 # o and down as split-K partials that add_rmsnorm sums; gate/up with the SwiGLU product built in.
                 kernels.add_rmsnorm(kernels.linear(o, at.o_proj.weight, config=gemm["o"]), resid, post.weight,
-                                    post.eps, h, prefetch=gate_up_w)  # fmt: skip
+                                    post.eps, h)  # fmt: skip
                 act = kernels.linear(h, gate_up_w, config=gemm["gate_up"], gated=True)
                 d = kernels.linear(act, layer.mlp.down_proj.weight, config=gemm["down"])
             else:
                 o = F.linear(o, at.o_proj.weight)
-                kernels.add_rmsnorm(o, resid, post.weight, post.eps, h, prefetch=gate_up_w)
-                kernels.silu_mul(F.linear(h, gate_up_w), act, prefetch=layer.mlp.down_proj.weight)
+                kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
+                kernels.silu_mul(F.linear(h, gate_up_w), act)
                 d = F.linear(act, layer.mlp.down_proj.weight)
-            last = i + 1 == len(layers)
-            nxt = model.model.norm if last else layers[i + 1].input_layernorm
-            kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h, prefetch=None if last else fused[i + 1][0])
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
         return model.logits(h)
 
     def _kernel_tables(
