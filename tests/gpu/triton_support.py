@@ -1,4 +1,9 @@
-"""What the Triton kernel tests share: where they run (CUDA, or the CPU under TRITON_INTERPRET=1) and the dtypes."""
+"""What the Triton kernel tests share: where they run (CUDA, or the CPU under TRITON_INTERPRET=1) and the dtypes.
+
+Triton 3.6's interpreter needs numpy < 2.4: with numpy 2.4 it fails on loops whose bound is computed inside the kernel
+(`int()` of a one-element array), in most of these tests. `pip install --target DIR "numpy<2.4"` and
+`PYTHONPATH=DIR` beside the project's environment is enough.
+"""
 
 from __future__ import annotations
 
