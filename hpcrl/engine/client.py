@@ -17,8 +17,9 @@ Every call is bounded by a timeout; no loop retries forever.
 Log-probs travel as SGLang's `[logprob, token_id, text]` triples, except from an engine whose /server_info lists
 "packed" under `logprob_wire` (hpcrl's embedded engine): there `generate_request` asks for them packed
 (`return_logprob_packed`, one base64 column of float64), which saves writing, moving and parsing 131k triples per
-256 x 512 batch. The client asks /server_info once, at its first /generate with log-probs, and keeps the answer
-(a restarted engine gets a new client). Stock SGLang never sees the field: it refuses keys it does not know.
+256 x 512 batch. The client asks /server_info at its first /generate with log-probs and keeps the answer; a packed
+request that fails makes it ask again (another engine may answer at the URL now). Stock SGLang never sees the
+field: it refuses keys it does not know.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+WIRE_PROBE_TIMEOUT_S = 10.0
+"""The most a /generate waits for the /server_info that says whether the engine takes packed log-probs."""
+WIRE_PROBE_RETRY_S = 30.0
+"""After a probe that got no answer, requests go as triples for this long before the next probe."""
 
 # Exponential backoff doubles from retry_backoff_s; the cap keeps a long retry chain from sleeping minutes.
 _MAX_BACKOFF_S = 8.0
@@ -258,8 +264,10 @@ class EngineClient:
         # Endpoint paths changed across SGLang versions (/get_model_info -> /model_info); remember what worked.
         self._path_cache: dict[str, str] = {}
         self._path_lock = threading.Lock()
-        # Whether the engine answers return_logprob_packed (None: not asked yet); see speaks_packed_logprobs.
+        # Whether the engine answers return_logprob_packed (None: not known yet); see speaks_packed_logprobs.
         self._packed_logprobs: bool | None = None
+        self._wire_probing = False
+        self._wire_retry_at = 0.0  # time.monotonic() before which no probe is sent after one that got no answer
         self._wire_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------------------------
@@ -527,7 +535,13 @@ class EngineClient:
             and self.speaks_packed_logprobs(timeout_s=timeout_s)
         ):
             request = dataclasses.replace(request, return_logprob_packed=True)
-        parsed = self.call(C.GENERATE, request, timeout_s=timeout_s)
+            try:
+                parsed = self.call(C.GENERATE, request, timeout_s=timeout_s)
+            except EngineRequestError:
+                self._forget_wire()
+                raise
+        else:
+            parsed = self.call(C.GENERATE, request, timeout_s=timeout_s)
         if isinstance(parsed, list) != request.returns_list or (
             isinstance(parsed, list) and len(parsed) != request.num_results
         ):
@@ -599,23 +613,50 @@ class EngineClient:
 
     def speaks_packed_logprobs(self, *, timeout_s: float | None = None) -> bool:
         """Whether the engine answers return_logprob_packed: its /server_info lists "packed" under `logprob_wire`
-        (hpcrl's embedded engine does; SGLang's has no such key). Asked once, then remembered.
+        (hpcrl's embedded engine does; SGLang's has no such key).
 
-        An engine that answers /server_info with an error (or not at all: an older server) keeps the triples. One
-        that cannot be reached, stays busy or times out raises, as the /generate this is for would have.
+        Only an optimisation, so it never raises and never holds a request up for long: one thread asks (within
+        WIRE_PROBE_TIMEOUT_S), and requests that come meanwhile, or after a probe that got no answer, go as
+        triples, which every engine takes. A /server_info answer, or a 404 on it (an older server), is
+        remembered; anything else (unreachable, busy, a 5xx, a malformed body) is asked again after
+        WIRE_PROBE_RETRY_S.
         """
-        with self._wire_lock:  # held while asking: concurrent first calls ask once and all wait for the answer
-            if self._packed_logprobs is None:
-                try:
-                    info = self.server_info(timeout_s=timeout_s)
-                except (EngineUnreachableError, EngineTimeoutError, EngineBusyError):
-                    raise  # not remembered: the next call asks again
-                except EngineError as exc:
-                    logger.info("engine %s: no readable /server_info (%s); log-probs as triples", self.url, exc)
-                    info = {}
-                wires = info.get("logprob_wire")
-                self._packed_logprobs = isinstance(wires, list) and "packed" in wires
-            return self._packed_logprobs
+        with self._wire_lock:
+            if self._packed_logprobs is not None:
+                return self._packed_logprobs
+            if self._wire_probing or time.monotonic() < self._wire_retry_at:
+                return False
+            self._wire_probing = True
+        answer: bool | None = None
+        try:
+            probe_s = WIRE_PROBE_TIMEOUT_S if timeout_s is None else min(timeout_s, WIRE_PROBE_TIMEOUT_S)
+            wires = self.server_info(timeout_s=probe_s).get("logprob_wire")
+            answer = isinstance(wires, list) and "packed" in wires
+        except EngineError as exc:
+            if exc.status_code == 404:
+                answer = False
+            else:
+                logger.warning(
+                    "engine %s: /server_info did not say which log-prob wires it speaks (%s); sending triples, "
+                    "asking again in %.0f s",
+                    self.url,
+                    exc,
+                    WIRE_PROBE_RETRY_S,
+                )
+        finally:
+            with self._wire_lock:
+                self._wire_probing = False
+                self._packed_logprobs = answer
+                if answer is None:
+                    self._wire_retry_at = time.monotonic() + WIRE_PROBE_RETRY_S
+        return bool(answer)
+
+    def _forget_wire(self) -> None:
+        """A packed request failed: the engine behind the URL may have changed (SGLang started where an embedded
+        engine was), so the next request asks /server_info again rather than trust the remembered answer."""
+        with self._wire_lock:
+            self._packed_logprobs = None
+            self._wire_retry_at = 0.0
 
     def weight_version(self, *, timeout_s: float | None = None) -> str:
         """The engine's current weight version (model_info; older servers: /get_weight_version)."""

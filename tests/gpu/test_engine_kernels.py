@@ -368,6 +368,10 @@ def test_programmatic_dependent_launch_decodes_the_same_bits(kv8: bool, monkeypa
                 out = runner.decode(8, torch_sampler=False, want_support=False).result()
                 tokens.append(out.tokens)
                 logprobs.append(out.logprobs)
+        # The runner falls back quietly (a failed capture to eager kernels, a failed sampler to torch's), and the
+        # fallbacks give the same bits: without these the test could pass with the PDL path never run.
+        assert runner.mode == "graph" and runner.fast_sampler and runner.stats["graph_captures"] >= 1
+        assert kernels.pdl_on(DEVICE) is pdl
         return tokens, logprobs, torch.stack([t.float() for t in cache.k + cache.v])
 
     plain, pdl = generate(False), generate(True)

@@ -11,6 +11,7 @@ import threading
 import time
 from array import array
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -991,23 +992,61 @@ def test_the_client_asks_for_packed_log_probs_only_from_an_engine_that_lists_the
     assert "output_token_logprobs_packed" in packed[0].meta_info  # type: ignore[union-attr]
 
 
-def test_no_readable_server_info_means_triples_and_an_unanswered_one_is_asked_again(
-    client: EngineClient, engine: EngineState
+def test_an_unanswered_server_info_sends_triples_and_is_asked_again_later(
+    client: EngineClient, engine: EngineState, monkeypatch: pytest.MonkeyPatch
 ):
     engine.logprob_wire = ["triples", "packed"]
     engine.script("/server_info", *[(503, {"error": {"message": "warming up"}})] * 4)
-    with pytest.raises(EngineBusyError, match="server_info"):
-        client.generate([1], SamplingParams(max_new_tokens=1))
-    assert engine.count("/generate") == 0
-    # Busy is not an answer: the next call asks again (and gets the packed wire).
+    # The probe is an optimisation: its failure costs the request nothing but the packed wire.
+    assert client.generate([1], SamplingParams(max_new_tokens=1)).output_token_logprobs == [-0.25]  # type: ignore[union-attr]
+    assert "return_logprob_packed" not in engine.bodies("/generate")[-1]
+    asked = engine.count("/server_info")
+    client.generate([1], SamplingParams(max_new_tokens=1))
+    assert engine.count("/server_info") == asked  # not again within WIRE_PROBE_RETRY_S
+    assert "return_logprob_packed" not in engine.bodies("/generate")[-1]
+    monkeypatch.setattr(client, "_wire_retry_at", 0.0)  # the retry time has passed
     assert client.generate([1], SamplingParams(max_new_tokens=1)).output_token_logprobs == [-0.25]  # type: ignore[union-attr]
     assert engine.bodies("/generate")[-1]["return_logprob_packed"] is True
 
     engine.missing_paths |= {"/server_info", "/get_server_info"}  # an older server: no server info at all
     with EngineClient(client.url, retry_backoff_s=0.01) as old:
         assert old.generate([1], SamplingParams(max_new_tokens=1)).output_token_logprobs == [-0.25]  # type: ignore[union-attr]
-        assert old.speaks_packed_logprobs() is False
+        assert old.speaks_packed_logprobs() is False  # a 404 is an answer: remembered, not asked again
+        assert engine.count("/get_server_info") + engine.count("/server_info") == asked + 3
     assert "return_logprob_packed" not in engine.bodies("/generate")[-1]
+
+
+def test_a_slow_server_info_holds_up_only_the_request_that_asks(client: EngineClient, engine: EngineState):
+    engine.logprob_wire = ["triples", "packed"]
+    engine.script("/server_info", ("sleep", 1.0))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        first = pool.submit(client.generate, [1], SamplingParams(max_new_tokens=1))
+        time.sleep(0.3)  # the first request is probing
+        t0 = time.monotonic()
+        others = [pool.submit(client.generate, [1], SamplingParams(max_new_tokens=1)) for _ in range(3)]
+        for f in others:
+            f.result()
+        waited_s = time.monotonic() - t0
+        first.result()
+    assert waited_s < 0.5, waited_s  # they went as triples, not in line behind the probe
+    bodies = engine.bodies("/generate")
+    assert sum("return_logprob_packed" not in b for b in bodies) == 3
+    assert bodies[-1]["return_logprob_packed"] is True  # the prober, answered "packed"
+    assert engine.count("/server_info") == 1
+
+
+def test_a_failed_packed_request_makes_the_client_ask_again(client: EngineClient, engine: EngineState):
+    engine.logprob_wire = ["triples", "packed"]
+    client.generate([1], SamplingParams(max_new_tokens=1))
+    assert engine.bodies("/generate")[-1]["return_logprob_packed"] is True
+    # SGLang now answers at the URL: it refuses the field, and the client stops trusting what it remembered.
+    engine.logprob_wire = None
+    engine.script("/generate", (400, {"error": {"message": "unexpected keyword argument 'return_logprob_packed'"}}))
+    with pytest.raises(EngineRequestError, match="return_logprob_packed"):
+        client.generate([1], SamplingParams(max_new_tokens=1))
+    assert client.generate([1], SamplingParams(max_new_tokens=1)).output_token_logprobs == [-0.25]  # type: ignore[union-attr]
+    assert "return_logprob_packed" not in engine.bodies("/generate")[-1]
+    assert engine.count("/server_info") == 2
 
 
 def test_the_packed_request_flag_is_sent_only_when_set_and_never_with_texts():

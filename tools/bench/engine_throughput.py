@@ -292,6 +292,7 @@ def run_engine(
         f"{key}_client_check_s": median.check_s,
         f"{key}_startup_s": startup,
         f"{key}_decode_path": info.get("decode_path"),
+        f"{key}_pdl": info.get("pdl"),
         f"{key}_profile": info.get("profile"),
         f"{key}_profile_timed": _timed_profile(warm.get("profile"), info.get("profile")),
     }
@@ -450,7 +451,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{results[f'{key}_s']:.2f} s, median of {ns.timed_runs}: "
             f"{', '.join(f'{x:.0f}' for x in results[f'{key}_timed_passes_tok_s'])}; "
             f"first pass {results[f'{key}_first_pass_tok_s']:.0f} tok/s; started in {results[f'{key}_startup_s']:.0f} s"
-            + (f"; decode path {results['engine_decode_path']})" if kind == "embedded" else ")"),
+            + (
+                f"; decode path {results['engine_decode_path']}, PDL {results['engine_pdl']})"
+                if kind == "embedded"
+                else ")"
+            ),
             flush=True,
         )
         wire = results[f"{key}_logprob_wire"]

@@ -8,8 +8,8 @@
 #        tables), the fused sampler, graph replay, the loop body
 # gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go
 #       to $OUT/best_gemm_env.txt and the bench's triton-GEMM run (GEMM_ENV_FILE= names an earlier call's, carried)
-# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS (default adds step_variants: PDL and cuBLASLt), TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section
-# logs its start [s]
+# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS (the default includes step_variants: PDL and cuBLASLt),
+# MICRO_TIMEOUT_S, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section logs its start [s]
 # bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, each with the model's
 #        prefill (HPCRL_ENGINE_PREFILL=model), then fp8_e4m3 with the fused prefill (the default), then also
 #        HPCRL_ENGINE_GEMM=triton; same model and prompts. RUNS= picks others; "default" leaves a variable unset
@@ -73,6 +73,7 @@ if [[ $STEPS == *bench* ]]; then
       name=${name}_$(tr -c 'A-Za-z0-9_\n' _ <<<"$more")
       IFS=+ read -r -a items <<<"$more"
       for item in "${items[@]}"; do
+        [[ -z $item ]] && continue  # a leading, trailing or doubled "+"
         if [[ $item == --* ]]; then extra+=("$item"); else extra+=(--engine-env "$item"); fi
       done
     fi
@@ -86,7 +87,7 @@ if [[ $STEPS == *bench* ]]; then
       --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
       --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
       ${extra[@]+"${extra[@]}"} \
-      --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine") \
+      --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine|rror") \
       | tee -a "$OUT/decode.log"
   done
   cd "$REPO"

@@ -126,14 +126,25 @@ PDL = _pdl_setting()
 
 
 @functools.cache
-def _pdl_capable(device_index: int) -> bool:
+def pdl_capable(device_index: int) -> bool:
+    """Whether the decode kernels can use PDL on this CUDA device: NVIDIA (ROCm also reports a capability 9, and
+    has no griddepcontrol), compute capability 9 or newer, and not under Triton's interpreter (which has no
+    tl.extra.cuda)."""
+    if torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether kernels launched on `device` use programmatic dependent launch now."""
+    if not PDL or device.type != "cuda":
+        return False
+    return pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _pdl(t: torch.Tensor) -> dict[str, Any]:
     """The launch keywords of one kernel: PDL (its constexpr) and, with it on, Triton's launch_pdl."""
-    on = PDL and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None else 0)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if pdl_on(t.device) else {"PDL": False}
 
 
 def _next_pow2(n: int) -> int:

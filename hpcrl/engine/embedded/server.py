@@ -37,6 +37,7 @@ from aiohttp import web
 from hpcrl.engine import jsonwire
 from hpcrl.engine import protocol as P
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS, fp8_kv_cache_problem
+from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
 from hpcrl.model.hf import load_model, parse_dtype
@@ -324,7 +325,10 @@ class EmbeddedEngine:
             # Packed straight from the scheduler's array("d"): going through a list of the floats (made only to be
             # packed again) took a packed 256 x 512 answer from 16 to 19 ms on a 2-core CPU.
             if len(column) != len(r.output_ids):
-                raise RuntimeError(f"request {r.rid} has {len(column)} log-probs for {len(r.output_ids)} output tokens")
+                raise RuntimeError(
+                    f"request {r.rid} has {len(column)} log-probs for {len(r.output_ids)} output tokens: an engine "
+                    "bug (the scheduler appends one of each a step); please report it"
+                )
             response["meta_info"][P.PACKED_LOGPROBS_KEY] = P.pack_logprobs(column)
         return response
 
@@ -476,6 +480,10 @@ class EmbeddedEngine:
                         "weights_released": self.scheduler.weights_released,
                         "kv_cache_released": self.scheduler.cache is None,
                         "decode_path": self.scheduler.decode_path,
+                        # Whether the decode kernels use programmatic dependent launch (HPCRL_ENGINE_PDL, and a GPU
+                        # that has it): what a benchmark row with PDL "on" can be checked against.
+                        "pdl": self.scheduler.runner.mode in ("triton", "graph")
+                        and kernels.pdl_on(self.scheduler.runner.device),
                         "profile": self.scheduler.profile_summary(),
                     }
                 ],
