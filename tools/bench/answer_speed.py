@@ -13,7 +13,9 @@ Builds the results a 256 x 512 batch returns (random ids and log-probs), then ti
   doubles, what the scheduler keeps since session 16);
 - read: `jsonwire.loads` and `parse_generate_response`, as `EngineClient.generate` does, with the bulk check of the
   log-prob entries, and the same with the per-entry checks alone (what every answer went through before the bulk
-  check; they still run, for the error message, when the bulk check finds something off).
+  check; they still run, for the error message, when the bulk check finds something off);
+- packed: the write and the read of the same answer with `return_logprob_packed` (one base64 float64 column a row,
+  no triples), what hpcrl's engine client asks the embedded engine for since session 17.
 """
 
 from __future__ import annotations
@@ -131,9 +133,25 @@ def main() -> int:
     as_arrays = filled_step_by_step(lambda: array("d"))
     assert write_from(as_lists)() == write_from(as_arrays)() == write(), "the layouts wrote different answers"
 
+    def write_packed() -> bytes:
+        # As the server answers return_logprob_packed: no triples, each row's array("d") as one base64 column.
+        with jsonwire.gc_paused():
+            out = []
+            for r, lps in zip(results, as_arrays, strict=True):
+                response = dataclasses.replace(r, output_token_logprobs=None).to_response()
+                response["meta_info"][P.PACKED_LOGPROBS_KEY] = P.pack_logprobs(lps)
+                out.append(response)
+            return jsonwire.dumps(out)
+
+    packed_body = write_packed()
+
+    def read_packed() -> object:
+        return P.parse_generate_response(jsonwire.loads(packed_body))
+
     parsed = read()
     assert isinstance(parsed, list) and parsed == results, "the answer did not read back as the results written"
     assert read_per_entry() == parsed
+    assert read_packed() == parsed, "the packed answer did not read back as the results written"
     print(f"python {platform.python_version()}, transformers {transformers.__version__}, orjson {orjson.__version__}")
     print(f"{ns.num_seqs} results x {ns.tokens} tokens with log-probs: {len(body) / 1e6:.1f} MB of JSON")
     print(f"| step | s (median of {ns.repeats}) |\n|---|---:|")
@@ -144,6 +162,8 @@ def main() -> int:
         print(f"| write, log-probs filled a step at a time as {name} | {t:.4f} |")
     print(f"| read, bulk check (loads + parse_generate_response) | {_median_s(read, ns.repeats):.4f} |")
     print(f"| read, per-entry checks only (before) | {_median_s(read_per_entry, ns.repeats):.4f} |")
+    print(f"| write, packed log-probs ({len(packed_body) / 1e6:.1f} MB) | {_median_s(write_packed, ns.repeats):.4f} |")
+    print(f"| read, packed log-probs (loads + parse_generate_response) | {_median_s(read_packed, ns.repeats):.4f} |")
     return 0
 
 
