@@ -27,14 +27,13 @@ PATHS = ("model", "fused")
 
 def prefill_path() -> str:
     """HPCRL_ENGINE_PREFILL, checked at start-up: `model` (forward_cached) or `fused` (this module)."""
-    path = os.environ.get("HPCRL_ENGINE_PREFILL", "fused").strip() or "fused"
-    if path not in PATHS:
-        raise ValueError(
-            f"HPCRL_ENGINE_PREFILL={path!r}: must be one of {', '.join(PATHS)} (fused: the decode step's Triton "
-            "kernels in the triton and graph decode modes, the default; model: the model's own forward); "
-            "unset it to use the default"
-        )
-    return path
+    return kernels.env_choice(
+        "HPCRL_ENGINE_PREFILL",
+        "fused",
+        PATHS,
+        f"one of {', '.join(PATHS)} (fused: the decode step's Triton kernels in the triton and graph decode modes, "
+        "the default; model: the model's own forward)",
+    )
 
 
 PREFILL_PATH = prefill_path()  # read once, at start-up: a bad value fails before a model loads

@@ -68,14 +68,23 @@ ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
 SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...], meaning: str) -> str:
+    """Environment variable `name` (unset or blank: `default`), checked at start-up against `choices`; a bad value
+    is an error that says what each choice means (`meaning`, "a (...) or b (...)") and to unset it."""
+    value = os.environ.get(name, default).strip() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: must be {meaning}; unset it to use the default")
+    return value
+
+
 def _gemm_path() -> str:
-    path = os.environ.get("HPCRL_ENGINE_GEMM", "cublas").strip() or "cublas"
-    if path not in ("cublas", "triton"):
-        raise ValueError(
-            f"HPCRL_ENGINE_GEMM={path!r}: must be cublas (torch's GEMMs, the default) or triton (the decode step's "
-            "GEMMs as the engine's own Triton kernels, CUDA only); unset it to use the default"
-        )
-    return path
+    return env_choice(
+        "HPCRL_ENGINE_GEMM",
+        "cublas",
+        ("cublas", "triton"),
+        "cublas (torch's GEMMs, the default) or triton (the decode step's GEMMs as the engine's own Triton kernels, "
+        "CUDA only)",
+    )
 
 
 def _gemm_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -106,14 +115,11 @@ GEMM_CONFIGS = {
 
 
 def _pdl_setting() -> bool:
-    value = os.environ.get("HPCRL_ENGINE_PDL", "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"HPCRL_ENGINE_PDL={value!r}: must be 1 (programmatic dependent launch where the GPU has it, compute "
-            "capability 9 and newer: the default) or 0 (each kernel launched after the previous one has ended); "
-            "unset it to use the default"
-        )
-    return value == "1"
+    meaning = (
+        "1 (programmatic dependent launch where the GPU has it, compute capability 9 and newer: the default) or 0 "
+        "(each kernel launched after the previous one has ended)"
+    )
+    return env_choice("HPCRL_ENGINE_PDL", "1", ("0", "1"), meaning) == "1"
 
 
 # Programmatic dependent launch (on by default; HPCRL_ENGINE_PDL=0 turns it off; CUDA compute capability >= 9 only):
@@ -182,6 +188,14 @@ if AVAILABLE:
         return _mix32(s ^ (step & 0xFFFFFFFF).to(tl.uint32))
 
     @triton.jit
+    def _pdl_enter(PDL: tl.constexpr):
+        # A kernel launched with launch_pdl starts while the kernel before it drains: nothing it reads or writes is
+        # safe before the wait. Its dependents may then launch (they wait in turn).
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _add_rmsnorm_kernel(
         X,
         R,
@@ -195,10 +209,7 @@ if AVAILABLE:
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:
-            # Launched while the kernel before it drains: nothing it reads or writes is safe before this.
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -249,9 +260,7 @@ if AVAILABLE:
         STORE_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         # One program per row: its q heads (rewritten in place), k heads and v heads (to the cache slot
         # first_slot + row // rows_per_slot: a decode step has a row per slot, a prefill a row per prompt token).
         b = tl.program_id(0).to(tl.int64)
@@ -331,9 +340,7 @@ if AVAILABLE:
         K_FIRST: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         # One program per (row, kv head): the GROUP query heads that share it read its K/V once.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
@@ -437,9 +444,7 @@ if AVAILABLE:
         IEEE: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         # Out [M, N] = X [M, K] @ W[:N]^T (+ bias), over program (m, n)'s tile. With SPLIT_K > 1, program k's share
         # of K goes to Out[k] (fp32 partials that add_rmsnorm sums: at M = 256 an [M, 1024] output has too few tiles
         # to fill the GPU, and the reduction costs no launch of its own there). GATED: W is [gate; up] with the up
@@ -492,9 +497,7 @@ if AVAILABLE:
 
     @triton.jit
     def _silu_mul_kernel(GU, Out, n, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         # GU [rows, 2*inter] = [gate | up] (one GEMM); Out [rows, inter] = silu(gate) * up.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -521,9 +524,7 @@ if AVAILABLE:
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         # Program (row, split) scans logits[row, split*chunk : (split+1)*chunk]. Per lane it keeps a
         # running max / sum-exp for log-softmax at T=1 and at T and an arg-max of the Gumbel-perturbed
         # scores; lanes are reduced once at the end, and splits by _sample_combine_kernel.
@@ -611,9 +612,7 @@ if AVAILABLE:
         LP_ROWS: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # see _add_rmsnorm_kernel
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         neg = float("-inf")
         k = tl.arange(0, SP)
@@ -662,11 +661,7 @@ if AVAILABLE:
 
 
 def add_rmsnorm(
-    x: torch.Tensor | None,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    out: torch.Tensor,
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
 ) -> None:
     """residual += x (if given); out = RMSNorm(residual) * weight. All [n, hidden], contiguous; x may also be a
     split-K `linear`'s fp32 partials [parts, n, hidden], summed here."""
@@ -876,8 +871,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
     n = out.numel()
     block = 1024
-    programs = triton.cdiv(n, block)
-    _silu_mul_kernel[(programs,)](gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4, **_pdl(out))
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate_up, out, n, out.shape[1], BLOCK=block, num_warps=4, **_pdl(out))
 
 
 def sample_rows(
