@@ -32,11 +32,13 @@ from hpcrl.model.invariant_kernels import launch_config
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     AVAILABLE = True
 except ImportError:  # CPU-only installs have no Triton; the engine then decodes eagerly
     triton = None
     tl = None
+    libdevice = None
     AVAILABLE = False
 
 
@@ -131,14 +133,17 @@ def _pdl_setting() -> bool:
 PDL = _pdl_setting()
 
 
+def nvidia_compiled() -> bool:
+    """Whether Triton compiles the kernels for an NVIDIA GPU: not on ROCm, not under Triton's interpreter (which has
+    neither tl.extra.cuda nor libdevice's fast functions)."""
+    return torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 @functools.cache
 def pdl_capable(device_index: int) -> bool:
     """Whether the decode kernels can use PDL on this CUDA device: NVIDIA (ROCm also reports a capability 9, and
-    has no griddepcontrol), compute capability 9 or newer, and not under Triton's interpreter (which has no
-    tl.extra.cuda)."""
-    if torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    has no griddepcontrol), compute capability 9 or newer, and not under Triton's interpreter."""
+    return nvidia_compiled() and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def pdl_on(device: torch.device) -> bool:
@@ -186,6 +191,16 @@ if AVAILABLE:
         hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         s = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)
         return _mix32(s ^ (step & 0xFFFFFFFF).to(tl.uint32))
+
+    @triton.jit
+    def _gumbel(u, FAST_LOG: tl.constexpr):
+        # -log(-log(u)), u in [2**-24, 1): both logs of normal numbers, so the hardware's approximate log2 (a few
+        # ulp, flushing denormals that cannot occur) does; tl.log is libdevice's exact logf, ~40 instructions
+        # inlined, and two of them a logit made the sampler's loop compute-bound (docs/benchmarks.md).
+        if FAST_LOG:
+            return -libdevice.fast_logf(-libdevice.fast_logf(u))
+        else:
+            return -tl.log(-tl.log(u))
 
     @triton.jit
     def _pdl_enter(PDL: tl.constexpr):
@@ -522,6 +537,7 @@ if AVAILABLE:
         PartI,
         NSPLIT: tl.constexpr,
         BLOCK: tl.constexpr,
+        FAST_LOG: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_enter(PDL)
@@ -572,7 +588,7 @@ if AVAILABLE:
             # 23 bits: k + 0.5 is exact in fp32, u < 1. Times 2**-23, not / 2**23: the same value (a power of two
             # scales exactly), without the division's instructions in a loop that is compute-bound.
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            score = tl.where(greedy, x, z - tl.log(-tl.log(u)))
+            score = tl.where(greedy, x, z + _gumbel(u, FAST_LOG))
             score = tl.where(msk, score, neg)
             better = score > best  # strict: a lane keeps its first maximum, as torch.argmax does
             best = tl.where(better, score, best)
@@ -891,6 +907,8 @@ def sample_rows(
     Writes out_tok [n] and out_lp [n, 2] (log-prob at T=1, log-prob under softmax(logits/T)). With
     tokens/positions given, also sets tokens[b] = chosen and advances positions[b] and steps[b].
     config: (BLOCK, num_warps, max splits of each row's vocabulary across programs).
+    On NVIDIA GPUs the noise's two logs are the hardware's approximate log2 (a few ulp): a token can differ from
+    the torch sampler's only where two noisy scores lie within ~1e-6 of each other.
     `logprob_rows`: the rows are already log-softmax(logits) (the batch-invariant engine's): the T=1 log-prob
     reported is the chosen entry as it is, and at T=1 the scaled one too.
     """
@@ -914,6 +932,7 @@ def sample_rows(
         part_i,
         NSPLIT=nsplit,
         BLOCK=block,
+        FAST_LOG=logits.device.type == "cuda" and nvidia_compiled(),
         num_warps=warps if block >= 1024 else 4,
         **_pdl(logits),
     )
