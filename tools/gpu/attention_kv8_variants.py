@@ -9,6 +9,7 @@ program per (row, KV head) unless said:
 
 - `engine`, `engine_bf16`: the engine's kernel (`kernels.decode_attention`), q the first dot operand (use_dot 1);
 - `engine_kfirst`, `engine_kfirst_bf16`: the engine's kernel with K first (use_dot 2, the 8-bit default);
+  `engine_kfirst_nopdl` (not by default): the same launched without programmatic dependent launch;
 - `floor`, `floor_bf16`: the same loads only (K and V as int32 words, xor-summed): what this access pattern reaches;
 - `load_cvt`: the loads plus the e4m3 -> float16 widening, summed: what the conversion adds;
 - `k_first`: this script's own kernel with s^T = K q^T and out = (p^T)^T V (what the engine's use_dot 2 became);
@@ -345,9 +346,14 @@ def main() -> int:
 
         return launch
 
-    def engine(ks: list[torch.Tensor], vs: list[torch.Tensor], use_dot: int = 1) -> Launch:
+    def engine(ks: list[torch.Tensor], vs: list[torch.Tensor], use_dot: int = 1, pdl: bool = True) -> Launch:
         def launch(cfg: tuple[int, ...], out: torch.Tensor, c: int) -> None:
-            kernels.decode_attention(qkv, ks[c], vs[c], pos, out, nh, nkv, hd, scale, config=(*cfg, use_dot))
+            saved = kernels.PDL
+            kernels.PDL = saved and pdl  # read at each launch: this capture's launches go without PDL
+            try:
+                kernels.decode_attention(qkv, ks[c], vs[c], pos, out, nh, nkv, hd, scale, config=(*cfg, use_dot))
+            finally:
+                kernels.PDL = saved
 
         return launch
 
@@ -393,6 +399,7 @@ def main() -> int:
         "engine": ("fp8_e4m3", engine(k8, v8), attn_out, True),
         "engine_bf16": ("bfloat16", engine(k16, v16), attn_out, True),
         "engine_kfirst": ("fp8_e4m3", engine(k8, v8, use_dot=2), attn_out, True),
+        "engine_kfirst_nopdl": ("fp8_e4m3", engine(k8, v8, use_dot=2, pdl=False), attn_out, True),
         "engine_kfirst_bf16": ("bfloat16", engine(k16, v16, use_dot=2), attn_out, True),
         "floor": ("fp8_e4m3", floor(k8, v8), lambda: torch.empty(b, nkv, hd // 4, device=dev, dtype=torch.int32),
                   False),

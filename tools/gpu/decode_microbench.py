@@ -264,7 +264,7 @@ def main() -> int:
     def samplers() -> dict[str, Any]:
         res: dict[str, Any] = {"torch_sample_ms": cuda_ms(lambda: sample(logits, params, want_support=False), reps=5)}
         best = None
-        for cfg in [(2048, 8, 1), (2048, 8, 4), (1024, 4, 4), (1024, 4, 8), (2048, 4, 8), (1024, 8, 8)]:
+        for cfg in [(1024, 4, 4), (1024, 4, 8), (1024, 8, 8), (1024, 8, 16), (2048, 8, 8), (2048, 16, 8), (512, 4, 16)]:
 
             def run(cfg: tuple[int, ...] = cfg) -> None:
                 kernels.sample_rows(logits, params.temperature, params.seeds, params.steps, out_tok, out_lp, config=cfg)

@@ -64,7 +64,7 @@ if [[ $STEPS == *bench* ]]; then
   # extra: "+"-separated NAME=VALUE engine variables and --bench-flag=value arguments, e.g.
   # fp8_e4m3:.:default:default:HPCRL_ENGINE_PDL=1+--logprob-wire=triples
   runs=${RUNS:-"auto:.:model:cublas fp8_e4m3:.:model:cublas fp8_e4m3:.:fused:cublas fp8_e4m3:.:fused:triton"}
-  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:model:cublas"
+  [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:default:default"
   for run in $runs; do
     IFS=: read -r cache tree prefill gemm more <<<"$run"
     name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo _baseline)
