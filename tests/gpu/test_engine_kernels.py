@@ -72,7 +72,7 @@ def full_vocab_params(temperature: torch.Tensor, seeds: torch.Tensor, steps: tor
     )
 
 
-@pytest.mark.parametrize("vocab,config", [(99, None), (5000, (1024, 4, 1)), (5000, (1024, 4, 4)), (5000, (512, 4, 8))])
+@pytest.mark.parametrize("vocab,config", [(99, None), (5000, (1024, 4, 1)), (5000, (1024, 8, 8)), (5000, (512, 4, 8))])
 def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...] | None) -> None:
     torch.manual_seed(1)
     n = 16
@@ -306,7 +306,7 @@ def test_fused_prefill_into_an_fp8_cache_matches_forward_cached(monkeypatch: pyt
 
 # 8-bit K/V only under a bfloat16 q: the engine refuses them with float32 models (and the interpreter runs fp32 only).
 @pytest.mark.parametrize(("dtype", "kv8"), [(d, False) for d in DTYPES] + [(torch.bfloat16, True)] * (len(DTYPES) > 1))
-@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1), (32, 2, 3, 2), (64, 4, 2, 2)])
+@pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1), (32, 1, 3, 2), (64, 4, 2, 2)])
 def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tuple[int, ...]) -> None:
     torch.manual_seed(3)
     n, h, kv, d, max_len = 5, 16, 8, 64, 200

@@ -64,10 +64,12 @@ def _attn_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
 ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
 # With an 8-bit K/V cache (tools/gpu/attention_kv8_variants.py, H200, batch 256, length 384, CUDA-graph replays):
-# small tiles, two warps, three stages; with q as the first dot operand the kernel read 3.1 TB/s of e4m3 K/V, a
-# kernel of the same math with K first 3.4 TB/s (0.059 ms a layer), the same loads alone 4.2 TB/s.
-ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
-SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 4, 4))
+# small tiles, one warp, three stages, K first: 0.0588-0.0591 ms a layer (3.4 TB/s of e4m3 K/V) against
+# 0.0625-0.0627 with two warps; the same loads alone read 4.2 TB/s.
+ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 1, 3, 2))
+# With the noise's logs approximate (_gumbel), 8 warps and 8 splits of a row: 0.087 ms for 256 x 151,936 bf16
+# logits against 0.094 at 1024,4,4 (H200, graph replays).
+SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 8, 8))
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...], meaning: str) -> str:
