@@ -318,8 +318,9 @@ def wait_for(condition: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-NUM_REAL_STEPS = 120
-"""Enough steps (~0.05 s each once running) that the tests interrupt a run in its middle twice, not after its end."""
+NUM_REAL_STEPS = 240
+"""Enough steps (~0.03-0.05 s each once running) that the tests interrupt a run in its middle twice, not after its
+end: with 120, a CI run (2026-12-03) had the requeued-twice test's USR2 arrive after the resumed run's last step."""
 
 
 def real_config(model_dir: Path, **overrides: Any) -> RunConfig:
