@@ -934,7 +934,7 @@ def sample_rows(
         part_i,
         NSPLIT=nsplit,
         BLOCK=block,
-        FAST_LOG=logits.device.type == "cuda" and nvidia_compiled(),
+        FAST_LOG=nvidia_compiled(),  # a Triton launch on CPU tensors is the interpreter, where this is False
         num_warps=warps if block >= 1024 else 4,
         **_pdl(logits),
     )
