@@ -68,17 +68,18 @@ def prefill_logits(
     nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
     dev = ids.device
     positions = torch.arange(t, device=dev).repeat(b)  # token r: prompt r // t, position r % t
-    cos, sin = rope[0][:t].repeat(b, 1), rope[1][:t].repeat(b, 1)
     layers = model.model.decoder_layers
-    resid = F.embedding(ids.reshape(n), model.model.embed_tokens.weight)
+    embed = model.model.embed_tokens.weight
+    resid = torch.empty(n, a.hidden_size, dtype=embed.dtype, device=dev)
     h = torch.empty_like(resid)
-    kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
+    first = layers[0].input_layernorm
+    kernels.embed_rmsnorm(ids.reshape(n), embed, resid, first.weight, first.eps, h)
     for i, layer in enumerate(layers):
         at = layer.self_attn
         qkv_w, qkv_b, gate_up_w = fused[i]
         qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
         kernels.layer_qk_norm_rope_store(
-            at, a, qkv, cos, sin, positions, cache.k[i], cache.v[i], first_slot=first_slot, rows_per_slot=t,
+            at, a, qkv, rope, positions, cache.k[i], cache.v[i], first_slot=first_slot, rows_per_slot=t,
             store_k=True,
         )  # fmt: skip
         heads = qkv.view(b, t, nh + 2 * nkv, hd).transpose(1, 2)  # [B, heads, T, D], views of the GEMM's output

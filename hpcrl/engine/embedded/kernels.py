@@ -5,8 +5,9 @@ eight elementwise ops in fp32), an attention that expands the grouped K/V heads 
 runs ~40 passes over [B, V] int64/fp32 tensors. These kernels fuse each of those into one launch:
 
 - `add_rmsnorm`: residual add + RMSNorm (transformers' op order: normalise in fp32, cast, scale);
+  `embed_rmsnorm`, the first layer's: the embedding lookup + RMSNorm;
 - `qk_norm_rope_store`: per-head QK-norm + RoPE for q (in place) and k, and the K/V cache write,
-  reading one fused QKV projection;
+  reading one fused QKV projection and the RoPE tables at each row's position;
 - `decode_attention`: one query token per row against its own cache length (GQA heads share one
   K/V read, and no row reads past its length, so CUDA graphs need no attention-length buckets);
 - `silu_mul`: the SwiGLU product of one fused gate/up projection;
@@ -221,8 +222,10 @@ if AVAILABLE:
         eps,
         N,
         part_stride,
+        Ids,
         HAS_X: tl.constexpr,
         PARTS: tl.constexpr,
+        EMBED: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -230,7 +233,13 @@ if AVAILABLE:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
-        x = tl.load(R + row * N + offs, mask=m, other=0.0).to(tl.float32)
+        if EMBED:
+            # X is the embedding table: the residual starts as the row of this token's id (F.embedding's copy).
+            e = tl.load(X + tl.load(Ids + row).to(tl.int64) * N + offs, mask=m, other=0.0)
+            tl.store(R + row * N + offs, e, mask=m)
+            x = e.to(tl.float32)
+        else:
+            x = tl.load(R + row * N + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_X:
             if PARTS > 1:
                 # X holds a split-K GEMM's fp32 partial products: their sum, rounded as the GEMM's output would be.
@@ -265,6 +274,7 @@ if AVAILABLE:
         stride_ch,
         stride_cn,
         max_len,
+        rope_len,
         first_slot,
         rows_per_slot,
         H: tl.constexpr,
@@ -286,8 +296,13 @@ if AVAILABLE:
         d = tl.arange(0, D)
         dr = (d + HALF) % D
         sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
-        cos = tl.load(Cos + b * D + d).to(tl.float32)[None, :]
-        sin = tl.load(Sin + b * D + d).to(tl.float32)[None, :]
+        pos = tl.load(Pos + b)
+        # The tables' row of this position, read here rather than gathered per row by torch ops before the launch
+        # (three kernels a decode step). A finished row's look-ahead step may sit at max_len: its RoPE row is
+        # clamped (its K/V write is masked off below).
+        rope_row = tl.minimum(pos, rope_len - 1)
+        cos = tl.load(Cos + rope_row * D + d).to(tl.float32)[None, :]
+        sin = tl.load(Sin + rope_row * D + d).to(tl.float32)[None, :]
         row = QKV + b * stride_row
         dt = QKV.dtype.element_ty
         hq = tl.arange(0, HP)[:, None]
@@ -318,7 +333,6 @@ if AVAILABLE:
         if STORE_K:
             # A prefill's attention reads k from the QKV output (in the model dtype), not from the cache.
             tl.store(kb + hk * D + d[None, :], out, mask=mk)
-        pos = tl.load(Pos + b)
         # A finished row's extra look-ahead step may sit at max_len: it must not write out of bounds.
         mc = (hk < tl.where(pos < max_len, KVH, 0)) & (d[None, :] < D)
         off = slot * stride_cb + hk.to(tl.int64) * stride_ch + pos * stride_cn + d[None, :]
@@ -693,8 +707,36 @@ def add_rmsnorm(
         eps,
         hidden,
         n * hidden,
+        residual,
         HAS_X=x is not None,
         PARTS=parts,
+        EMBED=False,
+        BLOCK=_next_pow2(hidden),
+        num_warps=4 if hidden <= 2048 else 8,
+        **_pdl(residual),
+    )
+
+
+def embed_rmsnorm(
+    ids: torch.Tensor, table: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> None:
+    """residual = table[ids] (F.embedding); out = RMSNorm(residual) * weight, in one launch. ids [n] (valid ids:
+    nothing checks them on the device), table [vocab, hidden] contiguous, residual and out [n, hidden]."""
+    n, hidden = residual.shape
+    if table.shape[1] != hidden or not table.is_contiguous():
+        raise ValueError(f"embed_rmsnorm: the table must be contiguous [vocab, {hidden}], got {tuple(table.shape)}")
+    _add_rmsnorm_kernel[(n,)](
+        table,
+        residual,
+        weight,
+        out,
+        eps,
+        hidden,
+        0,
+        ids,
+        HAS_X=False,
+        PARTS=1,
+        EMBED=True,
         BLOCK=_next_pow2(hidden),
         num_warps=4 if hidden <= 2048 else 8,
         **_pdl(residual),
@@ -705,8 +747,7 @@ def qk_norm_rope_store(
     qkv: torch.Tensor,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -719,11 +760,18 @@ def qk_norm_rope_store(
     rows_per_slot: int = 1,
     store_k: bool = False,
 ) -> None:
-    """qkv [n, (H + 2*KVH) * D] (one GEMM's output), cos/sin [n, D]: q gets QK-norm + RoPE in place; k (normed,
-    roped) and v of row b go to cache slot first_slot + b // rows_per_slot at positions[b]. `store_k` also
-    writes the normed, roped k back into qkv (a prefill attends over it)."""
+    """qkv [n, (H + 2*KVH) * D] (one GEMM's output), rope: the cos and sin tables [positions, D], contiguous: q
+    gets QK-norm + RoPE (row min(positions[b], len - 1) of the tables) in place; k (normed, roped) and v of row
+    b go to cache slot first_slot + b // rows_per_slot at positions[b]. `store_k` also writes the normed, roped
+    k back into qkv (a prefill attends over it)."""
     n = qkv.shape[0]
     has_norm = q_norm is not None
+    cos, sin = rope
+    if cos.shape != sin.shape or cos.shape[1] != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(
+            f"qk_norm_rope_store: the RoPE tables must be contiguous [positions, {head_dim}], "
+            f"got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
+        )
     _qk_norm_rope_store_kernel[(n,)](
         qkv,
         q_norm if has_norm else qkv,
@@ -739,6 +787,7 @@ def qk_norm_rope_store(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
+        cos.shape[0],
         first_slot,
         rows_per_slot,
         H=num_heads,
@@ -758,8 +807,7 @@ def layer_qk_norm_rope_store(
     attn: Any,
     args: Any,
     qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -772,8 +820,7 @@ def layer_qk_norm_rope_store(
         qkv,
         attn.q_norm.weight if qk_norm else None,
         attn.k_norm.weight if qk_norm else None,
-        cos,
-        sin,
+        rope,
         positions,
         k_cache,
         v_cache,

@@ -192,7 +192,14 @@ class DecodeRunner:
         self._ring_i = 0
         self._host_tok = torch.zeros(self._ring, max_batch, dtype=torch.int64, pin_memory=self.is_cuda)
         self._host_lp = torch.zeros(self._ring, max_batch, 2, dtype=torch.float32, pin_memory=self.is_cuda)
-        self.stats: dict[str, float] = {"steps": 0, "forward_ms": 0.0, "sample_ms": 0.0, "graph_captures": 0}
+        self.stats: dict[str, float] = {
+            "steps": 0,
+            "forward_ms": 0.0,
+            "sample_ms": 0.0,
+            "between_steps_ms": 0.0,
+            "graph_captures": 0,
+        }
+        self._last_end: Any = None  # the profiled step's last event: the next step's gap is measured from it
 
     # ----- state -----
     def set_cache(self, cache: KVCache | None) -> None:
@@ -469,12 +476,12 @@ class DecodeRunner:
         a = model.args
         fused, rope = self._kernel_tables()
         pos = self.positions[:n]
-        idx = pos.clamp(max=cache.max_len - 1)
-        cos, sin = rope[0][idx], rope[1][idx]
         layers = model.model.decoder_layers
-        resid = F.embedding(self.tokens[:n], model.model.embed_tokens.weight)
+        embed = model.model.embed_tokens.weight
+        resid = torch.empty(n, a.hidden_size, dtype=embed.dtype, device=embed.device)
         h = torch.empty_like(resid)
-        kernels.add_rmsnorm(None, resid, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, h)
+        first = layers[0].input_layernorm
+        kernels.embed_rmsnorm(self.tokens[:n], embed, resid, first.weight, first.eps, h)
         nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
         scale = 1.0 / math.sqrt(hd)
         act = torch.empty(n, a.intermediate_size, dtype=h.dtype, device=h.device)
@@ -486,7 +493,7 @@ class DecodeRunner:
                 qkv = kernels.linear(h, qkv_w, qkv_b, config=gemm["qkv"])
             else:
                 qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
-            kernels.layer_qk_norm_rope_store(at, a, qkv, cos, sin, pos, cache.k[i], cache.v[i])
+            kernels.layer_qk_norm_rope_store(at, a, qkv, rope, pos, cache.k[i], cache.v[i])
             o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
             kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
             post = layer.post_attention_layernorm
@@ -710,20 +717,28 @@ class DecodeRunner:
     # ----- profiling -----
     def _events(self) -> list[Any]:
         if self.is_cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev: list[Any] = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            # The device's time between the last step's end and this one's start (the output copies, the
+            # launches) counts only while that step is still queued or running: otherwise the gap is the host's.
+            last = self._last_end
+            ev.append(last if last is not None and not last.query() else None)
             ev[0].record()
             return ev
-        return [time.perf_counter(), 0.0, 0.0]
+        return [time.perf_counter(), 0.0, 0.0, None]
 
     def _mark(self, timing: list[Any], i: int) -> None:
         if self.is_cuda:
             timing[i].record()
+            if i == 2:
+                self._last_end = timing[2]
         else:
             timing[i] = time.perf_counter()
 
     def _record_timing(self, timing: Sequence[Any]) -> None:
         if self.is_cuda:
             fwd, smp = timing[0].elapsed_time(timing[1]), timing[1].elapsed_time(timing[2])
+            if timing[3] is not None:
+                self.stats["between_steps_ms"] += timing[3].elapsed_time(timing[0])
         else:
             fwd, smp = (timing[1] - timing[0]) * 1e3, (timing[2] - timing[1]) * 1e3
         self.stats["steps"] += 1
