@@ -232,6 +232,8 @@ class Scheduler:
             "decode_steps": self.num_decode_steps,
             "gpu_forward_ms_per_step": r["forward_ms"] / timed,
             "gpu_sample_ms_per_step": r["sample_ms"] / timed,
+            # The device's time between a step's end and the next one's start, where the next was already queued.
+            "gpu_between_steps_ms_per_step": r["between_steps_ms"] / timed,
             "host_launch_ms_per_step": self.host_stats["launch_s"] * 1e3 / steps,
             "host_wait_ms_per_step": self.host_stats["wait_s"] * 1e3 / steps,
             "host_process_ms_per_step": self.host_stats["process_s"] * 1e3 / steps,
@@ -415,7 +417,14 @@ class Scheduler:
         heads = ready[: len(leads)]
         lengths = [r.num_tokens for r in heads]
         width = max(lengths)
-        ids = torch.tensor([r.all_ids + [0] * (width - n) for r, n in zip(heads, lengths, strict=True)])
+        # One flat array, not torch.tensor of nested lists: that walks every int in Python (4-6 ms for 256 x 128
+        # on a 2-core CPU, against ~1.4 ms).
+        flat = array("q")
+        for r, n in zip(heads, lengths, strict=True):
+            flat.extend(r.prompt_ids)
+            flat.extend(r.output_ids)
+            flat.frombytes(bytes(8 * (width - n)))  # zero padding: 8 bytes an id
+        ids = torch.frombuffer(flat, dtype=torch.int64).view(len(heads), width)
         last = torch.tensor(lengths) - 1
         logits = self.runner.prefill(ids.to(self.device), first_slot, last.to(self.device))
         self.num_prefill_forwards += 1
