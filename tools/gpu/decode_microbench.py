@@ -116,6 +116,13 @@ def main() -> int:
     p.add_argument("--context", type=int, default=640)
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto", help="auto: the model's bf16")
     p.add_argument("--out", default=".")
+    p.add_argument(
+        "--prefill-profile-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens in prefill_profile's batch (4096: the engine's default chunk; the 256 x 128 throughput "
+        "bench prefills 32768 in one forward)",
+    )
     p.add_argument("--sections", default="all", help="comma-separated section names to run (default: all)")
     ns = p.parse_args()
     out_dir = Path(ns.out)
@@ -170,10 +177,12 @@ def main() -> int:
     section("prefill", results, prefill)
 
     def prefill_profile() -> dict[str, Any]:
-        # The engine prefills in batches of max_prefill_tokens (4096: 32 prompts of 128); the kernels of one.
+        # The engine prefills in batches of max_prefill_tokens (4096 by default: 32 prompts of 128); the kernels
+        # of one.
         from torch.profiler import ProfilerActivity, profile
 
-        rows = max(1, 4096 // ns.prompt_len)
+        rows = max(1, min(B, ns.prefill_profile_tokens // ns.prompt_len))
+        tokens = rows * ns.prompt_len
         ids = torch.randint(3, a.vocab_size, (rows, ns.prompt_len), device=dev, generator=gen)
         zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
         last = torch.full((rows,), ns.prompt_len - 1, device=dev)
@@ -184,7 +193,7 @@ def main() -> int:
         }
         out: dict[str, Any] = {}
         for name, fn in paths.items():
-            out[f"prefill_4096_tokens_{name}_ms"] = cuda_ms(fn, reps=5, warmup=2)
+            out[f"prefill_{tokens}_tokens_{name}_ms"] = cuda_ms(fn, reps=5, warmup=2)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()
@@ -350,6 +359,101 @@ def main() -> int:
         return {"full_step_ms": dt * 1e3, "full_step_tok_s": B / dt}
 
     section("full_steps", results, full_steps)
+
+    def step_trace(steps: int = 12) -> dict[str, Any]:
+        """The device's timeline of the engine's loop body (graph replay, sampler, output copies) under
+        torch.profiler: per step, the kernels' summed time against the span from the first kernel's start to the
+        next step's first, and where the idle time between consecutive operations lies (by the pair of kernel
+        kinds around it). The part of a step that no kernel fills is what fewer launches could win."""
+        from torch.profiler import ProfilerActivity, profile
+
+        runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
+        for _ in range(3):
+            runner.decode(B, torch_sampler=False, want_support=False).result()
+        runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
+        torch.cuda.synchronize()
+        trace = out_dir / "step_trace.json"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            prev = None
+            for _ in range(steps):
+                h = runner.decode(B, torch_sampler=False, want_support=False)
+                if prev is not None:
+                    prev.result()
+                prev = h
+            assert prev is not None
+            prev.result()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        ops = sorted(
+            (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+            key=lambda e: e["ts"],
+        )
+
+        def kind(e: dict[str, Any]) -> str:
+            name = str(e["name"])
+            if e["cat"] != "kernel":
+                return e["cat"]
+            for key in ("attention", "rmsnorm", "qk_norm", "silu", "sample_partial", "sample_combine", "embed"):
+                if key in name:
+                    return key
+            return "gemm" if ("gemm" in name or "sm90" in name or "cutlass" in name or "nvjet" in name) else name[:40]
+
+        # A step starts at the first operation after the last step's sampler and output copies.
+        ends = ("gpu_memcpy", "sample_combine")
+        starts = [i for i in range(1, len(ops)) if kind(ops[i - 1]) in ends and kind(ops[i]) not in ends]
+        out: dict[str, Any] = {"trace_ops": len(ops), "trace_steps": max(0, len(starts) - 1)}
+        if len(starts) < 3:
+            out["trace_note"] = "fewer than 3 step starts found in the trace"
+            return out
+        gaps: dict[str, float] = {}
+        busy = span = 0.0
+        per_step_ops = 0
+        for a, b in zip(starts[1:-1], starts[2:], strict=True):  # skip the first (it may hold warm-up effects)
+            seg = ops[a : b + 1]
+            span += seg[-1]["ts"] - seg[0]["ts"]
+            per_step_ops = b - a
+            for x, y in zip(seg[:-1], seg[1:], strict=True):
+                busy += x["dur"]
+                gap = y["ts"] - (x["ts"] + x["dur"])
+                key = f"{kind(x)} -> {kind(y)}"
+                gaps[key] = gaps.get(key, 0.0) + gap
+        n = len(starts) - 2
+        out.update({
+            "trace_ops_per_step": per_step_ops,
+            "trace_step_span_ms": span / n / 1e3,
+            "trace_step_busy_ms": busy / n / 1e3,
+            "trace_step_idle_ms": (span - busy) / n / 1e3,
+        })  # fmt: skip
+        for key, total in sorted(gaps.items(), key=lambda kv: -kv[1])[:12]:
+            out[f"trace_gap_ms {key}"] = total / n / 1e3
+        return out
+
+    section("step_trace", results, step_trace)
+
+    def attn_batch() -> dict[str, Any]:
+        """The 8-bit (or bf16) attention kernel at the default config against the batch: time per row at a fixed
+        length. Rows run as (row, kv head) programs; if time per row falls as the batch grows past one wave of
+        resident programs and rises at a partial wave, the last wave's idle SMs are a lever."""
+        q = torch.randn(B, a.num_heads * a.head_dim, device=dev, dtype=dtype)
+        o = torch.empty_like(q)
+        res: dict[str, Any] = {}
+        for rows in sorted({32, 64, 96, 128, 160, 192, 224, B}):
+            if rows > B:
+                continue
+            pos = torch.full((rows,), L - 1, device=dev)
+
+            def run(rows: int = rows, pos: torch.Tensor = pos) -> None:
+                kernels.decode_attention(
+                    q[:rows], cache.k[0], cache.v[0], pos, o[:rows], a.num_heads, a.num_kv_heads, a.head_dim, 0.088
+                )
+
+            ms = graph_ms(run, launches=20)
+            res[f"attn_rows_{rows}_ms"] = ms
+            res[f"attn_rows_{rows}_us_per_row"] = ms * 1e3 / rows
+        return res
+
+    section("attn_batch", results, attn_batch)
 
     def step_variants() -> dict[str, Any]:
         # Variants of the same decode step, in one process: programmatic dependent launch of the Triton kernels

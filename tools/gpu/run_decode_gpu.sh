@@ -8,7 +8,8 @@
 #        tables), the fused sampler, graph replay, the loop body
 # gemm: tools/gpu/decode_gemm_sweep.py: each decode GEMM stage, cuBLAS against kernels.linear configs; the best go
 #       to $OUT/best_gemm_env.txt and the bench's triton-GEMM run (GEMM_ENV_FILE= names an earlier call's, carried)
-# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS (the default includes step_variants: PDL and cuBLASLt),
+# Knobs: STEPS, RUNS, MICRO_CACHES, MICRO_SECTIONS (the default includes step_variants: PDL and cuBLASLt), MICRO_ARGS
+# (more decode_microbench.py flags, e.g. "--prefill-profile-tokens 32768"),
 # MICRO_TIMEOUT_S, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section logs its start [s]
 # bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, each with the model's
 #        prefill (HPCRL_ENGINE_PREFILL=model), then fp8_e4m3 with the fused prefill (the default), then also
@@ -36,7 +37,10 @@ if [[ $STEPS == *micro* ]]; then
   for cache in ${MICRO_CACHES:-fp8_e4m3 auto}; do
     section "decode_microbench, kv cache $cache"
     timeout ${MICRO_TIMEOUT_S:-240} python3 tools/gpu/decode_microbench.py --kv-cache-dtype $cache --out /tmp/hpcrl-gpu/micro_$cache \
-      --sections ${MICRO_SECTIONS:-prefill,prefill_profile,samplers,graph_forward,full_steps,step_variants} 2>&1 | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
+      --sections ${MICRO_SECTIONS:-prefill,prefill_profile,samplers,graph_forward,full_steps,step_variants} ${MICRO_ARGS:-} 2>&1 \
+      | grep -E "^\| [a-z]" | tee -a "$OUT/decode.log"
+    # The fused prefill's kernel table, when prefill_profile ran (a file back, not a page of the log).
+    cp /tmp/hpcrl-gpu/micro_$cache/profile_prefill_fused.txt "$OUT/profile_prefill_fused_$cache.txt" 2>/dev/null
   done
   if [[ -n $BASELINE ]]; then
     section "decode_microbench samplers, tree $BASELINE"
@@ -67,7 +71,7 @@ if [[ $STEPS == *bench* ]]; then
   [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:default:default"
   for run in $runs; do
     IFS=: read -r cache tree prefill gemm more <<<"$run"
-    name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo _baseline)
+    name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo "_tree_$(basename "$tree")")
     extra=()  # prefill or gemm "default": the variable is left unset, as a user's run would have it
     if [[ -n ${more:-} ]]; then
       name=${name}_$(tr -c 'A-Za-z0-9_\n' _ <<<"$more")
