@@ -617,36 +617,6 @@ def test_compiled_cpu_decode_matches_eager() -> None:
     assert torch.allclose(got[2], want[2], atol=1e-5), (got[2] - want[2]).abs().max()
 
 
-def _byte_level_bpe() -> Any:
-    """A small byte-level BPE tokenizer (Qwen's kind) trained here: multi-byte characters span tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    corpus = ["Grüße aus Zürich, naïve café — 東京 and ½ + ¼ = ¾", "def f(x):\n    return x * 2  # ok"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_end|>"], show_progress=False)
-    bpe.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", clean_up_tokenization_spaces=False)
-
-
-def test_answer_texts_decoded_in_one_batch_equal_each_rows_decode() -> None:
-    from hpcrl.engine.embedded.server import _decode_is_rust_decode, decode_rows
-    from hpcrl.model.tiny import build_tokenizer
-
-    gen = torch.Generator().manual_seed(0)
-    for tok in (build_tokenizer(), _byte_level_bpe()):
-        vocab = len(tok)
-        # Random ids (specials among them, and ids past the vocabulary: the engine's shaped models have those),
-        # cut anywhere, so byte-level rows end inside characters.
-        rows = [torch.randint(0, vocab + 50, (int(n),), generator=gen).tolist() for n in torch.randint(0, 60, (40,))]
-        assert _decode_is_rust_decode(tok)  # the batch path, which the clean-up below turns off
-        assert decode_rows(tok, rows) == [tok.decode(r, skip_special_tokens=True) for r in rows]
-        tok.clean_up_tokenization_spaces = True  # transformers' clean-up: each row through its own decode
-        assert decode_rows(tok, rows) == [tok.decode(r, skip_special_tokens=True) for r in rows]
-
-
 def test_answer_text_is_what_the_tokenizer_decodes() -> None:
     from hpcrl.engine.embedded.server import decode_ids
     from hpcrl.model.tiny import build_tokenizer

@@ -181,29 +181,6 @@ def decode_ids(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def decode_rows(tokenizer: Any, rows: list[list[int]]) -> list[str]:
-    """`decode_ids` of each row. Where that is the Rust tokenizer's own decode (a transformers fast tokenizer whose
-    `_decode` is not overridden and adds no clean-up), all rows go through its `decode_batch` in one call: it
-    decodes them in parallel and without the GIL, so the server builds the rest of an answer meanwhile."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode_batch") and _decode_is_rust_decode(tokenizer):
-        return list(backend.decode_batch(rows, skip_special_tokens=True))
-    return [decode_ids(tokenizer, ids) for ids in rows]
-
-
-def _decode_is_rust_decode(tokenizer: Any) -> bool:
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return False
-    cls = type(tokenizer)
-    return (
-        _decode_is_transformers_own(cls)
-        and getattr(cls, "_decode", None) is PreTrainedTokenizerFast._decode
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-    )
-
-
 def _decode_is_transformers_own(cls: type) -> bool:
     try:
         from transformers import PreTrainedTokenizerBase
@@ -264,7 +241,6 @@ class EmbeddedEngine:
         self._seed_rng = secrets.SystemRandom() if cfg.random_seed < 0 else None
         self._request_counter = 0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hpcrl-engine-ctl")
-        self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcrl-engine-text")
         self._control: set[Future[Any]] = set()
         self._waiters: set[asyncio.Future[Any]] = set()
         self.started_s = time.time()
@@ -319,8 +295,7 @@ class EmbeddedEngine:
                 )
         return batch
 
-    def _result(self, r: SeqRequest, text_in_logprobs: bool, packed: bool) -> dict[str, Any]:
-        """The answer's entry for r, without its `text` (the caller adds it)."""
+    def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool, packed: bool) -> dict[str, Any]:
         lat = (r.finished_s or time.monotonic()) - r.created_s
         texts: list[str | None] | None = None
         if text_in_logprobs and self.tokenizer:
@@ -328,7 +303,7 @@ class EmbeddedEngine:
         reason = r.finish_reason or {"type": "abort", "message": "no finish reason"}
         column = (r.scaled_logprobs if r.logprob_scaled else r.logprobs) if r.return_logprob else None
         result = P.GenerateResult(
-            text=None,
+            text=decode_ids(self.tokenizer, r.output_ids) if want_text and self.tokenizer else None,
             output_ids=list(r.output_ids),
             rid=r.rid,
             finish_reason=P.FinishReason.from_dict(reason),
@@ -421,20 +396,13 @@ class EmbeddedEngine:
             for s in seqs:
                 self.scheduler.call(functools.partial(self.scheduler.abort, s.rid))
             raise
+        want_text = self.tokenizer is not None
         t0, cpu0, mono0 = time.perf_counter(), time.thread_time(), time.monotonic()
-        # The texts are decoded on a thread of their own (the Rust tokenizer's, without the GIL) while this one
-        # builds the rest of the answer.
-        texts = (
-            self._text_pool.submit(decode_rows, self.tokenizer, [r.output_ids for r in finished])
-            if self.tokenizer is not None
-            else None
-        )
         # The answer is acyclic: collections it would set off (each scanning the model's heap) find nothing.
         with jsonwire.gc_paused():
-            results = [self._result(r, req.return_text_in_logprobs, req.return_logprob_packed) for r in finished]
-            if texts is not None:
-                for res, text in zip(results, texts.result(), strict=True):
-                    res["text"] = text
+            results = [
+                self._result(r, want_text, req.return_text_in_logprobs, req.return_logprob_packed) for r in finished
+            ]
             response = _json_response(results if req.returns_list else results[0])
         stats = self.scheduler.host_stats
         stats["answer_s"] += time.perf_counter() - t0
@@ -748,7 +716,6 @@ class EmbeddedEngine:
 
     async def _shutdown(self, app: web.Application) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._text_pool.shutdown(wait=False, cancel_futures=True)
         # A handler waiting on a rendezvous with a peer that is gone would hold the server's shutdown for
         # the whole group timeout: stop waiting (the client's connection closes).
         for waiter in list(self._waiters):
