@@ -14,6 +14,9 @@ program per (row, KV head) unless said:
 - `load_cvt`: the loads plus the e4m3 -> float16 widening, summed: what the conversion adds;
 - `k_first`: this script's own kernel with s^T = K q^T and out = (p^T)^T V (what the engine's use_dot 2 became);
 - `kv_first`: as `k_first`, and out^T = V^T p^T with V stored transposed ([D, len] a head), read along tokens;
+- `vt_tiles` (not by default): as `k_first`, with V stored tile-transposed (each BLOCK_N tokens of a head one
+  contiguous [D, BLOCK_N] tile), so the widened V needs no transpose for the MMA; `vt_tiles_a`: the same tiles
+  as the first operand (out^T = V^T p^T);
 - `splitN` (not by default): flash-decoding, each row's length in N spans of programs of their own, merged by a
   second kernel;
 - `persistN` (not by default): N programs per multiprocessor, each looping over every P-th (row, KV head): no
@@ -285,6 +288,59 @@ def _attn_kt_kernel(Q, KC, VC, Out, Pos, sm_scale, stride_qb, stride_cb, stride_
                  mask=hmask[:, None])  # fmt: skip
 
 
+@triton.jit
+def _attn_vtile_kernel(Q, KC, VT, Out, Pos, sm_scale, stride_qb, stride_cb, stride_ch, stride_cn, stride_vb,
+                       stride_vh, max_len, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                       D: tl.constexpr, BLOCK_N: tl.constexpr, V_AS_A: tl.constexpr):  # fmt: skip
+    # The engine's K-first kernel with V stored tile-transposed: each BLOCK_N tokens of a head as one contiguous
+    # [D, BLOCK_N] tile (VT [b, kvh, len / BLOCK_N, D, BLOCK_N]). An 8-bit MMA operand must be K-major, and for p.V
+    # K is the tokens: with V [tokens, D] the widened tile is transposed through shared memory every step, with a
+    # tile already [D, tokens] it is not. V_AS_A: out^T = V^T p^T (V^T the first operand), else out = p (V^T)^T.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    length = tl.minimum(tl.load(Pos + b) + 1, max_len)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_h
+    q = _load_q(Q, b, kvh, stride_qb, GROUP, BLOCK_H, D)
+    qt = tl.trans(q.to(tl.float16))  # [D, BLOCK_H]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if V_AS_A:
+        acc = tl.zeros([D, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+    kbase = KC + b * stride_cb + kvh * stride_ch
+    vbase = VT + b * stride_vb + kvh * stride_vh
+    for start in range(0, length, BLOCK_N):
+        offs_n = start + offs_t
+        nmask = offs_n < length
+        k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        vt = tl.load(vbase + start * D + offs_d[:, None] * BLOCK_N + offs_t[None, :], mask=nmask[None, :],
+                     other=0.0)  # fmt: skip
+        st = tl.dot(k.to(tl.float16), qt)  # [BLOCK_N, BLOCK_H]
+        st = tl.where(nmask[:, None], st * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        pt = tl.exp(st - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        if V_AS_A:
+            acc = acc * alpha[None, :] + tl.dot(vt.to(tl.float16), pt.to(tl.float16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(tl.float16)), tl.trans(vt.to(tl.float16)))
+        m_i = m_new
+    if V_AS_A:
+        out = acc / l_i[None, :]
+        tl.store(Out + b * (H * D) + heads[None, :] * D + offs_d[:, None], out.to(Out.dtype.element_ty),
+                 mask=hmask[None, :])  # fmt: skip
+    else:
+        out = acc / l_i[:, None]
+        tl.store(Out + b * (H * D) + heads[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=hmask[:, None])  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
@@ -357,6 +413,22 @@ def main() -> int:
 
         return launch
 
+    vtiles: dict[int, list[torch.Tensor]] = {}  # BLOCK_N -> V of each copy as [b, kvh, len / BLOCK_N, D, BLOCK_N]
+
+    def vtile(v_as_a: bool) -> Launch:
+        def launch(cfg: tuple[int, ...], out: torch.Tensor, c: int) -> None:
+            bn = cfg[0]
+            if bn not in vtiles:
+                vtiles[bn] = [t.view(b, nkv, max_len // bn, bn, hd).transpose(3, 4).contiguous() for t in v8]
+            vt = vtiles[bn][c]
+            _attn_vtile_kernel[(b, nkv)](
+                qkv, k8[c], vt, out, pos, scale, qkv.stride(0), *strides, vt.stride(0), vt.stride(1), max_len,
+                H=nh, GROUP=nh // nkv, BLOCK_H=16, D=hd, BLOCK_N=bn, V_AS_A=v_as_a,
+                num_warps=cfg[1], num_stages=cfg[2],
+            )  # fmt: skip
+
+        return launch
+
     def floor(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> Launch:
         def launch(cfg: tuple[int, ...], out: torch.Tensor, c: int) -> None:
             kw, vw = ks[c].view(torch.int32), vs[c].view(torch.int32)
@@ -411,6 +483,8 @@ def main() -> int:
         "mma8_qk": ("fp8_e4m3", attn_variant(True, False, False), attn_out, True),
         "k_first": ("fp8_e4m3", k_first(False), attn_out, True),
         "kv_first": ("fp8_e4m3", k_first(True), attn_out, True),
+        "vt_tiles": ("fp8_e4m3", vtile(False), attn_out, True),
+        "vt_tiles_a": ("fp8_e4m3", vtile(True), attn_out, True),
         **{f"split{k}": ("fp8_e4m3", split(k), attn_out, True) for k in (2, 3, 4)},
         **{f"persist{k}": ("fp8_e4m3", persistent(k), attn_out, True) for k in (4, 6, 8)},
     }  # fmt: skip
