@@ -363,8 +363,9 @@ def main() -> int:
     def step_trace(steps: int = 12) -> dict[str, Any]:
         """The device's timeline of the engine's loop body (graph replay, sampler, output copies) under
         torch.profiler: per step, the kernels' summed time against the span from the first kernel's start to the
-        next step's first, and where the idle time between consecutive operations lies (by the pair of kernel
-        kinds around it). The part of a step that no kernel fills is what fewer launches could win."""
+        next step's first, where the idle time between consecutive operations lies (by the pair of kernel kinds
+        around it; the part of a step that no kernel fills is what fewer launches could win), and each kind's
+        share of the step (trace_slot_ms)."""
         from torch.profiler import ProfilerActivity, profile
 
         runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
@@ -407,6 +408,12 @@ def main() -> int:
             out["trace_note"] = "fewer than 3 step starts found in the trace"
             return out
         gaps: dict[str, float] = {}
+        # Time from the end of the operation before to each one's end, by kind: with programmatic dependent launch
+        # a kernel starts (and waits) before the one ahead of it ends, so durations overlap; ends come in order,
+        # so these intervals do not overlap, add up to the step, and give each kernel the time it took once it
+        # could run.
+        slots: dict[str, float] = {}
+        counts: dict[str, int] = {}
         busy = span = 0.0
         per_step_ops = 0
         for a, b in zip(starts[1:-1], starts[2:], strict=True):  # skip the first (it may hold warm-up effects)
@@ -418,6 +425,8 @@ def main() -> int:
                 gap = y["ts"] - (x["ts"] + x["dur"])
                 key = f"{kind(x)} -> {kind(y)}"
                 gaps[key] = gaps.get(key, 0.0) + gap
+                slots[kind(y)] = slots.get(kind(y), 0.0) + (y["ts"] + y["dur"]) - (x["ts"] + x["dur"])
+                counts[kind(y)] = counts.get(kind(y), 0) + 1
         n = len(starts) - 2
         out.update({
             "trace_ops_per_step": per_step_ops,
@@ -427,6 +436,8 @@ def main() -> int:
         })  # fmt: skip
         for key, total in sorted(gaps.items(), key=lambda kv: -kv[1])[:12]:
             out[f"trace_gap_ms {key}"] = total / n / 1e3
+        for key, total in sorted(slots.items(), key=lambda kv: -kv[1]):
+            out[f"trace_slot_ms {key} (x{counts[key] // n})"] = total / n / 1e3
         return out
 
     section("step_trace", results, step_trace)
