@@ -338,12 +338,21 @@ def main() -> int:
     def loop_steps(steps: int = 64) -> float:
         """Seconds a step of the engine's real loop body: launch (graph + fused sampler + async copy), read the
         previous step's outputs."""
+        warm_rows()
+        t0 = time.perf_counter()
+        run_loop(steps)
+        return (time.perf_counter() - t0) / steps
+
+    def warm_rows() -> None:
+        """Every row at position L - 1, after three steps that compile the sampler's state-advancing variant."""
         runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
-        for _ in range(3):  # compiles the sampler's state-advancing variant before the clock starts
+        for _ in range(3):
             runner.decode(B, torch_sampler=False, want_support=False).result()
         runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def run_loop(steps: int) -> None:
+        """The engine's loop body: launch a step, then read the one before (it overlaps the device's work)."""
         prev = None
         for _ in range(steps):
             h = runner.decode(B, torch_sampler=False, want_support=False)
@@ -352,7 +361,6 @@ def main() -> int:
             prev = h
         assert prev is not None
         prev.result()
-        return (time.perf_counter() - t0) / steps
 
     def full_steps() -> dict[str, Any]:
         dt = loop_steps()
@@ -368,21 +376,10 @@ def main() -> int:
         share of the step (trace_slot_ms)."""
         from torch.profiler import ProfilerActivity, profile
 
-        runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
-        for _ in range(3):
-            runner.decode(B, torch_sampler=False, want_support=False).result()
-        runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
-        torch.cuda.synchronize()
+        warm_rows()
         trace = out_dir / "step_trace.json"
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            prev = None
-            for _ in range(steps):
-                h = runner.decode(B, torch_sampler=False, want_support=False)
-                if prev is not None:
-                    prev.result()
-                prev = h
-            assert prev is not None
-            prev.result()
+            run_loop(steps)
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
