@@ -639,3 +639,37 @@ def test_answer_text_is_what_the_tokenizer_decodes() -> None:
             return f"{len(token_ids)} ids, skip={skip_special_tokens}"
 
     assert decode_ids(NoPrivateDecode(), ids) == f"{len(ids)} ids, skip=True"
+
+
+def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA the fused sampler writes each step's outputs into pinned host memory. Where a platform's kernels
+    refuse the host pointer, the step is sampled again into the device buffers (copied as before), and later steps
+    go there directly; the fused sampler itself stays on."""
+    from hpcrl.engine.embedded import kernels
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.model.qwen3 import KVCache
+
+    args, model = random_small_model(num_layers=1, qk_norm=True, attention_bias=False)
+    cpu = torch.device("cpu")
+    runner = DecodeRunner(model, KVCache.allocate(args, 4, 16, torch.float32, cpu), max_batch=4, device=cpu, mode="eager")
+    # The CUDA path's state: the sampler below never launches anything.
+    runner.is_cuda = runner.fast_sampler = True
+    host_slots = {t.data_ptr() for t in runner._host_tok}
+    calls: list[bool] = []
+
+    def sample_rows(logits: torch.Tensor, temp: Any, seeds: Any, steps: Any, out_tok: torch.Tensor, *a: Any,
+                    **k: Any) -> None:  # fmt: skip
+        to_host = out_tok.data_ptr() in host_slots
+        calls.append(to_host)
+        if to_host:
+            raise RuntimeError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        out_tok.fill_(7)
+
+    monkeypatch.setattr(kernels, "sample_rows", sample_rows)
+    logits = torch.zeros(3, args.vocab_size)
+    assert runner._fast_sample(logits, 3) and runner._fast_sample(logits, 3)
+    assert calls == [True, False, False]  # one refused write to the host slot, then device buffers only
+    assert runner.fast_sampler and not runner._sampled_direct
+    assert runner.out_tok[:3].tolist() == [7, 7, 7]

@@ -200,6 +200,7 @@ class DecodeRunner:
             "graph_captures": 0,
         }
         self._sampled_direct = False  # this step's fused sampler wrote the host slot itself
+        self._direct_out = True  # the fused sampler may write host slots (off after a failed launch)
         self._last_end: Any = None  # the profiled step's last event: the next step's gap is measured from it
 
     # ----- state -----
@@ -358,7 +359,7 @@ class DecodeRunner:
         # On CUDA the sampler writes its outputs straight into the next pinned host slot (pinned memory is mapped
         # into the device's address space): the two copies it replaces held the device 6.7 us a step between
         # steps on an H200 (8.5 -> 1.7 us, docs/benchmarks.md).
-        direct = self.is_cuda
+        direct = self.is_cuda and self._direct_out
         out_tok = self._host_tok[self._ring_i, :n] if direct else self.out_tok[:n]
         out_lp = self._host_lp[self._ring_i, :n] if direct else self.out_lp[:n]
         try:
@@ -374,6 +375,11 @@ class DecodeRunner:
                 logprob_rows=logprob_rows,
             )
         except Exception:  # noqa: BLE001 - a compile failure must not stop generation
+            if direct:
+                # A platform whose kernels cannot take a host pointer: keep the fused sampler, with the copies.
+                log.exception("the fused sampler could not write to pinned host memory; it writes device buffers")
+                self._direct_out = False
+                return self._fast_sample(logits, n, logprob_rows=logprob_rows)
             log.exception("the fused sampling kernel failed; sampling with torch from now on")
             self.fast_sampler = False
             return False
