@@ -653,7 +653,8 @@ def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buf
 
     args, model = random_small_model(num_layers=1, qk_norm=True, attention_bias=False)
     cpu = torch.device("cpu")
-    runner = DecodeRunner(model, KVCache.allocate(args, 4, 16, torch.float32, cpu), max_batch=4, device=cpu, mode="eager")
+    cache = KVCache.allocate(args, 4, 16, torch.float32, cpu)
+    runner = DecodeRunner(model, cache, max_batch=4, device=cpu, mode="eager")
     # The CUDA path's state: the sampler below never launches anything.
     runner.is_cuda = runner.fast_sampler = True
     host_slots = {t.data_ptr() for t in runner._host_tok}
