@@ -672,5 +672,5 @@ def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buf
     logits = torch.zeros(3, args.vocab_size)
     assert runner._fast_sample(logits, 3) and runner._fast_sample(logits, 3)
     assert calls == [True, False, False]  # one refused write to the host slot, then device buffers only
-    assert runner.fast_sampler and not runner._sampled_direct
+    assert runner.fast_sampler and not runner._direct_out
     assert runner.out_tok[:3].tolist() == [7, 7, 7]

@@ -239,63 +239,14 @@ def _attn_persistent_kernel(Q, KC, VC, Out, Pos, sm_scale, stride_qb, stride_cb,
 
 @triton.jit
 def _attn_kt_kernel(Q, KC, VC, Out, Pos, sm_scale, stride_qb, stride_cb, stride_ch, stride_cn, stride_vd, stride_vn,
-                    max_len, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, V_T: tl.constexpr):  # fmt: skip
-    # K (and, with V_T, V^T) as the dots' first, row-major operand: the MMA rows are the tile's tokens (or D) and
-    # the 8-bit tiles are read along their contiguous dimension; only q's 2 heads are padded, as the narrow side.
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1).to(tl.int64)
-    length = tl.minimum(tl.load(Pos + b) + 1, max_len)
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < GROUP
-    offs_d = tl.arange(0, D)
-    heads = kvh * GROUP + offs_h
-    q = _load_q(Q, b, kvh, stride_qb, GROUP, BLOCK_H, D)
-    qt = tl.trans(q.to(tl.float16))  # [D, BLOCK_H]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    if V_T:
-        acc = tl.zeros([D, BLOCK_H], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-    kbase = KC + b * stride_cb + kvh * stride_ch
-    vbase = VC + b * stride_cb + kvh * stride_ch
-    for start in range(0, length, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        nmask = offs_n < length
-        k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        st = tl.dot(k.to(tl.float16), qt)  # [BLOCK_N, BLOCK_H]
-        st = tl.where(nmask[:, None], st * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        pt = tl.exp(st - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
-        if V_T:
-            vt = tl.load(vbase + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn, mask=nmask[None, :],
-                         other=0.0)  # fmt: skip
-            acc = acc * alpha[None, :] + tl.dot(vt.to(tl.float16), pt.to(tl.float16))
-        else:
-            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(tl.float16)), v.to(tl.float16))
-        m_i = m_new
-    if V_T:
-        out = acc / l_i[None, :]
-        tl.store(Out + b * (H * D) + heads[None, :] * D + offs_d[:, None], out.to(Out.dtype.element_ty),
-                 mask=hmask[None, :])  # fmt: skip
-    else:
-        out = acc / l_i[:, None]
-        tl.store(Out + b * (H * D) + heads[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=hmask[:, None])  # fmt: skip
-
-
-@triton.jit
-def _attn_vtile_kernel(Q, KC, VT, Out, Pos, sm_scale, stride_qb, stride_cb, stride_ch, stride_cn, stride_vb,
-                       stride_vh, max_len, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                       D: tl.constexpr, BLOCK_N: tl.constexpr, V_AS_A: tl.constexpr):  # fmt: skip
-    # The engine's K-first kernel with V stored tile-transposed: each BLOCK_N tokens of a head as one contiguous
-    # [D, BLOCK_N] tile (VT [b, kvh, len / BLOCK_N, D, BLOCK_N]). An 8-bit MMA operand must be K-major, and for p.V
-    # K is the tokens: with V [tokens, D] the widened tile is transposed through shared memory every step, with a
-    # tile already [D, tokens] it is not. V_AS_A: out^T = V^T p^T (V^T the first operand), else out = p (V^T)^T.
+                    stride_vs, max_len, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr, V_FIRST: tl.constexpr):  # fmt: skip
+    # K as the dots' first, row-major operand: the MMA rows are the tile's tokens and the 8-bit tiles are read along
+    # their contiguous dimension; only q's 2 heads are padded, as the narrow side. With V_T, V is stored transposed
+    # and read as [D, BLOCK_N] tiles at VC + start * stride_vs + d * stride_vd + t * stride_vn: a head's [D, len]
+    # (`kv_first`), or tile-transposed, each BLOCK_N tokens one contiguous [D, BLOCK_N] tile (`vt_tiles`): an 8-bit
+    # MMA operand must be K-major, and for p.V K is the tokens, so V [tokens, D] is transposed on chip every step
+    # and a [D, tokens] tile is not. V_FIRST: out^T = V^T p^T (V^T the first operand), else out = p (V^T)^T.
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     length = tl.minimum(tl.load(Pos + b) + 1, max_len)
@@ -308,30 +259,35 @@ def _attn_vtile_kernel(Q, KC, VT, Out, Pos, sm_scale, stride_qb, stride_cb, stri
     qt = tl.trans(q.to(tl.float16))  # [D, BLOCK_H]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if V_AS_A:
+    TRANSPOSED_OUT: tl.constexpr = V_T and V_FIRST
+    if TRANSPOSED_OUT:
         acc = tl.zeros([D, BLOCK_H], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, D], tl.float32)
     kbase = KC + b * stride_cb + kvh * stride_ch
-    vbase = VT + b * stride_vb + kvh * stride_vh
+    vbase = VC + b * stride_cb + kvh * stride_ch  # every layout holds a head's K/V in the same number of bytes
     for start in range(0, length, BLOCK_N):
         offs_n = start + offs_t
         nmask = offs_n < length
         k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        vt = tl.load(vbase + start * D + offs_d[:, None] * BLOCK_N + offs_t[None, :], mask=nmask[None, :],
-                     other=0.0)  # fmt: skip
         st = tl.dot(k.to(tl.float16), qt)  # [BLOCK_N, BLOCK_H]
         st = tl.where(nmask[:, None], st * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
         alpha = tl.exp(m_i - m_new)
         pt = tl.exp(st - m_new[None, :])
         l_i = l_i * alpha + tl.sum(pt, axis=0)
-        if V_AS_A:
-            acc = acc * alpha[None, :] + tl.dot(vt.to(tl.float16), pt.to(tl.float16))
+        if V_T:
+            vt = tl.load(vbase + start * stride_vs + offs_d[:, None] * stride_vd + offs_t[None, :] * stride_vn,
+                         mask=nmask[None, :], other=0.0)  # fmt: skip
+            if V_FIRST:
+                acc = acc * alpha[None, :] + tl.dot(vt.to(tl.float16), pt.to(tl.float16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(tl.float16)), tl.trans(vt.to(tl.float16)))
         else:
-            acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(tl.float16)), tl.trans(vt.to(tl.float16)))
+            v = tl.load(vbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(tl.float16)), v.to(tl.float16))
         m_i = m_new
-    if V_AS_A:
+    if TRANSPOSED_OUT:
         out = acc / l_i[None, :]
         tl.store(Out + b * (H * D) + heads[None, :] * D + offs_d[:, None], out.to(Out.dtype.element_ty),
                  mask=hmask[None, :])  # fmt: skip
@@ -395,8 +351,8 @@ def main() -> int:
             vc = v8t[c] if v_t else v8[c]
             _attn_kt_kernel[(b, nkv)](
                 qkv, k8[c], vc, out, pos, scale, qkv.stride(0), *strides,
-                vc.stride(2) if v_t else 0, vc.stride(3) if v_t else 0, max_len,
-                H=nh, GROUP=nh // nkv, BLOCK_H=16, D=hd, BLOCK_N=cfg[0], V_T=v_t,
+                vc.stride(2) if v_t else 0, vc.stride(3) if v_t else 0, vc.stride(3) if v_t else 0, max_len,
+                H=nh, GROUP=nh // nkv, BLOCK_H=16, D=hd, BLOCK_N=cfg[0], V_T=v_t, V_FIRST=True,
                 num_warps=cfg[1], num_stages=cfg[2],
             )  # fmt: skip
 
@@ -421,9 +377,9 @@ def main() -> int:
             if bn not in vtiles:
                 vtiles[bn] = [t.view(b, nkv, max_len // bn, bn, hd).transpose(3, 4).contiguous() for t in v8]
             vt = vtiles[bn][c]
-            _attn_vtile_kernel[(b, nkv)](
-                qkv, k8[c], vt, out, pos, scale, qkv.stride(0), *strides, vt.stride(0), vt.stride(1), max_len,
-                H=nh, GROUP=nh // nkv, BLOCK_H=16, D=hd, BLOCK_N=bn, V_AS_A=v_as_a,
+            _attn_kt_kernel[(b, nkv)](
+                qkv, k8[c], vt, out, pos, scale, qkv.stride(0), *strides, bn, 1, hd, max_len,
+                H=nh, GROUP=nh // nkv, BLOCK_H=16, D=hd, BLOCK_N=bn, V_T=True, V_FIRST=v_as_a,
                 num_warps=cfg[1], num_stages=cfg[2],
             )  # fmt: skip
 

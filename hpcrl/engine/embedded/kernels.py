@@ -699,22 +699,8 @@ def add_rmsnorm(
     split-K `linear`'s fp32 partials [parts, n, hidden], summed here."""
     n, hidden = residual.shape
     parts = x.shape[0] if x is not None and x.dim() == 3 else 1
-    _add_rmsnorm_kernel[(n,)](
-        x if x is not None else residual,
-        residual,
-        weight,
-        out,
-        eps,
-        hidden,
-        n * hidden,
-        residual,
-        HAS_X=x is not None,
-        PARTS=parts,
-        EMBED=False,
-        BLOCK=_next_pow2(hidden),
-        num_warps=4 if hidden <= 2048 else 8,
-        **_pdl(residual),
-    )
+    _rmsnorm(x if x is not None else residual, residual, weight, eps, out, n * hidden, residual,
+             has_x=x is not None, parts=parts, embed=False)  # fmt: skip
 
 
 def embed_rmsnorm(
@@ -722,21 +708,38 @@ def embed_rmsnorm(
 ) -> None:
     """residual = table[ids] (F.embedding); out = RMSNorm(residual) * weight, in one launch. ids [n] (valid ids:
     nothing checks them on the device), table [vocab, hidden] contiguous, residual and out [n, hidden]."""
-    n, hidden = residual.shape
+    hidden = residual.shape[1]
     if table.shape[1] != hidden or not table.is_contiguous():
         raise ValueError(f"embed_rmsnorm: the table must be contiguous [vocab, {hidden}], got {tuple(table.shape)}")
+    _rmsnorm(table, residual, weight, eps, out, 0, ids, has_x=False, parts=1, embed=True)
+
+
+def _rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    part_stride: int,
+    ids: torch.Tensor,
+    *,
+    has_x: bool,
+    parts: int,
+    embed: bool,
+) -> None:
+    n, hidden = residual.shape
     _add_rmsnorm_kernel[(n,)](
-        table,
+        x,
         residual,
         weight,
         out,
         eps,
         hidden,
-        0,
+        part_stride,
         ids,
-        HAS_X=False,
-        PARTS=1,
-        EMBED=True,
+        HAS_X=has_x,
+        PARTS=parts,
+        EMBED=embed,
         BLOCK=_next_pow2(hidden),
         num_warps=4 if hidden <= 2048 else 8,
         **_pdl(residual),

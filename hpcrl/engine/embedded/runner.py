@@ -199,7 +199,6 @@ class DecodeRunner:
             "between_steps_ms": 0.0,
             "graph_captures": 0,
         }
-        self._sampled_direct = False  # this step's fused sampler wrote the host slot itself
         self._direct_out = True  # the fused sampler may write host slots (off after a failed launch)
         self._last_end: Any = None  # the profiled step's last event: the next step's gap is measured from it
 
@@ -280,7 +279,7 @@ class DecodeRunner:
             support_lp, support_mask = out.support_logprobs, out.support_mask
         if timing is not None:
             self._mark(timing, 2)
-        return self._handle(n, support_lp, support_mask, timing)
+        return self._handle(n, support_lp, support_mask, timing, on_host=fast and self._direct_out)
 
     def _invariant_step(self, n: int, timing: Any, *, want_support: bool) -> StepHandle:
         """The batch-invariant step: the invariant forward, then sampling from its log-prob rows.
@@ -303,7 +302,7 @@ class DecodeRunner:
             # step is handed over like the plain one's (the reported log-prob is still the row's entry).
             if timing is not None:
                 self._mark(timing, 2)
-            return self._handle(n, None, None, timing)
+            return self._handle(n, None, None, timing, on_host=self._direct_out)
         out = sample(
             lp, self._params(n), want_support=want_support, unit_temperature=self._unit_temperature, logprobs=lp
         )
@@ -383,12 +382,19 @@ class DecodeRunner:
             log.exception("the fused sampling kernel failed; sampling with torch from now on")
             self.fast_sampler = False
             return False
-        self._sampled_direct = direct
         return True
 
     def _handle(
-        self, n: int, support_lp: torch.Tensor | None, support_mask: torch.Tensor | None, timing: Any
+        self,
+        n: int,
+        support_lp: torch.Tensor | None,
+        support_mask: torch.Tensor | None,
+        timing: Any,
+        *,
+        on_host: bool = False,
     ) -> StepHandle:
+        """The launched step's handle; on CUDA its outputs reach the next host slot (`on_host`: the fused sampler
+        wrote them there itself, else they are copied from the device buffers)."""
         if not self.is_cuda:
             if timing is not None:
                 self._record_timing(timing)
@@ -397,10 +403,9 @@ class DecodeRunner:
         slot = self._ring_i
         self._ring_i = (slot + 1) % self._ring
         tok, lp = self._host_tok[slot, :n], self._host_lp[slot, :n]
-        if not self._sampled_direct:
+        if not on_host:
             tok.copy_(self.out_tok[:n], non_blocking=True)
             lp.copy_(self.out_lp[:n], non_blocking=True)
-        self._sampled_direct = False
         event = torch.cuda.Event()
         event.record()
         return StepHandle(tok, lp, event, support_lp, support_mask, timing, self)
