@@ -72,7 +72,11 @@ def full_vocab_params(temperature: torch.Tensor, seeds: torch.Tensor, steps: tor
     )
 
 
-@pytest.mark.parametrize("vocab,config", [(99, None), (5000, (1024, 4, 1)), (5000, (1024, 8, 8)), (5000, (512, 4, 8))])
+# 5,000 and 20,000 ids: two and five chunks of sampling.SAMPLE_CHUNK_IDS (a last one partly past the vocabulary).
+SAMPLE_CASES = [(99, None), (5000, (1024, 4)), (5000, (4096, 8)), (5000, (512, 2)), (20000, (256, 4))]
+
+
+@pytest.mark.parametrize("vocab,config", SAMPLE_CASES)
 def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...] | None) -> None:
     torch.manual_seed(1)
     n = 16
@@ -115,7 +119,7 @@ def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
     ref = sample(logits, p, want_support=False)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)
-    kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp, config=(512, 4, 4))
+    kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp, config=(512, 4))
     assert torch.equal(tok, ref.token_ids) and int(tok[3]) == 0
     assert bool((tok < 2100).all())
     assert torch.isfinite(lp).all()

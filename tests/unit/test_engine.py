@@ -553,6 +553,43 @@ def test_counter_uniform_numpy_path_has_the_torch_bits() -> None:
     assert torch.equal(S.counter_uniform(seeds, steps, 3000), ref)
 
 
+def test_counter_uniform_numpy_path_has_the_torch_bits_for_the_chunk_uniform() -> None:
+    from hpcrl.engine.embedded import sampling as S
+
+    seeds = torch.tensor([0, 1, 2**40 + 7, 12345678901, 2**62 - 1])
+    steps = torch.tensor([0, 5, 1000, 3, 2**33 + 5])
+    torch_bits = S.uniform_at(S.row_keys(seeds, steps), torch.tensor([S.CHUNK_COUNTER]))[:, 0]
+    assert torch.equal(S.chunk_uniform(seeds, steps), torch_bits)
+    # Not any vocabulary id's uniform: the chunk draw and the noise inside the chunk are independent.
+    assert not torch.equal(torch_bits, S.counter_uniform(seeds, steps, 1)[:, 0])
+
+
+def test_two_level_sampling_draws_each_id_with_its_softmax_probability() -> None:
+    """Ids spread over three chunks of the vocabulary, drawn 4,000 times (one seed each): every id's frequency,
+    and the rest's, lie within 4.5 standard errors of softmax(logits / T)."""
+    from hpcrl.engine.embedded.sampling import SAMPLE_CHUNK_IDS, RowParams, sample
+
+    rows, vocab = 4000, 2 * SAMPLE_CHUNK_IDS + 100
+    ids = torch.tensor([5, 4000, 4096, 6000, 8191, 8200])  # chunks 0, 0, 1, 1, 1, 2
+    row = torch.full((vocab,), -4.0)
+    row[ids] = torch.tensor([2.0, 1.0, 2.5, 0.0, 1.5, 2.2])
+    for temperature in (1.0, 0.7):
+        probs = torch.softmax(row.double() / temperature, -1)
+        params = RowParams(
+            temperature=torch.full((rows,), temperature),
+            top_k=torch.full((rows,), -1),
+            top_p=torch.ones(rows),
+            min_p=torch.zeros(rows),
+            seeds=torch.arange(rows, dtype=torch.int64) * 7 + 1,
+            steps=torch.zeros(rows, dtype=torch.int64),
+        )
+        tokens = sample(row.expand(rows, vocab), params, want_support=False).token_ids
+        counts = torch.stack([(tokens == i).sum() for i in ids] + [(~torch.isin(tokens, ids)).sum()]).double()
+        expected = torch.cat([probs[ids], 1 - probs[ids].sum(0, keepdim=True)])
+        stderr = (expected * (1 - expected) / rows).sqrt()
+        assert ((counts / rows - expected).abs() <= 4.5 * stderr).all(), (temperature, counts / rows, expected)
+
+
 def test_uniforms_never_reach_0_or_1() -> None:
     import numpy as np
 

@@ -482,6 +482,21 @@ def test_an_attention_override_with_an_unknown_dot_mode_fails_at_start_up(monkey
     assert kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2)) == (64, 4, 2, 2)
 
 
+def test_a_sampler_override_of_the_old_three_values_or_an_odd_block_fails_at_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hpcrl.engine.embedded import kernels
+
+    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1024,8,8")  # until session 20: BLOCK, warps, splits
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG='1024,8,8': expected at most 2 .*unset it"):
+        kernels._sample_env_config()
+    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1000,4")
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1000,4: expected BLOCK,num_warps, both powers"):
+        kernels._sample_env_config()
+    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2")
+    assert kernels._sample_env_config() == (512, 2)
+
+
 def test_an_unknown_prefill_path_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpcrl.engine.embedded import fused_prefill
 

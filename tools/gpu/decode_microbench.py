@@ -273,7 +273,7 @@ def main() -> int:
     def samplers() -> dict[str, Any]:
         res: dict[str, Any] = {"torch_sample_ms": cuda_ms(lambda: sample(logits, params, want_support=False), reps=5)}
         best = None
-        for cfg in [(1024, 4, 4), (1024, 4, 8), (1024, 8, 8), (1024, 8, 16), (2048, 8, 8), (2048, 16, 8), (512, 4, 16)]:
+        for cfg in [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8), (512, 2), (1024, 2)]:
 
             def run(cfg: tuple[int, ...] = cfg) -> None:
                 kernels.sample_rows(logits, params.temperature, params.seeds, params.steps, out_tok, out_lp, config=cfg)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpcrl.engine.embedded.sampling import _mix32  # the same bits as the eager and numpy samplers
+# The same bits and the same two-level choice as the eager and numpy samplers.
+from hpcrl.engine.embedded.sampling import CHUNK_COUNTER, choose_tokens, row_keys, uniform_at
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,9 @@ log = logging.getLogger(__name__)
 LENGTH_BUCKET = 16
 
 
-def _gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """sampling.gumbel_noise: -log(-log(u)) of the counter-based uniforms, [n, V] float32."""
-    mask = 0xFFFFFFFF
-    s = _mix32(_mix32((seeds & mask) ^ 0x9E3779B9) ^ ((seeds >> 32) & mask))
-    s = _mix32(s ^ (steps & mask))
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _mix32(_mix32(s[:, None] ^ ids[None, :]) ^ 0x85EBCA6B)
-    u = ((x >> 9).to(torch.float32) + 0.5) / float(1 << 23)
-    return -torch.log(-torch.log(u))
+def _gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """sampling.gumbel_noise for rows of `row_keys`: -log(-log(u)) of the counter-based uniforms, [n, V] float32."""
+    return -torch.log(-torch.log(uniform_at(keys, torch.arange(vocab, device=keys.device, dtype=torch.int64))))
 
 
 # One layer's weights: in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gate_up_w, down_w (None: the
@@ -110,8 +105,10 @@ def decode_step(
         gate_up = F.linear(F.rms_norm(x, (hidden,), post_norm, eps), gate_up_w)
         x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_w)
     logits = F.linear(F.rms_norm(x, (hidden,), final_norm, eps), out_w)
-    # sampling.sample with unit_temperature: Gumbel-max over the logits, log-prob at temperature 1.
-    chosen = (logits + _gumbel(seeds, steps, logits.shape[-1])).argmax(-1)
+    # sampling.sample with unit_temperature: its two-level draw over the logits, log-prob at temperature 1.
+    keys = row_keys(seeds, steps)
+    u_chunk = uniform_at(keys, torch.full((1,), CHUNK_COUNTER, device=keys.device, dtype=torch.int64))[:, 0]
+    chosen = choose_tokens(logits, _gumbel(keys, logits.shape[-1]), u_chunk)
     lp = torch.log_softmax(logits, -1).gather(-1, chosen[:, None])[:, 0]
     kv = torch.stack(new_kv, 0)  # [layers, n, 2, kv, D]
     nl, _, slots, _, max_len, _ = buffer.shape

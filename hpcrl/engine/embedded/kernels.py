@@ -11,9 +11,10 @@ runs ~40 passes over [B, V] int64/fp32 tensors. These kernels fuse each of those
 - `decode_attention`: one query token per row against its own cache length (GQA heads share one
   K/V read, and no row reads past its length, so CUDA graphs need no attention-length buckets);
 - `silu_mul`: the SwiGLU product of one fused gate/up projection;
-- `sample_rows`: Gumbel-max sampling with the same counter-based noise as `sampling.counter_uniform`
-  (a pure function of seed, token index and vocab id), plus the log-probs at temperature 1 and at
-  the row's temperature, in one pass over the logits, without materialising noise.
+- `sample_rows`: `sampling.sample`'s draw (a chunk of ids by its mass, then Gumbel-max inside it, with the
+  same counter-based noise as `sampling.counter_uniform`: a pure function of seed, token index and vocab id),
+  plus the log-probs at temperature 1 and at the row's temperature, in one pass over the logits and one
+  over the drawn chunk, without materialising noise.
 
 Every kernel reads its row lengths and positions from device memory, so a decode step has no host
 sync and can be captured in a CUDA graph. Triton is optional: without it (CPU installs) `AVAILABLE`
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hpcrl.engine.embedded.sampling import CHUNK_COUNTER, SAMPLE_CHUNK_IDS
 from hpcrl.model.invariant_kernels import launch_config
 
 try:
@@ -60,7 +62,7 @@ def _attn_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return config
 
 
-# decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps, splits).
+# decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps).
 # Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
 ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
@@ -68,9 +70,10 @@ ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
 # small tiles, one warp, three stages, K first: 0.0588-0.0591 ms a layer (3.4 TB/s of e4m3 K/V) against
 # 0.0625-0.0627 with two warps; the same loads alone read 4.2 TB/s.
 ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 1, 3, 2))
-# With the noise's logs approximate (_gumbel), 8 warps and 8 splits of a row: 0.087 ms for 256 x 151,936 bf16
-# logits against 0.094 at 1024,4,4 (H200, graph replays).
-SAMPLE_CONFIG = _config("SAMPLE_CONFIG", (1024, 8, 8))
+# One program a chunk of SAMPLE_CHUNK_IDS ids, its pass a plain sum-exp (the noise is hashed for one chunk a row,
+# in the combine kernel). H200, 256 x 151,936 bf16 logits, T=1, graph replays (tools/gpu/sampler_ab.py): 0.052 ms
+# at 256,2 and 0.053 at 512,2, against 0.063 at 1024,4, 0.092 at 2048,8, and 0.087 for the one-level sampler.
+_SAMPLE_DEFAULT = (256, 2)
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...], meaning: str) -> str:
@@ -545,28 +548,24 @@ if AVAILABLE:
         Logits,
         stride_row,
         V,
-        chunk,
         Temp,
-        Seeds,
-        Steps,
         Part,
         PartI,
         NSPLIT: tl.constexpr,
+        CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
-        FAST_LOG: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_enter(PDL)
-        # Program (row, split) scans logits[row, split*chunk : (split+1)*chunk]. Per lane it keeps a
-        # running max / sum-exp for log-softmax at T=1 and at T and an arg-max of the Gumbel-perturbed
-        # scores; lanes are reduced once at the end, and splits by _sample_combine_kernel.
+        # Program (row, chunk) scans logits[row, chunk*CHUNK : (chunk+1)*CHUNK] (sampling.SAMPLE_CHUNK_IDS ids).
+        # Per lane it keeps a running max / sum-exp for log-softmax at T=1 and at T, and the first arg-max for
+        # greedy rows; lanes are reduced once at the end, chunks by _sample_combine_kernel. No noise here: the
+        # combine kernel hashes it for the one chunk it draws, so this pass is bound by memory.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         t = tl.load(Temp + row)
-        greedy = t <= 0.0
-        tt = tl.where(greedy, 1.0, t)
+        tt = tl.where(t <= 0.0, 1.0, t)
         t_one = tt == 1.0
-        key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
         base = Logits + row * stride_row
         lanes = tl.arange(0, BLOCK)
         neg = float("-inf")
@@ -574,24 +573,21 @@ if AVAILABLE:
         s1 = tl.zeros([BLOCK], tl.float32)
         m2 = tl.full([BLOCK], neg, tl.float32)
         s2 = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], neg, tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, V)
-        for start in range(lo, hi, BLOCK):
+        arg1 = tl.zeros([BLOCK], tl.int32) + V
+        lo = split * CHUNK
+        for start in range(lo, lo + CHUNK, BLOCK):
             offs = start + lanes
-            msk = offs < hi
+            msk = offs < V
             x = tl.load(base + offs, mask=msk, other=neg).to(tl.float32)
             # Online sum-exp with one exp a logit, not two: exp(-|x - m|) is the new term when x <= m and the
             # old sum's rescale when x > m (then the new term is exp(0) = 1): the same values as
-            # s * exp(m - max) + exp(x - max). With the tempered stream skipped at T = 1 (below): 0.19 -> 0.15 ms
-            # for 256 x 151,936 logits on an H200 (tools/gpu/decode_microbench.py, samplers).
+            # s * exp(m - max) + exp(x - max).
             d1 = tl.where(x == neg, neg, x - m1)  # x = -inf adds nothing; m = -inf, x finite: d = +inf
             e1 = tl.exp(-tl.abs(d1))
-            up1 = d1 > 0
+            up1 = d1 > 0  # strict: a lane keeps its first maximum, as torch.argmax does
             s1 = tl.where(up1, s1 * e1 + 1.0, s1 + e1)
             m1 = tl.where(up1, x, m1)
-            z = x
+            arg1 = tl.where(up1, offs, arg1)
             if not t_one:
                 # At temperature 1 (and greedy) the tempered stream is the plain one: skipped, not repeated.
                 z = x / tt
@@ -600,30 +596,18 @@ if AVAILABLE:
                 up2 = d2 > 0
                 s2 = tl.where(up2, s2 * e2 + 1.0, s2 + e2)
                 m2 = tl.where(up2, z, m2)
-            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
-            # 23 bits: k + 0.5 is exact in fp32, u < 1. Times 2**-23, not / 2**23: the same value (a power of two
-            # scales exactly), without the division's instructions in a loop that is compute-bound.
-            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            score = tl.where(greedy, x, z + _gumbel(u, FAST_LOG))
-            score = tl.where(msk, score, neg)
-            better = score > best  # strict: a lane keeps its first maximum, as torch.argmax does
-            best = tl.where(better, score, best)
-            best_i = tl.where(better, offs, best_i)
         mx1 = tl.max(m1, axis=0)
         sum1 = tl.sum(s1 * tl.exp(m1 - tl.where(mx1 == neg, 0.0, mx1)), axis=0)
         mx2 = tl.max(m2, axis=0)
         sum2 = tl.sum(s2 * tl.exp(m2 - tl.where(mx2 == neg, 0.0, mx2)), axis=0)
         mx2 = tl.where(t_one, mx1, mx2)
         sum2 = tl.where(t_one, sum1, sum2)
-        top = tl.max(best, axis=0)
-        idx = tl.min(tl.where(best == top, best_i, V), axis=0)
-        out = Part + (row * NSPLIT + split) * 5
+        out = Part + (row * NSPLIT + split) * 4
         tl.store(out, mx1)
         tl.store(out + 1, sum1)
         tl.store(out + 2, mx2)
         tl.store(out + 3, sum2)
-        tl.store(out + 4, top)
-        tl.store(PartI + row * NSPLIT + split, idx)
+        tl.store(PartI + row * NSPLIT + split, tl.min(tl.where(m1 == mx1, arg1, V), axis=0))
 
     @triton.jit
     def _sample_combine_kernel(
@@ -631,6 +615,7 @@ if AVAILABLE:
         stride_row,
         V,
         Temp,
+        Seeds,
         Steps,
         Part,
         PartI,
@@ -640,31 +625,62 @@ if AVAILABLE:
         Positions,
         NSPLIT: tl.constexpr,
         SP: tl.constexpr,
+        CHUNK: tl.constexpr,
+        CHUNK_COUNTER: tl.constexpr,
+        BLOCK: tl.constexpr,
         UPDATE: tl.constexpr,
         LP_ROWS: tl.constexpr,
+        FAST_LOG: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_enter(PDL)
+        # sampling.choose_tokens: a chunk drawn by its mass at T, then Gumbel-max inside it.
         row = tl.program_id(0).to(tl.int64)
         neg = float("-inf")
         k = tl.arange(0, SP)
         km = k < NSPLIT
-        part = Part + (row * NSPLIT + k) * 5
+        part = Part + (row * NSPLIT + k) * 4
         m1 = tl.load(part, mask=km, other=neg)
         s1 = tl.load(part + 1, mask=km, other=0.0)
         m2 = tl.load(part + 2, mask=km, other=neg)
         s2 = tl.load(part + 3, mask=km, other=0.0)
-        top = tl.load(part + 4, mask=km, other=neg)
-        ids = tl.load(PartI + row * NSPLIT + k, mask=km, other=V)
+        arg1 = tl.load(PartI + row * NSPLIT + k, mask=km, other=V)
         mx1 = tl.max(m1, axis=0)
         lse1 = mx1 + tl.log(tl.sum(s1 * tl.exp(m1 - mx1), axis=0))
         mx2 = tl.max(m2, axis=0)
-        lse2 = mx2 + tl.log(tl.sum(s2 * tl.exp(m2 - mx2), axis=0))
-        best = tl.max(top, axis=0)
-        idx = tl.min(tl.where(top == best, ids, V), axis=0)  # the first maximum over the whole row
+        mass = tl.where(km, s2 * tl.exp(m2 - mx2), 0.0)
+        lse2 = mx2 + tl.log(tl.sum(mass, axis=0))
         t = tl.load(Temp + row)
         greedy = t <= 0.0
         tt = tl.where(greedy, 1.0, t)
+        key = _row_key(tl.load(Seeds + row), tl.load(Steps + row))
+        h0 = _mix32(_mix32(key ^ CHUNK_COUNTER) ^ 0x85EBCA6B)
+        u0 = ((h0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+        cum = tl.cumsum(mass, axis=0)
+        total = tl.max(cum, axis=0)
+        chosen = tl.sum(((cum <= u0 * total) & km).to(tl.int32), axis=0)
+        chosen = tl.minimum(chosen, tl.max(tl.where(mass > 0, k, 0), axis=0))
+        lanes = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], neg, tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32) + V
+        lo = chosen * CHUNK
+        base = Logits + row * stride_row
+        for start in range(lo, lo + CHUNK, BLOCK):
+            offs = start + lanes
+            msk = offs < V
+            x = tl.load(base + offs, mask=msk, other=neg).to(tl.float32)
+            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85EBCA6B)
+            # 23 bits: k + 0.5 is exact in fp32, u < 1. Times 2**-23, not / 2**23: the same value (a power of two
+            # scales exactly).
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+            score = tl.where(msk, x / tt + _gumbel(u, FAST_LOG), neg)
+            better = score > best  # strict: a lane keeps its first maximum, as torch.argmax does
+            best = tl.where(better, score, best)
+            best_i = tl.where(better, offs, best_i)
+        top = tl.max(best, axis=0)
+        drawn = tl.min(tl.where(best == top, best_i, V), axis=0)
+        # Greedy: the first chunk holding the row's maximum, and its first maximum (torch.argmax's id).
+        idx = tl.where(greedy, tl.min(tl.where(m1 == mx1, arg1, V), axis=0), drawn)
         xc = tl.load(Logits + row * stride_row + idx).to(tl.float32)
         if LP_ROWS:
             # The rows are the batch-invariant log-softmax itself: its entry is the log-prob the trainer
@@ -954,38 +970,38 @@ def sample_rows(
     config: tuple[int, ...] | None = None,
     logprob_rows: bool = False,
 ) -> None:
-    """Gumbel-max sample of each row of logits [n, V] (no top-k/top-p/min-p).
+    """Sample each row of logits [n, V] as `sampling.sample` does (no top-k/top-p/min-p): a chunk of
+    SAMPLE_CHUNK_IDS ids by its mass, then Gumbel-max inside it (`sampling.choose_tokens`).
 
     Writes out_tok [n] and out_lp [n, 2] (log-prob at T=1, log-prob under softmax(logits/T)). With
     tokens/positions given, also sets tokens[b] = chosen and advances positions[b] and steps[b].
-    config: (BLOCK, num_warps, max splits of each row's vocabulary across programs).
-    On NVIDIA GPUs the noise's two logs are the hardware's approximate log2 (a few ulp): a token can differ from
-    the torch sampler's only where two noisy scores lie within ~1e-6 of each other.
+    config: (BLOCK, num_warps) of the pass over the logits.
+    On NVIDIA GPUs the noise's two logs are the hardware's approximate log2 (a few ulp), and each chunk's mass is
+    summed in another order than torch's: a token can differ from the torch sampler's only where two noisy scores
+    lie within ~1e-6 of each other, or the chunk uniform within ~1e-6 of a boundary between chunks' masses.
     `logprob_rows`: the rows are already log-softmax(logits) (the batch-invariant engine's): the T=1 log-prob
     reported is the chosen entry as it is, and at T=1 the scaled one too.
     """
     n, vocab = logits.shape
     update = tokens is not None
-    block, warps, max_split = (tuple(config or SAMPLE_CONFIG) + (4,))[:3]
-    block = min(block, _next_pow2(vocab))
-    nsplit = max(1, min(max_split, triton.cdiv(vocab, block)))
-    chunk = triton.cdiv(triton.cdiv(vocab, nsplit), block) * block
-    part = torch.empty(n, nsplit, 5, dtype=torch.float32, device=logits.device)
-    part_i = torch.empty(n, nsplit, dtype=torch.int32, device=logits.device)
-    _sample_partial_kernel[(n, nsplit)](
+    block, warps = _sample_config(config or SAMPLE_CONFIG)
+    block = min(block, _next_pow2(vocab), SAMPLE_CHUNK_IDS)
+    chunks = triton.cdiv(vocab, SAMPLE_CHUNK_IDS)
+    # A vocabulary of one chunk (tiny models) is scanned to its next power of two, not 4096 ids.
+    chunk = min(SAMPLE_CHUNK_IDS, max(block, _next_pow2(vocab)))
+    part = torch.empty(n, chunks, 4, dtype=torch.float32, device=logits.device)
+    part_i = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    _sample_partial_kernel[(n, chunks)](
         logits,
         logits.stride(0),
         vocab,
-        chunk,
         temperature,
-        seeds,
-        steps,
         part,
         part_i,
-        NSPLIT=nsplit,
+        NSPLIT=chunks,
+        CHUNK=chunk,
         BLOCK=block,
-        FAST_LOG=nvidia_compiled(),  # a Triton launch on CPU tensors is the interpreter, where this is False
-        num_warps=warps if block >= 1024 else 4,
+        num_warps=warps,
         **_pdl(logits),
     )
     _sample_combine_kernel[(n,)](
@@ -993,6 +1009,7 @@ def sample_rows(
         logits.stride(0),
         vocab,
         temperature,
+        seeds,
         steps,
         part,
         part_i,
@@ -1000,13 +1017,37 @@ def sample_rows(
         out_lp,
         tokens if update else out_tok,
         positions if update else out_tok,
-        NSPLIT=nsplit,
-        SP=_next_pow2(nsplit),
+        NSPLIT=chunks,
+        SP=_next_pow2(chunks),
+        CHUNK=chunk,
+        CHUNK_COUNTER=CHUNK_COUNTER,
+        BLOCK=min(1024, chunk),
         UPDATE=update,
         LP_ROWS=logprob_rows,
-        num_warps=1,
+        FAST_LOG=nvidia_compiled(),  # a Triton launch on CPU tensors is the interpreter, where this is False
+        num_warps=4,
         **_pdl(logits),
     )
+
+
+def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") -> tuple[int, int]:
+    """(BLOCK, num_warps), checked: BLOCK a power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole
+    blocks), num_warps a power of two (Triton's rule)."""
+    if len(config) != 2 or any(v < 1 or v & (v - 1) for v in config):
+        raise ValueError(
+            f"{source}={','.join(map(str, config))}: expected BLOCK,num_warps, both powers of two (a BLOCK past "
+            f"{SAMPLE_CHUNK_IDS} scans {SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the "
+            "default); unset it to use the default"
+        )
+    return config[0], config[1]
+
+
+def _sample_env_config() -> tuple[int, int]:
+    # Checked at start-up, not at the first sampled token (where a failure would turn the fused sampler off).
+    return _sample_config(_config("SAMPLE_CONFIG", _SAMPLE_DEFAULT), "HPCRL_ENGINE_SAMPLE_CONFIG")
+
+
+SAMPLE_CONFIG = _sample_env_config()
 
 
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:

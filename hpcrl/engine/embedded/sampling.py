@@ -5,8 +5,11 @@ requests; plain temperature sampling on CUDA runs the equivalent fused kernel in
 
 Each row's uniforms come from a counter-based hash of (seed, token index, vocab id) computed in
 tensors, so a request samples the same tokens whatever else shares its batch, on any device, and
-with no per-row generator objects. Sampling is Gumbel-max over the filtered, temperature-scaled
-logits, which draws exactly from softmax(logits / T) restricted to the support.
+with no per-row generator objects. Sampling draws exactly from softmax(logits / T) restricted to the
+support, in two levels (`choose_tokens`): a chunk of `SAMPLE_CHUNK_IDS` vocabulary ids by its mass, then
+Gumbel-max inside that chunk. P(chunk) * P(id | chunk) = P(id), and only one chunk a row needs noise: the
+fused kernel's pass over the logits is then a plain sum-exp, bound by memory, not by hashing and two logs
+per id. A vocabulary of one chunk (tiny models) is plain Gumbel-max over it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 _MASK32 = 0xFFFFFFFF
+# The first level's unit: a fixed part of the semantics (a row's token depends on it), not a launch knob.
+SAMPLE_CHUNK_IDS = 4096
+# The counter of the uniform that picks the chunk: past every vocabulary id's, so it never repeats an id's noise.
+CHUNK_COUNTER = _MASK32
 
 
 def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -45,12 +53,15 @@ def _np_mix32(x: np.ndarray) -> np.ndarray:
 
 
 def _np_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> np.ndarray:
+    return _np_uniform_at(seeds, steps, np.arange(vocab_size, dtype=np.uint32))
+
+
+def _np_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, ids: np.ndarray) -> np.ndarray:
     seed = seeds.numpy().astype(np.int64)
     lo = (seed & _MASK32).astype(np.uint32)
     hi = ((seed >> 32) & _MASK32).astype(np.uint32)
     s = _np_mix32(_np_mix32(lo ^ np.uint32(0x9E3779B9)) ^ hi)
     s = _np_mix32(s ^ (steps.numpy().astype(np.int64) & _MASK32).astype(np.uint32))
-    ids = np.arange(vocab_size, dtype=np.uint32)
     x = _np_mix32(_np_mix32(s[:, None] ^ ids[None, :]) ^ np.uint32(0x85EBCA6B))
     return uniform_from_bits_np(x)
 
@@ -76,14 +87,55 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
             return kernels.counter_uniform(seeds.contiguous(), steps.contiguous(), vocab_size)
     if device.type == "cpu":
         return torch.from_numpy(_np_uniform(seeds, steps, vocab_size))
-    lo = seeds & _MASK32
-    hi = (seeds >> 32) & _MASK32
-    s = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)
-    s = _mix32(s ^ (steps & _MASK32))
-    ids = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    x = _mix32(_mix32(s[:, None] ^ ids[None, :]) ^ 0x85EBCA6B)
+    return uniform_at(row_keys(seeds, steps), torch.arange(vocab_size, device=device, dtype=torch.int64))
+
+
+def chunk_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The uniform that picks each row's chunk, [B] float32: counter_uniform's bits at id CHUNK_COUNTER."""
+    if seeds.device.type == "cpu":
+        return torch.from_numpy(_np_uniform_at(seeds, steps, np.array([CHUNK_COUNTER], dtype=np.uint32))[:, 0])
+    return uniform_at(row_keys(seeds, steps), torch.full((1,), CHUNK_COUNTER, device=seeds.device))[:, 0]
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's hash key from (seed, token index), [B] int64 holding 32 bits; traceable by torch.compile."""
+    s = _mix32(_mix32((seeds & _MASK32) ^ 0x9E3779B9) ^ ((seeds >> 32) & _MASK32))
+    return _mix32(s ^ (steps & _MASK32))
+
+
+def uniform_at(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """counter_uniform's bits for rows of `row_keys` at vocabulary ids (or CHUNK_COUNTER) `ids` [C] or [B, C]."""
+    x = _mix32(_mix32(keys[:, None] ^ (ids if ids.dim() == 2 else ids[None, :])) ^ 0x85EBCA6B)
     # 23 bits + 0.5 are exact in float32, so u stays strictly inside (0, 1) (see uniform_from_bits_np).
     return ((x >> 9).to(torch.float32) + 0.5) / float(1 << 23)
+
+
+def choose_tokens(scaled: torch.Tensor, noise: torch.Tensor, u_chunk: torch.Tensor) -> torch.Tensor:
+    """The sampled id of each row of `scaled` [B, V] float32 (temperature-scaled logits, -inf outside the support),
+    given each id's Gumbel noise [B, V] and the chunk uniform [B] (`chunk_uniform`).
+
+    First a chunk of SAMPLE_CHUNK_IDS ids is drawn by its share of softmax(scaled), then Gumbel-max picks inside
+    it. The fused kernel computes the same: it sums each chunk's mass in its one pass over the logits and hashes
+    noise for the chosen chunk only. Traceable by torch.compile."""
+    rows, vocab = scaled.shape
+    if vocab <= SAMPLE_CHUNK_IDS:
+        return (scaled + noise).argmax(-1)
+    chunks = -(-vocab // SAMPLE_CHUNK_IDS)
+    pad = chunks * SAMPLE_CHUNK_IDS - vocab
+    mass = torch.exp(scaled - scaled.amax(-1, keepdim=True))
+    mass = F.pad(mass, (0, pad)).view(rows, chunks, SAMPLE_CHUNK_IDS).sum(-1)  # [B, chunks]
+    cum = mass.cumsum(-1)
+    # The first chunk whose cumulative mass passes u * total; never one of no mass, even where u * total rounds
+    # up to the total.
+    chosen = (cum <= u_chunk[:, None] * cum[:, -1:]).sum(-1)
+    index = torch.arange(chunks, device=scaled.device)
+    last = torch.where(mass > 0, index, 0).amax(-1)
+    chosen = torch.minimum(chosen, last)
+    ids = chosen[:, None] * SAMPLE_CHUNK_IDS + torch.arange(SAMPLE_CHUNK_IDS, device=scaled.device)[None, :]
+    valid = ids < vocab
+    ids = ids.clamp(max=vocab - 1)
+    scores = (scaled.gather(-1, ids) + noise.gather(-1, ids)).masked_fill(~valid, float("-inf"))
+    return ids.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
 
 
 def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -159,19 +211,18 @@ def sample(
     logits = logits.float()
     logprobs_t1 = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
     gumbel = gumbel_noise(p.seeds, p.steps, logits.shape[-1])
+    u_chunk = chunk_uniform(p.seeds, p.steps)
     if unit_temperature and not want_support:
         # logits / 1 == logits exactly, so this is the general path's arithmetic for such rows.
-        chosen = (logits + gumbel).argmax(-1)
+        chosen = choose_tokens(logits, gumbel, u_chunk)
         lp = logprobs_t1.gather(-1, chosen[:, None])[:, 0]
         return SampleOutput(token_ids=chosen, logprobs=lp, scaled_logprobs=lp, support_logprobs=None, support_mask=None)
     greedy = p.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
     scaled = logits / temp[:, None]
     mask = support_mask(scaled, p) if p.needs_filter else None
-    noisy = scaled + gumbel
-    if mask is not None:
-        noisy = noisy.masked_fill(~mask, float("-inf"))
-    chosen = torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
+    support = scaled if mask is None else scaled.masked_fill(~mask, float("-inf"))
+    chosen = torch.where(greedy, logits.argmax(-1), choose_tokens(support, gumbel, u_chunk))
     idx = chosen[:, None]
     scaled_lp = torch.log_softmax(scaled, dim=-1).gather(-1, idx)[:, 0]
     support_lp = None
