@@ -24,7 +24,7 @@ tools/gpu/onpolicy_gpu.py on the GPU machine):
   (the tail of its last tile, later tiles) are masked to -inf, never cut away, so a decode row and the
   trainer's row t make the same tiles. Two passes: the exact row max over all visible scores, then
   `exp(s - max)` summed tile by tile; no running rescale, so a fully masked tile adds exact zeros.
-- One log-softmax (`logprob_rows`): the engine's sampler draws from that row (Gumbel-max on it) and
+- One log-softmax (`logprob_rows`): the engine's sampler draws from that row (`sampling.choose_tokens`) and
   reports its entry; the trainer takes the same entry. On CUDA its row sum is a `tree_sum` too.
 - bf16 models: GEMMs take and give bf16 (accumulating in fp32 inside the kernel); RMSNorm, RoPE, attention
   and the log-softmax compute in fp32 and cast back at the same points in every path.
