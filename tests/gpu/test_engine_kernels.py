@@ -104,11 +104,11 @@ def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...]
 
 def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
     # -inf logits (a vocabulary padded or masked past its real size): the online sum-exp skips them without NaN,
-    # also where a whole split of the row, or all but one entry, is masked.
+    # and no draw lands in a chunk of no mass, also where a whole chunk of the row, or all but one entry, is masked.
     torch.manual_seed(2)
-    n, vocab = 8, 3000
+    n, vocab = 8, 13000  # chunks of 4,096 ids: 0-4095, 4096-8191, 8192-12287, 12288-12999
     logits = torch.randn(n, vocab, device=DEVICE) * 3
-    logits[:, 2100:] = float("-inf")  # the last of 4 splits entirely masked, the third partly
+    logits[:, 10000:] = float("-inf")  # the last of 4 chunks entirely masked, the third partly
     logits[3, 1:] = float("-inf")  # one finite entry
     logits[5, ::2] = float("-inf")
     logits = logits.to(torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
@@ -121,7 +121,7 @@ def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
     lp = torch.empty(n, 2, device=DEVICE)
     kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp, config=(512, 4))
     assert torch.equal(tok, ref.token_ids) and int(tok[3]) == 0
-    assert bool((tok < 2100).all())
+    assert bool((tok < 10000).all())
     assert torch.isfinite(lp).all()
     assert torch.allclose(lp[:, 0], ref.logprobs, atol=1e-4, rtol=1e-4)
     assert torch.allclose(lp[:, 1], ref.scaled_logprobs, atol=1e-4, rtol=1e-4)

@@ -590,6 +590,21 @@ def test_two_level_sampling_draws_each_id_with_its_softmax_probability() -> None
         assert ((counts / rows - expected).abs() <= 4.5 * stderr).all(), (temperature, counts / rows, expected)
 
 
+def test_the_chunk_draw_never_lands_on_a_chunk_without_mass_even_at_the_uniforms_ends() -> None:
+    # u * total can round up to the total (u just below 1), and leading chunks can hold no mass at all.
+    from hpcrl.engine.embedded.sampling import SAMPLE_CHUNK_IDS, choose_tokens
+
+    vocab = 4 * SAMPLE_CHUNK_IDS
+    scaled = torch.full((1, vocab), float("-inf"))
+    scaled[0, SAMPLE_CHUNK_IDS + 7] = 0.0  # chunk 1
+    scaled[0, 2 * SAMPLE_CHUNK_IDS + 9] = 0.0  # chunk 2; chunks 0 and 3 hold nothing
+    noise = torch.zeros(1, vocab)
+    assert int(choose_tokens(scaled, noise, torch.tensor([0.0]))[0]) == SAMPLE_CHUNK_IDS + 7
+    assert int(choose_tokens(scaled, noise, torch.tensor([0.4999]))[0]) == SAMPLE_CHUNK_IDS + 7
+    assert int(choose_tokens(scaled, noise, torch.tensor([0.5001]))[0]) == 2 * SAMPLE_CHUNK_IDS + 9
+    assert int(choose_tokens(scaled, noise, torch.tensor([1.0]))[0]) == 2 * SAMPLE_CHUNK_IDS + 9
+
+
 def test_uniforms_never_reach_0_or_1() -> None:
     import numpy as np
 
