@@ -24,6 +24,8 @@ from hpcrl.engine.embedded.sampling import RowParams, sample
 
 
 def graph_ms(fn: Callable[[], None], launches: int, reps: int) -> float:
+    # decode_microbench.py's graph_ms again: importing that script would import its hpcrl names from the tree
+    # under test, and an older tree may lack some of them.
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):
