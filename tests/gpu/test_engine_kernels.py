@@ -73,7 +73,10 @@ def full_vocab_params(temperature: torch.Tensor, seeds: torch.Tensor, steps: tor
 
 
 # 5,000 and 20,000 ids: two and five chunks of sampling.SAMPLE_CHUNK_IDS (a last one partly past the vocabulary).
-SAMPLE_CASES = [(99, None), (5000, (1024, 4)), (5000, (4096, 8)), (5000, (512, 2)), (20000, (256, 4))]
+# A config of four values also sets the draw's block: one smaller than the chunk loops over it, one larger is cut.
+SAMPLE_CASES = [
+    (99, None), (5000, (1024, 4)), (5000, (4096, 8, 8192, 8)), (5000, (512, 2)), (20000, (256, 4, 256, 2)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("vocab,config", SAMPLE_CASES)

@@ -488,13 +488,15 @@ def test_a_sampler_override_of_the_old_three_values_or_an_odd_block_fails_at_sta
     from hpcrl.engine.embedded import kernels
 
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1024,8,8")  # until session 20: BLOCK, warps, splits
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG='1024,8,8': expected at most 2 .*unset it"):
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1024,8,8: expected .*BLOCK,warps,splits.*unset"):
         kernels._sample_env_config()
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1000,4")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1000,4: expected BLOCK,num_warps, both powers"):
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1000,4: expected .* a power of two"):
         kernels._sample_env_config()
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2")
-    assert kernels._sample_env_config() == (512, 2)
+    assert kernels._sample_env_config() == (512, 2, 1024, 4)  # the draw's default
+    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2,256,2")
+    assert kernels._sample_env_config() == (512, 2, 256, 2)
 
 
 def test_an_unknown_prefill_path_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--launches", type=int, default=20, help="sampler calls in one captured graph")
     ap.add_argument("--reps", type=int, default=15, help="graph replays; the median is printed")
+    ap.add_argument("--profile", action="store_true", help="also each kernel's device time (torch.profiler), T=1")
     ns = ap.parse_args()
     if not torch.cuda.is_available() or not kernels.AVAILABLE:
         raise SystemExit("sampler_ab.py needs a CUDA device and Triton")
@@ -60,6 +61,11 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(ns.rows, ns.vocab, device=dev, generator=gen).mul_(2).to(torch.bfloat16)
     result: dict[str, object] = {"label": ns.label, "rows": ns.rows, "vocab": ns.vocab}
+    ones = torch.ones(ns.rows, device=dev)
+    seeds1 = torch.arange(ns.rows, device=dev)
+    steps1 = torch.zeros(ns.rows, dtype=torch.int64, device=dev)
+    tok1 = torch.empty(ns.rows, dtype=torch.int64, device=dev)
+    lp1 = torch.empty(ns.rows, 2, device=dev)
     for temperature in (1.0, 0.7):
         temp = torch.full((ns.rows,), temperature, device=dev)
         seeds = torch.arange(ns.rows, device=dev) * 7919 + 3
@@ -87,7 +93,30 @@ def main() -> None:
         # Over the rows that drew the same token: another token has another log-prob, which says nothing.
         result[f"logprob_maxdiff_T{temperature}"] = (lp[same, 0] - ref.logprobs[same]).abs().max().item()
         result[f"scaled_logprob_maxdiff_T{temperature}"] = (lp[same, 1] - ref.scaled_logprobs[same]).abs().max().item()
+    if ns.profile:
+        result["kernel_us_T1"] = kernel_us(lambda: kernels.sample_rows(logits, ones, seeds1, steps1, tok1, lp1))
     print(json.dumps(result), flush=True)
+
+
+def kernel_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]:
+    """Each kernel's device time a call, in us, from torch.profiler over eager calls: the pass and the draw apart
+    (their names are the same in older trees, so a baseline tree reads the same way)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for event in prof.key_averages():
+        total = getattr(event, "self_device_time_total", None)
+        if total is None:
+            total = event.self_cuda_time_total
+        if total > 0:
+            out[event.key] = round(total / calls, 2)
+    return out
 
 
 if __name__ == "__main__":

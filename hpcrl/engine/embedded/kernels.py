@@ -62,7 +62,8 @@ def _attn_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return config
 
 
-# decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps).
+# decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps) of the pass over the
+# logits, then of the draw.
 # Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
 # spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
 ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
@@ -73,7 +74,8 @@ ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 1, 3, 2))
 # One program a chunk of SAMPLE_CHUNK_IDS ids, its pass a plain sum-exp (the noise is hashed for one chunk a row,
 # in the combine kernel). H200, 256 x 151,936 bf16 logits, T=1, graph replays (tools/gpu/sampler_ab.py): 0.052 ms
 # at 256,2 and 0.053 at 512,2, against 0.063 at 1024,4, 0.092 at 2048,8, and 0.087 for the one-level sampler.
-_SAMPLE_DEFAULT = (256, 2)
+# The draw (one program a row, Gumbel-max over its drawn chunk) has a config of its own: its last two values.
+_SAMPLE_DEFAULT = (256, 2, 1024, 4)
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...], meaning: str) -> str:
@@ -975,7 +977,7 @@ def sample_rows(
 
     Writes out_tok [n] and out_lp [n, 2] (log-prob at T=1, log-prob under softmax(logits/T)). With
     tokens/positions given, also sets tokens[b] = chosen and advances positions[b] and steps[b].
-    config: (BLOCK, num_warps) of the pass over the logits.
+    config: (BLOCK, num_warps) of the pass over the logits[, (BLOCK, num_warps) of the draw inside the chunk].
     On NVIDIA GPUs the noise's two logs are the hardware's approximate log2 (a few ulp), and each chunk's mass is
     summed in another order than torch's: a token can differ from the torch sampler's only where two noisy scores
     lie within ~1e-6 of each other, or the chunk uniform within ~1e-6 of a boundary between chunks' masses.
@@ -984,7 +986,7 @@ def sample_rows(
     """
     n, vocab = logits.shape
     update = tokens is not None
-    block, warps = _sample_config(config or SAMPLE_CONFIG)
+    block, warps, draw_block, draw_warps = _sample_config(config or SAMPLE_CONFIG)
     block = min(block, _next_pow2(vocab), SAMPLE_CHUNK_IDS)
     chunks = triton.cdiv(vocab, SAMPLE_CHUNK_IDS)
     # A vocabulary of one chunk (tiny models) is scanned to its next power of two, not 4096 ids.
@@ -1021,28 +1023,30 @@ def sample_rows(
         SP=_next_pow2(chunks),
         CHUNK=chunk,
         CHUNK_COUNTER=CHUNK_COUNTER,
-        BLOCK=min(1024, chunk),
+        BLOCK=min(draw_block, chunk),
         UPDATE=update,
         LP_ROWS=logprob_rows,
         FAST_LOG=nvidia_compiled(),  # a Triton launch on CPU tensors is the interpreter, where this is False
-        num_warps=4,
+        num_warps=draw_warps,
         **_pdl(logits),
     )
 
 
-def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") -> tuple[int, int]:
-    """(BLOCK, num_warps), checked: BLOCK a power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole
-    blocks), num_warps a power of two (Triton's rule)."""
-    if len(config) != 2 or any(v < 1 or v & (v - 1) for v in config):
+def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") -> tuple[int, int, int, int]:
+    """(BLOCK, num_warps) of the pass, then of the draw (the default's, when only two are given), checked: each a
+    power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole blocks; Triton wants warps so)."""
+    full = config + _SAMPLE_DEFAULT[2:] if len(config) == 2 else config
+    if len(full) != 4 or any(v < 1 or v & (v - 1) for v in full):
         raise ValueError(
-            f"{source}={','.join(map(str, config))}: expected BLOCK,num_warps, both powers of two (a BLOCK past "
-            f"{SAMPLE_CHUNK_IDS} scans {SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the "
-            "default); unset it to use the default"
+            f"{source}={','.join(map(str, config))}: expected BLOCK,num_warps of the pass over the logits, and "
+            f"optionally BLOCK,num_warps of the draw, each a power of two (a BLOCK past {SAMPLE_CHUNK_IDS} scans "
+            f"{SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the default; until session 20 three "
+            "values were BLOCK,warps,splits); unset it to use the default"
         )
-    return config[0], config[1]
+    return full[0], full[1], full[2], full[3]
 
 
-def _sample_env_config() -> tuple[int, int]:
+def _sample_env_config() -> tuple[int, int, int, int]:
     # Checked at start-up, not at the first sampled token (where a failure would turn the fused sampler off).
     return _sample_config(_config("SAMPLE_CONFIG", _SAMPLE_DEFAULT), "HPCRL_ENGINE_SAMPLE_CONFIG")
 
