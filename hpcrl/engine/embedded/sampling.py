@@ -8,8 +8,9 @@ tensors, so a request samples the same tokens whatever else shares its batch, on
 with no per-row generator objects. Sampling draws exactly from softmax(logits / T) restricted to the
 support, in two levels (`choose_tokens`): a chunk of `SAMPLE_CHUNK_IDS` vocabulary ids by its mass, then
 Gumbel-max inside that chunk. P(chunk) * P(id | chunk) = P(id), and only one chunk a row needs noise: the
-fused kernel's pass over the logits is then a plain sum-exp, bound by memory, not by hashing and two logs
-per id. A vocabulary of one chunk (tiny models) is plain Gumbel-max over it.
+fused kernel's pass over the logits is then a plain sum-exp, with no hash and no logs per id (0.087 ->
+0.052 ms a step on an H200, docs/benchmarks.md). A vocabulary of one chunk (tiny models) is plain
+Gumbel-max over it.
 """
 
 from __future__ import annotations
