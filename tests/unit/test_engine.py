@@ -605,6 +605,19 @@ def test_the_chunk_draw_never_lands_on_a_chunk_without_mass_even_at_the_uniforms
     assert int(choose_tokens(scaled, noise, torch.tensor([1.0]))[0]) == 2 * SAMPLE_CHUNK_IDS + 9
 
 
+def test_bfloat16_logits_draw_the_tokens_of_their_float32_values() -> None:
+    # The compiled decode step hands a bf16 model's logits over as they are: the chunk masses must still be summed
+    # in float32 (summed in bf16, 4,096 terms a chunk, they drew chunks with a visible bias).
+    from hpcrl.engine.embedded.sampling import SAMPLE_CHUNK_IDS, choose_tokens, chunk_uniform, gumbel_noise
+
+    rows, vocab = 2000, 12 * SAMPLE_CHUNK_IDS
+    torch.manual_seed(3)
+    logits = (torch.randn(rows, vocab) * 2).to(torch.bfloat16)
+    seeds, steps = torch.arange(rows, dtype=torch.int64) * 7 + 1, torch.zeros(rows, dtype=torch.int64)
+    noise, u = gumbel_noise(seeds, steps, vocab), chunk_uniform(seeds, steps)
+    assert torch.equal(choose_tokens(logits, noise, u), choose_tokens(logits.float(), noise, u))
+
+
 def test_uniforms_never_reach_0_or_1() -> None:
     import numpy as np
 

@@ -660,8 +660,11 @@ if AVAILABLE:
         u0 = ((h0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
         cum = tl.cumsum(mass, axis=0)
         total = tl.max(cum, axis=0)
-        chosen = tl.sum(((cum <= u0 * total) & km).to(tl.int32), axis=0)
-        chosen = tl.minimum(chosen, tl.max(tl.where(mass > 0, k, 0), axis=0))
+        # sampling.choose_tokens' rule: the first chunk of mass whose cumulative mass passes u * total, else the
+        # last chunk of mass (a chunk of no mass never: its Gumbel-max would find no id).
+        has_mass = (mass > 0) & km
+        first = tl.min(tl.where((cum > u0 * total) & has_mass, k, SP), axis=0)
+        chosen = tl.where(first < SP, first, tl.max(tl.where(has_mass, k, 0), axis=0))
         lanes = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], neg, tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32) + V

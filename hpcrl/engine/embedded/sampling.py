@@ -118,6 +118,8 @@ def choose_tokens(scaled: torch.Tensor, noise: torch.Tensor, u_chunk: torch.Tens
     First a chunk of SAMPLE_CHUNK_IDS ids is drawn by its share of softmax(scaled), then Gumbel-max picks inside
     it. The fused kernel computes the same: it sums each chunk's mass in its one pass over the logits and hashes
     noise for the chosen chunk only. Traceable by torch.compile."""
+    # float32 whatever the logits' dtype: chunk masses summed in bfloat16 would bias the draw.
+    scaled = scaled.float()
     rows, vocab = scaled.shape
     if vocab <= SAMPLE_CHUNK_IDS:
         return (scaled + noise).argmax(-1)
@@ -126,12 +128,14 @@ def choose_tokens(scaled: torch.Tensor, noise: torch.Tensor, u_chunk: torch.Tens
     mass = torch.exp(scaled - scaled.amax(-1, keepdim=True))
     mass = F.pad(mass, (0, pad)).view(rows, chunks, SAMPLE_CHUNK_IDS).sum(-1)  # [B, chunks]
     cum = mass.cumsum(-1)
-    # The first chunk whose cumulative mass passes u * total; never one of no mass, even where u * total rounds
-    # up to the total.
-    chosen = (cum <= u_chunk[:, None] * cum[:, -1:]).sum(-1)
+    # The first chunk of mass whose cumulative mass passes u * total, else (u * total rounded up to the total)
+    # the last chunk of mass. "Of mass" matters where a parallel scan (CUDA's cumsum, the kernel's) rounds a
+    # chunk of no mass to a sum above its predecessor's: a count of the sums <= u * total could then land on it.
     index = torch.arange(chunks, device=scaled.device)
-    last = torch.where(mass > 0, index, 0).amax(-1)
-    chosen = torch.minimum(chosen, last)
+    has_mass = mass > 0
+    first = torch.where((cum > u_chunk[:, None] * cum[:, -1:]) & has_mass, index, chunks).amin(-1)
+    last = torch.where(has_mass, index, 0).amax(-1)
+    chosen = torch.where(first < chunks, first, last)
     ids = chosen[:, None] * SAMPLE_CHUNK_IDS + torch.arange(SAMPLE_CHUNK_IDS, device=scaled.device)[None, :]
     valid = ids < vocab
     ids = ids.clamp(max=vocab - 1)
