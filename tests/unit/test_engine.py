@@ -605,6 +605,25 @@ def test_the_chunk_draw_never_lands_on_a_chunk_without_mass_even_at_the_uniforms
     assert int(choose_tokens(scaled, noise, torch.tensor([1.0]))[0]) == 2 * SAMPLE_CHUNK_IDS + 9
 
 
+def test_a_scan_that_rounds_up_across_a_chunk_of_no_mass_still_never_draws_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A parallel scan (CUDA's cumsum, the kernel's tl.cumsum) may give a chunk of no mass a sum one ulp above its
+    # predecessor's; with u * total between the two, counting the sums <= u * total picked that empty chunk.
+    from hpcrl.engine.embedded.sampling import SAMPLE_CHUNK_IDS, choose_tokens
+
+    scaled = torch.full((1, 3 * SAMPLE_CHUNK_IDS), float("-inf"))
+    scaled[0, 5] = 0.0  # chunk 0: mass 1; chunk 1: none
+    scaled[0, 2 * SAMPLE_CHUNK_IDS + 3] = 0.0  # chunk 2: mass 1
+    exact = torch.Tensor.cumsum
+
+    def scan_rounding_up(self: torch.Tensor, dim: int) -> torch.Tensor:
+        out = exact(self, dim)
+        return torch.where(self == 0, torch.nextafter(out, torch.tensor(float("inf"))), out)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", scan_rounding_up)
+    # u * total = 0.5 * 2 = 1.0: chunk 0's sum, just below the empty chunk's rounded one.
+    assert int(choose_tokens(scaled, torch.zeros_like(scaled), torch.tensor([0.5]))[0]) == 2 * SAMPLE_CHUNK_IDS + 3
+
+
 def test_bfloat16_logits_draw_the_tokens_of_their_float32_values() -> None:
     # The compiled decode step hands a bf16 model's logits over as they are: the chunk masses must still be summed
     # in float32 (summed in bf16, 4,096 terms a chunk, they drew chunks with a visible bias).
