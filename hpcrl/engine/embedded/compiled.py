@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 # The same bits and the same two-level choice as the eager and numpy samplers.
-from hpcrl.engine.embedded.sampling import CHUNK_COUNTER, choose_tokens, row_keys, uniform_at
+from hpcrl.engine.embedded.sampling import choose_tokens, chunk_uniform_at, row_keys, uniform_at
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,7 @@ def decode_step(
     logits = F.linear(F.rms_norm(x, (hidden,), final_norm, eps), out_w)
     # sampling.sample with unit_temperature: its two-level draw over the logits, log-prob at temperature 1.
     keys = row_keys(seeds, steps)
-    u_chunk = uniform_at(keys, torch.full((1,), CHUNK_COUNTER, device=keys.device, dtype=torch.int64))[:, 0]
-    chosen = choose_tokens(logits, _gumbel(keys, logits.shape[-1]), u_chunk)
+    chosen = choose_tokens(logits, _gumbel(keys, logits.shape[-1]), chunk_uniform_at(keys))
     lp = torch.log_softmax(logits, -1).gather(-1, chosen[:, None])[:, 0]
     kv = torch.stack(new_kv, 0)  # [layers, n, 2, kv, D]
     nl, _, slots, _, max_len, _ = buffer.shape

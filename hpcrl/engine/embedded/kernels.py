@@ -562,7 +562,7 @@ if AVAILABLE:
         # Program (row, chunk) scans logits[row, chunk*CHUNK : (chunk+1)*CHUNK] (sampling.SAMPLE_CHUNK_IDS ids).
         # Per lane it keeps a running max / sum-exp for log-softmax at T=1 and at T, and the first arg-max for
         # greedy rows; lanes are reduced once at the end, chunks by _sample_combine_kernel. No noise here: the
-        # combine kernel hashes it for the one chunk it draws, so this pass is bound by memory.
+        # combine kernel hashes it for the one chunk it draws, so this pass has no hash and no log per id.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         t = tl.load(Temp + row)

@@ -95,7 +95,12 @@ def chunk_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """The uniform that picks each row's chunk, [B] float32: counter_uniform's bits at id CHUNK_COUNTER."""
     if seeds.device.type == "cpu":
         return torch.from_numpy(_np_uniform_at(seeds, steps, np.array([CHUNK_COUNTER], dtype=np.uint32))[:, 0])
-    return uniform_at(row_keys(seeds, steps), torch.full((1,), CHUNK_COUNTER, device=seeds.device))[:, 0]
+    return chunk_uniform_at(row_keys(seeds, steps))
+
+
+def chunk_uniform_at(keys: torch.Tensor) -> torch.Tensor:
+    """chunk_uniform for rows of `row_keys`, in torch ops (traceable by torch.compile), [B] float32."""
+    return uniform_at(keys, torch.full((1,), CHUNK_COUNTER, device=keys.device, dtype=torch.int64))[:, 0]
 
 
 def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
