@@ -131,6 +131,27 @@ def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
     assert abs(float(lp[3, 0])) < 1e-6  # the only finite entry has probability 1
 
 
+@pytest.mark.parametrize("vocab", [99, 9000])
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan")])
+def test_sample_kernel_on_a_row_with_no_finite_logit_gives_id_0_as_torch(vocab: int, fill: float) -> None:
+    # A row that overflowed to NaN or was masked whole: torch's argmax answers id 0; an id of `vocab` would index
+    # past the embedding at the next step. The row is a view with one spare column holding a large finite logit,
+    # so a read of id `vocab` would show up in the reported log-prob.
+    n = 4
+    buf = torch.full((n, vocab + 1), fill, device=DEVICE)
+    buf[:, vocab] = 50.0
+    logits = buf[:, :vocab]
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.0], device=DEVICE)
+    seeds = torch.arange(n, dtype=torch.int64, device=DEVICE) + 5
+    steps = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    ref = sample(logits, full_vocab_params(temperature, seeds, steps), want_support=False)
+    tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
+    lp = torch.empty(n, 2, device=DEVICE)
+    kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp)
+    assert tok.tolist() == [0] * n == ref.token_ids.tolist()
+    assert not bool((lp == 50.0).any())
+
+
 def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
     """The batch-invariant engine samples from its log-softmax rows: the kernel draws the torch sampler's token and
     reports that row's entry bit for bit (the trainer computes the same row), not a re-normalised copy of it."""

@@ -493,6 +493,9 @@ def test_a_sampler_override_of_the_old_three_values_or_an_odd_block_fails_at_sta
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1000,4")
     with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1000,4: expected .* a power of two"):
         kernels._sample_env_config()
+    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,64")  # a CUDA block holds at most 32 warps
+    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=512,64: expected .*warps at most 32"):
+        kernels._sample_env_config()
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2")
     assert kernels._sample_env_config() == (512, 2, 1024, 4)  # the draw's default
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2,256,2")

@@ -575,8 +575,10 @@ if AVAILABLE:
         s1 = tl.zeros([BLOCK], tl.float32)
         m2 = tl.full([BLOCK], neg, tl.float32)
         s2 = tl.zeros([BLOCK], tl.float32)
-        arg1 = tl.zeros([BLOCK], tl.int32) + V
         lo = split * CHUNK
+        # Starts at the chunk's first id, not past the vocabulary: a row of all -inf (or NaN) logits then gets
+        # id 0, as torch.argmax gives, and the combine kernel never reads past the row.
+        arg1 = tl.zeros([BLOCK], tl.int32) + lo
         for start in range(lo, lo + CHUNK, BLOCK):
             offs = start + lanes
             msk = offs < V
@@ -667,8 +669,8 @@ if AVAILABLE:
         chosen = tl.where(first < SP, first, tl.max(tl.where(has_mass, k, 0), axis=0))
         lanes = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], neg, tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32) + V
         lo = chosen * CHUNK
+        best_i = tl.zeros([BLOCK], tl.int32) + lo  # as arg1: a chunk of no finite score draws its first id
         base = Logits + row * stride_row
         for start in range(lo, lo + CHUNK, BLOCK):
             offs = start + lanes
@@ -1039,12 +1041,12 @@ def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") 
     """(BLOCK, num_warps) of the pass, then of the draw (the default's, when only two are given), checked: each a
     power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole blocks; Triton wants warps so)."""
     full = config + _SAMPLE_DEFAULT[2:] if len(config) == 2 else config
-    if len(full) != 4 or any(v < 1 or v & (v - 1) for v in full):
+    if len(full) != 4 or any(v < 1 or v & (v - 1) for v in full) or max(full[1], full[3]) > 32:
         raise ValueError(
             f"{source}={','.join(map(str, config))}: expected BLOCK,num_warps of the pass over the logits, and "
-            f"optionally BLOCK,num_warps of the draw, each a power of two (a BLOCK past {SAMPLE_CHUNK_IDS} scans "
-            f"{SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the default; until session 20 three "
-            "values were BLOCK,warps,splits); unset it to use the default"
+            "optionally BLOCK,num_warps of the draw, each a power of two, warps at most 32 (a BLOCK past "
+            f"{SAMPLE_CHUNK_IDS} scans {SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the default; "
+            "until session 20 three values were BLOCK,warps,splits); unset it to use the default"
         )
     return full[0], full[1], full[2], full[3]
 
