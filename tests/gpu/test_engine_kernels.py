@@ -414,7 +414,6 @@ def test_attention_with_prep_equals_qk_norm_rope_store_then_attention(
     assert rel(fused, out) < tol, rel(fused, out)
     assert rel(kc2.float(), kc.float()) < tol and rel(vc2.float(), vc.float()) < tol
     assert torch.equal(kc2[-1], kc[-1]) and torch.equal(vc2[-1], vc[-1])  # the row past the end wrote nothing
-    assert rel(qkv2[:, : h * d].float(), qkv[:, : h * d].float()) < tol  # q normed and rotated in place, as before
     assert torch.equal(qkv2[:, h * d :], qkv[:, h * d :])  # k and v of the projection are read, not rewritten
 
 

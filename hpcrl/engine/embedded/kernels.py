@@ -374,7 +374,6 @@ if AVAILABLE:
         rope_len,
         H: tl.constexpr,
         GROUP: tl.constexpr,
-        GROUP_P2: tl.constexpr,
         BLOCK_H: tl.constexpr,
         D: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -398,11 +397,9 @@ if AVAILABLE:
         heads = kvh * GROUP + offs_h
         qrow = Q + b * stride_qb
         if PREP:
-            # Q is the raw QKV projection: this program first does `_qk_norm_rope_store_kernel`'s work for its own
-            # heads (the same roundings, in the same order) instead of a launch of that kernel before it. On
-            # [GROUP_P2, D] tiles, not the dot's [BLOCK_H, D] (padded to 16 rows): one warp holding those in fp32
-            # runs out of registers (an H200 took 80.6 us a layer so, against 64.8 + 3.6 for the two launches).
-            # q goes back into Q in place and is loaded below as without PREP; k and v go to the cache.
+            # Q is the raw QKV projection: this program does `_qk_norm_rope_store_kernel`'s work for its own heads
+            # (the same roundings, in the same order) instead of a launch of that kernel before it: q stays in
+            # registers, and its kv head's k and v go to the cache before the loop below reads them back.
             HALF: tl.constexpr = D // 2
             KVH: tl.constexpr = H // GROUP
             dr = (offs_d + HALF) % D
@@ -411,19 +408,16 @@ if AVAILABLE:
             cos = tl.load(Cos + rope_row * D + offs_d).to(tl.float32)[None, :]
             sin = tl.load(Sin + rope_row * D + offs_d).to(tl.float32)[None, :]
             dt = Q.dtype.element_ty
-            offs_g = tl.arange(0, GROUP_P2)
-            gheads = kvh * GROUP + offs_g
-            qm = (offs_g[:, None] < GROUP) & (offs_d[None, :] < D)
-            x = tl.load(qrow + gheads[:, None] * D + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)
-            xr = tl.load(qrow + gheads[:, None] * D + dr[None, :], mask=qm, other=0.0).to(tl.float32)
+            qm = hmask[:, None] & (offs_d[None, :] < D)
+            x = tl.load(qrow + heads[:, None] * D + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)
+            xr = tl.load(qrow + heads[:, None] * D + dr[None, :], mask=qm, other=0.0).to(tl.float32)
             if HAS_NORM:
                 rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
                 w = tl.load(QW + offs_d).to(tl.float32)[None, :]
                 wr = tl.load(QW + dr).to(tl.float32)[None, :]
                 x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
                 xr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            q_new = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
-            tl.store(qrow + gheads[:, None] * D + offs_d[None, :], q_new, mask=qm)
+            q = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
             kb = qrow + (H + kvh) * D
             x = tl.load(kb + offs_d[None, :]).to(tl.float32)
             xr = tl.load(kb + dr[None, :]).to(tl.float32)
@@ -446,10 +440,11 @@ if AVAILABLE:
             else:
                 tl.store(KC + coff, k_new.to(KC.dtype.element_ty), mask=cm)
                 tl.store(VC + coff, v_new.to(VC.dtype.element_ty), mask=cm)
-            # q and this position's K/V are read back below by other threads: the CTA's barrier makes the stores
-            # visible to them and keeps those loads after it.
+            # The loop reads this position back, in other threads' registers: the CTA's barrier makes the stores
+            # visible to them (and keeps the loop's first loads after it).
             tl.debug_barrier()
-        q = tl.load(qrow + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        else:
+            q = tl.load(qrow + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
         if KV8 and USE_DOT:
             # 8-bit K/V widen to float16 in one hardware conversion (to bfloat16 it takes several); q and p
             # follow, to dot with them. float16 holds q exactly enough: its values are normed, far below 65504.
@@ -966,7 +961,7 @@ def decode_attention(
     with q as the first operand, 2: with K first (s^T = K q^T).
     prep: q is the whole raw QKV projection [n, (H + 2 KVH) D] (any row stride), and the kernel first does
     `qk_norm_rope_store`'s work itself (QK-norm and RoPE of q and k, k and v into the cache at positions[b]), with
-    one launch a layer fewer; q's heads are rewritten in place, as `qk_norm_rope_store` does.
+    one launch a layer fewer; q is then left as it was.
     """
     n = q.shape[0]
     group = num_heads // num_kv_heads
@@ -1002,7 +997,6 @@ def decode_attention(
         prep.rope[0].shape[0] if prep is not None else 1,
         H=num_heads,
         GROUP=group,
-        GROUP_P2=_next_pow2(group),
         # tl.dot needs M >= 16: with it the grouped heads are padded to 16 rows.
         BLOCK_H=max(16, _next_pow2(group)) if use_dot else _next_pow2(group),
         D=head_dim,
