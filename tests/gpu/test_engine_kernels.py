@@ -381,55 +381,6 @@ def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tu
         assert rel(out[b].float(), ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize(("dtype", "kv8"), [(d, False) for d in DTYPES] + [(torch.bfloat16, True)] * (len(DTYPES) > 1))
-@pytest.mark.parametrize("llama", [False, True])
-@pytest.mark.parametrize("config", [(32, 1, 3, 2), (64, 4, 2, 1), (32, 4, 2, 0)])
-def test_attention_with_prep_equals_qk_norm_rope_store_then_attention(
-    dtype: torch.dtype, kv8: bool, llama: bool, config: tuple[int, ...]
-) -> None:
-    """The decode step's one launch a layer (QK-norm, RoPE and the cache write inside the attention kernel) gives
-    the two launches' output and cache: the same roundings in the same order. Rows at position 0, mid-block, at a
-    block's edge, at the cache's last position and past it (a finished row's look-ahead: no write)."""
-    args = tiny_args(llama=llama, head_dim=64)
-    model = random_model(args, dtype)
-    attn = model.model.decoder_layers[0].self_attn
-    h, kv, d, max_len = args.num_heads, args.num_kv_heads, args.head_dim, 80
-    torch.manual_seed(4)
-    pos = torch.tensor([0, 31, 32, 50, max_len - 1, max_len], device=DEVICE)
-    n = pos.shape[0]
-    qkv = torch.randn(n, (h + 2 * kv) * d + 8, device=DEVICE).to(dtype)[:, : (h + 2 * kv) * d]  # a strided view
-    cache_dtype = torch.float8_e4m3fn if kv8 else dtype
-    kc = torch.randn(n, kv, max_len, d, device=DEVICE).to(cache_dtype)
-    vc = torch.randn(n, kv, max_len, d, device=DEVICE).to(cache_dtype)
-    rope = rope_cos_sin(torch.arange(max_len, device=DEVICE), d, args.rope_theta, dtype)
-    kc2, vc2, qkv2 = kc.clone(), vc.clone(), qkv.clone()
-    scale = 1 / math.sqrt(d)
-    out = torch.empty(n, h * d, device=DEVICE, dtype=dtype)
-    kernels.layer_qk_norm_rope_store(attn, args, qkv, rope, pos, kc, vc)
-    kernels.decode_attention(qkv, kc, vc, pos, out, h, kv, d, scale, config=config)
-    fused = torch.empty_like(out)
-    prep = kernels.layer_attention_prep(attn, args, rope)
-    kernels.decode_attention(qkv2, kc2, vc2, pos, fused, h, kv, d, scale, config=config, prep=prep)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert rel(fused, out) < tol, rel(fused, out)
-    assert rel(kc2.float(), kc.float()) < tol and rel(vc2.float(), vc.float()) < tol
-    assert torch.equal(kc2[-1], kc[-1]) and torch.equal(vc2[-1], vc[-1])  # the row past the end wrote nothing
-    assert torch.equal(qkv2[:, h * d :], qkv[:, h * d :])  # k and v of the projection are read, not rewritten
-
-
-def test_attention_with_prep_refuses_q_without_the_k_and_v_heads() -> None:
-    args = tiny_args()
-    model = random_model(args, DTYPES[0])
-    h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
-    rope = rope_cos_sin(torch.arange(16, device=DEVICE), args.head_dim, args.rope_theta, DTYPES[0])
-    prep = kernels.layer_attention_prep(model.model.decoder_layers[0].self_attn, args, rope)
-    q = torch.zeros(2, h * d, device=DEVICE, dtype=DTYPES[0])
-    cache = torch.zeros(2, kv, 16, d, device=DEVICE, dtype=DTYPES[0])
-    with pytest.raises(ValueError, match="q must be the whole QKV projection"):
-        kernels.decode_attention(q, cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE), q.clone(), h, kv,
-                                 d, 1.0, prep=prep)  # fmt: skip
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_graph_replay_equals_eager_kernels() -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState

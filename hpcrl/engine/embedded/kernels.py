@@ -23,7 +23,6 @@ is False and the engine runs the eager model.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any
@@ -366,12 +365,6 @@ if AVAILABLE:
         stride_ch,
         stride_cn,
         max_len,
-        QW,
-        KW,
-        Cos,
-        Sin,
-        eps,
-        rope_len,
         H: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -381,70 +374,18 @@ if AVAILABLE:
         IEEE: tl.constexpr,
         KV8: tl.constexpr,
         K_FIRST: tl.constexpr,
-        PREP: tl.constexpr,
-        HAS_NORM: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_enter(PDL)
         # One program per (row, kv head): the GROUP query heads that share it read its K/V once.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
-        pos = tl.load(Pos + b)
-        length = tl.minimum(pos + 1, max_len)
+        length = tl.minimum(tl.load(Pos + b) + 1, max_len)
         offs_h = tl.arange(0, BLOCK_H)
         hmask = offs_h < GROUP
         offs_d = tl.arange(0, D)
         heads = kvh * GROUP + offs_h
-        qrow = Q + b * stride_qb
-        if PREP:
-            # Q is the raw QKV projection: this program does `_qk_norm_rope_store_kernel`'s work for its own heads
-            # (the same roundings, in the same order) instead of a launch of that kernel before it: q stays in
-            # registers, and its kv head's k and v go to the cache before the loop below reads them back.
-            HALF: tl.constexpr = D // 2
-            KVH: tl.constexpr = H // GROUP
-            dr = (offs_d + HALF) % D
-            sign = tl.where(offs_d < HALF, -1.0, 1.0)[None, :]
-            rope_row = tl.minimum(pos, rope_len - 1)  # a finished row's look-ahead step may sit at max_len
-            cos = tl.load(Cos + rope_row * D + offs_d).to(tl.float32)[None, :]
-            sin = tl.load(Sin + rope_row * D + offs_d).to(tl.float32)[None, :]
-            dt = Q.dtype.element_ty
-            qm = hmask[:, None] & (offs_d[None, :] < D)
-            x = tl.load(qrow + heads[:, None] * D + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)
-            xr = tl.load(qrow + heads[:, None] * D + dr[None, :], mask=qm, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
-                w = tl.load(QW + offs_d).to(tl.float32)[None, :]
-                wr = tl.load(QW + dr).to(tl.float32)[None, :]
-                x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-                xr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            q = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
-            kb = qrow + (H + kvh) * D
-            x = tl.load(kb + offs_d[None, :]).to(tl.float32)
-            xr = tl.load(kb + dr[None, :]).to(tl.float32)
-            if HAS_NORM:
-                rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
-                w = tl.load(KW + offs_d).to(tl.float32)[None, :]
-                wr = tl.load(KW + dr).to(tl.float32)[None, :]
-                x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-                xr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            k_new = ((x * cos).to(dt).to(tl.float32) + (sign * xr * sin).to(dt).to(tl.float32)).to(dt)
-            v_new = tl.load(qrow + (H + KVH + kvh) * D + offs_d[None, :])
-            # A finished row's look-ahead step at max_len writes nothing (its attention reads the max_len cached).
-            cm = offs_d[None, :] < tl.where(pos < max_len, D, 0)
-            coff = b * stride_cb + kvh * stride_ch + pos * stride_cn + offs_d[None, :]
-            if KV8:
-                kf = tl.minimum(tl.maximum(k_new.to(tl.float32), -448.0), 448.0)
-                vf = tl.minimum(tl.maximum(v_new.to(tl.float32), -448.0), 448.0)
-                tl.store(KC + coff, kf.to(KC.dtype.element_ty), mask=cm)
-                tl.store(VC + coff, vf.to(VC.dtype.element_ty), mask=cm)
-            else:
-                tl.store(KC + coff, k_new.to(KC.dtype.element_ty), mask=cm)
-                tl.store(VC + coff, v_new.to(VC.dtype.element_ty), mask=cm)
-            # The loop reads this position back, in other threads' registers: the CTA's barrier makes the stores
-            # visible to them (and keeps the loop's first loads after it).
-            tl.debug_barrier()
-        else:
-            q = tl.load(qrow + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
         if KV8 and USE_DOT:
             # 8-bit K/V widen to float16 in one hardware conversion (to bfloat16 it takes several); q and p
             # follow, to dot with them. float16 holds q exactly enough: its values are normed, far below 65504.
@@ -852,7 +793,11 @@ def qk_norm_rope_store(
     n = qkv.shape[0]
     has_norm = q_norm is not None
     cos, sin = rope
-    _check_rope(rope, head_dim, "qk_norm_rope_store")
+    if cos.shape != sin.shape or cos.shape[1] != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(
+            f"qk_norm_rope_store: the RoPE tables must be contiguous [positions, {head_dim}], "
+            f"got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
+        )
     _qk_norm_rope_store_kernel[(n,)](
         qkv,
         q_norm if has_norm else qkv,
@@ -882,33 +827,6 @@ def qk_norm_rope_store(
         num_warps=4,
         **_pdl(qkv),
     )
-
-
-def _check_rope(rope: tuple[torch.Tensor, torch.Tensor], head_dim: int, where: str) -> None:
-    cos, sin = rope
-    if cos.shape != sin.shape or cos.shape[1] != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(
-            f"{where}: the RoPE tables must be contiguous [positions, {head_dim}], "
-            f"got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPrep:
-    """What `decode_attention` needs to do `qk_norm_rope_store`'s work itself: the QK-norm weights [D] (None for a
-    model without QK-norm), their epsilon, and the RoPE tables (cos, sin) [positions, D], contiguous."""
-
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    rope: tuple[torch.Tensor, torch.Tensor]
-
-
-def layer_attention_prep(attn: Any, args: Any, rope: tuple[torch.Tensor, torch.Tensor]) -> AttentionPrep:
-    """`AttentionPrep` for one layer's attention module `attn` of a model with ModelArgs `args`."""
-    if args.qk_norm:
-        return AttentionPrep(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, rope)
-    return AttentionPrep(None, None, 0.0, rope)
 
 
 def layer_qk_norm_rope_store(
@@ -951,17 +869,12 @@ def decode_attention(
     head_dim: int,
     scale: float,
     config: tuple[int, ...] | None = None,
-    *,
-    prep: AttentionPrep | None = None,
 ) -> None:
     """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1.
 
     q: rows of H*D values with any row stride (a view of the fused QKV output); out: [n, H*D] contiguous.
     config: (BLOCK_N, num_warps, num_stages, use_dot); use_dot 0: CUDA-core dot products, 1: tensor-core dots
     with q as the first operand, 2: with K first (s^T = K q^T).
-    prep: q is the whole raw QKV projection [n, (H + 2 KVH) D] (any row stride), and the kernel first does
-    `qk_norm_rope_store`'s work itself (QK-norm and RoPE of q and k, k and v into the cache at positions[b]), with
-    one launch a layer fewer; q is then left as it was.
     """
     n = q.shape[0]
     group = num_heads // num_kv_heads
@@ -969,14 +882,6 @@ def decode_attention(
     block_n, warps, stages, use_dot = config + (1,) * (4 - len(config))
     if use_dot not in (0, 1, 2):
         raise ValueError(f"decode_attention config {config}: use_dot (the 4th value) must be 0, 1 or 2")
-    if prep is not None:
-        _check_rope(prep.rope, head_dim, "decode_attention")
-        if q.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
-            raise ValueError(
-                f"decode_attention with prep: q must be the whole QKV projection, {num_heads} + 2 x {num_kv_heads} "
-                f"heads of {head_dim}, got {q.shape[1]} values a row"
-            )
-    has_norm = prep is not None and prep.q_norm is not None
     _decode_attention_kernel[(n, num_kv_heads)](
         q,
         k_cache,
@@ -989,12 +894,6 @@ def decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
-        prep.q_norm if prep is not None and prep.q_norm is not None else q,
-        prep.k_norm if prep is not None and prep.k_norm is not None else q,
-        prep.rope[0] if prep is not None else q,
-        prep.rope[1] if prep is not None else q,
-        prep.eps if prep is not None else 0.0,
-        prep.rope[0].shape[0] if prep is not None else 1,
         H=num_heads,
         GROUP=group,
         # tl.dot needs M >= 16: with it the grouped heads are padded to 16 rows.
@@ -1005,8 +904,6 @@ def decode_attention(
         IEEE=q.dtype == torch.float32,
         KV8=k_cache.element_size() == 1,
         K_FIRST=use_dot == 2,
-        PREP=prep is not None,
-        HAS_NORM=has_norm,
         num_warps=warps,
         num_stages=stages,
         **_pdl(q),

@@ -514,10 +514,9 @@ class DecodeRunner:
                 qkv = kernels.linear(h, qkv_w, qkv_b, config=gemm["qkv"])
             else:
                 qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
+            kernels.layer_qk_norm_rope_store(at, a, qkv, rope, pos, cache.k[i], cache.v[i])
             o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
-            # QK-norm, RoPE and the K/V cache write inside the attention kernel: one launch a layer fewer.
-            prep = kernels.layer_attention_prep(at, a, rope)
-            kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale, prep=prep)
+            kernels.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
             post = layer.post_attention_layernorm
             if gemm is not None:
                 # o and down as split-K partials that add_rmsnorm sums; gate/up with the SwiGLU product built in.
