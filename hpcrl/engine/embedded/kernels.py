@@ -1039,7 +1039,8 @@ def sample_rows(
 
 def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") -> tuple[int, int, int, int]:
     """(BLOCK, num_warps) of the pass, then of the draw (the default's, when only two are given), checked: each a
-    power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole blocks; Triton wants warps so)."""
+    power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole blocks; Triton wants warps so), and at most
+    32 warps (what one CUDA block holds)."""
     full = config + _SAMPLE_DEFAULT[2:] if len(config) == 2 else config
     if len(full) != 4 or any(v < 1 or v & (v - 1) for v in full) or max(full[1], full[3]) > 32:
         raise ValueError(
