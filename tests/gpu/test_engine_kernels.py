@@ -106,7 +106,7 @@ def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...]
 
 
 def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
-    # -inf logits (a vocabulary padded or masked past its real size): the online sum-exp skips them without NaN,
+    # -inf logits (a vocabulary padded or masked past its real size): the sum-exp skips them without NaN,
     # and no draw lands in a chunk of no mass, also where a whole chunk of the row, or all but one entry, is masked.
     torch.manual_seed(2)
     n, vocab = 8, 13000  # chunks of 4,096 ids: 0-4095, 4096-8191, 8192-12287, 12288-12999

@@ -13,8 +13,8 @@ runs ~40 passes over [B, V] int64/fp32 tensors. These kernels fuse each of those
 - `silu_mul`: the SwiGLU product of one fused gate/up projection;
 - `sample_rows`: `sampling.sample`'s draw (a chunk of ids by its mass, then Gumbel-max inside it, with the
   same counter-based noise as `sampling.counter_uniform`: a pure function of seed, token index and vocab id),
-  plus the log-probs at temperature 1 and at the row's temperature, in one pass over the logits and one
-  over the drawn chunk, without materialising noise.
+  plus the log-probs at temperature 1 and at the row's temperature, in one kernel over the logits (each chunk
+  scanned for its max, then from L1 for its sum-exp) and one over the drawn chunk, without materialising noise.
 
 Every kernel reads its row lengths and positions from device memory, so a decode step has no host
 sync and can be captured in a CUDA graph. Triton is optional: without it (CPU installs) `AVAILABLE`
@@ -71,11 +71,12 @@ ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
 # small tiles, one warp, three stages, K first: 0.0588-0.0591 ms a layer (3.4 TB/s of e4m3 K/V) against
 # 0.0625-0.0627 with two warps; the same loads alone read 4.2 TB/s.
 ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 1, 3, 2))
-# One program a chunk of SAMPLE_CHUNK_IDS ids, its pass a plain sum-exp (the noise is hashed for one chunk a row,
-# in the combine kernel). H200, 256 x 151,936 bf16 logits, T=1, graph replays (tools/gpu/sampler_ab.py): 0.052 ms
-# at 256,2 and 0.053 at 512,2, against 0.063 at 1024,4, 0.092 at 2048,8, and 0.087 for the one-level sampler.
+# One program a chunk of SAMPLE_CHUNK_IDS ids, its pass two plain scans (max, then sum-exp; the noise is hashed for
+# one chunk a row, in the combine kernel). H200, 256 x 151,936 bf16 logits, T=1, graph replays
+# (tools/gpu/sampler_ab.py, session 22): the pass 30.0 us at 512,2 against 32-35 at 256,1, 256,2, 1024,4 and 512,4,
+# and 41-48 at 128,1, 512,1, 1024,2, 2048,8, 4096,4 and 4096,8; session 21's one-scan online pass took 44.9 us.
 # The draw (one program a row, Gumbel-max over its drawn chunk) has a config of its own: its last two values.
-_SAMPLE_DEFAULT = (256, 2, 1024, 4)
+_SAMPLE_DEFAULT = (512, 2, 1024, 4)
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...], meaning: str) -> str:
@@ -559,59 +560,61 @@ if AVAILABLE:
         PDL: tl.constexpr,
     ):
         _pdl_enter(PDL)
-        # Program (row, chunk) scans logits[row, chunk*CHUNK : (chunk+1)*CHUNK] (sampling.SAMPLE_CHUNK_IDS ids).
-        # Per lane it keeps a running max / sum-exp for log-softmax at T=1 and at T, and the first arg-max for
-        # greedy rows; lanes are reduced once at the end, chunks by _sample_combine_kernel. No noise here: the
-        # combine kernel hashes it for the one chunk it draws, so this pass has no hash and no log per id.
+        # Program (row, chunk) scans logits[row, chunk*CHUNK : (chunk+1)*CHUNK] (sampling.SAMPLE_CHUNK_IDS ids)
+        # twice: its max, then its sum-exp under that max, at T=1 and, for a row at another temperature, at T;
+        # the first arg-max only for a greedy row. Chunks are merged by _sample_combine_kernel. Two plain passes
+        # (the second from L1) take about a third of the instructions of one online pass (which rescales its sum
+        # at every id), and the pass is bound by instructions, not by its bytes. No noise here either: the combine
+        # kernel hashes it for the one chunk it draws.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         t = tl.load(Temp + row)
-        tt = tl.where(t <= 0.0, 1.0, t)
-        t_one = tt == 1.0
+        greedy = t <= 0.0
+        tt = tl.where(greedy, 1.0, t)
         base = Logits + row * stride_row
         lanes = tl.arange(0, BLOCK)
         neg = float("-inf")
-        m1 = tl.full([BLOCK], neg, tl.float32)
-        s1 = tl.zeros([BLOCK], tl.float32)
-        m2 = tl.full([BLOCK], neg, tl.float32)
-        s2 = tl.zeros([BLOCK], tl.float32)
         lo = split * CHUNK
-        # Starts at the chunk's first id, not past the vocabulary: a row of all -inf (or NaN) logits then gets
-        # id 0, as torch.argmax gives, and the combine kernel never reads past the row.
-        arg1 = tl.zeros([BLOCK], tl.int32) + lo
+        full = lo + CHUNK <= V  # every chunk but a vocabulary's last: no mask a load
+        mv = tl.full([BLOCK], neg, tl.float32)
+        for start in range(lo, lo + CHUNK, BLOCK):
+            if full:
+                x = tl.load(base + start + lanes).to(tl.float32)
+            else:
+                x = tl.load(base + start + lanes, mask=start + lanes < V, other=neg).to(tl.float32)
+            mv = tl.where(x > mv, x, mv)  # a NaN never wins (tl.maximum's NaN rule differs under the interpreter)
+        mx1 = tl.max(mv, axis=0)
+        shift1 = tl.where(mx1 == neg, 0.0, mx1)  # a chunk of all -inf: sum 0, not NaN
+        sv1 = tl.zeros([BLOCK], tl.float32)
+        sv2 = tl.zeros([BLOCK], tl.float32)
+        # The first arg-max, for a greedy row: the lowest id holding the max (V where none does: all NaN).
+        av = tl.full([BLOCK], V, tl.int32)
+        t_one = tt == 1.0
+        mx2 = tl.where(t_one, mx1, mx1 / tt)  # x / T rounds monotonically: max(x / T) is max(x) / T exactly
+        shift2 = tl.where(mx2 == neg, 0.0, mx2)
         for start in range(lo, lo + CHUNK, BLOCK):
             offs = start + lanes
-            msk = offs < V
-            x = tl.load(base + offs, mask=msk, other=neg).to(tl.float32)
-            # Online sum-exp with one exp a logit, not two: exp(-|x - m|) is the new term when x <= m and the
-            # old sum's rescale when x > m (then the new term is exp(0) = 1): the same values as
-            # s * exp(m - max) + exp(x - max).
-            d1 = tl.where(x == neg, neg, x - m1)  # x = -inf adds nothing; m = -inf, x finite: d = +inf
-            e1 = tl.exp(-tl.abs(d1))
-            up1 = d1 > 0  # strict: a lane keeps its first maximum, as torch.argmax does
-            s1 = tl.where(up1, s1 * e1 + 1.0, s1 + e1)
-            m1 = tl.where(up1, x, m1)
-            arg1 = tl.where(up1, offs, arg1)
+            if full:
+                x = tl.load(base + offs).to(tl.float32)
+            else:
+                x = tl.load(base + offs, mask=offs < V, other=neg).to(tl.float32)
+            sv1 += tl.exp(x - shift1)
             if not t_one:
-                # At temperature 1 (and greedy) the tempered stream is the plain one: skipped, not repeated.
-                z = x / tt
-                d2 = tl.where(z == neg, neg, z - m2)
-                e2 = tl.exp(-tl.abs(d2))
-                up2 = d2 > 0
-                s2 = tl.where(up2, s2 * e2 + 1.0, s2 + e2)
-                m2 = tl.where(up2, z, m2)
-        mx1 = tl.max(m1, axis=0)
-        sum1 = tl.sum(s1 * tl.exp(m1 - tl.where(mx1 == neg, 0.0, mx1)), axis=0)
-        mx2 = tl.max(m2, axis=0)
-        sum2 = tl.sum(s2 * tl.exp(m2 - tl.where(mx2 == neg, 0.0, mx2)), axis=0)
-        mx2 = tl.where(t_one, mx1, mx2)
-        sum2 = tl.where(t_one, sum1, sum2)
+                # At temperature 1 (and greedy) the tempered sum is the plain one: skipped, not repeated.
+                sv2 += tl.exp(x / tt - shift2)
+            if greedy:
+                av = tl.minimum(av, tl.where(x == mx1, offs, V))
+        sum1 = tl.sum(sv1, axis=0)
+        sum2 = tl.where(t_one, sum1, tl.sum(sv2, axis=0))
         out = Part + (row * NSPLIT + split) * 4
         tl.store(out, mx1)
         tl.store(out + 1, sum1)
         tl.store(out + 2, mx2)
         tl.store(out + 3, sum2)
-        tl.store(PartI + row * NSPLIT + split, tl.min(tl.where(m1 == mx1, arg1, V), axis=0))
+        # A chunk with no id equal to its max (all NaN) reports its first id, as the one-pass kernel did: a row of
+        # no finite logit draws id 0, as torch.argmax gives.
+        first = tl.min(av, axis=0)
+        tl.store(PartI + row * NSPLIT + split, tl.where(first == V, lo, first))
 
     @triton.jit
     def _sample_combine_kernel(

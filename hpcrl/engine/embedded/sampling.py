@@ -121,7 +121,7 @@ def choose_tokens(scaled: torch.Tensor, noise: torch.Tensor, u_chunk: torch.Tens
     given each id's Gumbel noise [B, V] and the chunk uniform [B] (`chunk_uniform`).
 
     First a chunk of SAMPLE_CHUNK_IDS ids is drawn by its share of softmax(scaled), then Gumbel-max picks inside
-    it. The fused kernel computes the same: it sums each chunk's mass in its one pass over the logits and hashes
+    it. The fused kernel computes the same: it sums each chunk's mass in its kernel over the logits and hashes
     noise for the chosen chunk only. Traceable by torch.compile."""
     # float32 whatever the logits' dtype: chunk masses summed in bfloat16 would bias the draw.
     scaled = scaled.float()
