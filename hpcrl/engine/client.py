@@ -85,6 +85,7 @@ _MAX_BACKOFF_S = 8.0
 # not re-sent. Seen on the H200 mid-run (docs/sglang.md); 2 s leaves the server's timer a 3 s margin.
 KEEPALIVE_EXPIRY_S = 2.0
 # Error bodies can be whole HTML pages from a proxy; the first part is enough to name the problem.
+_JSON_HEADERS = {"content-type": "application/json"}
 _MAX_ERROR_CHARS = 500
 
 
@@ -319,7 +320,8 @@ class EngineClient:
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> httpx.Response:
-        """Send one request with the retry policy; return a 2xx response or raise an EngineError."""
+        """Send one request with the retry policy; return a 2xx response or raise an EngineError. `json_body`: a
+        JSON object, or its UTF-8 bytes already written."""
         timeout = self._timeout(timeout_s)
         where = f"{method} {self.url}{path}"
         attempts = 1 + (0 if retry is Retry.NEVER else self.max_retries)
@@ -327,7 +329,12 @@ class EngineClient:
             can_retry = attempt + 1 < attempts
             try:
                 with self._connections.lend(timeout.pool) as http:
-                    response = http.request(method, path, json=json_body, params=params, timeout=timeout)
+                    if isinstance(json_body, bytes):
+                        response = http.request(
+                            method, path, content=json_body, headers=_JSON_HEADERS, params=params, timeout=timeout
+                        )
+                    else:
+                        response = http.request(method, path, json=json_body, params=params, timeout=timeout)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # The request never left: re-sending is safe for every call that retries at all.
                 if can_retry:
@@ -441,7 +448,14 @@ class EngineClient:
         Returns: GENERATE a GenerateResult or a list of them; OBJECT and SUCCESS a dict; MAYBE_SUCCESS a dict or
         None; ANY the parsed JSON or None; IGNORED None. Failures raise an EngineError (see the module docstring).
         """
-        json_body = body.to_dict() if isinstance(body, Message) else None if body is None else dict(body)
+        # A request type was validated when built (its floats are finite): orjson writes it, 7x faster than the
+        # standard library (256 prompts x 128 ids: 0.23 against 1.69 ms on a 2-core CPU). A raw object goes through
+        # the standard library, which keeps a NaN as NaN for the engine to refuse (orjson would write null).
+        json_body: bytes | dict[str, Any] | None
+        if isinstance(body, Message):
+            json_body = jsonwire.dumps(body.to_dict())
+        else:
+            json_body = None if body is None else dict(body)
         response, path = self._send(endpoint, json_body, params, timeout_s)
         what = f"{endpoint.method} {path}"
         reply = endpoint.reply

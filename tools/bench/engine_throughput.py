@@ -210,7 +210,10 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
     t0 = time.perf_counter()
     parse_s = 0.0
     if ns.client == "batch":
-        r = client.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params, **extra})
+        # Written with orjson, as hpcrl's engine client writes a GenerateRequest (the standard library's json=
+        # took 1.7 ms for these 256 x 128 ids on a 2-core CPU, orjson 0.23 ms).
+        body = jsonwire.dumps({"input_ids": prompts, "sampling_params": params, **extra})
+        r = client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
         r.raise_for_status()
         t1 = time.perf_counter()
         outs, decoded = _parse(r.content, wire)
@@ -218,7 +221,8 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
     else:
 
         def one(p: list[int]) -> tuple[list[dict[str, Any]], list[list[float]] | None]:
-            r = client.post(url + "/generate", json={"input_ids": p, "sampling_params": params, **extra})
+            body = jsonwire.dumps({"input_ids": p, "sampling_params": params, **extra})
+            r = client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
             r.raise_for_status()
             return _parse(r.content, wire)
 
