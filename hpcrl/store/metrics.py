@@ -451,23 +451,30 @@ def _open_for_read(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
             )
         try:
             yield f
-        except (OSError, KeyError, ValueError) as error:
+        except _READ_ERRORS as error:
             raise StoreError(f"cannot read {path} ({error}); the file is truncated or corrupt") from error
     finally:
         f.close()
+
+
+# What h5py raises reading a file that is truncated, corrupt, or being extended: RuntimeError comes from its object
+# visitation (HDF5's H5Ovisit) walking a group header that a SWMR writer is still extending.
+_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
 
 
 def _read(path: str | os.PathLike[str], read: Callable[[h5py.File], _T]) -> _T:
     """read(f) on the metrics file. While a writer has the file open, a read that fails is retried for up to
     _READ_RETRY_S: under SWMR, HDF5 does not order an appended variable-length string (an event's kind or detail)
     with its dataset's new extent, so a reader between the two fails with "len not positive after adjustment for
-    EOA" (seen in CI), and a moment later reads it whole. A file no writer has open fails at once."""
+    EOA" (seen in CI), and a moment later reads it whole; the same holds for a group the writer is adding a metric
+    to, where visiting the group failed with "Object visitation failed (address of object past end of
+    allocation)" (CI, session 22). A file no writer has open fails at once."""
     deadline_s = time.monotonic() + _READ_RETRY_S
     while True:
         with _open_for_read(path) as f:
             try:
                 return read(f)
-            except (OSError, KeyError, ValueError):
+            except _READ_ERRORS:
                 live = _superblock_write_flags(Path(path)) & _SUPERBLOCK_OPEN_FOR_WRITE
                 if not live or time.monotonic() > deadline_s:
                     raise  # _open_for_read names the file and the problem
