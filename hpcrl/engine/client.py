@@ -84,8 +84,8 @@ _MAX_BACKOFF_S = 8.0
 # closing at that moment gets no answer ("Server disconnected without sending a response"), and a /generate is
 # not re-sent. Seen on the H200 mid-run (docs/sglang.md); 2 s leaves the server's timer a 3 s margin.
 KEEPALIVE_EXPIRY_S = 2.0
+_JSON_HEADERS = {"content-type": "application/json"}  # of a body written here (orjson), not by httpx's json=
 # Error bodies can be whole HTML pages from a proxy; the first part is enough to name the problem.
-_JSON_HEADERS = {"content-type": "application/json"}
 _MAX_ERROR_CHARS = 500
 
 

@@ -435,6 +435,11 @@ class MetricsWriter:
 # -- reading -----------------------------------------------------------------------------------------
 
 
+# What h5py raises reading a file that is truncated, corrupt, or being extended: RuntimeError comes from its object
+# visitation (HDF5's H5Ovisit) walking a group header that a SWMR writer is still extending.
+_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
+
+
 @contextmanager
 def _open_for_read(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
     path = Path(path)
@@ -455,11 +460,6 @@ def _open_for_read(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
             raise StoreError(f"cannot read {path} ({error}); the file is truncated or corrupt") from error
     finally:
         f.close()
-
-
-# What h5py raises reading a file that is truncated, corrupt, or being extended: RuntimeError comes from its object
-# visitation (HDF5's H5Ovisit) walking a group header that a SWMR writer is still extending.
-_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
 
 
 def _read(path: str | os.PathLike[str], read: Callable[[h5py.File], _T]) -> _T:

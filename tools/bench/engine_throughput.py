@@ -43,6 +43,8 @@ if str(REPO) not in sys.path:
 from hpcrl.engine import jsonwire  # noqa: E402 - after the path that finds hpcrl
 from hpcrl.engine.protocol import PACKED_LOGPROBS_KEY, parse_generate_response  # noqa: E402
 
+JSON_HEADERS = {"content-type": "application/json"}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -213,7 +215,7 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
         # Written with orjson, as hpcrl's engine client writes a GenerateRequest (the standard library's json=
         # took 1.7 ms for these 256 x 128 ids on a 2-core CPU, orjson 0.23 ms).
         body = jsonwire.dumps({"input_ids": prompts, "sampling_params": params, **extra})
-        r = client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
+        r = client.post(url + "/generate", content=body, headers=JSON_HEADERS)
         r.raise_for_status()
         t1 = time.perf_counter()
         outs, decoded = _parse(r.content, wire)
@@ -222,7 +224,7 @@ def _engine_pass(ns: argparse.Namespace, client: Any, url: str, prompts: list[li
 
         def one(p: list[int]) -> tuple[list[dict[str, Any]], list[list[float]] | None]:
             body = jsonwire.dumps({"input_ids": p, "sampling_params": params, **extra})
-            r = client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
+            r = client.post(url + "/generate", content=body, headers=JSON_HEADERS)
             r.raise_for_status()
             return _parse(r.content, wire)
 

@@ -60,22 +60,21 @@ def _sample_partial(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], 
 KERNELS = {"attention": _attention, "sample_partial": _sample_partial}
 
 
-def _missing_constexprs(fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> list[str]:
-    return [name for name in fn.arg_names if name not in signature and name not in constexprs]
-
-
 def compile_sass(name: str, arch: int, out_dir: Path) -> tuple[str, int]:
     """(SASS text, shared memory bytes) of kernel `name`, built for compute capability `arch`."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from hpcrl.engine.embedded import kernels
 
     if not kernels.AVAILABLE:
         raise SystemExit("kernel_sass.py needs Triton (pip install triton)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.is_file():
+        raise SystemExit(f"Triton's nvdisasm is not at {nvdisasm}: this Triton has no NVIDIA backend")
     fn, signature, constexprs, divisible, warps, stages = KERNELS[name](kernels)
-    missing = _missing_constexprs(fn, signature, constexprs)
+    missing = [arg for arg in fn.arg_names if arg not in signature and arg not in constexprs]
     if missing:
         raise SystemExit(f"{name}: this script does not know the kernel's arguments {missing}; add them to it")
     signature = {**signature, **{key: "constexpr" for key in constexprs}}
@@ -88,9 +87,6 @@ def compile_sass(name: str, arch: int, out_dir: Path) -> tuple[str, int]:
     cubin = out_dir / f"{name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    if not nvdisasm.is_file():
-        raise SystemExit(f"Triton's nvdisasm is not at {nvdisasm}: this Triton has no NVIDIA backend")
     sass = subprocess.run([str(nvdisasm), "-c", "-g", str(cubin)], capture_output=True, text=True, check=True).stdout
     (out_dir / f"{name}.sass").write_text(sass)
     return sass, int(compiled.metadata.shared)

@@ -611,8 +611,8 @@ if AVAILABLE:
         tl.store(out + 1, sum1)
         tl.store(out + 2, mx2)
         tl.store(out + 3, sum2)
-        # A chunk with no id equal to its max (all NaN) reports its first id, as the one-pass kernel did: a row of
-        # no finite logit draws id 0, as torch.argmax gives.
+        # A chunk with no id equal to its max (all NaN) reports its first id: a row of no finite logit then draws
+        # id 0, as torch.argmax gives.
         first = tl.min(av, axis=0)
         tl.store(PartI + row * NSPLIT + split, tl.where(first == V, lo, first))
 
