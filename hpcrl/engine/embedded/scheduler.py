@@ -195,6 +195,9 @@ class Scheduler:
         self._stop = False
         self._inflight: _Pending | None = None
         self._rows_dirty = True  # the runner's slot buffers must be rewritten before the next step
+        # Decode launches until every running row has reached its length limit (max_new_tokens or the context),
+        # counted from the last time the rows changed; the step that would only run past it is not launched.
+        self._launches_left = 0
         self._torch_sampler = False  # some running row needs top-k/top-p/min-p or its sampling support
         self._want_support = False
         self.num_decode_steps = 0
@@ -337,6 +340,15 @@ class Scheduler:
         if self._rows_dirty:
             self.runner.write_rows([r.row_state() for r in self.running])
             self._rows_dirty = False
+            in_flight = 1 if self._inflight is not None else 0
+            self._launches_left = max(self._length_limit(r) - len(r.output_ids) for r in self.running) - in_flight
+        if self._inflight is not None and self._launches_left <= 0:
+            # The step in flight brings every row to its length limit. With overlap, the next step would be
+            # launched before reading that one, computed in full (a whole step of GPU time at batch 256), and
+            # its tokens dropped; reading the step in flight finishes the rows instead.
+            self._drain()
+            return
+        self._launches_left -= 1
         t0 = time.perf_counter()
         handle = self.runner.decode(
             len(self.running), torch_sampler=self._torch_sampler, want_support=self._want_support
@@ -346,6 +358,10 @@ class Scheduler:
         previous, self._inflight = self._inflight, _Pending(rows=list(self.running), handle=handle)
         if previous is not None and self._process(previous, advance=True):
             self._drain()  # a row finished: settle the look-ahead step before the slots change
+
+    def _length_limit(self, r: SeqRequest) -> int:
+        """The output length at which `r` finishes whatever it samples (_append_tokens' length test)."""
+        return min(r.max_new_tokens, self.cfg.context_length - len(r.prompt_ids))
 
     def _drain(self) -> None:
         """Read the launched step, if any, then remove finished rows from their slots."""
