@@ -729,7 +729,7 @@ def test_compiled_cpu_decode_matches_eager() -> None:
 
 
 def test_answer_text_is_what_the_tokenizer_decodes() -> None:
-    from hpcrl.engine.embedded.server import decode_ids
+    from hpcrl.engine.embedded.detokenize import decode_ids
     from hpcrl.model.tiny import build_tokenizer
 
     tok = build_tokenizer()

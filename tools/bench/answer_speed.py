@@ -43,7 +43,7 @@ import transformers  # noqa: E402
 
 from hpcrl.engine import jsonwire  # noqa: E402
 from hpcrl.engine import protocol as P  # noqa: E402
-from hpcrl.engine.embedded.server import _decode_is_transformers_own, decode_ids  # noqa: E402
+from hpcrl.engine.embedded.detokenize import _decode_is_transformers_own, decode_ids  # noqa: E402
 from hpcrl.model.tiny import build_tokenizer  # noqa: E402
 
 

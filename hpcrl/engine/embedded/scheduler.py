@@ -35,6 +35,7 @@ import torch
 
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
 from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
@@ -80,6 +81,7 @@ class SeqRequest:
     answered_s: float | None = None  # handed to on_done: after any re-score, which finished_s precedes
     cached_len: int = 0  # tokens of prompt+output whose K/V are in the cache
     sampled_logprobs: list[float] | None = None  # the sampled log-probs, when `logprobs` holds a re-score
+    text: RowText = field(default_factory=RowText)  # the output's text so far (the scheduler's TextDecoder)
 
     @property
     def all_ids(self) -> list[int]:
@@ -161,6 +163,8 @@ class _Pending:
 class Scheduler:
     def __init__(self, model: CausalLM, cfg: SchedulerConfig, *, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
+        # Set by the server once its tokenizer is loaded; None: no text is decoded on this thread.
+        self.text_decoder: TextDecoder | None = None
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -334,6 +338,20 @@ class Scheduler:
         self._launch()
         if not self.overlap:
             self._drain()
+            return
+        self._advance_texts()
+
+    def _advance_texts(self) -> None:
+        """Advance the text of one row in CHUNK_TOKENS a step, while the device computes the step just launched: each
+        row's text then moves a chunk at a time, and the host work a step stays small and the same from step to
+        step. Only with overlap: without it the host has no device time to hide the work behind, and decoding in
+        chunks with their context costs about three times the tokens of one decode at the end."""
+        decoder = self.text_decoder
+        if decoder is None:
+            return
+        for r in self.running[self.num_decode_steps % CHUNK_TOKENS :: CHUNK_TOKENS]:
+            if r.finish_reason is None:
+                decoder.advance(r.text, r.output_ids)
 
     def _launch(self) -> None:
         """Launch the next decode step; with overlap, read the previous step's tokens meanwhile."""
