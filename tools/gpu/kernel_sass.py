@@ -52,7 +52,7 @@ def _sample_partial(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], 
     block, warps, _, _ = kernels.SAMPLE_CONFIG
     signature = {"Logits": "*bf16", "stride_row": "i32", "V": "i32", "Temp": "*fp32", "Part": "*fp32", "PartI": "*i32"}
     chunks = -(-151_936 // SAMPLE_CHUNK_IDS)
-    constexprs = {"NSPLIT": chunks, "CHUNK": SAMPLE_CHUNK_IDS, "BLOCK": block, "PDL": True}
+    constexprs = {"NSPLIT": chunks, "CHUNK": SAMPLE_CHUNK_IDS, "BLOCK": block, "FAST_EXP": True, "PDL": True}
     # 151,936 = 16 x 9,496: the row stride is a multiple of 16, the vocabulary too.
     return kernels._sample_partial_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5), warps, 3
 
