@@ -331,7 +331,7 @@ def _timed_profile(warm: dict[str, Any] | None, end: dict[str, Any] | None) -> d
     for k, v in end.items():
         if k.endswith("_ms_per_step"):
             out[k] = (v * end["decode_steps"] - warm[k] * warm["decode_steps"]) / steps
-    for k in ("prefill_s_total", "answer_s_total", "answer_cpu_s_total", "answer_queue_s_total"):
+    for k in ("prefill_s_total", "intake_s_total", "answer_s_total", "answer_cpu_s_total", "answer_queue_s_total"):
         if k in end and k in warm:
             out[k] = end[k] - warm[k]
     return out

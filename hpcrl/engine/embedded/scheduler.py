@@ -208,12 +208,14 @@ class Scheduler:
         self.num_prefill_forwards = 0
         self.num_generated_tokens = 0
         # answer_*: the HTTP layer's time turning finished requests into an answer (it adds to them): wall, the
-        # answering thread's CPU, and from the last request's finish to the answer's start.
+        # answering thread's CPU, and from the last request's finish to the answer's start. intake_s: its time from
+        # a /generate's arrival to the requests' submission (reading, parsing and checking the body).
         self.host_stats: dict[str, float] = {
             "launch_s": 0.0,
             "wait_s": 0.0,
             "process_s": 0.0,
             "prefill_s": 0.0,
+            "intake_s": 0.0,
             "answer_s": 0.0,
             "answer_cpu_s": 0.0,
             "answer_queue_s": 0.0,
@@ -245,6 +247,7 @@ class Scheduler:
             "host_wait_ms_per_step": self.host_stats["wait_s"] * 1e3 / steps,
             "host_process_ms_per_step": self.host_stats["process_s"] * 1e3 / steps,
             "prefill_s_total": self.host_stats["prefill_s"],
+            "intake_s_total": self.host_stats["intake_s"],
             "answer_s_total": self.host_stats["answer_s"],
             "answer_cpu_s_total": self.host_stats["answer_cpu_s"],
             "answer_queue_s_total": self.host_stats["answer_queue_s"],

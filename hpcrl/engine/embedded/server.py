@@ -319,6 +319,7 @@ class EmbeddedEngine:
 
     # ----- handlers -----
     async def generate(self, request: web.Request) -> web.Response:
+        intake0 = time.perf_counter()
         body = await _json_body(request)
         if not isinstance(body, dict):
             return _error("the /generate body must be a JSON object")
@@ -374,6 +375,7 @@ class EmbeddedEngine:
                 seqs.append(seq)
                 futures.append(fut)
         self.scheduler.submit(seqs)
+        self.scheduler.host_stats["intake_s"] += time.perf_counter() - intake0
         try:
             finished = await asyncio.gather(*futures)
         except asyncio.CancelledError:
