@@ -827,11 +827,7 @@ class GenerateResult:
         set return_text_in_logprobs). The log-probs go as triples; for return_logprob_packed the server leaves
         output_token_logprobs None and adds `pack_logprobs` of its own array.
         """
-        # Older names of the fields written below would otherwise travel next to the canonical ones, and a log-prob
-        # column of the raw meta_info (a parsed answer's) next to the one written from output_token_logprobs.
-        skip = {name for names in C.META_INFO_ALIASES.values() for name in names[1:]}
-        skip |= {"output_token_logprobs", PACKED_LOGPROBS_KEY}
-        meta: dict[str, Any] = {k: v for k, v in self.meta_info.items() if k not in skip}
+        meta: dict[str, Any] = {k: v for k, v in self.meta_info.items() if k not in _META_NOT_COPIED}
         meta.update(
             {
                 "id": self.rid,
@@ -863,6 +859,14 @@ class GenerateResult:
         if self.text is not None:
             out["text"] = self.text
         return out
+
+
+# Older names of the fields to_response writes would otherwise travel next to the canonical ones, and a log-prob
+# column of the raw meta_info (a parsed answer's) next to the one written from output_token_logprobs.
+_META_NOT_COPIED = frozenset(
+    {name for names in C.META_INFO_ALIASES.values() for name in names[1:]}
+    | {"output_token_logprobs", PACKED_LOGPROBS_KEY}
+)
 
 
 def pack_logprobs(logprobs: Sequence[float]) -> str:
