@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import sys
 import threading
 import time
@@ -211,6 +212,10 @@ def test_bad_requests_get_400_and_server_keeps_serving(shared_engine: EngineProc
     r = httpx.post(url + "/generate", content=b"{not json", timeout=10)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert "context length" in gen(url, bad["context length"]).json()["error"]["message"]
+    # A bare NaN (not JSON, but Python's json writes it): read, then refused by the checks, by name.
+    nan = json.dumps({"input_ids": PROMPT, "sampling_params": {"temperature": float("nan")}})
+    r = httpx.post(url + "/generate", content=nan, timeout=10)
+    assert r.status_code == 400 and "temperature must be finite" in r.json()["error"]["message"], r.text
     assert gen(url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
 
 
