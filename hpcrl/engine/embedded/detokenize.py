@@ -67,7 +67,6 @@ class TextDecoder:
     row is done; the answering thread's, while the scheduler no longer touches the row)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
         self._decode = decoder_of(tokenizer)
 
     def advance(self, row: RowText, ids: list[int]) -> None:

@@ -221,8 +221,7 @@ class EmbeddedEngine:
         self.scheduler.weight_version = cfg.weight_version
         self.weights = WeightReceiver(self.scheduler, group_timeout_s=cfg.group_timeout_s)
         self.tokenizer = _load_tokenizer(cfg.model)
-        self.text_decoder = TextDecoder(self.tokenizer) if self.tokenizer is not None else None
-        self.scheduler.text_decoder = self.text_decoder
+        self.scheduler.text_decoder = TextDecoder(self.tokenizer) if self.tokenizer is not None else None
         self._seed_rng = secrets.SystemRandom() if cfg.random_seed < 0 else None
         self._request_counter = 0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hpcrl-engine-ctl")
@@ -280,7 +279,7 @@ class EmbeddedEngine:
                 )
         return batch
 
-    def _result(self, r: SeqRequest, want_text: bool, text_in_logprobs: bool, packed: bool) -> dict[str, Any]:
+    def _result(self, r: SeqRequest, text_in_logprobs: bool, packed: bool) -> dict[str, Any]:
         lat = (r.finished_s or time.monotonic()) - r.created_s
         texts: list[str | None] | None = None
         if text_in_logprobs and self.tokenizer:
@@ -288,7 +287,7 @@ class EmbeddedEngine:
         reason = r.finish_reason or {"type": "abort", "message": "no finish reason"}
         column = (r.scaled_logprobs if r.logprob_scaled else r.logprobs) if r.return_logprob else None
         result = P.GenerateResult(
-            text=self.text_decoder.text(r.text, r.output_ids) if want_text and self.text_decoder else None,
+            text=decoder.text(r.text, r.output_ids) if (decoder := self.scheduler.text_decoder) else None,
             output_ids=list(r.output_ids),
             rid=r.rid,
             finish_reason=P.FinishReason.from_dict(reason),
@@ -383,13 +382,10 @@ class EmbeddedEngine:
             for s in seqs:
                 self.scheduler.call(functools.partial(self.scheduler.abort, s.rid))
             raise
-        want_text = self.tokenizer is not None
         t0, cpu0, mono0 = time.perf_counter(), time.thread_time(), time.monotonic()
         # The answer is acyclic: collections it would set off (each scanning the model's heap) find nothing.
         with jsonwire.gc_paused():
-            results = [
-                self._result(r, want_text, req.return_text_in_logprobs, req.return_logprob_packed) for r in finished
-            ]
+            results = [self._result(r, req.return_text_in_logprobs, req.return_logprob_packed) for r in finished]
             response = _json_response(results if req.returns_list else results[0])
         stats = self.scheduler.host_stats
         stats["answer_s"] += time.perf_counter() - t0
