@@ -687,7 +687,12 @@ class WeightVersionSpan:
         return cls(version=body.get("version"), start=body.get("start"), end=body.get("end"))  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "start": self.start, "end": self.end}
+        return span_object(self.version, self.start, self.end)
+
+
+def span_object(version: str, start: int, end: int) -> dict[str, Any]:
+    """A weight_versions entry as the contract writes it (the embedded server writes its scheduler's spans so)."""
+    return {"version": version, "start": start, "end": end}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -821,44 +826,95 @@ class GenerateResult:
         )
 
     def to_response(self, *, token_texts: Sequence[str | None] | None = None) -> dict[str, Any]:
-        """The contract's JSON object for this result (what the embedded server sends).
+        """The contract's JSON object for this result (`result_object` of its fields).
 
         `token_texts` fills the third element of each output_token_logprobs entry (null unless the request
-        set return_text_in_logprobs). The log-probs go as triples; for return_logprob_packed the server leaves
-        output_token_logprobs None and adds `pack_logprobs` of its own array.
+        set return_text_in_logprobs). The log-probs go as triples.
         """
-        meta: dict[str, Any] = {k: v for k, v in self.meta_info.items() if k not in _META_NOT_COPIED}
-        meta.update(
-            {
-                "id": self.rid,
-                "finish_reason": None if self.finish_reason is None else self.finish_reason.to_dict(),
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens,
-                "weight_version": self.weight_version if self.weight_version is not None else DEFAULT_WEIGHT_VERSION,
-                "num_retractions": self.num_retractions,
-            }
-        )
-        if self.e2e_latency_s is not None:
-            meta["e2e_latency"] = self.e2e_latency_s
+        triples: list[tuple[float, int, str | None]] | None = None
         if self.output_token_logprobs is not None:
             texts = list(token_texts) if token_texts is not None else [None] * len(self.output_ids)
             if len(texts) != len(self.output_ids):
                 raise ValueError(f"token_texts has {len(texts)} entries for {len(self.output_ids)} output tokens")
             # Tuples built by zip, which JSON writes as the same [logprob, id, text] arrays: at 131k tokens a
             # list each took 4x longer (mostly the garbage collections the new lists set off).
-            meta["output_token_logprobs"] = list(zip(self.output_token_logprobs, self.output_ids, texts, strict=True))
-        if self.weight_versions is not None:
-            meta["weight_versions"] = [span.to_dict() for span in self.weight_versions]
-        if self.sampling_mask is not None:
-            meta["output_token_sampling_mask"] = self.sampling_mask
-            meta["output_token_sampling_mask_length"] = len(self.sampling_mask)
-        if self.support_logprobs is not None:
-            meta["output_token_sampling_logprobs"] = self.support_logprobs
-        out: dict[str, Any] = {"output_ids": self.output_ids, "meta_info": meta}
-        if self.text is not None:
-            out["text"] = self.text
-        return out
+            triples = list(zip(self.output_token_logprobs, self.output_ids, texts, strict=True))
+        return result_object(
+            text=self.text,
+            output_ids=self.output_ids,
+            rid=self.rid,
+            finish_reason=None if self.finish_reason is None else self.finish_reason.to_dict(),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            weight_version=self.weight_version,
+            num_retractions=self.num_retractions,
+            e2e_latency_s=self.e2e_latency_s,
+            logprob_triples=triples,
+            weight_versions=None if self.weight_versions is None else [s.to_dict() for s in self.weight_versions],
+            sampling_mask=self.sampling_mask,
+            support_logprobs=self.support_logprobs,
+            extra_meta=self.meta_info,
+        )
+
+
+def result_object(
+    *,
+    text: str | None,
+    output_ids: list[int],
+    rid: str,
+    finish_reason: dict[str, Any] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    weight_version: str | None,
+    num_retractions: int = 0,
+    e2e_latency_s: float | None = None,
+    logprob_triples: list[tuple[float, int, str | None]] | None = None,
+    packed_logprobs: str | None = None,
+    weight_versions: list[dict[str, Any]] | None = None,
+    sampling_mask: list[list[int]] | None = None,
+    support_logprobs: list[float] | None = None,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One result of a `/generate` answer as the contract lays it out: the one writer of that layout.
+
+    The parts are JSON-ready and trusted (`finish_reason` as `FinishReason.to_dict` writes it, the spans as
+    `WeightVersionSpan.to_dict`): `GenerateResult.to_response` passes its checked fields, and the embedded server
+    its scheduler's own records, which it builds in these shapes, without making a checked GenerateResult of each
+    first (at 256 results that took most of the answer's time). `packed_logprobs`: `pack_logprobs` of the column,
+    sent in place of the triples when the request set return_logprob_packed; `extra_meta`: meta_info fields the
+    contract does not name, passed through.
+    """
+    meta: dict[str, Any] = {k: v for k, v in extra_meta.items() if k not in _META_NOT_COPIED} if extra_meta else {}
+    meta.update(
+        {
+            "id": rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens,
+            "weight_version": weight_version if weight_version is not None else DEFAULT_WEIGHT_VERSION,
+            "num_retractions": num_retractions,
+        }
+    )
+    if e2e_latency_s is not None:
+        meta["e2e_latency"] = e2e_latency_s
+    if logprob_triples is not None:
+        meta["output_token_logprobs"] = logprob_triples
+    if packed_logprobs is not None:
+        meta[PACKED_LOGPROBS_KEY] = packed_logprobs
+    if weight_versions is not None:
+        meta["weight_versions"] = weight_versions
+    if sampling_mask is not None:
+        meta["output_token_sampling_mask"] = sampling_mask
+        meta["output_token_sampling_mask_length"] = len(sampling_mask)
+    if support_logprobs is not None:
+        meta["output_token_sampling_logprobs"] = support_logprobs
+    out: dict[str, Any] = {"output_ids": output_ids, "meta_info": meta}
+    if text is not None:
+        out["text"] = text
+    return out
 
 
 # Older names of the fields to_response writes would otherwise travel next to the canonical ones, and a log-prob
@@ -878,6 +934,42 @@ def pack_logprobs(logprobs: Sequence[float]) -> str:
         column = array("d", column)  # a copy: the caller's array stays native
         column.byteswap()
     return base64.b64encode(column.tobytes()).decode("ascii")
+
+
+class GrowingPackedColumn:
+    """`pack_logprobs` of a log-prob column that grows while its row decodes, packed a few values at a time.
+
+    Base64 turns each 3 bytes into 4 characters on its own, so the packing of a column is the packings of its runs
+    of 3 float64s (24 bytes) joined: `advance` packs the whole runs added since the last call, and `packed` joins
+    them with the rest. The embedded scheduler advances a row's column while the device computes a step, so the
+    answer packs only the last few values of each row. A column replaced by another array (a re-score) is packed
+    whole.
+    """
+
+    __slots__ = ("_chunks", "_done", "_source")
+
+    def __init__(self) -> None:
+        self._source: array[float] | None = None
+        self._done = 0
+        self._chunks: list[str] = []
+
+    @property
+    def values_packed(self) -> int:
+        """How many of the column's values `advance` has packed."""
+        return self._done
+
+    def advance(self, column: array[float]) -> None:
+        if column is not self._source:
+            self._source, self._done, self._chunks = column, 0, []
+        end = self._done + (len(column) - self._done) // 3 * 3
+        if end > self._done:
+            self._chunks.append(pack_logprobs(column[self._done : end]))
+            self._done = end
+
+    def packed(self, column: array[float]) -> str:
+        if column is not self._source or len(column) < self._done:
+            return pack_logprobs(column)
+        return "".join(self._chunks) + pack_logprobs(column[self._done :])
 
 
 def _unpack_logprobs(value: object, num_tokens: int) -> list[float]:

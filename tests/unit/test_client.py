@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import socket
 import struct
 import threading
@@ -32,6 +33,7 @@ from hpcrl.engine.protocol import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    GrowingPackedColumn,
     InitWeightsUpdateGroup,
     MemoryOccupation,
     PauseGeneration,
@@ -1083,6 +1085,24 @@ def test_packed_log_probs_read_as_the_triples_do_bit_for_bit():
     wire = json.loads(jsonwire.dumps(packed.to_response()))
     assert "output_token_logprobs_packed" not in wire["meta_info"]
     assert GenerateResult.from_response(wire).output_token_logprobs == values
+
+
+def test_a_column_packed_while_it_grows_is_the_whole_column_packed() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        column: array[float] = array("d")
+        growing = GrowingPackedColumn()
+        for _ in range(rng.randrange(0, 12)):
+            column.extend(-rng.random() * 20 for _ in range(rng.randrange(0, 40)))
+            growing.advance(column)
+            assert growing.values_packed % 3 == 0 and len(column) - 3 < growing.values_packed <= len(column)
+        column.extend(-rng.random() for _ in range(rng.randrange(0, 5)))  # the tail the answer packs
+        assert growing.packed(column) == pack_logprobs(column)
+    # A column replaced after packing began (a re-score writes a new array) is packed whole, from the new one.
+    rescored = array("d", [-1.5, -2.5, -3.5, -4.5])
+    assert growing.packed(rescored) == pack_logprobs(rescored)
+    growing.advance(rescored)
+    assert growing.values_packed == 3 and growing.packed(rescored) == pack_logprobs(rescored)
 
 
 @pytest.mark.parametrize(

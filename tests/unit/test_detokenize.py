@@ -14,6 +14,7 @@ import torch
 
 from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder, decode_ids
 from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
+from hpcrl.engine.protocol import GrowingPackedColumn, pack_logprobs
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import build_tokenizer
 
@@ -109,9 +110,10 @@ def test_the_scheduler_advances_texts_while_rows_decode(tiny_model_dir: Path) ->
             seed=i,
             stop_token_ids=frozenset(),
             ignore_eos=True,
-            return_logprob=False,
+            return_logprob=True,
             return_sampling_mask=False,
             on_done=lambda r: None,
+            packed_column=GrowingPackedColumn() if i % 2 else None,  # the rows that asked for the packed wire
         )
         for i in range(6)
     ]
@@ -124,7 +126,11 @@ def test_the_scheduler_advances_texts_while_rows_decode(tiny_model_dir: Path) ->
         assert len(r.output_ids) == r.max_new_tokens
         # All but the last chunk or two were decoded during the run, not after it.
         assert r.text.read >= len(r.output_ids) - 2 * CHUNK_TOKENS, (r.text.read, len(r.output_ids))
+        assert sched.text_decoder is not None
         assert sched.text_decoder.text(r.text, r.output_ids) == tok.decode(r.output_ids, skip_special_tokens=True)
+        if r.packed_column is not None:  # packed alongside the text, and to the same column as packed at the end
+            assert r.packed_column.values_packed >= len(r.output_ids) - 2 * CHUNK_TOKENS
+            assert r.packed_column.packed(r.logprobs) == pack_logprobs(r.logprobs)
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])  # texts decoded in chunks while rows decode; each whole at the end

@@ -144,18 +144,23 @@ def _packed_column(meta: dict[str, Any]) -> array:
     return column
 
 
-def test_packed_logprobs_are_the_triples_bit_for_bit(shared_engine: EngineProcess) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])  # on: each row's column is packed while the row decodes
+def test_packed_logprobs_are_the_triples_bit_for_bit(
+    shared_engine: EngineProcess, engine_factory: Any, overlap: str
+) -> None:
+    url = shared_engine.url if overlap == "off" else engine_factory("--decode-overlap", "on").url
     body: dict[str, Any] = {
         "input_ids": [PROMPT, PROMPT[:4]],
         "sampling_params": [
-            {"max_new_tokens": 24, "sampling_seed": 3, "ignore_eos": True},
-            {"max_new_tokens": 9, "sampling_seed": 4, "temperature": 0.8, "top_k": 7},
+            # Past two text chunks (CHUNK_TOKENS = 32), so that with overlap the packing advances during decode.
+            {"max_new_tokens": 24 if overlap == "off" else 100, "sampling_seed": 3, "ignore_eos": True},
+            {"max_new_tokens": 9 if overlap == "off" else 71, "sampling_seed": 4, "temperature": 0.8, "top_k": 7},
         ],
         "return_logprob": True,
     }
     for extra in ({}, {"return_scaled_logprob": True}):  # the scaled column is packed the same way
-        triples = gen(shared_engine.url, {**body, **extra}).json()
-        packed = gen(shared_engine.url, {**body, **extra, "return_logprob_packed": True}).json()
+        triples = gen(url, {**body, **extra}).json()
+        packed = gen(url, {**body, **extra, "return_logprob_packed": True}).json()
         assert len(triples) == len(packed) == 2
         for t, p in zip(triples, packed, strict=True):
             assert p["output_ids"] == t["output_ids"], "the same seeds sample the same tokens"

@@ -37,6 +37,7 @@ from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
+from hpcrl.engine.protocol import GrowingPackedColumn
 from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
 
@@ -82,6 +83,13 @@ class SeqRequest:
     cached_len: int = 0  # tokens of prompt+output whose K/V are in the cache
     sampled_logprobs: list[float] | None = None  # the sampled log-probs, when `logprobs` holds a re-score
     text: RowText = field(default_factory=RowText)  # the output's text so far (the scheduler's TextDecoder)
+    # The reported log-prob column packed so far, when the request asked for the packed wire (None: not asked).
+    packed_column: GrowingPackedColumn | None = None
+
+    @property
+    def reported_logprobs(self) -> array[float]:
+        """The log-prob column the answer reports: the temperature-scaled one for return_scaled_logprob."""
+        return self.scaled_logprobs if self.logprob_scaled else self.logprobs
 
     @property
     def all_ids(self) -> list[int]:
@@ -342,19 +350,21 @@ class Scheduler:
         if not self.overlap:
             self._drain()
             return
-        self._advance_texts()
+        self._advance_answers()
 
-    def _advance_texts(self) -> None:
-        """Advance the text of one row in CHUNK_TOKENS a step, while the device computes the step just launched: each
-        row's text then moves a chunk at a time, and the host work a step stays small and the same from step to
-        step. Only with overlap: without it the host has no device time to hide the work behind, and decoding in
-        chunks with their context costs about three times the tokens of one decode at the end."""
+    def _advance_answers(self) -> None:
+        """Advance the answer of one row in CHUNK_TOKENS a step (its text, and its packed log-prob column when the
+        request asked for one) while the device computes the step just launched: each row's answer then moves a
+        chunk at a time, and the host work a step stays small and the same from step to step. Only with overlap:
+        without it the host has no device time to hide the work behind, and decoding in chunks with their context
+        costs about three times the tokens of one decode at the end."""
         decoder = self.text_decoder
-        if decoder is None:
-            return
         for r in self.running[self.num_decode_steps % CHUNK_TOKENS :: CHUNK_TOKENS]:
             if r.finish_reason is None:
-                decoder.advance(r.text, r.output_ids)
+                if decoder is not None:
+                    decoder.advance(r.text, r.output_ids)
+                if r.packed_column is not None:
+                    r.packed_column.advance(r.reported_logprobs)
 
     def _launch(self) -> None:
         """Launch the next decode step; with overlap, read the previous step's tokens meanwhile."""

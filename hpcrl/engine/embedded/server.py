@@ -280,41 +280,45 @@ class EmbeddedEngine:
         return batch
 
     def _result(self, r: SeqRequest, text_in_logprobs: bool, packed: bool) -> dict[str, Any]:
-        lat = (r.finished_s or time.monotonic()) - r.created_s
-        texts: list[str | None] | None = None
-        if text_in_logprobs and self.tokenizer:
-            texts = [self.tokenizer.decode([t]) for t in r.output_ids]
-        reason = r.finish_reason or {"type": "abort", "message": "no finish reason"}
-        column = (r.scaled_logprobs if r.logprob_scaled else r.logprobs) if r.return_logprob else None
-        result = P.GenerateResult(
+        column = r.reported_logprobs if r.return_logprob else None
+        if column is not None and len(column) != len(r.output_ids):
+            raise RuntimeError(
+                f"request {r.rid} has {len(column)} log-probs for {len(r.output_ids)} output tokens: an engine bug "
+                "(the scheduler appends one of each a step); please report it"
+            )
+        triples: list[tuple[float, int, str | None]] | None = None
+        packed_text: str | None = None
+        if column is not None and packed:
+            # Most of the column was packed while the row decoded (GrowingPackedColumn); the rest is packed here.
+            packed_text = r.packed_column.packed(column) if r.packed_column is not None else P.pack_logprobs(column)
+        elif column is not None:
+            texts: list[str | None] = (
+                [self.tokenizer.decode([t]) for t in r.output_ids]
+                if text_in_logprobs and self.tokenizer
+                else [None] * len(r.output_ids)
+            )
+            triples = list(zip(column.tolist(), r.output_ids, texts, strict=True))
+        # Written from the scheduler's records, which it keeps in the contract's shapes: a checked GenerateResult of
+        # each first took most of a 256-row answer's time.
+        return P.result_object(
             text=decoder.text(r.text, r.output_ids) if (decoder := self.scheduler.text_decoder) else None,
-            output_ids=list(r.output_ids),
+            output_ids=r.output_ids,
             rid=r.rid,
-            finish_reason=P.FinishReason.from_dict(reason),
+            finish_reason=r.finish_reason or {"type": "abort", "message": "no finish reason"},
             prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
             weight_version=self.scheduler.weight_version,
-            output_token_logprobs=column.tolist() if column is not None and not packed else None,
-            weight_versions=[P.WeightVersionSpan(version=v, start=s, end=e) for v, s, e in r.version_spans],
-            sampling_mask=list(r.support_ids) if r.return_sampling_mask else None,
-            support_logprobs=list(r.support_logprobs) if r.return_sampling_mask else None,
             num_retractions=r.num_retractions,
-            e2e_latency_s=lat,
-            meta_info={"hpcrl_sampled_logprobs": r.sampled_logprobs}
+            e2e_latency_s=(r.finished_s or time.monotonic()) - r.created_s,
+            logprob_triples=triples,
+            packed_logprobs=packed_text,
+            weight_versions=[P.span_object(v, s, e) for v, s, e in r.version_spans],
+            sampling_mask=r.support_ids if r.return_sampling_mask else None,
+            support_logprobs=r.support_logprobs if r.return_sampling_mask else None,
+            extra_meta={"hpcrl_sampled_logprobs": r.sampled_logprobs}
             if r.sampled_logprobs is not None and r.return_logprob
-            else {},
+            else None,
         )
-        response = result.to_response(token_texts=texts)
-        if column is not None and packed:
-            # Packed straight from the scheduler's array("d"): going through a list of the floats (made only to be
-            # packed again) took a packed 256 x 512 answer from 16 to 19 ms on a 2-core CPU.
-            if len(column) != len(r.output_ids):
-                raise RuntimeError(
-                    f"request {r.rid} has {len(column)} log-probs for {len(r.output_ids)} output tokens: an engine "
-                    "bug (the scheduler appends one of each a step); please report it"
-                )
-            response["meta_info"][P.PACKED_LOGPROBS_KEY] = P.pack_logprobs(column)
-        return response
 
     # ----- handlers -----
     async def generate(self, request: web.Request) -> web.Response:
@@ -345,10 +349,12 @@ class EmbeddedEngine:
         futures: list[asyncio.Future[SeqRequest]] = []
         seqs: list[SeqRequest] = []
         base_rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+        # One read of the OS's randomness for the batch's fresh ids, not one a prompt (256 system calls).
+        fresh = secrets.token_hex(8 * len(prompts))
         for i, prompt in enumerate(prompts):
             params = req.params_for(i if req.is_batch else 0)
             for j in range(req.n):
-                base = base_rids[i] or secrets.token_hex(8)
+                base = base_rids[i] or fresh[16 * i : 16 * i + 16]
                 rid = base if req.n == 1 else f"{base}-{j}"
                 fut: asyncio.Future[SeqRequest] = loop.create_future()
 
@@ -371,6 +377,8 @@ class EmbeddedEngine:
                     on_done=done,
                 )
                 seq.logprob_scaled = logprob_scaled
+                if req.return_logprob and req.return_logprob_packed:
+                    seq.packed_column = P.GrowingPackedColumn()
                 seqs.append(seq)
                 futures.append(fut)
         self.scheduler.submit(seqs)
