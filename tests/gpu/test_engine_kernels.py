@@ -209,6 +209,20 @@ def test_linear_kernel_matches_f_linear(dtype: torch.dtype, bias: bool, split: i
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_linear_partials_sum_to_f_linear(dtype: torch.dtype) -> None:
+    torch.manual_seed(7)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    x, w = torch.randn(9, 96, device=DEVICE).to(dtype), torch.randn(24, 96, device=DEVICE).to(dtype)
+    assert torch.equal(kernels.split_k_linear(x, w, 1), torch.nn.functional.linear(x, w))
+    for parts in (2, 3, 4):
+        partials = kernels.split_k_linear(x, w, parts)
+        assert partials.shape == (parts, 9, 24) and partials.dtype == torch.float32
+        assert rel(partials.sum(0), torch.nn.functional.linear(x, w).float()) < tol
+    with pytest.raises(ValueError, match="K = 96 must split into 5 equal parts"):
+        kernels.split_k_linear(x, w, 5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_linear_is_silu_mul_of_the_same_products_bit_for_bit(dtype: torch.dtype) -> None:
     # The same tiles accumulate the same products, so the fused epilogue must round exactly as silu_mul does.
     torch.manual_seed(6)
@@ -231,13 +245,14 @@ def test_linear_kernel_refuses_a_bias_or_gate_on_partials() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("llama", [False, True])
-@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+@pytest.mark.parametrize("gemm", ["cublas", "cublas_split", "triton"])  # cublas_split: o and down split over K
 def test_decode_step_matches_forward_cached(
     dtype: torch.dtype, llama: bool, gemm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
 
-    monkeypatch.setattr(kernels, "GEMM_PATH", gemm)
+    monkeypatch.setattr(kernels, "GEMM_PATH", "cublas" if gemm == "cublas_split" else gemm)
+    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K", (2, 4) if gemm == "cublas_split" else (1, 1))
     monkeypatch.setattr(kernels, "GEMM_CONFIGS", SMALL_GEMM_CONFIGS)
     args = tiny_args(llama=llama)
     model = random_model(args, dtype)

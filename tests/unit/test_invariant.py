@@ -534,6 +534,31 @@ def test_an_unknown_gemm_path_or_a_bad_gemm_config_fails_at_start_up(monkeypatch
     assert kernels._gemm_config("O", (64, 64, 128, 4, 4, 3)) == (32, 64, 256, 8, 4, 3)
 
 
+def test_the_cublas_split_k_setting_is_checked_and_fits_each_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from hpcrl.engine.embedded import kernels
+    from hpcrl.engine.embedded.runner import _split_k_for
+
+    for bad in ("0,2", "2", "2,2,2", "two,2"):
+        monkeypatch.setenv("HPCRL_ENGINE_CUBLAS_SPLIT_K", bad)
+        with pytest.raises(ValueError, match=r"HPCRL_ENGINE_CUBLAS_SPLIT_K=.*unset it"):
+            kernels._cublas_split_k()
+    monkeypatch.setenv("HPCRL_ENGINE_CUBLAS_SPLIT_K", "4,3")
+    assert kernels._cublas_split_k() == (4, 3)
+    monkeypatch.delenv("HPCRL_ENGINE_CUBLAS_SPLIT_K")
+    assert kernels._cublas_split_k() == (2, 2)
+    qwen = SimpleNamespace(num_heads=16, head_dim=128, intermediate_size=3072)
+    odd = SimpleNamespace(num_heads=16, head_dim=128, intermediate_size=3073)
+    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K", (2, 2))
+    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K_ASKED", False)
+    assert _split_k_for(qwen) == (2, 2)
+    assert _split_k_for(odd) == (2, 1), "a default that does not divide K falls back to the whole GEMM"
+    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K_ASKED", True)
+    with pytest.raises(ValueError, match=r"2 parts do not divide this model's down GEMM, K = 3073"):
+        _split_k_for(odd)
+
+
 def test_a_bad_pdl_switch_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpcrl.engine.embedded import kernels
 

@@ -89,6 +89,23 @@ class Stage:
             return self.h
         return y
 
+    def cublas_split(self, parts: int, rotate: bool = True) -> torch.Tensor:
+        """o or down split over K into `parts` cuBLAS GEMMs of one strided batch, fp32 partials that add_rmsnorm
+        sums (as the Triton path's split-K): parts x the programs of one [256, 1024] output."""
+        w = self._w(rotate)
+        k = self.k // parts
+        x = self.x.view(self.m, parts, k).transpose(0, 1)  # [parts, m, k], rows self.k apart: no copy
+        wt = w.view(self.n, parts, k).permute(1, 2, 0)  # [parts, k, n]
+        y = torch.bmm(x, wt, out_dtype=torch.float32)
+        kernels.add_rmsnorm(y, self.resid, self.norm_w, 1e-6, self.h)
+        return self.h
+
+    def split_error(self, parts: int) -> float:
+        self.resid.copy_(self.resid0)
+        ref = self.cublas(rotate=False).clone()
+        self.resid.copy_(self.resid0)
+        return _rel(self.cublas_split(parts, rotate=False), ref)
+
     def triton(self, config: tuple[int, ...], rotate: bool = True) -> torch.Tensor:
         y = kernels.linear(self.x, self._w(rotate), config=config, gated=self.name == "gate_up")
         if self.name in ("o", "down"):
@@ -129,6 +146,8 @@ def main() -> int:
     p.add_argument("--configs", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,warps,stages;... for every stage")
     p.add_argument("--env-out", default=None, help="write the best config of each stage as HPCRL_ENGINE_GEMM_CONFIG_*")
     p.add_argument("--check-only", action="store_true", help="tiny shapes against cuBLAS's side (TRITON_INTERPRET=1)")
+    p.add_argument("--cublas-splits", default="", help="o and down only: cuBLAS split over K into these part "
+                   "counts (comma-separated), fp32 partials that add_rmsnorm sums, against the cuBLAS path")  # fmt: skip
     ns = p.parse_args()
     if ns.check_only:
         return check_only()
@@ -145,6 +164,16 @@ def main() -> int:
     for name, n, k in STAGES:
         stage = Stage(name, n, k, m, dev, torch.bfloat16)
         cublas_us = graph_ms(stage.cublas, launches=16) * 1e3
+        if ns.cublas_splits:
+            if name in ("o", "down"):
+                for parts in (int(v) for v in ns.cublas_splits.split(",")):
+                    if k % parts:
+                        continue
+                    us = graph_ms(functools.partial(stage.cublas_split, parts), launches=16) * 1e3
+                    again = graph_ms(stage.cublas, launches=16) * 1e3
+                    print(f"| {name} | {n} x {k} | cuBLAS path {cublas_us:.2f} / {again:.2f} us | split {parts}: "
+                          f"{us:.2f} us | rel err {stage.split_error(parts):.1e} |", flush=True)  # fmt: skip
+            continue
         best: tuple[float, tuple[int, ...]] | None = None
         for cfg in configs_for(name, ns.configs):
             if name not in ("o", "down") and cfg[3] != 1:

@@ -125,6 +125,46 @@ GEMM_CONFIGS = {
 }
 
 
+def _cublas_split_k() -> tuple[int, int]:
+    config = launch_config("HPCRL_ENGINE_CUBLAS_SPLIT_K", (2, 2), exact=True)
+    if min(config) < 1:
+        raise ValueError(
+            f"HPCRL_ENGINE_CUBLAS_SPLIT_K={','.join(map(str, config))}: the parts of the o and the down GEMM must be "
+            ">= 1, like 2,2 (the default; 1 = no split); unset it to use the default"
+        )
+    return config[0], config[1]
+
+
+# The decode step's o and down GEMMs on the cuBLAS path, split over K into (o, down) parts: one strided-batch cuBLAS
+# call of fp32 partials that add_rmsnorm sums, as the Triton path's split-K. At batch 256 their [256, 1024] outputs
+# are too few tiles to fill an H200's 132 multiprocessors. H200, Qwen3-0.6B shape, each GEMM with its add_rmsnorm
+# (tools/gpu/decode_gemm_sweep.py --cublas-splits): o 8.2 us whole, 7.2 / 7.4 / 10.0 in 2 / 4 / 8 parts; down 9.7
+# whole, 8.2 / 8.3 / 8.3 / 9.0 / 10.1 in 2 / 3 / 4 / 6 / 8; the decode step 2.93 -> 2.87 ms (docs/benchmarks.md).
+# 1 = F.linear, whole. A default split that does not divide a model's K falls back to 1 (DecodeRunner).
+CUBLAS_SPLIT_K = _cublas_split_k()
+CUBLAS_SPLIT_K_ASKED = bool(os.environ.get("HPCRL_ENGINE_CUBLAS_SPLIT_K", "").strip())
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """F.linear(x, weight) for parts == 1; else its fp32 partial products [parts, n, N] over `parts` equal shares of
+    K (add_rmsnorm sums them), from one strided-batch GEMM over views of x and weight (no copies)."""
+    if parts == 1:
+        return torch.nn.functional.linear(x, weight)
+    (n, k), out_features = x.shape, weight.shape[0]
+    if k % parts or not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(
+            f"split_k_linear: K = {k} must split into {parts} equal parts of contiguous x and weight; set "
+            "HPCRL_ENGINE_CUBLAS_SPLIT_K to parts that divide the model's hidden and intermediate sizes"
+        )
+    share = k // parts
+    xs = x.view(n, parts, share).transpose(0, 1)  # [parts, n, share], rows k apart
+    ws = weight.view(out_features, parts, share).permute(1, 2, 0)  # [parts, share, N]
+    if x.is_cuda:
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    # CPU builds have no bmm with out_dtype: the same products (a bf16 x bf16 product is exact in fp32).
+    return torch.bmm(xs.float(), ws.float())
+
+
 def _pdl_setting() -> bool:
     meaning = (
         "1 (programmatic dependent launch where the GPU has it, compute capability 9 and newer: the default) or 0 "

@@ -161,6 +161,7 @@ class DecodeRunner:
             log.warning("HPCRL_ENGINE_PREFILL=fused needs the triton or graph decode mode; %s prefills as before", mode)
         if kernels.GEMM_PATH == "triton" and mode not in ("triton", "graph"):
             log.warning("HPCRL_ENGINE_GEMM=triton needs the triton or graph decode mode; %s decodes as before", mode)
+        self.split_k = _split_k_for(model.args)
         # The invariant mode uses it only on its log-prob rows at temperature 1 without supports (_invariant_step).
         self.fast_sampler = self.is_cuda and mode != "eager"
         z: dict[str, Any] = dict(device=device)
@@ -525,10 +526,11 @@ class DecodeRunner:
                 act = kernels.linear(h, gate_up_w, config=gemm["gate_up"], gated=True)
                 d = kernels.linear(act, layer.mlp.down_proj.weight, config=gemm["down"])
             else:
-                o = F.linear(o, at.o_proj.weight)
-                kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
+                split_o, split_down = self.split_k
+                kernels.add_rmsnorm(kernels.split_k_linear(o, at.o_proj.weight, split_o), resid, post.weight,
+                                    post.eps, h)  # fmt: skip
                 kernels.silu_mul(F.linear(h, gate_up_w), act)
-                d = F.linear(act, layer.mlp.down_proj.weight)
+                d = kernels.split_k_linear(act, layer.mlp.down_proj.weight, split_down)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
         return model.logits(h)
@@ -784,6 +786,26 @@ def _fuse(params: Sequence[torch.Tensor]) -> torch.Tensor:
 # float32 was measured.
 _ONEDNN_MIN_MACS = 1 << 21
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _split_k_for(args: Any) -> tuple[int, int]:
+    """kernels.CUBLAS_SPLIT_K for a model: (o, down) parts that divide its K (heads x head_dim, the intermediate
+    size). A default that does not divide falls back to 1 (whole); a setting the user asked for is an error."""
+    splits = []
+    for what, parts, k in (
+        ("o", kernels.CUBLAS_SPLIT_K[0], args.num_heads * args.head_dim),
+        ("down", kernels.CUBLAS_SPLIT_K[1], args.intermediate_size),
+    ):
+        if k % parts == 0:
+            splits.append(parts)
+        elif kernels.CUBLAS_SPLIT_K_ASKED:
+            raise ValueError(
+                f"HPCRL_ENGINE_CUBLAS_SPLIT_K={','.join(map(str, kernels.CUBLAS_SPLIT_K))}: {parts} parts do not "
+                f"divide this model's {what} GEMM, K = {k}; use parts that divide it, or unset it for the default"
+            )
+        else:
+            splits.append(1)
+    return splits[0], splits[1]
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
