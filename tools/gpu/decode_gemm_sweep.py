@@ -146,8 +146,12 @@ def main() -> int:
     p.add_argument("--configs", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,warps,stages;... for every stage")
     p.add_argument("--env-out", default=None, help="write the best config of each stage as HPCRL_ENGINE_GEMM_CONFIG_*")
     p.add_argument("--check-only", action="store_true", help="tiny shapes against cuBLAS's side (TRITON_INTERPRET=1)")
-    p.add_argument("--cublas-splits", default="", help="o and down only: cuBLAS split over K into these part "
-                   "counts (comma-separated), fp32 partials that add_rmsnorm sums, against the cuBLAS path")  # fmt: skip
+    p.add_argument(
+        "--cublas-splits",
+        default="",
+        help="o and down only: cuBLAS split over K into these part counts (comma-separated), fp32 partials that "
+        "add_rmsnorm sums, against the cuBLAS path",
+    )
     ns = p.parse_args()
     if ns.check_only:
         return check_only()
