@@ -279,6 +279,19 @@ def test_decode_step_matches_forward_cached(
         got = runner.fast_forward(n).float()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert rel(got, ref) < tol, rel(got, ref)
+    if gemm == "cublas_split":
+        # Split up to CUBLAS_SPLIT_K_MAX_ROWS rows a step (where the H200 sweep found it faster), whole above.
+        asked: list[int] = []
+        split_k_linear = kernels.split_k_linear
+        monkeypatch.setattr(
+            kernels, "split_k_linear", lambda x, w, parts: asked.append(parts) or split_k_linear(x, w, parts)
+        )
+        for cap, want in ((n, {2, 4}), (n - 1, {1})):
+            asked.clear()
+            monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K_MAX_ROWS", cap)
+            with torch.no_grad():
+                assert rel(runner.fast_forward(n).float(), ref) < tol
+            assert set(asked) == want and len(asked) == 2 * args.num_layers
     for i in range(args.num_layers):
         for b, length in enumerate(lengths):
             assert rel(cache.k[i][b, :, : length + 1], ref_cache.k[i][b, :, : length + 1]) < tol

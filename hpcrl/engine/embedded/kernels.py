@@ -140,9 +140,12 @@ def _cublas_split_k() -> tuple[int, int]:
 # are too few tiles to fill an H200's 132 multiprocessors. H200, Qwen3-0.6B shape, each GEMM with its add_rmsnorm
 # (tools/gpu/decode_gemm_sweep.py --cublas-splits): o 8.2 us whole, 7.2 / 7.4 / 10.0 in 2 / 4 / 8 parts; down 9.7
 # whole, 8.2 / 8.3 / 8.3 / 9.0 / 10.1 in 2 / 3 / 4 / 6 / 8; the decode step 2.93 -> 2.87 ms (docs/benchmarks.md).
-# 1 = F.linear, whole. A default split that does not divide a model's K falls back to 1 (DecodeRunner).
+# 1 = F.linear, whole. A default split that does not divide a model's K falls back to 1 (DecodeRunner). Above
+# CUBLAS_SPLIT_K_MAX_ROWS rows a step keeps whole GEMMs: the same sweep at 1 to 512 rows found 2 parts faster at every
+# batch up to 384 (o 7.35 -> 6.40 us at 8 rows, 8.16 -> 7.61 at 384) and slower at 512 (o 8.49 -> 8.91).
 CUBLAS_SPLIT_K = _cublas_split_k()
 CUBLAS_SPLIT_K_ASKED = bool(os.environ.get("HPCRL_ENGINE_CUBLAS_SPLIT_K", "").strip())
+CUBLAS_SPLIT_K_MAX_ROWS = 384
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:

@@ -526,7 +526,7 @@ class DecodeRunner:
                 act = kernels.linear(h, gate_up_w, config=gemm["gate_up"], gated=True)
                 d = kernels.linear(act, layer.mlp.down_proj.weight, config=gemm["down"])
             else:
-                split_o, split_down = self.split_k
+                split_o, split_down = self.split_k if n <= kernels.CUBLAS_SPLIT_K_MAX_ROWS else (1, 1)
                 kernels.add_rmsnorm(kernels.split_k_linear(o, at.o_proj.weight, split_o), resid, post.weight,
                                     post.eps, h)  # fmt: skip
                 kernels.silu_mul(F.linear(h, gate_up_w), act)
