@@ -831,14 +831,11 @@ class GenerateResult:
         `token_texts` fills the third element of each output_token_logprobs entry (null unless the request
         set return_text_in_logprobs). The log-probs go as triples.
         """
-        triples: list[tuple[float, int, str | None]] | None = None
+        triples = None
         if self.output_token_logprobs is not None:
-            texts = list(token_texts) if token_texts is not None else [None] * len(self.output_ids)
-            if len(texts) != len(self.output_ids):
-                raise ValueError(f"token_texts has {len(texts)} entries for {len(self.output_ids)} output tokens")
-            # Tuples built by zip, which JSON writes as the same [logprob, id, text] arrays: at 131k tokens a
-            # list each took 4x longer (mostly the garbage collections the new lists set off).
-            triples = list(zip(self.output_token_logprobs, self.output_ids, texts, strict=True))
+            if token_texts is not None and len(token_texts) != len(self.output_ids):
+                raise ValueError(f"token_texts has {len(token_texts)} entries for {len(self.output_ids)} output tokens")
+            triples = logprob_triples(self.output_token_logprobs, self.output_ids, token_texts)
         return result_object(
             text=self.text,
             output_ids=self.output_ids,
@@ -856,6 +853,17 @@ class GenerateResult:
             support_logprobs=self.support_logprobs,
             extra_meta=self.meta_info,
         )
+
+
+def logprob_triples(
+    logprobs: Sequence[float], output_ids: Sequence[int], token_texts: Sequence[str | None] | None = None
+) -> list[tuple[float, int, str | None]]:
+    """meta_info.output_token_logprobs: a [logprob, token id, text] entry per output token (text null unless given).
+
+    Tuples built by zip, which JSON writes as the same arrays: at 131k tokens a list each took 4x longer (mostly the
+    garbage collections the new lists set off)."""
+    texts = token_texts if token_texts is not None else [None] * len(output_ids)
+    return list(zip(logprobs, output_ids, texts, strict=True))
 
 
 def result_object(

@@ -26,6 +26,7 @@ import argparse
 import functools
 import itertools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,21 +91,12 @@ class Stage:
         return y
 
     def cublas_split(self, parts: int, rotate: bool = True) -> torch.Tensor:
-        """o or down split over K into `parts` cuBLAS GEMMs of one strided batch, fp32 partials that add_rmsnorm
-        sums (as the Triton path's split-K): parts x the programs of one [256, 1024] output."""
-        w = self._w(rotate)
-        k = self.k // parts
-        x = self.x.view(self.m, parts, k).transpose(0, 1)  # [parts, m, k], rows self.k apart: no copy
-        wt = w.view(self.n, parts, k).permute(1, 2, 0)  # [parts, k, n]
-        y = torch.bmm(x, wt, out_dtype=torch.float32)
-        kernels.add_rmsnorm(y, self.resid, self.norm_w, 1e-6, self.h)
+        """o or down as the engine's cuBLAS path runs it with HPCRL_ENGINE_CUBLAS_SPLIT_K: `kernels.split_k_linear`
+        (one strided-batch GEMM of fp32 partials), then add_rmsnorm summing them."""
+        kernels.add_rmsnorm(
+            kernels.split_k_linear(self.x, self._w(rotate), parts), self.resid, self.norm_w, 1e-6, self.h
+        )
         return self.h
-
-    def split_error(self, parts: int) -> float:
-        self.resid.copy_(self.resid0)
-        ref = self.cublas(rotate=False).clone()
-        self.resid.copy_(self.resid0)
-        return _rel(self.cublas_split(parts, rotate=False), ref)
 
     def triton(self, config: tuple[int, ...], rotate: bool = True) -> torch.Tensor:
         y = kernels.linear(self.x, self._w(rotate), config=config, gated=self.name == "gate_up")
@@ -114,10 +106,17 @@ class Stage:
         return y
 
     def error(self, config: tuple[int, ...]) -> float:
+        return self._error_of(functools.partial(self.triton, config, rotate=False))
+
+    def split_error(self, parts: int) -> float:
+        return self._error_of(functools.partial(self.cublas_split, parts, rotate=False))
+
+    def _error_of(self, variant: Callable[[], torch.Tensor]) -> float:
+        """The variant's output against the cuBLAS path's, each from the same starting residual."""
         self.resid.copy_(self.resid0)
         ref = self.cublas(rotate=False).clone()
         self.resid.copy_(self.resid0)
-        return _rel(self.triton(config, rotate=False), ref)
+        return _rel(variant(), ref)
 
     def floor_us(self) -> float:
         bytes_moved = 2 * (self.n * self.k + self.m * self.k + self.m * self.n)

@@ -157,7 +157,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
     if k % parts or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError(
             f"split_k_linear: K = {k} must split into {parts} equal parts of contiguous x and weight; set "
-            "HPCRL_ENGINE_CUBLAS_SPLIT_K to parts that divide the model's hidden and intermediate sizes"
+            "HPCRL_ENGINE_CUBLAS_SPLIT_K to parts that divide the model's heads x head_dim and intermediate size"
         )
     share = k // parts
     xs = x.view(n, parts, share).transpose(0, 1)  # [parts, n, share], rows k apart

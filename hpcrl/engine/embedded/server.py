@@ -292,12 +292,8 @@ class EmbeddedEngine:
             # Most of the column was packed while the row decoded (GrowingPackedColumn); the rest is packed here.
             packed_text = r.packed_column.packed(column) if r.packed_column is not None else P.pack_logprobs(column)
         elif column is not None:
-            texts: list[str | None] = (
-                [self.tokenizer.decode([t]) for t in r.output_ids]
-                if text_in_logprobs and self.tokenizer
-                else [None] * len(r.output_ids)
-            )
-            triples = list(zip(column.tolist(), r.output_ids, texts, strict=True))
+            texts = [self.tokenizer.decode([t]) for t in r.output_ids] if text_in_logprobs and self.tokenizer else None
+            triples = P.logprob_triples(column.tolist(), r.output_ids, texts)
         # Written from the scheduler's records, which it keeps in the contract's shapes: a checked GenerateResult of
         # each first took most of a 256-row answer's time.
         return P.result_object(
