@@ -1,4 +1,4 @@
-"""The GRPO driver loop: each line is a call into a component (DESIGN.md §2).
+"""The GRPO driver loop: each line is a call into a component (docs/architecture.md).
 
 hpcrl run experiments/quickstart.yaml [--run-dir DIR] [key=value ...]
 """

@@ -1,4 +1,4 @@
-"""The thermal guard (DESIGN.md §7): pause work while a GPU is too hot, resume when it has cooled.
+"""The thermal guard (docs/thermal-guard.md): pause work while a GPU is too hot, resume when it has cooled.
 
 config.py (GuardConfig), source.py (NVML and recorded traces), policy.py (the pure state machine),
 guard.py (ThermalGuard: polling thread, phase-boundary waits, SIGSTOP escalation), cli.py (`hpcrl guard`).

@@ -1,6 +1,6 @@
 """Checkpoints in ``run_dir/checkpoints/step_NNNNNNNN.h5``: tensors plus JSON state, no pickle anywhere.
 
-Layout of one file, format version 2 (DESIGN.md §4), an HDF5 file that any HDF5 reader opens:
+Layout of one file, format version 2, an HDF5 file that any HDF5 reader opens:
 - ``/blob``: one contiguous uint8 dataset holding every tensor's raw bytes (C order, little-endian), back to
   back. It is written outside HDF5 at the dataset's file offset (aligned to 4 KiB for O_DIRECT; files written
   before that are not, and readers need nothing of it): whole 4 KiB blocks with O_DIRECT, four 8 MiB

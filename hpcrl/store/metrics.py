@@ -1,6 +1,6 @@
 """Per-step metrics and run events in ``run_dir/metrics.h5``, readable while the run writes them.
 
-Layout (DESIGN.md §4):
+Layout:
 - ``/metrics/step`` int64 and ``/metrics/<group>/<name>`` float64, 1-D, resizable, all the same length:
   row ``i`` holds the metrics of step ``/metrics/step[i]``; a metric missing from a step is NaN.
 - ``/events/{time_s,step,kind,detail}``: one entry per event (unix time, step or -1, kind, JSON detail).
@@ -468,7 +468,7 @@ def _read(path: str | os.PathLike[str], read: Callable[[h5py.File], _T]) -> _T:
     with its dataset's new extent, so a reader between the two fails with "len not positive after adjustment for
     EOA" (seen in CI), and a moment later reads it whole; the same holds for a group the writer is adding a metric
     to, where visiting the group failed with "Object visitation failed (address of object past end of
-    allocation)" (CI, session 22). A file no writer has open fails at once."""
+    allocation)" (seen in CI). A file no writer has open fails at once."""
     deadline_s = time.monotonic() + _READ_RETRY_S
     while True:
         with _open_for_read(path) as f:

@@ -72,7 +72,7 @@ class TrainConfig:
     logprob_chunk_tokens: int | None = None
     """Compute the log-probs straight from the final hidden states, the LM head and the log-softmax fused over
     chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab] logits and their gradient
-    never exist in full (issue #21; e.g. 4096). Null: the model's logits, then the log-softmax. Same numbers to
+    never exist in full (e.g. 4096). Null: the model's logits, then the log-softmax. Same numbers to
     rounding (tests/unit/test_loss_head.py, tests/unit/test_megatron.py). The megatron backend's last stage
     stops at the final norm and each TP rank scores its vocabulary shard of the output layer (or tied
     embedding), with the softmax statistics all-reduced over TP per chunk. Batches with sampling supports

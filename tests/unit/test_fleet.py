@@ -164,7 +164,7 @@ def test_abort_all_reaches_every_engine_directly(engine_factory) -> None:
 def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """Issue #9, item 3, on CPU: an engine killed in the middle of a gloo weight push."""
+    """On CPU: an engine killed in the middle of a gloo weight push."""
     sigkill_mid_push(tmp_path, tiny_model_dir, 1)
 
 

@@ -487,7 +487,7 @@ def test_a_sampler_override_of_the_old_three_values_or_an_odd_block_fails_at_sta
 ) -> None:
     from hpcrl.engine.embedded import kernels
 
-    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1024,8,8")  # until session 20: BLOCK, warps, splits
+    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1024,8,8")  # the older form: BLOCK, warps, splits
     with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1024,8,8: expected .*BLOCK,warps,splits.*unset"):
         kernels._sample_env_config()
     monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1000,4")

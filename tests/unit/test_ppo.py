@@ -1,5 +1,5 @@
 """PPO mini-batches and epochs, where the old log-probs come from, importance correction against the engine,
-and prompt ids with the tokenizer's special tokens (issue #20 items 1-3)."""
+and prompt ids with the tokenizer's special tokens."""
 
 from __future__ import annotations
 

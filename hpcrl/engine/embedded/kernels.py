@@ -73,8 +73,8 @@ ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
 ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 1, 3, 2))
 # One program a chunk of SAMPLE_CHUNK_IDS ids, its pass two plain scans (max, then sum-exp; the noise is hashed for
 # one chunk a row, in the combine kernel). H200, 256 x 151,936 bf16 logits, T=1, graph replays
-# (tools/gpu/sampler_ab.py, session 22): the pass 30.0 us at 512,2 against 32-35 at 256,1, 256,2, 1024,4 and 512,4,
-# and 41-48 at 128,1, 512,1, 1024,2, 2048,8, 4096,4 and 4096,8; session 21's one-scan online pass took 44.9 us.
+# (a sweep of configs): the pass 30.0 us at 512,2 against 32-35 at 256,1, 256,2, 1024,4 and 512,4,
+# and 41-48 at 128,1, 512,1, 1024,2, 2048,8, 4096,4 and 4096,8; a one-scan online pass took 44.9 us.
 # The draw (one program a row, Gumbel-max over its drawn chunk) has a config of its own: its last two values.
 _SAMPLE_DEFAULT = (512, 2, 1024, 4)
 
@@ -1105,7 +1105,7 @@ def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") 
             f"{source}={','.join(map(str, config))}: expected BLOCK,num_warps of the pass over the logits, and "
             "optionally BLOCK,num_warps of the draw, each a power of two, warps at most 32 (a BLOCK past "
             f"{SAMPLE_CHUNK_IDS} scans {SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the default; "
-            "until session 20 three values were BLOCK,warps,splits); unset it to use the default"
+            "the older three-value form BLOCK,warps,splits is gone); unset it to use the default"
         )
     return full[0], full[1], full[2], full[3]
 

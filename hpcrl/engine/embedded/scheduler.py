@@ -69,7 +69,7 @@ class SeqRequest:
     output_ids: list[int] = field(default_factory=list)
     # Doubles stored inline, not float objects: a row's log-probs arrive one a step, between every other row's, so
     # as list items they lie scattered over the heap and the answer that walks them waits on memory. H200 host,
-    # 256 x 512 answer: 125 ms of CPU a pass with lists, 57 ms with arrays (docs/benchmarks.md, session 16).
+    # 256 x 512 answer: 125 ms of CPU a pass with lists, 57 ms with arrays.
     logprobs: array[float] = field(default_factory=lambda: array("d"))
     scaled_logprobs: array[float] = field(default_factory=lambda: array("d"))
     support_logprobs: list[float] = field(default_factory=list)
