@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stock SGLang 0.5.16 on one H200, in one device call (docs/sglang.md): carry .sglang (see
-# ../shared/sglang-h200/README.md) and run from the repo root:
+# Stock SGLang 0.5.16 on one H200 (docs/sglang.md), from the repo root, with .sglang/ holding an SGLang 0.5.16
+# site (.sglang/activate.sh unpacks .sglang/sglang-site.tar.xz and puts it on the path):
 #   bash tools/gpu/run_sglang_gpu.sh [weights] [quickstart]
 # weights:    tools/gpu/sglang_weights.py (payload, memory rental, pushed == fresh server)
 # quickstart: the quickstart with engine.kind=sglang, colocated, memory rented every step

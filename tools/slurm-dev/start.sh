@@ -4,8 +4,7 @@
 #   sudo tools/slurm-dev/start.sh        # all nodes idle in ~25 s; prints the time it took
 #   tools/slurm-dev/stop.sh              # stops exactly the daemons this script started (pid files)
 #
-# Debian 12 (bookworm), root, no systemd/docker/cgroups. Adapted from ../shared/slurm-dev/start-slurm.sh
-# (a recipe known to work on these machines); see its README for the gotchas met on the way.
+# Debian 12 (bookworm), root, no systemd/docker/cgroups (docs/slurm.md lists the Slurm behaviour to know).
 # The host presents SLURM_NNODES virtual nodes n1..nN (one slurmd each, own port), one slurmctld,
 # slurmdbd + MariaDB (submitit's job.state needs sacct), and a private munged. Fake GPUs are GRES.
 # Everything (config, state, spool, logs, pid files) lives under $SLURM_PREFIX.
