@@ -2,7 +2,7 @@
 
 A batch /generate answer of 256 sequences x 512 tokens with log-probs is 131k [logprob, id, text] lists, about
 5 MB. Built or parsed with the standard library inside a process that has torch loaded (~500k tracked objects), it
-took 0.8 s of a 6 s pass (CPU, docs/benchmarks.md): most of it cyclic garbage collections that the new lists set
+took 0.8 s of a 6 s pass (CPU): most of it cyclic garbage collections that the new lists set
 off, each scanning the whole heap. orjson writes and parses several times faster, and a parse creates no
 reference cycles, so pausing the collector during it loses nothing.
 """

@@ -8,7 +8,7 @@ Layout of one file, format version 2, an HDF5 file that any HDF5 reader opens:
   read back the same way: O_DIRECT reads into staging buffers scattered into each tensor's memory, or
   ``os.preadv`` straight into it where O_DIRECT is refused (one system call per 1,024 tensors), checksums
   checked per run of 64 MiB beside the next reads. No copy through NumPy or HDF5 and none through the page
-  cache, which is what makes a durable checkpoint as fast as ``torch.save`` (docs/benchmarks.md).
+  cache, which is what makes a durable checkpoint as fast as ``torch.save`` (benchmarks/checkpoint_cpu_2026-12.md).
 - ``/crc32``: uint32 per tensor, the CRC-32 of its name, dtype, shape and bytes (``zlib.crc32``, 3-4 GB/s
   a core and computed in threads beside the write and the read; BLAKE2b at 0.8 GB/s was the bottleneck).
 - root attributes: ``hpcrl_format="checkpoint"``, ``hpcrl_format_version``, ``step``, ``num_tensors``,
@@ -308,7 +308,7 @@ def _write_blob(path: Path, fd: int, views: list[memoryview], offset: int) -> No
 
     Why O_DIRECT: a checkpoint is fsynced at once, so the page cache only adds a copy and the allocation of a
     page per 4 KiB; on a VM whose idle memory went back to the host, that allocation made a buffered write
-    of 0.43 GB take 0.7-7 s against 0.5-0.9 s around the cache (docs/benchmarks.md). fsync still follows:
+    of 0.43 GB take 0.7-7 s against 0.5-0.9 s around the cache. fsync still follows:
     O_DIRECT data may sit in the disk's volatile cache, and the file's extents are metadata.
     """
     nbytes = sum(view.nbytes for view in views)
@@ -639,7 +639,7 @@ def _read_direct(
     through the page cache.
 
     Why: a read through the page cache allocates a page per 4 KiB, which on this VM cost as much as the disk
-    (docs/benchmarks.md), and the blob is not in the cache anyway: it was written around it.
+    (benchmarks/checkpoint_cpu_2026-12.md), and the blob is not in the cache anyway: it was written around it.
     """
     direct_fd = _open_direct(path, os.O_RDONLY)
     if direct_fd is None:

@@ -206,7 +206,7 @@ def test_partition_preemption_reaches_the_trainer_and_the_job_resumes(
 
 
 # --------------------------------------------------------------------------------------------------
-# The real roles (`hpcrl role engines|trainer`) end to end: issue 4's (a), (b), (d)
+# The real roles (`hpcrl role engines|trainer`) end to end
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def test_real_roles_partition_preemption_requeues_and_resumes(
 def test_real_roles_async_requeued_at_random_points_keeps_the_prompt_ledger(
     slurm_cluster: SlurmCluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Issue 16: an async run (engines generating while the trainer trains) requeued twice at random steps;
+    """An async run (engines generating while the trainer trains) requeued twice at random steps;
     every prompt drawn is trained exactly once or dropped with a recorded reason (docs/async.md)."""
     import json
     import random

@@ -1,4 +1,4 @@
-"""sync.transport=mpi in the Slurm job: one `srun --mpi=pmix` step over both het groups (issue 4's MPI item).
+"""sync.transport=mpi in the Slurm job: one `srun --mpi=pmix` step over both het groups.
 
     pytest tests/e2e/test_slurm_mpi.py          # starts tools/slurm-dev's cluster when it is not up (root)
 

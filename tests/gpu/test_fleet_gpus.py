@@ -1,5 +1,5 @@
 """Faults across two GPUs: an engine on GPU 1 SIGKILLed in the middle of an NCCL weight push from the
-trainer on GPU 0 (issue #9, item 3). The trainer must not hang in the broadcast: the push fails, the
+trainer on GPU 0. The trainer must not hang in the broadcast: the push fails, the
 fleet restarts the engine, and every weight is pushed again.
 
 Skipped with fewer than two CUDA devices. On a 2-GPU machine:

@@ -1,7 +1,7 @@
 """tools/gpu/kernel_sass.py's reading of nvdisasm's output: which instructions it counts as a loop's body.
 
 The compile half needs Triton's NVIDIA backend, which CI's CPU install does not have; the parse is what turns its
-output into the figures docs/benchmarks.md quotes, and runs here on text in nvdisasm's format.
+output into the figures benchmarks/decode_h200_2026-12.md quotes, and runs here on text in nvdisasm's format.
 """
 
 from __future__ import annotations

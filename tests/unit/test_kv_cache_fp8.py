@@ -1,7 +1,7 @@
 """An 8-bit (float8 e4m3) K/V cache: what the torch side writes and reads, and who may ask for one.
 
-The decode step that reads 8-bit K/V is fused Triton code, run on the GPU machine (tests/gpu/test_engine_cuda.py,
-docs/benchmarks.md); here: the prefill and masked-attention writes the CUDA engine also runs (plain torch), the
+The decode step that reads 8-bit K/V is fused Triton code, run on the GPU machine (tests/gpu/test_engine_cuda.py);
+here: the prefill and masked-attention writes the CUDA engine also runs (plain torch), the
 copies between slots, and every refusal, each before a model loads.
 """
 

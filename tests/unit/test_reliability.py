@@ -1,4 +1,4 @@
-"""Nothing lost, nobody in (issue 23): each hole the fault campaign found, as a user meets it.
+"""Nothing lost, nobody in: each hole the fault campaign found, as a user meets it.
 
 Every test drives `hpcrl` as a subprocess on a tiny run and asserts what the user sees: the exit code,
 a message naming the problem and the fix, and the files left exactly as they were.

@@ -1,4 +1,4 @@
-"""Start-up of a stock SGLang server as a state, and hpcrl's weight payload for it (issue 14, items 1-2).
+"""Start-up of a stock SGLang server as a state, and hpcrl's weight payload for it.
 
 The launcher is run for real, on a stand-in `sglang.launch_server` process (tests/stand_ins/) that keeps
 its port silent the way SGLang does for minutes. The payload is checked by unpickling it under the rule

@@ -10,12 +10,12 @@ Builds the results a 256 x 512 batch returns (random ids and log-probs), then ti
 - write: `GenerateResult.to_response` for each and `jsonwire.dumps`, with the collector paused as the server does;
 - filled a step at a time: the same write from log-prob rows that grew one entry a step, every row in turn, as the
   engine's scheduler fills them: as lists of float objects (scattered over the heap) and as `array("d")` (inline
-  doubles, what the scheduler keeps since session 16);
+  doubles, what the scheduler keeps);
 - read: `jsonwire.loads` and `parse_generate_response`, as `EngineClient.generate` does, with the bulk check of the
   log-prob entries, and the same with the per-entry checks alone (what every answer went through before the bulk
   check; they still run, for the error message, when the bulk check finds something off);
 - packed: the write and the read of the same answer with `return_logprob_packed` (one base64 float64 column a row,
-  no triples), what hpcrl's engine client asks the embedded engine for since session 17.
+  no triples), what hpcrl's engine client asks the embedded engine for.
 """
 
 from __future__ import annotations

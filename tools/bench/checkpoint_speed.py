@@ -1,4 +1,4 @@
-"""Checkpoint write and read time against ``torch.save`` / ``torch.load`` of the same tensors (issue #21, item 3).
+"""Checkpoint write and read time against ``torch.save`` / ``torch.load`` of the same tensors.
 
     python tools/bench/checkpoint_speed.py [--repeats 3] [--dir DIR] [--scale 1.0]
 

@@ -12,7 +12,7 @@ trainer side times the log-prob forward of the generated sequences in micro-batc
 with the trainer's `token_logprobs`, then `invariant.token_logprobs`; forward alone (no grad), and
 forward + backward. Each measurement runs once untimed, then `--repeats` times; the median is printed.
 Model shapes (`--shapes`): the quickstart's tiny Qwen3 (4 layers, hidden 128), a wider one (4 layers, hidden
-512), and `qwen3-0.6b` (28 layers, hidden 1024, vocab 151,936: the GPU figure of issue #17, random weights).
+512), and `qwen3-0.6b` (28 layers, hidden 1024, vocab 151,936, random weights).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ model FLOPs per token = 6 x (matmul parameters, the LM head included) + 12 x lay
 seq-len (PaLM's attention term, causal masking not discounted), against the H200's 989 TFLOP/s dense bf16.
 Baseline: the torch backend (hpcrl's own model, the same losses), which is what a run uses today.
 
-Levers (issue #21), joined to a backend with `+` (torch, megatron, megatron-local, ...), each in its own process
+Levers, joined to a backend with `+` (torch, megatron, megatron-local, ...), each in its own process
 like a backend: `head` is train.logprob_chunk_tokens=4096 (log-probs from the hidden states, no [tokens x vocab]
 logits; megatron: from the last stage's final norm with each TP rank's vocabulary shard); `mbN` the micro-batch
 size N instead of --micro-batch; `compile` is train.torch_compile (torch.compile of every decoder layer, megatron:

@@ -5,7 +5,7 @@
 The file is written by MetricsWriter with the keys a real run logs (rollout/*, train/*, timing/*, sync/*)
 plus every optional group the report handles (guard/* for 8 GPUs on 2 nodes, queue/*, memory/*) and
 events (preemptions, engine restarts, thermal pauses): the worst case for the report, 56 columns.
-Target (issue #6): a few seconds for 10,000 steps.
+Target: a few seconds for 10,000 steps.
 
 Variants, each timed by phase (median of --repeats rounds; the variants alternate within a round so that
 load from other processes on a shared machine hits them alike):

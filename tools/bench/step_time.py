@@ -2,7 +2,7 @@
 
     python tools/bench/step_time.py [--steps 20] [--threads 2] [--device cpu|cuda] [--shape bench|qwen3-0.6b]
 
-Workload (issue #3): a Qwen3-shaped model (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512,
+Workload: a Qwen3-shaped model (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512,
 character vocabulary); 16 prompts x 8 samples; <= 8 new tokens at temperature 1; one optimizer step per
 rollout; 2 torch threads. hpcrl's step includes everything: HTTP round trips to a real engine process,
 the weight push and HDF5 logging. Target on a 2-core machine: median step <= 0.5 s.
@@ -11,7 +11,7 @@ Baseline "hf-inproc": the same step done the plain way in one process — transf
 (num_return_sequences=8) for the rollout, the same reward, one forward/backward + AdamW step of the
 transformers model; no engine, no weight push, no logging.
 
-Peer "trl" (issue #20): `--peer trl [--rounds 3]` runs TRL 1.16's GRPOTrainer (tools/bench/trl_peer.py) on
+Peer "trl": `--peer trl [--rounds 3]` runs TRL 1.16's GRPOTrainer (tools/bench/trl_peer.py) on
 the same model dir and the same prompts (those of hpcrl's steps, in order), alternating with hpcrl, round by
 round, and prints s/step of both per round. TRL lives in its own venv (`--trl-venv`, default /tmp/trl-venv),
 made on first use with `pip install trl==1.16.*`; that venv sees this interpreter's site-packages through
@@ -93,7 +93,7 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
     print(f"step 0 ({' '.join(ns.set) or 'default split'}): loss {m['train/loss'][0]:.6e}, "
           f"grad_norm {m['train/grad_norm'][0]:.6e}, gap {gap[0]:.6e}")  # fmt: skip
     out = {p: m[f"timing/{p}_s"][warm].tolist() for p in PHASES if f"timing/{p}_s" in m}
-    # Orchestration overhead (issue #21, item 4): what the step spends outside every phase it times. Parts
+    # Orchestration overhead: what the step spends outside every phase it times. Parts
     # timed inside a phase (logprob inside train, sync_send inside sync) are counted once, in their phase.
     from hpcrl.report.summary import parent_phase, phase_names
 

@@ -1,4 +1,4 @@
-"""The bad-input and fault campaign of issue 23, as a repeatable, bounded script.
+"""The bad-input and fault campaign, as a repeatable, bounded script.
 
     PYTHONPATH=. python tools/fuzz/campaign.py [--jobs 2] [--only SUBSTRING] [--markdown] [--keep DIR]
 

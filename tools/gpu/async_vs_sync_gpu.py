@@ -1,6 +1,5 @@
 """Sync against async GRPO on one H200, the engine and the trainer as separate processes sharing the GPU
-(no memory rental), the Qwen3-0.6B shape in bf16 with random weights, one after the other in one call
-(issue 16, "Show").
+(no memory rental), the Qwen3-0.6B shape in bf16 with random weights, one after the other in one call.
 
   python3 tools/gpu/async_vs_sync_gpu.py --steps 12 --out $OUT
 

@@ -467,9 +467,8 @@ def main() -> int:
         # Variants of the same decode step, in one process: programmatic dependent launch of the Triton kernels
         # (kernels.PDL, HPCRL_ENGINE_PDL) and torch's GEMMs through cuBLASLt instead of cuBLAS. Each is captured
         # afresh; rounds interleave the variants so that clock drift spreads over all of them. Neither may change
-        # the logits: step_logits_maxdiff_* is the largest difference over the rounds. (Session 17 also timed two
-        # half-batches on two streams and an L2 prefetch of each GEMM's weights here: both slower, not kept;
-        # docs/benchmarks.md.)
+        # the logits: step_logits_maxdiff_* is the largest difference over the rounds. (Two half-batches on two streams
+        # and an L2 prefetch of each GEMM's weights were both slower.)
         variants = {  # name: (pdl, blas library)
             "plain": (False, "cublas"),
             "pdl": (True, "cublas"),

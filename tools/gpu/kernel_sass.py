@@ -10,9 +10,9 @@ the same 16-divisibility of pointers and strides that Triton's launcher would fi
 vectorised and the count means nothing). Triton's bundled `nvdisasm` prints the SASS. Needs Triton with its NVIDIA
 backend (the CPU wheel has it); no GPU, no driver.
 
-The counts say what a change does to a kernel bound by instruction issue before a device call is spent on it. They
-are not times: session 22 cut attention's loop from 1,164 to 857 instructions a 32-token tile, and on the H200 it
-ran 0.0585 against 0.0594 ms a layer (docs/benchmarks.md).
+The counts say what a change does to a kernel bound by instruction issue before GPU time is spent on it. They
+are not times: cutting attention's loop from 1,164 to 857 instructions a 32-token tile, made it run
+0.0585 against 0.0594 ms a layer on an H200.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Megatron GPTModel forward vs transformers on the Qwen3-0.6B shape, fp32 on CUDA (issue #8, item 2).
+"""Megatron GPTModel forward vs transformers on the Qwen3-0.6B shape, fp32 on CUDA.
 
     python tools/gpu/megatron_forward.py [--batch 2] [--seq-len 512]
 

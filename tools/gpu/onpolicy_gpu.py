@@ -1,4 +1,4 @@
-"""True on-policy on the GPU (issue #17, "Show"): the batch-invariant forward on one H200, Qwen3-0.6B shape, bf16.
+"""True on-policy on the GPU: the batch-invariant forward on one H200, Qwen3-0.6B shape, bf16.
 
     PYTHONPATH=. python3 tools/gpu/onpolicy_gpu.py --section bits --out $OUT      # (a) bitwise checks
     PYTHONPATH=. python3 tools/gpu/onpolicy_gpu.py --section run --out $OUT       # (b) 10 colocated steps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #21 item 2 in one device call (figures in docs/benchmarks.md, "An 8-bit K/V cache"):
+# The decode benchmarks per K/V cache, the GEMM sweep and the GPU tests in one run (benchmarks/decode_h200_2026-12.md):
 #   bash tools/gpu/run_decode_gpu.sh     # from the repo root; .whl/ holds orjson for Python 3.12; results in $OUT
 #   BASELINE=.ab bash tools/gpu/run_decode_gpu.sh   # .ab/ (git-ignored) holds another commit's hpcrl/ and tools/:
 #                                                   # its 8-bit bench runs too, in the same call, for an A/B

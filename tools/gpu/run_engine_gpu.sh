@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The embedded engine's GPU measurements in one device call (see docs/benchmarks.md):
+# The embedded engine's GPU measurements in one run (see benchmarks/decode_h200_2026-12.md):
 #   bash tools/gpu/run_engine_gpu.sh            # from the repo root; results go to $OUT
 # 1. decode microbenchmark (ceilings, eager vs fused vs graph, sampler, attention configs, profile)
 # 2. throughput: engine vs transformers generate, Qwen3-0.6B shape, bf16, 256 seqs x 512 new tokens

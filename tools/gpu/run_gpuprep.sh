@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issues #17 (true on-policy on the GPU) and #21 (MFU levers, orchestration overhead) in one device call, one
+# True on-policy on the GPU, the trainer's MFU levers and the orchestration overhead in one run on one
 # H200, Qwen3-0.6B shape (random weights), bf16. From the repo root; results go to $OUT:
 #   bash tools/gpu/run_gpuprep.sh
-# Parts, in order of importance, each under its own `timeout`: 575 s at most in all, issue #17's three parts
+# Parts, in order of importance, each under its own `timeout`: 575 s at most in all, the three on-policy parts
 # 240 s of it, the MFU part 260 s (one call may run 600 s; `PARTS="price mfu overhead"` takes 400 s at most):
 #   bits     (70 s)  engine-sampled vs trainer log-probs bitwise at batch 1, 7, 64; alone vs full batch;
 #                    prefill vs decode; bf16 then fp32; the plain engine's gap for contrast (onpolicy_gpu.py)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GRPO loop's GPU measurements in one device call (figures in docs/benchmarks.md):
+# The GRPO loop's GPU measurements in one run (figures in benchmarks/grpo-step_h200_2026-12.md):
 #   bash tools/gpu/run_loop_gpu.sh        # from the repo root; results go to $OUT
 # 1. one GRPO step of the Qwen3-0.6B shape in bf16, colocated on one GPU (engine + trainer, CUDA IPC
 #    weight push), median over steps, against the transformers in-process baseline

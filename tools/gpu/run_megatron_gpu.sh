@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Megatron backend's GPU measurements in one device call (issue #8; figures in docs/benchmarks.md):
+# The Megatron backend's GPU measurements in one run (figures in benchmarks/megatron_h200_2026-12.md):
 #   bash tools/gpu/run_megatron_gpu.sh     # from the repo root, with .whl/ holding megatron-core 0.19.x (py3.12)
 # 0. the backend's CPU tests under megatron-core 0.19 (the version a Python 3.12 cluster installs)
 # 1. Megatron forward vs transformers, Qwen3-0.6B shape, fp32
@@ -31,7 +31,7 @@ if [[ $STEPS == *bench* ]]; then
   done
 fi
 if [[ $STEPS == *mfu* ]]; then
-  # issue #21 item 1: the torch backend's MFU levers on megatron-core's layers (docs/benchmarks.md)
+  # the torch backend's MFU levers on megatron-core's layers (benchmarks/megatron_h200_2026-12.md)
   echo "=== MFU levers on the Megatron backend" | tee -a "$OUT/megatron.log"
   timeout 420 python3 tools/bench/megatron_train.py --batch 8 --seq-len 2048 --micro-batch 4 --steps 6 \
     --backends megatron megatron+head+compile+mb8 torch+head+compile+mb8 ${MFU_EXTRA:-} --timeout-s 150 \

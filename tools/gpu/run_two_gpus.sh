@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs two GPUs of one host (nvidia-h200-x2), in one device call (issues #8 and #9;
-# figures in docs/benchmarks.md):
+# Everything that needs two GPUs of one host (nvidia-h200-x2), in one run (
+# figures in benchmarks/weight-push_h200x2_2026-12.md):
 #   bash tools/gpu/run_two_gpus.sh     # from the repo root, with .whl/ holding megatron-core 0.19.x (py3.12)
 # STEPS picks a subset: megatron (tests/gpu/test_megatron_gpus.py: distributed optimizer vs local, TP=2 vs
 # TP=1, resume), fault (tests/gpu/test_fleet_gpus.py: SIGKILL an engine mid NCCL push), push

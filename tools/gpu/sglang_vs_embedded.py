@@ -1,5 +1,5 @@
 """The Qwen3-0.6B shape (random weights, bf16), colocated on one GPU, GRPO with memory rented every step: stock
-SGLang against hpcrl's embedded engine, one after the other in one call (issue 14, "Show").
+SGLang against hpcrl's embedded engine, one after the other in one call.
 
   python3 tools/gpu/sglang_vs_embedded.py --steps 12 --out $OUT     # after `source .sglang/activate.sh ...`
 

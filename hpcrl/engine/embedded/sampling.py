@@ -9,7 +9,7 @@ with no per-row generator objects. Sampling draws exactly from softmax(logits / 
 support, in two levels (`choose_tokens`): a chunk of `SAMPLE_CHUNK_IDS` vocabulary ids by its mass, then
 Gumbel-max inside that chunk. P(chunk) * P(id | chunk) = P(id), and only one chunk a row needs noise: the
 fused kernel's pass over the logits is then a plain sum-exp, with no hash and no logs per id (0.087 ->
-0.052 ms a step on an H200, docs/benchmarks.md). A vocabulary of one chunk (tiny models) is plain
+0.052 ms a step on an H200, benchmarks/decode_h200_2026-12.md). A vocabulary of one chunk (tiny models) is plain
 Gumbel-max over it.
 """
 
