@@ -54,6 +54,8 @@ from torch import Tensor
 
 from hpcrl.model import invariant_kernels as kernels
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+from hpcrl.model.rope import RopeScaling
+from hpcrl.model.rope import inv_freq as rope_inv_freq
 
 CHUNK_ROWS = 16
 """Rows per GEMM: every matrix product of the invariant forward is [CHUNK_ROWS, K] x [K, N]."""
@@ -240,24 +242,26 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _torch_rms_norm(x, weight, eps)
 
 
-_ROPE_CACHE: dict[tuple[int, float, str], tuple[Tensor, Tensor]] = {}
+_ROPE_CACHE: dict[tuple[int, float, str, RopeScaling | None], tuple[Tensor, Tensor]] = {}
 
 
-def rope_tables(length: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    length: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
     """fp32 cos and sin [>= length, head_dim], built block by block (cached, grown on demand)."""
-    key = (head_dim, float(theta), str(device))
+    key = (head_dim, float(theta), str(device), scaling)
     have = _ROPE_CACHE.get(key)
     if have is not None and have[0].shape[0] >= length:
         return have
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, device, scaling)
     total = -(-max(length, 256) // 256) * 256
     cos, sin = [], []
     for start in range(0, total, ROPE_BLOCK):
         pos = torch.arange(start, start + ROPE_BLOCK, device=device).float()
         freqs = pos[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos.append(emb.cos())
-        sin.append(emb.sin())
+        cos.append(emb.cos() if attention_factor == 1.0 else emb.cos() * attention_factor)
+        sin.append(emb.sin() if attention_factor == 1.0 else emb.sin() * attention_factor)
     tables = (torch.cat(cos), torch.cat(sin))
     _ROPE_CACHE[key] = tables
     return tables
@@ -369,7 +373,7 @@ def _rope_rows(model: CausalLM, positions: Tensor, table_len: int) -> tuple[Tens
     """fp32 cos and sin rows [Mpad, 1, head_dim] at `positions`, from tables of at least `table_len` entries
     (a position's entry is the same whatever the tables' length)."""
     a = model.args
-    cos_t, sin_t = rope_tables(table_len, a.head_dim, a.rope_theta, positions.device)
+    cos_t, sin_t = rope_tables(table_len, a.head_dim, a.rope_theta, positions.device, a.rope_scaling)
     return pad_rows(cos_t[positions])[:, None], pad_rows(sin_t[positions])[:, None]
 
 
@@ -650,4 +654,6 @@ def unsupported_model(args: ModelArgs) -> str | None:
         return f"the batch-invariant forward needs even layer widths, this model has {', '.join(odd)}"
     if args.num_heads % args.num_kv_heads:
         return f"num_heads {args.num_heads} is not a multiple of num_kv_heads {args.num_kv_heads}"
+    if args.min_window is not None:
+        return f"the batch-invariant attention has no sliding window (this model's: {args.min_window} tokens)"
     return None

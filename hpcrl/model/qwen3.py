@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcrl.model.rope import RopeScaling, inv_freq, parse_rope_scaling
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArgs:
@@ -36,20 +38,33 @@ class ModelArgs:
     attention_bias: bool = False
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer, the sliding attention window in tokens (a token sees itself and the window - 1 before it), or
+    None for full attention; empty: every layer full."""
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def min_window(self) -> int | None:
+        """The narrowest sliding window of any layer (None: every layer attends to its whole context)."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return min(windows) if windows else None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """The settings of a Hugging Face config.json; a field that changes the function and that hpcrl does not
+        compute is refused by name (docs: the supported-fields table), never ignored."""
         model_type = cfg.get("model_type", "")
-        if model_type not in ("qwen3", "qwen2", "llama", "mistral"):
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; hpcrl's embedded engine and torch trainer "
-                "support dense Qwen3/Qwen2/Llama/Mistral causal LMs"
+                f"support dense causal LMs of types {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        _refuse_uncomputed_fields(cfg, model_type)
         rope = cfg.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only the default RoPE)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         num_heads = cfg["num_attention_heads"]
@@ -68,6 +83,8 @@ class ModelArgs:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
+            rope_scaling=parse_rope_scaling(cfg),
+            layer_windows=_layer_windows(cfg, model_type),
         )
 
     @classmethod
@@ -99,6 +116,66 @@ class ModelArgs:
         return args
 
 
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
+
+
+def _refuse_uncomputed_fields(cfg: dict[str, Any], model_type: str) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act {act!r} is not supported: hpcrl's MLP computes SwiGLU with SiLU (hidden_act: silu); "
+            "this model would be trained and served as a different function"
+        )
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias: true is not supported: hpcrl's MLP projections (gate/up/down) have no bias")
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        raise ValueError(
+            f"attention_bias: true is not supported for model_type {model_type!r}: transformers then gives its "
+            "o_proj a bias, and hpcrl's o_proj has none (only Qwen2's q/k/v biases are computed)"
+        )
+    if cfg.get("attention_dropout"):
+        raise ValueError(
+            f"attention_dropout {cfg['attention_dropout']} is not supported: hpcrl trains without dropout; set it to "
+            "0.0 in config.json"
+        )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{key} is not supported: hpcrl computes no logit soft-capping")
+
+
+def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it: Mistral windows every layer; Qwen2/Qwen3 window the
+    layers that `layer_types` marks (by default, with use_sliding_window, those from max_window_layers on)."""
+    num_layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if model_type == "llama":
+        window = None  # LlamaAttention has no sliding window
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers, but num_hidden_layers is {num_layers}")
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(
+                f"layer_types {unknown} are not supported: hpcrl computes full_attention and sliding_attention"
+            )
+    if window is None:
+        if layer_types is not None and "sliding_attention" in layer_types:
+            raise ValueError("layer_types names sliding_attention layers but the config sets no sliding_window")
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    if layer_types is None:
+        first = int(cfg.get("max_window_layers", 0)) if model_type in ("qwen2", "qwen3") else 0
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if "sliding_attention" not in layer_types:
+        return ()
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
 def _replace(args: ModelArgs, **kw: Any) -> ModelArgs:
     from dataclasses import replace
 
@@ -121,14 +198,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq
+    freq, attention_factor = inv_freq(head_dim, theta, positions.device, scaling)
+    freqs = positions.float()[..., None] * freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if attention_factor == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -208,9 +285,10 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, window: int | None = None) -> None:
         super().__init__()
         self.args = args
+        self.window = window
         h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.attention_bias)
         self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
@@ -232,9 +310,17 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Full causal attention over right-padded sequences (padding never leaks into real tokens)."""
+        """Causal attention over right-padded sequences (padding never leaks into real tokens), within the
+        layer's sliding window if it has one."""
         q, k, v = self._qkv(x, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+        t = x.shape[1]
+        if self.window is not None and t > self.window:
+            pos = torch.arange(t, device=x.device)
+            # As transformers' sliding-window mask: a query sees the keys at most window - 1 positions back.
+            band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=self._gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def forward_cached(
@@ -288,9 +374,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, window=args.window(layer))
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -305,7 +391,7 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     @property
@@ -359,7 +445,7 @@ class CausalLM(nn.Module):
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
         for layer in self.model.decoder_layers:
             h = layer(h, cos, sin)
         return self.model.norm(h)
@@ -400,10 +486,16 @@ class CausalLM(nn.Module):
             attn_len, mask = t, None
         else:
             attn_len = int((start_pos + t).max().item())
+        window = self.args.min_window
+        if window is not None and attn_len > window:
+            raise ValueError(
+                f"cached attention has no sliding window: {attn_len} positions exceed this model's {window}"
+            )
+        if not from_start:
             key_pos = torch.arange(attn_len, device=device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
         rows = slice(first_slot, first_slot + b)
         for i, layer in enumerate(self.model.decoder_layers):
             h = h + layer.self_attn.forward_cached(

@@ -155,6 +155,11 @@ def build_gpt_model(
     args: ModelArgs, *, tp_size: int, pp_size: int, pp_rank: int, dtype: torch.dtype, device: torch.device
 ) -> torch.nn.Module:
     """This rank's GPTModel (its pipeline stage, its TP shards), with uninitialized weights."""
+    if args.rope_scaling is not None or args.min_window is not None:
+        what = "RoPE scaling" if args.rope_scaling is not None else "sliding-window attention"
+        raise ValueError(
+            f"train.backend: megatron does not compute this model's {what}; train it with train.backend: torch"
+        )
     _megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -1,0 +1,117 @@
+"""Model configs against transformers: every field that changes the function is computed as transformers computes
+it (log-probs within 1e-4 in fp32 on sequences longer than the window / the original context) or refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcrl.model.hf import load_model
+from hpcrl.model.qwen3 import ModelArgs
+
+transformers = pytest.importorskip("transformers")
+
+SEQ_LEN = 48
+DIMS = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _hf_model(kind: str, tmp_path: Path, **overrides: Any) -> tuple[Any, Path]:
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kind]
+    torch.manual_seed(0)
+    config = config_cls(**{**DIMS, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # larger weights than the initialiser's, so positions and windows move the log-probs
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    out = tmp_path / kind
+    model.save_pretrained(out)
+    return model, out
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def _max_gap(kind: str, tmp_path: Path, **overrides: Any) -> tuple[float, float]:
+    """(max |hpcrl - transformers| log-prob, max |transformers with the setting - without it|)."""
+    reference, path = _hf_model(kind, tmp_path, **overrides)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    ours = load_model(path, dtype=torch.float32, device=torch.device("cpu")).eval()
+    with torch.no_grad():
+        want = _logprobs(reference(ids).logits, ids)
+        got = _logprobs(ours(ids), ids)
+        plain_cfg = json.loads((path / "config.json").read_text())
+        for key in ("sliding_window", "rope_scaling", "rope_parameters", "layer_types", "use_sliding_window"):
+            plain_cfg.pop(key, None)
+        plain = transformers.AutoModelForCausalLM.from_config(
+            type(reference.config).from_dict(plain_cfg), attn_implementation="eager"
+        ).float()
+        plain.load_state_dict(reference.state_dict())
+        baseline = _logprobs(plain.eval()(ids).logits, ids)
+    return float((got - want).abs().max()), float((baseline - want).abs().max())
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("mistral", {"sliding_window": 8}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+    ],
+    ids=["mistral-window-8", "qwen2-sliding", "qwen3-sliding", "llama3-rope", "qwen3-yarn"],
+)  # fmt: skip
+def test_setting_computed_equal_to_transformers(kind: str, overrides: dict[str, Any], tmp_path: Path) -> None:
+    gap, effect = _max_gap(kind, tmp_path, **overrides)
+    assert gap <= 1e-4, f"hpcrl and transformers differ by {gap} with {overrides}"
+    # The setting matters on these sequences: ignoring it would have been caught.
+    assert effect > 1e-3, f"the setting {overrides} changed transformers' log-probs by only {effect}"
+
+
+def _refusal(cfg_overrides: dict[str, Any], model_type: str = "llama") -> str:
+    cfg = {"model_type": model_type, **DIMS, **cfg_overrides}
+    with pytest.raises(ValueError) as info:
+        ModelArgs.from_hf_config(cfg)
+    return str(info.value)
+
+
+def test_uncomputed_fields_are_refused_by_name() -> None:
+    assert "hidden_act 'gelu_pytorch_tanh'" in _refusal({"hidden_act": "gelu_pytorch_tanh"})
+    assert "o_proj" in _refusal({"attention_bias": True})
+    assert "mlp_bias" in _refusal({"mlp_bias": True})
+    assert "rope_type 'longrope'" in _refusal({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    assert "partial_rotary_factor" in _refusal({"partial_rotary_factor": 0.5})
+    assert "layer_types ['chunked_attention']" in _refusal(
+        {"sliding_window": 8, "layer_types": ["chunked_attention"] * 3}, model_type="mistral"
+    )
+    assert "model_type 'qwen3_moe'" in _refusal({}, model_type="qwen3_moe")
+
+
+def test_window_reaches_only_the_layers_transformers_windows() -> None:
+    cfg = {"model_type": "qwen2", **DIMS, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    assert ModelArgs.from_hf_config(cfg).layer_windows == (None, None, 8)
+    cfg["use_sliding_window"] = False
+    assert ModelArgs.from_hf_config(cfg).layer_windows == ()
+
+
+def test_engine_refuses_a_window_narrower_than_its_context(tmp_path: Path) -> None:
+    from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig
+
+    _, path = _hf_model("mistral", tmp_path, sliding_window=8)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="engine.context_length to at most 8"):
+        Scheduler(model, SchedulerConfig(context_length=32), device=torch.device("cpu"), dtype=torch.float32)
