@@ -115,3 +115,15 @@ def test_engine_refuses_a_window_narrower_than_its_context(tmp_path: Path) -> No
     model = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="engine.context_length to at most 8"):
         Scheduler(model, SchedulerConfig(context_length=32), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_the_batch_invariant_forward_scales_rope_as_the_trainer_does(tmp_path: Path) -> None:
+    from hpcrl.model import invariant
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    _, path = _hf_model("qwen3", tmp_path, rope_scaling=scaling)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu")).eval()
+    ids = torch.randint(0, DIMS["vocab_size"], (2, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        gap = (invariant.logits(model, ids) - model(ids)).abs().max()
+    assert float(gap) <= 1e-4
