@@ -6,7 +6,6 @@ hpcrl run experiments/quickstart.yaml [--run-dir DIR] [key=value ...]
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from hpcrl.rollout.producer import AsyncRollout
@@ -14,6 +13,7 @@ from hpcrl.run.session import RunSession
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import StepTimer
+from hpcrl.store.run_dir import write_file_atomically
 
 
 def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> int:
@@ -112,6 +112,5 @@ def _write_ledger(rollout: AsyncRollout, path: Path) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)  # a reader sees the previous ledger or this one, never half of one
+    # A reader sees the previous ledger or this one, never half of one; a link planted at either name is refused.
+    write_file_atomically(path, json.dumps(data).encode())

@@ -21,9 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.launch import LaunchSlot, launch_for
+from hpcrl.engine.portcheck import PortHolder, port_holder, port_in_use
+from hpcrl.store.run_dir import RunDirError, make_subdir, open_no_follow
 
 
 class EngineStartError(RuntimeError):
@@ -115,9 +119,18 @@ class LocalEngines:
     def start(self) -> list[EngineClient]:
         """Launch every engine, then wait until each has answered /health (each bounded by the kind's
         start-up timeout, measured from its launch; all start at once, so the wait is the slowest one's)."""
-        (self.run_dir / "engines").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.engines = [self._spawn(i) for i in range(self.first_index, self.first_index + self.count)]
+        try:
+            make_subdir(self.run_dir / "engines")
+            make_subdir(self.run_dir / "logs")
+        except RunDirError as exc:
+            raise EngineStartError(str(exc)) from None
+        self.engines = []
+        try:
+            for i in range(self.first_index, self.first_index + self.count):
+                self.engines.append(self._spawn(i))
+        except EngineStartError:
+            self.stop()
+            raise
         for eng in self.engines:
             self._wait_started(eng)
             self._write_rendezvous(eng)
@@ -152,6 +165,13 @@ class LocalEngines:
 
     def _spawn(self, i: int) -> LocalEngine:
         port = self.cfg.base_port + i if self.cfg.base_port else _free_port()
+        held = port_in_use(self.bind_host, port)
+        if held is not None:
+            raise EngineStartError(
+                f"engine-{i} cannot listen on {self.bind_host}:{port}: another process already listens on {held} "
+                "(nothing was sent to it); stop that process, or set engine.base_port to a free range "
+                "(engine.base_port=0 picks free ports)"
+            )
         token = secrets.token_hex(16)
         log_path = self.run_dir / "logs" / f"engine-{i}.log"
         slot = LaunchSlot(
@@ -161,7 +181,11 @@ class LocalEngines:
         launch = launch_for(self.cfg, slot)
         cmd = launch.cmd
         env = {**os.environ, **launch.env, **self.extra_env}
-        with open(log_path, "ab") as log:
+        try:
+            log_fd = open_no_follow(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except RunDirError as exc:
+            raise EngineStartError(str(exc)) from None
+        with os.fdopen(log_fd, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
 
@@ -185,7 +209,7 @@ class LocalEngines:
         }
         path = self.run_dir / "engines" / f"{eng.engine_id}.json"
         tmp = path.with_suffix(".json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a secret
+        fd = open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a secret
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
         os.replace(tmp, path)
@@ -218,11 +242,22 @@ def _start_hint(kind: str, log: str) -> str:
     return ""
 
 
+def _foreign(holder: PortHolder) -> str:
+    if holder.state != "foreign":
+        return ""
+    return (
+        f"; another process (not this engine) listens on its port ({holder.where}) and was sent nothing: stop it, "
+        "or set engine.base_port to a free range (engine.base_port=0 picks free ports)"
+    )
+
+
 def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[str], None]) -> None:
     """Poll until the engine answers /health; it is `starting` meanwhile (a silent port is normal: SGLang takes
     minutes), bounded by `limit_s` from its launch, with a progress line every PROGRESS_EVERY_S."""
     probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
     next_say_s = PROGRESS_EVERY_S
+    url = httpx.URL(eng.url)
+    holder = PortHolder("nobody")
     try:
         while True:
             waited_s = time.monotonic() - eng.started_s
@@ -230,20 +265,25 @@ def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[
                 log = tail(eng.log_path)
                 raise EngineStartError(
                     f"{kind} engine {eng.engine_id} exited with code {eng.proc.returncode} while starting "
-                    f"({waited_s:.0f} s after launch){_start_hint(kind, log)}; last lines of {eng.log_path}:\n{log}"
+                    f"({waited_s:.0f} s after launch){_start_hint(kind, log)}{_foreign(holder)}; last lines of "
+                    f"{eng.log_path}:\n{log}"
                 )
-            try:
-                if probe.health():
+            # Nothing (not even the key in a /health probe) goes to a port this engine does not hold.
+            holder = port_holder(url.host, url.port or 80, eng.proc.pid)
+            if holder.state in ("ours", "unknown"):
+                try:
+                    healthy = probe.health()
+                except Exception:  # noqa: BLE001 - not up yet
+                    healthy = False
+                if healthy:
                     if waited_s >= PROGRESS_EVERY_S:
                         say(f"{kind} engine {eng.engine_id} is up after {waited_s:.0f} s")
                     return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
             if waited_s > limit_s:
                 raise EngineStartError(
                     f"{kind} engine {eng.engine_id} did not answer /health within {limit_s:.0f} s of its launch "
-                    f"(engine.startup_timeout_s; raise it if the engine is merely slow); last lines of "
-                    f"{eng.log_path}:\n{tail(eng.log_path)}"
+                    f"(engine.startup_timeout_s; raise it if the engine is merely slow){_foreign(holder)}; "
+                    f"last lines of {eng.log_path}:\n{tail(eng.log_path)}"
                 )
             if waited_s >= next_say_s:
                 say(f"{kind} engine {eng.engine_id} starting: {waited_s:.0f} s of at most {limit_s:.0f} s")

@@ -9,7 +9,6 @@ decisions: the step's metrics row, preemption, the end of the run.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import signal
 import socket
@@ -45,7 +44,9 @@ from hpcrl.store.run_dir import (
     check_can_continue,
     find_resume_point,
     inspect_run_dir,
+    refuse_planted_links,
     set_aside,
+    write_file_atomically,
 )
 from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.sync.publisher import WeightPublisher
@@ -226,15 +227,14 @@ class RunSession:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
         lock = RunDirLock.acquire(self.run_dir, job_id=self.placement.incarnation.job_id)
         self._closers.insert(0, lock.release)  # last to close: nothing writes run_dir after it
+        refuse_planted_links(self.run_dir)
         if self.restart and (moved := set_aside(self.run_dir)) is not None:
             self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
         point = find_resume_point(self.run_dir / "checkpoints")
         step = point.checkpoint.step if point.checkpoint is not None else None
         check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=point.unreadable)
         lock.record_owner()
-        path = self.run_dir / "config.yaml"
-        path.with_suffix(".yaml.tmp").write_text(dump_yaml(self.cfg))
-        os.replace(path.with_suffix(".yaml.tmp"), path)
+        write_file_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg).encode())
         return point
 
     # ----- the run's own decisions -----

@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,10 +54,16 @@ class RunDirLock:
     @classmethod
     def acquire(cls, run_dir: Path, *, job_id: str) -> RunDirLock:
         """Lock `run_dir` (created if missing) or raise RunDirError naming the process that holds it."""
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(
+                f"cannot create the run directory {run_dir}: {exc.strerror}; choose a --run-dir on a writable "
+                "filesystem"
+            ) from None
         path = run_dir / LOCK_NAME
         # No O_TRUNC: the record of a live holder must survive a refused attempt.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -79,6 +87,79 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the POSIX lock
             self._fd = None
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`os.open` of a run-directory file that is never a symbolic link or anything but a regular file.
+
+    Whoever can write the directory could plant `path` as a link to another of the user's files, which the
+    run would then overwrite; a FIFO would block the run. Both are refused, naming the file. Errors of the
+    filesystem (read-only, no permission) become a RunDirError naming the file and the fix."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RunDirError(
+                f"{path} is a symbolic link (to {_link_target(path)}); hpcrl never writes through a link in a run "
+                "directory. Remove the link (nothing was written to its target), or use another --run-dir"
+            ) from None
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader
+            raise RunDirError(f"{path} is not a regular file; remove it, or use another --run-dir") from None
+        raise RunDirError(
+            f"cannot write {path}: {exc.strerror}; the run directory must be writable by you (use another "
+            "--run-dir, or fix its permissions)"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunDirError(f"{path} is not a regular file; remove it, or use another --run-dir")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def write_file_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `path` whole through `<path>.tmp` and a rename, refusing a link planted at either name."""
+    refuse_link(path)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def refuse_link(path: Path) -> None:
+    """Raise RunDirError when `path` (a file or folder of the run directory) is a symbolic link."""
+    if path.is_symlink():
+        raise RunDirError(
+            f"{path} is a symbolic link (to {_link_target(path)}); hpcrl never writes through a link in a run "
+            "directory. Remove the link (nothing was written to its target), or use another --run-dir"
+        )
+
+
+# What a run writes into its directory by name (checked before its first write there).
+RUN_DIR_ENTRIES = ("config.yaml", "metrics.h5", "checkpoints", "logs", "engines", "model", "prompt_ledger.json")
+
+
+def refuse_planted_links(run_dir: Path) -> None:
+    """Raise RunDirError when one of the names a run writes in `run_dir` is a symbolic link."""
+    for name in RUN_DIR_ENTRIES:
+        refuse_link(run_dir / name)
+
+
+def make_subdir(path: Path) -> Path:
+    """Create a folder of the run directory (a planted link in its place is refused)."""
+    refuse_link(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"cannot create {path}: {exc.strerror}; the run directory must be writable by you") from None
+    return path
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _read_owner(fd: int) -> dict[str, Any]:

@@ -1,0 +1,209 @@
+"""A run against a hostile or careless local user: squatted engine ports, planted links in the run directory.
+
+Real HTTP squatters on loopback, real engine processes, real `hpcrl run` processes and real files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.local import EngineStartError, LocalEngine, LocalEngines, wait_started
+from hpcrl.store.run_dir import LOCK_NAME, RunDirError, RunDirLock
+from tests.conftest import free_port, start_engine
+from tests.support import REPO
+
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+
+
+class Squatter:
+    """An HTTP server on the engine's port that answers everything with 200 and records each request's headers."""
+
+    def __init__(self, port: int) -> None:
+        seen: list[dict[str, str]] = []
+        self.seen = seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                seen.append({k.lower(): v for k, v in self.headers.items()})
+                body = b'{"ok": true}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def squatter() -> Iterator[Squatter]:
+    s = Squatter(free_port())
+    yield s
+    s.close()
+
+
+def _engine_cmd(model_dir: Path, port: int, key: str) -> list[str]:
+    return [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port),
+            "--api-key", key]  # fmt: skip
+
+
+def test_an_engine_whose_port_is_squatted_fails_to_start_and_the_squatter_gets_nothing(
+    tmp_path: Path, tiny_model_dir: Path, squatter: Squatter
+) -> None:
+    """The race the launcher's pre-check cannot close: the squatter takes the port after the check, the
+    engine then exits on bind while the squatter answers /health with 200."""
+    port = squatter.server.server_address[1]
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(_engine_cmd(tiny_model_dir, port, "k" * 32), stdout=log, stderr=subprocess.STDOUT)
+    eng = LocalEngine("engine-0", f"http://127.0.0.1:{port}", "k" * 32, proc, log_path)
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        wait_started(eng, kind="embedded", limit_s=60, say=print)
+    message = str(info.value)
+    print(f"refused after {time.monotonic() - t0:.1f} s: {message[:400]}")
+    assert "exited with code" in message and "another process (not this engine) listens on its port" in message
+    assert f"127.0.0.1:{port}" in message and "engine.base_port" in message
+    assert squatter.seen == []  # not even a /health probe, so never the key
+    assert proc.returncode != 0
+
+
+def test_a_run_refuses_a_squatted_engine_port_without_sending_the_key(
+    tmp_path: Path, tiny_model_dir: Path, squatter: Squatter
+) -> None:
+    port = squatter.server.server_address[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, f"model.path={tiny_model_dir}", "num_steps=1",
+         "engine.num_engines=1", f"engine.base_port={port}", "--run-dir", "r"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    print(out.stderr[-2000:])
+    assert out.returncode == 1
+    assert "hpcrl: error: EngineStartError: engine-0 cannot listen on" in out.stderr
+    assert f"another process already listens on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert squatter.seen == []
+    assert not list((tmp_path / "r" / "engines").glob("*.json"))  # no rendezvous with the squatter's address
+
+
+def test_a_port_held_by_another_engine_is_a_start_failure_not_a_foreign_engine(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Another (keyless) engine serves on the port: the run's engines must not be replaced by it."""
+    other = start_engine(tiny_model_dir, tmp_path)
+    try:
+        cfg = EngineConfig(num_engines=2, base_port=other.port - 1)  # engine-1 collides
+        engines = LocalEngines(cfg, tiny_model_dir, tmp_path / "run", seed=0)
+        with pytest.raises(EngineStartError) as info:
+            engines.start()
+        message = str(info.value)
+        assert f"engine-1 cannot listen on 127.0.0.1:{other.port}" in message
+        assert "engine.base_port=0 picks free ports" in message
+        assert engines.engines == []  # engine-0, already launched, was stopped
+        assert other.proc.poll() is None  # the other engine is untouched
+    finally:
+        other.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planted links in the run directory
+
+
+def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run_dir / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(RunDirError) as info:
+        RunDirLock.acquire(run_dir, job_id="local")
+    assert "is a symbolic link" in str(info.value) and str(victim) in str(info.value)
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_planted_engine_log_link_is_refused_and_its_target_untouched(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "r"
+    (run_dir / "logs").mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run_dir / "logs" / "engine-0.log").symlink_to(victim)
+    engines = LocalEngines(EngineConfig(num_engines=1), tiny_model_dir, run_dir, seed=0)
+    with pytest.raises(EngineStartError) as info:
+        engines.start()
+    assert "engine-0.log is a symbolic link" in str(info.value)
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", [LOCK_NAME, "config.yaml.tmp", "metrics.h5", "logs"])
+def test_hpcrl_run_refuses_a_planted_link(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (run_dir / name).symlink_to(victim)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, f"model.path={tiny_model_dir}", "num_steps=1",
+         "--run-dir", "r"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"hpcrl: error: r/{name} is a symbolic link (to {victim})" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert victim.read_text() == "precious\n"
+
+
+@contextlib.contextmanager
+def read_only_dir(path: Path) -> Iterator[Path]:
+    """An empty folder the run cannot write: mode 0500, or for root (whom modes do not stop) a read-only mount."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        try:
+            yield path
+        finally:
+            path.chmod(0o700)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)]).returncode != 0:
+        pytest.skip("root without a way to mount a read-only filesystem")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_run_dir_is_a_clear_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with read_only_dir(tmp_path / "r") as run_dir:
+        for where in ("r", "r/sub"):  # the run dir itself, and a new one under a read-only mount
+            out = subprocess.run(
+                [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, f"model.path={tiny_model_dir}", "num_steps=1",
+                 "--run-dir", where],
+                cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            print(out.stderr[-600:])
+            assert out.returncode == 2, out.stderr[-3000:]
+            assert "Traceback" not in out.stderr
+            assert "hpcrl: error: cannot" in out.stderr, out.stderr
+            assert "Permission denied" in out.stderr or "Read-only file system" in out.stderr
+        assert list(run_dir.iterdir()) == []
