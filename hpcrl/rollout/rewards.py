@@ -17,12 +17,13 @@ import inspect
 import logging
 import math
 import numbers
+import os
 import queue
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import NoReturn, cast
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -274,7 +275,8 @@ def _score_watched(
         done: queue.Queue[tuple[float, str | None]] = queue.Queue()
         todo = items[len(results) :]
         worker = threading.Thread(
-            target=lambda todo=todo, done=done: [done.put(_score_one(fn, *item)) for item in todo],
+            target=_score_in_worker,
+            args=(fn, todo, done),
             name="hpcrl-reward",
             daemon=True,  # a reward that never returns must not keep the process alive
         )
@@ -287,6 +289,16 @@ def _score_watched(
                 break
             results.append(pair)
     return results
+
+
+def _score_in_worker(
+    fn: RewardFn, todo: list[tuple[str, str, str | None]], done: queue.Queue[tuple[float, str | None]]
+) -> None:
+    for item in todo:
+        try:
+            done.put(_score_one(fn, *item))
+        except BaseException as exc:  # noqa: BLE001 - a dead worker would leave the run waiting forever
+            done.put((math.nan, f"reward raised {type(exc).__name__}: {exc}"))
 
 
 def _wait_for_one(
@@ -310,11 +322,50 @@ def _wait_for_one(
                 return None
 
 
+class _ExitInReward(BaseException):
+    """A reward called os._exit: raised in its place, so that the sample fails instead of the run vanishing."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+# The process whose reward call the current thread is in (None: none). A pid, not a flag: a reward that
+# forks (multiprocessing) must let its child leave through the real os._exit.
+_in_reward = threading.local()
+_real_os_exit = os._exit
+
+
+def _guarded_os_exit(status: int) -> NoReturn:
+    if getattr(_in_reward, "pid", None) == os.getpid():
+        raise _ExitInReward(status)
+    _real_os_exit(status)
+
+
+def _guard_os_exit() -> None:
+    """Make os._exit called by a reward fail its sample: the run would otherwise end with no message or event.
+    Other callers (and a reward's forked children) exit as before."""
+    if os._exit is not _guarded_os_exit:
+        os._exit = _guarded_os_exit
+
+
 def _score_one(fn: RewardFn, response: str, answer: str, meta: str | None = None) -> tuple[float, str | None]:
+    _guard_os_exit()
+    _in_reward.pid = os.getpid()
     try:
         value: object = fn(response, answer) if meta is None else fn(response, answer, meta=meta)  # type: ignore[call-arg]
     except Exception as exc:  # a user hook may raise anything; one bad sample must not end the step
         return math.nan, f"{type(exc).__name__}: {exc}"
+    except _ExitInReward as exc:
+        return math.nan, f"reward called os._exit({exc.code!r}); a reward must return a number, not end the process"
+    except SystemExit as exc:
+        return math.nan, f"reward raised SystemExit({exc.code!r}); a reward must return a number, not exit"
+    except KeyboardInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            raise  # may be the user's Ctrl-C
+        return math.nan, "reward raised KeyboardInterrupt; a reward must return a number"
+    finally:
+        _in_reward.pid = None
     # numbers.Real admits numpy scalars; bool is an int, so True/False count as 1.0/0.0.
     if not isinstance(value, numbers.Real):
         return math.nan, f"reward returned {type(value).__name__}, expected a number"
