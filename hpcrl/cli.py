@@ -137,8 +137,13 @@ def _role(ns: argparse.Namespace) -> int:
     from hpcrl.slurm.roles import engines_role, mpi_agent_role, trainer_role
 
     run_dir = Path(ns.run_dir)
-    roles = {"engines": engines_role, "trainer": trainer_role, "mpi-agent": mpi_agent_role}
-    return roles[ns.role](run_dir)
+    if ns.role == "trainer":
+        # The role sits below the run it drives: it gets the driver (rank 0) and the follower loop passed in.
+        from hpcrl.driver import run
+        from hpcrl.run.follower import follow_run
+
+        return trainer_role(run_dir, drive=run, follow=follow_run)
+    return engines_role(run_dir) if ns.role == "engines" else mpi_agent_role(run_dir)
 
 
 def _add_role(sub: argparse._SubParsersAction) -> None:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from hpcrl.rollout.generate import Group
+from hpcrl.samples.sample import Group
 
 GroupFilter = Callable[[Group], bool]
 

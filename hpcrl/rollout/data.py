@@ -9,7 +9,6 @@ data config that has changed since.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -21,29 +20,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from hpcrl.samples.sample import DataError, Example
+
 __all__ = [
-    "DataError",
-    "Example",
     "PromptSource",
     "build_examples",
     "load_jsonl",
     "make_addition_task",
     "make_product_task",
 ]
-
-
-class DataError(ValueError):
-    """A user error in a dataset file, a data source name or a data checkpoint."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Example:
-    """One prompt and the reference answer that the reward function compares a response against."""
-
-    prompt: str
-    answer: str
-    meta: str = ""
-    """JSON that a reward taking `meta` receives (a reasoning-gym entry's identity); empty for plain data."""
 
 
 def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:

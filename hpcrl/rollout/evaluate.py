@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hpcrl.rollout.config import EvalConfig
-from hpcrl.rollout.data import DataError, Example
-from hpcrl.rollout.generate import Draw, Group, Rollout
+from hpcrl.rollout.generate import Draw, Rollout
 from hpcrl.rollout.rewards import RewardFn, score
+from hpcrl.samples.sample import DataError, Example, Group
 
 CORRECT_REWARD = 1.0
 

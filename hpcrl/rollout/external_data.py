@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rollout.data import DataError, Example
+from hpcrl.samples.sample import DataError, Example
 
 # Suffixes read through `datasets`; a directory is a `Dataset.save_to_disk` folder.
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}

@@ -10,11 +10,10 @@ support-normalised ones, i.e. the behaviour policy's (docs/sampling-replay.md).
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,40 +21,12 @@ import numpy as np
 from hpcrl.engine.client import EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot, FleetError
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.engine.supports import checked_supports
 from hpcrl.rollout.config import DataConfig, RolloutConfig
-from hpcrl.rollout.data import DataError, Example
-from hpcrl.rollout.support import TokenSupports
-
-
-def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, namespace: str = "") -> int:
-    # A namespace (evaluation's "eval/") draws from seeds no training sample can have.
-    key = f"{namespace}{seed}/{step}/{prompt_index}/{sample_index}"
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # non-negative and inside int63
-
-
-@dataclass
-class Sample:
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish: str  # stop | length | abort
-    weight_versions: list[str | None]
-    reward: float = 0.0
-    reward_error: str | None = None
-    supports: TokenSupports | None = None
-    """Per output token, the ids top-k/top-p let the engine draw from (None without filtering); `logprobs`
-    are then renormalised over them. Plain arrays for a buffer or checkpoint: `supports.to_arrays()`."""
-    sampled_logprobs: list[float] | None = None  # engine.logprobs: recompute: what `logprobs` replaced
-    loss_mask: list[int] | None = None
-    """Over output_ids, for multi-turn samples: 1 on sampled tokens, 0 on tool and template tokens (None: all 1)."""
-
-
-@dataclass
-class Group:
-    example: Example
-    samples: list[Sample] = field(default_factory=list)
+from hpcrl.rollout.data import PromptSource
+from hpcrl.samples.sample import DataError, Example, Group, Sample, sample_seed
+from hpcrl.samples.support import TokenSupports
+from hpcrl.trainer.batch import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -129,6 +100,19 @@ class PromptFormatter:
                 )
             )
         return self.cfg.prompt_template.format(prompt=prompt)
+
+
+def answer_batches(formatter: PromptFormatter, data: PromptSource) -> Callable[[int], TrainBatch]:
+    """SFT on prompt -> answer: the prompt as the rollout encodes it, the answer's ids and EOS as the response."""
+    eos = formatter.tokenizer.eos_token_id
+
+    def batch(step: int) -> TrainBatch:
+        examples = data.batch(step)
+        prompts = [formatter.encode(e.prompt) for e in examples]
+        answers = [formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
+        return TrainBatch.from_sequences(prompts, answers)
+
+    return batch
 
 
 def _unknown_token(tokenizer: Any) -> str | None:
@@ -261,24 +245,6 @@ def sample_of(
         supports=supports,
         sampled_logprobs=_sampled_logprobs(r),
     )
-
-
-def checked_supports(r: GenerateResult, url: str) -> TokenSupports:
-    """A result's sampling supports; refused when it cannot be replayed: no supports (an engine without
-    return_sampling_mask), or a support without its sampled token (the trainer would score an impossible one)."""
-    if r.sampling_mask is None or r.support_logprobs is None:
-        raise EngineRequestError(
-            f"the engine answered request {r.rid!r} without meta_info.output_token_sampling_mask / "
-            "output_token_sampling_logprobs although it asked return_sampling_mask; top-k/top-p replay needs an "
-            "engine that returns sampling supports (hpcrl's embedded engine, SGLang 0.5.16)",
-            url=url,
-        )
-    supports = TokenSupports.from_lists(r.sampling_mask)
-    try:
-        supports.check_tokens(r.output_ids, where=f"request {r.rid!r}")
-    except ValueError as exc:
-        raise EngineRequestError(str(exc), url=url) from None
-    return supports
 
 
 def assign_least_loaded(

@@ -36,13 +36,15 @@ import torch
 from hpcrl.engine.client import EngineClient, EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.engine.supports import checked_supports
 from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter, version_ordinal
 from hpcrl.rollout.config import BufferConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
-from hpcrl.rollout.generate import Group, PromptFormatter, Sample, checked_supports, sample_of, sample_seed
+from hpcrl.rollout.generate import PromptFormatter, sample_of
 from hpcrl.rollout.ledger import PromptLedger
 from hpcrl.rollout.scoring import RewardScorer
-from hpcrl.rollout.support import TokenSupports
+from hpcrl.samples.sample import Group, Sample, sample_seed
+from hpcrl.samples.support import TokenSupports
 
 MAX_ATTEMPTS = 3  # buffer.on_drop=retry: a prompt is generated at most this often, then dropped
 _STATE_VERSION = 1

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcrl.rollout.config import RewardConfig
-from hpcrl.rollout.generate import Group
 from hpcrl.rollout.rewards import RewardError, ScoreResult, ScoringInterrupted, check_failures, load_reward, score
+from hpcrl.samples.sample import Group
 
 
 class RewardScorer:

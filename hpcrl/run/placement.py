@@ -69,7 +69,7 @@ class Placement:
             if not self.slurm:
                 port = free_port("127.0.0.1")
                 os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                followers = spawn_followers(self.run_dir, world, port)
+                followers = spawn_followers(self.run_dir, world, port, entry="hpcrl.run.follower")
             init_trainer_group(rank=0, world_size=world, device=device, timeout_s=self.cfg.sync.group_timeout_s)
         trainer = build_trainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
         return RankGroup(trainer, followers)

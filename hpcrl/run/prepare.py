@@ -1,4 +1,4 @@
-"""What a run checks and creates before it writes anything to its run dir: devices and the model dir."""
+"""What a run checks before it writes anything to its run dir: the devices it names (model dir: model/prepare.py)."""
 
 from __future__ import annotations
 
@@ -19,33 +19,6 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def prepare_model(cfg: RunConfig) -> Path:
-    """The model dir, created first when model.init_tiny asks for it (under a lock: in a Slurm job every
-    node's roles may get here at once)."""
-    import fcntl
-
-    path = Path(cfg.model.path)
-    if (path / "config.json").is_file() or cfg.model.init_tiny is None:
-        return _create_model_if_missing(cfg, path)  # refuses a missing model without writing a lock file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _create_model_if_missing(cfg, path)
-
-
-def _create_model_if_missing(cfg: RunConfig, path: Path) -> Path:
-    if not (path / "config.json").is_file():
-        if cfg.model.init_tiny is None:
-            raise RunError(
-                f"model.path {path} has no config.json: point it at a Hugging Face model directory, or set "
-                "model.init_tiny to create a tiny model there"
-            )
-        from hpcrl.model.tiny import init_tiny_model
-
-        init_tiny_model(path, cfg.model.init_tiny, overwrite=path.exists() and not any(path.iterdir()))
-    return path
 
 
 def check_devices(cfg: RunConfig, *, engines_here: bool) -> None:

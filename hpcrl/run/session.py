@@ -9,6 +9,7 @@ decisions: the step's metrics row, preemption, the end of the run.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import signal
 import socket
@@ -24,16 +25,18 @@ from hpcrl.config import dump_yaml
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
+from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.rollout.buffer import load_filter
-from hpcrl.rollout.data import Example, PromptSource, build_examples, source_options
+from hpcrl.rollout.data import PromptSource, build_examples, source_options
+from hpcrl.rollout.episodes import EpisodeRollout
 from hpcrl.rollout.evaluate import Evaluator, held_out_examples
-from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, rollout_stats
+from hpcrl.rollout.generate import PromptFormatter, Rollout, answer_batches, rollout_stats
 from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run.placement import Placement
-from hpcrl.run.prepare import check_devices, git_commit, prepare_model
+from hpcrl.run.prepare import check_devices, git_commit
 from hpcrl.run_config import RunConfig
-from hpcrl.sessions.rollout import EpisodeRollout
+from hpcrl.samples.sample import Example, Group
 from hpcrl.sessions.traces import ToolTraces
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.metrics import MetricsWriter
@@ -44,9 +47,7 @@ from hpcrl.store.run_dir import (
     check_can_continue,
     find_resume_point,
     inspect_run_dir,
-    refuse_planted_links,
     set_aside,
-    write_file_atomically,
 )
 from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.sync.publisher import WeightPublisher
@@ -54,7 +55,7 @@ from hpcrl.sync.push import WeightSync
 from hpcrl.trainer.advantage import batch_from_groups
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup
-from hpcrl.trainer.warm_start import WarmStart, answer_batches
+from hpcrl.trainer.warm_start import WarmStart
 
 # Evaluation's generated prompts come from the training generator under this seed offset.
 EVAL_SEED_OFFSET = 1_000_003
@@ -106,7 +107,7 @@ class RunSession:
         # Validate everything the user gave (guard, devices, model, data, reward) before the run dir is touched.
         guard_source = open_source(cfg.guard, warn=say)
         check_devices(cfg, engines_here=self.placement.engines_here)
-        model_dir = prepare_model(cfg)
+        model_dir = prepare_model_dir(Path(cfg.model.path), cfg.model.init_tiny)
         check_model_dir(model_dir)
         d = cfg.data
         examples = build_examples(
@@ -227,14 +228,15 @@ class RunSession:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
         lock = RunDirLock.acquire(self.run_dir, job_id=self.placement.incarnation.job_id)
         self._closers.insert(0, lock.release)  # last to close: nothing writes run_dir after it
-        refuse_planted_links(self.run_dir)
         if self.restart and (moved := set_aside(self.run_dir)) is not None:
             self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
         point = find_resume_point(self.run_dir / "checkpoints")
         step = point.checkpoint.step if point.checkpoint is not None else None
         check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=point.unreadable)
         lock.record_owner()
-        write_file_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg).encode())
+        path = self.run_dir / "config.yaml"
+        path.with_suffix(".yaml.tmp").write_text(dump_yaml(self.cfg))
+        os.replace(path.with_suffix(".yaml.tmp"), path)
         return point
 
     # ----- the run's own decisions -----

@@ -14,10 +14,13 @@ Tokenization is the server's: turn 1 is rendered with the family's template; lat
 tokenize only the appended messages. Token fields a client sends are ignored. Sessions live in memory.
 Errors are OpenAI-shaped ({"error": {"message", "type", "code"}}): 400 bad request or diverged history, 404 no such
 session, 409 episode ended (its reason), 429 too many sessions, 502 the engine failed (nothing recorded: retry).
+With `api_key` set (a run's own server always has one), every route but /health answers 401 without
+`Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -36,7 +39,7 @@ from hpcrl.engine.client import (
     EngineUnreachableError,
 )
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
-from hpcrl.rollout.generate import checked_supports
+from hpcrl.engine.supports import checked_supports
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import MessageError, parse_messages, parse_tools
@@ -392,6 +395,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 raise SessionError(413, f"request body of {length} bytes is over {_MAX_BODY_BYTES}")
             self._raw = self.rfile.read(length) if length else b""
+            self._check_key(path)
             for route_method, pattern, name in _ROUTES:
                 match = pattern.match(path)
                 if match and route_method == method:
@@ -408,6 +412,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(
                 500, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "code": 500}}
             )
+
+    def _check_key(self, path: str) -> None:
+        key = self.service.cfg.api_key
+        if key is None or path == "/health":
+            return
+        given = self.headers.get("Authorization") or ""
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise SessionError(401, "this session server needs its key: send Authorization: Bearer <key>")
 
     def _body(self) -> dict[str, Any]:
         raw = self._raw

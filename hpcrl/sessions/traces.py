@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from hpcrl.rollout.data import DataError, Example
+from hpcrl.samples.sample import DataError, Example
 from hpcrl.sessions.environment import CalculatorEnvironment
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import Message, ToolCall, parse_messages, parse_tools

@@ -23,16 +23,25 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from hpcrl import preemption
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker
+from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.env import LaunchEnv
 
 
 class RoleError(RuntimeError):
     pass
+
+
+class Drive(Protocol):
+    """The driver loop of trainer rank 0 (hpcrl/driver.py `run`)."""
+
+    def __call__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv) -> int: ...
 
 
 def _slurm_env() -> LaunchEnv:
@@ -43,13 +52,11 @@ def _slurm_env() -> LaunchEnv:
 
 
 def _config(run_dir: Path) -> RunConfig:
-    from hpcrl.run.prepare import prepare_model
-
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise RoleError(f"{path} not found: submit with `hpcrl submit` or run the script from `hpcrl sbatch`")
     cfg = load_run_config(path)
-    prepare_model(cfg)
+    prepare_model_dir(Path(cfg.model.path), cfg.model.init_tiny)
     return cfg
 
 
@@ -137,7 +144,14 @@ def mpi_agent_role(run_dir: Path, *, config_timeout_s: float = 120.0) -> int:
         engines.stop()
 
 
-def trainer_role(run_dir: Path) -> int:
+def trainer_role(
+    run_dir: Path,
+    *,
+    drive: Drive,
+    follow: Callable[[Path, RunConfig], int],
+) -> int:
+    """Trainer rank 0 runs `drive` (the driver loop), the other ranks `follow` it; the caller passes both in, so
+    this entry point of every role imports nothing of the run above it."""
     # srun (Slurm) or an MPI launcher (mpiexec, outside Slurm) started this task.
     env = LaunchEnv.from_environ() or LaunchEnv.from_mpi()
     if env is None:
@@ -160,21 +174,18 @@ def trainer_role(run_dir: Path) -> int:
         }
     )
     if env.rank == 0:
-        from hpcrl.driver import run
-
         print(f"trainer rank 0 on {env.node_name}: job {env.job_id} restart {env.restart_count}", flush=True)
         if cfg.sync.transport != "mpi":
-            return run(cfg, run_dir, slurm=env)
+            return drive(cfg, run_dir, slurm=env)
         from hpcrl.sync.mpi import shutdown_agents
 
         try:
-            return run(cfg, run_dir, slurm=env)
+            return drive(cfg, run_dir, slurm=env)
         finally:
             shutdown_agents()  # however the run ended, the agents must not wait for buckets forever
     from hpcrl.sync.mpi import finalize
-    from hpcrl.trainer.ranks import follow
 
-    rc = follow(run_dir)
+    rc = follow(run_dir, cfg)
     finalize()  # when an MPI launcher started the ranks or sync.transport=mpi
     # Rank 0 said STOP: nothing is left to write. Leave without the interpreter's teardown, where torch's gloo
     # worker threads, still holding tensors, can abort the process ("terminate called without an active

@@ -14,7 +14,7 @@ from torch import Tensor
 from hpcrl.trainer.batch import TrainBatch
 
 if TYPE_CHECKING:
-    from hpcrl.rollout.generate import Group
+    from hpcrl.samples.sample import Group
 
 __all__ = ["batch_from_groups", "group_advantages", "zero_std_group_share"]
 

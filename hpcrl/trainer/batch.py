@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from hpcrl.rollout.support import TokenSupports
+    from hpcrl.samples.support import TokenSupports
 
 
 @dataclass

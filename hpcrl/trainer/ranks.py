@@ -168,7 +168,8 @@ class RankGroup:
                 dist.destroy_process_group()
 
 
-def spawn_followers(run_dir: Path, world_size: int, master_port: int) -> list[subprocess.Popen[bytes]]:
+def spawn_followers(run_dir: Path, world_size: int, master_port: int, *, entry: str) -> list[subprocess.Popen[bytes]]:
+    """Ranks 1..N-1 as `python -m ENTRY RUN_DIR` (the caller's module, which calls `follow`)."""
     procs = []
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for rank in range(1, world_size):
@@ -180,30 +181,24 @@ def spawn_followers(run_dir: Path, world_size: int, master_port: int) -> list[su
             "WORLD_SIZE": str(world_size),
         }
         log = open(run_dir / "logs" / f"trainer-rank{rank}.log", "ab")  # noqa: SIM115 - the child owns it
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "hpcrl.trainer.ranks", str(run_dir)], env=env, stdout=log, stderr=log
-            )
-        )
+        procs.append(subprocess.Popen([sys.executable, "-m", entry, str(run_dir)], env=env, stdout=log, stderr=log))
     return procs
 
 
-def follow(run_dir: Path) -> int:
-    """Entry point of ranks 1..N-1: build the trainer from run_dir/config.yaml and obey rank 0."""
+def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr: float, group_timeout_s: float) -> int:
+    """Ranks 1..N-1: build the trainer as rank 0 does (the settings of run_dir/config.yaml) and obey rank 0."""
     import signal
 
-    from hpcrl.run_config import load_run_config
     from hpcrl.store.checkpoint import checkpoint_path, load_checkpoint
 
     # Slurm signals every task on preemption; rank 0 alone decides when to stop (it checkpoints first
     # and then sends STOP), so a follower must not die of TERM/USR2 in the middle of a collective.
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
-    cfg = load_run_config(run_dir / "config.yaml")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device(cfg.train.device)
-    init_trainer_group(rank=rank, world_size=world, device=device, timeout_s=cfg.sync.group_timeout_s)
-    trainer = build_trainer(cfg.train, cfg.model.path, rank=rank, world_size=world, sft_lr=cfg.sft.lr)
+    device = torch.device(train.device)
+    init_trainer_group(rank=rank, world_size=world, device=device, timeout_s=group_timeout_s)
+    trainer = build_trainer(train, model_path, rank=rank, world_size=world, sft_lr=sft_lr)
     while True:
         cmd, batch, extra = _recv()
         if cmd == CMD_STOP:
@@ -223,7 +218,3 @@ def follow(run_dir: Path) -> int:
             trainer.train_grpo(batch)
     dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(follow(Path(sys.argv[1])))

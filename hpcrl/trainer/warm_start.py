@@ -1,7 +1,8 @@
 """The supervised warm start before GRPO; runs once per run, checkpointed as done.
 
-Its batches come from a function of the SFT step: prompt -> answer pairs (`answer_batches`, single-turn runs), or
-pre-tokenized sequences with loss masks (hpcrl/sessions/traces.py, multi-turn runs: loss on the assistant turns).
+Its batches come from a function of the SFT step: prompt -> answer pairs (`answer_batches` in
+hpcrl/rollout/generate.py, single-turn runs), or pre-tokenized sequences with loss masks (hpcrl/sessions/traces.py,
+multi-turn runs: loss on the assistant turns).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from typing import Any
 import torch
 
 from hpcrl.guard import Guard
-from hpcrl.rollout.data import PromptSource
-from hpcrl.rollout.generate import PromptFormatter
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import SFTConfig
 from hpcrl.trainer.ranks import RankGroup
@@ -64,16 +63,3 @@ class WarmStart:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], *, step: int) -> None:
         self.done = bool(state["done"])
-
-
-def answer_batches(formatter: PromptFormatter, data: PromptSource) -> Callable[[int], TrainBatch]:
-    """SFT on prompt -> answer: the prompt as the rollout encodes it, the answer's ids and EOS as the response."""
-    eos = formatter.tokenizer.eos_token_id
-
-    def batch(step: int) -> TrainBatch:
-        examples = data.batch(step)
-        prompts = [formatter.encode(e.prompt) for e in examples]
-        answers = [formatter.tokenizer.encode(e.answer, add_special_tokens=False) + [eos] for e in examples]
-        return TrainBatch.from_sequences(prompts, answers)
-
-    return batch

@@ -77,7 +77,7 @@ def random_supports(targets: list[int], vocab: int, seed: int) -> list[list[int]
 
 
 def with_supports(batch: TrainBatch, vocab: int) -> TrainBatch:
-    from hpcrl.rollout.support import TokenSupports
+    from hpcrl.samples.support import TokenSupports
 
     prompts = [batch.input_ids[i, : int(batch.prompt_lens[i])].tolist() for i in range(len(batch))]
     responses = [

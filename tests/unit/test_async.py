@@ -25,11 +25,12 @@ from hpcrl.engine.protocol import FinishReason, GenerateResult, WeightVersionSpa
 from hpcrl.rollout.buffer import BufferedGroup, version_ordinal
 from hpcrl.rollout.config import BufferConfig, DataConfig, RewardConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource, make_addition_task
-from hpcrl.rollout.generate import Group, PromptFormatter
+from hpcrl.rollout.generate import PromptFormatter
 from hpcrl.rollout.ledger import ledger_problems
 from hpcrl.rollout.producer import AsyncRollout, earliest_step, oldest_version
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run_config import load_run_config, run_config_yaml
+from hpcrl.samples.sample import Group
 from hpcrl.store import load_metrics
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.publisher import WeightPublisher

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rollout.data import DataError, Example, PromptSource, build_examples, load_jsonl, make_addition_task
+from hpcrl.rollout.data import PromptSource, build_examples, load_jsonl, make_addition_task
+from hpcrl.samples.sample import DataError, Example
 
 
 def write_jsonl(tmp_path: Path, lines: list[str], name: str = "data.jsonl") -> Path:

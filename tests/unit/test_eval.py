@@ -10,9 +10,9 @@ import pytest
 
 from hpcrl.report.build import build_report
 from hpcrl.rollout.config import EvalConfig
-from hpcrl.rollout.data import DataError, Example
 from hpcrl.rollout.evaluate import held_out_examples
 from hpcrl.run_config import load_run_config
+from hpcrl.samples.sample import DataError, Example
 from hpcrl.store import load_metrics
 from tests.support import SMALL, assert_same_metrics, hpcrl
 

@@ -11,11 +11,11 @@ import datasets
 import pytest
 
 from hpcrl.rollout.config import RewardConfig
-from hpcrl.rollout.data import DataError, Example, PromptSource, build_examples, source_options
-from hpcrl.rollout.generate import Group, Sample
+from hpcrl.rollout.data import PromptSource, build_examples, source_options
 from hpcrl.rollout.rewards import load_reward, score
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run_config import load_run_config
+from hpcrl.samples.sample import DataError, Example, Group, Sample
 
 ROWS = {"question": ["1+2=", "3+4=", "10+5="], "solution": [3, "7", "15"], "other": ["x", "y", "z"]}
 

@@ -13,7 +13,7 @@ from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqReque
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model
 from hpcrl.model.qwen3 import CausalLM, KVCache
-from hpcrl.rollout.support import TokenSupports
+from hpcrl.samples.support import TokenSupports
 from hpcrl.trainer.batch import TrainBatch
 
 
@@ -271,7 +271,8 @@ def test_the_gradient_flows_through_the_invariant_forward(tiny_model_dir: Path) 
 
 def test_recompute_mode_reports_the_rescore_and_keeps_the_sampled(tiny_model_dir: Path) -> None:
     from hpcrl.model.qwen3 import token_logprobs_of_sequence
-    from hpcrl.rollout.generate import Sample, recompute_abs_diff
+    from hpcrl.rollout.generate import recompute_abs_diff
+    from hpcrl.samples.sample import Sample
 
     model = load_model(tiny_model_dir).eval()  # the plain CPU engine fuses its weights: not the shared model
     sched = Scheduler(

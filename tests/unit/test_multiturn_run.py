@@ -11,8 +11,9 @@ import pytest
 
 from hpcrl.config import from_dict
 from hpcrl.model.tiny import build_tokenizer
-from hpcrl.rollout.data import DataError, Example, make_product_task
+from hpcrl.rollout.data import make_product_task
 from hpcrl.run_config import RunConfig
+from hpcrl.samples.sample import DataError, Example
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import Message, ToolCall
 from hpcrl.sessions.traces import ToolTraces
@@ -138,7 +139,7 @@ def test_a_step_s_episodes_repeat_exactly_and_another_step_draws_new_ones(
 
     from hpcrl.engine.client import EngineClient
     from hpcrl.rollout.config import RolloutConfig
-    from hpcrl.sessions.rollout import EpisodeRollout
+    from hpcrl.rollout.episodes import EpisodeRollout
 
     cfg = RolloutConfig(kind="multi_turn", model_family="tiny", n_samples_per_prompt=2, max_tokens_per_turn=12)
     examples = [Example(prompt="123*45=", answer="5535"), Example(prompt="321*54=", answer="17334")]

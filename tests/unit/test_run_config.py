@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import ConfigError
-from hpcrl.rollout.data import Example, PromptSource
+from hpcrl.rollout.data import PromptSource
 from hpcrl.run_config import load_run_config
+from hpcrl.samples.sample import Example
 from tests.support import REPO, hpcrl
 
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"

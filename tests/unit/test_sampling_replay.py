@@ -22,10 +22,10 @@ from hpcrl.engine.client import EngineClient, EngineRequestError
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
 from hpcrl.rollout.config import DataConfig, RolloutConfig
-from hpcrl.rollout.data import Example
-from hpcrl.rollout.generate import Group, PromptFormatter, Rollout, Sample, rollout_stats
-from hpcrl.rollout.support import TokenSupports
+from hpcrl.rollout.generate import PromptFormatter, Rollout, rollout_stats
 from hpcrl.run_config import load_run_config
+from hpcrl.samples.sample import Example, Group, Sample
+from hpcrl.samples.support import TokenSupports
 from hpcrl.store import load_metrics
 from hpcrl.store.checkpoint import load_latest_checkpoint
 from hpcrl.trainer.advantage import batch_from_groups

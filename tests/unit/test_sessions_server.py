@@ -240,9 +240,9 @@ def test_run_episode_drives_a_session_and_reports_its_accounting(server: Session
 
 
 def test_rollout_groups_make_trainable_groups_from_episodes(server: SessionServer) -> None:
-    from hpcrl.rollout.data import Example
+    from hpcrl.rollout.episodes import rollout_groups
+    from hpcrl.samples.sample import Example
     from hpcrl.sessions.environment import load_environment
-    from hpcrl.sessions.rollout import rollout_groups
     from hpcrl.trainer.advantage import batch_from_groups
 
     examples = [Example(prompt="2*3?", answer="6"), Example(prompt="4*5?", answer="20")]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.rollout.data import Example
+from hpcrl.rollout.episodes import group_from_episodes
+from hpcrl.samples.sample import Example
 from hpcrl.sessions.environment import EpisodeResult
-from hpcrl.sessions.rollout import group_from_episodes
 from hpcrl.trainer.advantage import batch_from_groups
 
 

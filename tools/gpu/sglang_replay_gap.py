@@ -45,7 +45,7 @@ def main() -> int:
     from hpcrl.engine.protocol import SamplingParams
     from hpcrl.model.hf import load_model
     from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, TinyModelSpec, init_shaped_model, init_tiny_model
-    from hpcrl.rollout.support import TokenSupports
+    from hpcrl.samples.support import TokenSupports
     from hpcrl.trainer.batch import TrainBatch
     from hpcrl.trainer.loss import support_token_logprobs, token_logprobs
 

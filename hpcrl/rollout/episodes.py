@@ -7,6 +7,7 @@ Sample per leaf, all with the episode's reward.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,9 +16,9 @@ from typing import Any
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.fleet import FleetError
 from hpcrl.rollout.config import RolloutConfig
-from hpcrl.rollout.data import Example
-from hpcrl.rollout.generate import Group, Sample, sample_seed, support_stats
-from hpcrl.rollout.support import TokenSupports
+from hpcrl.rollout.generate import support_stats
+from hpcrl.samples.sample import Example, Group, Sample, sample_seed
+from hpcrl.samples.support import TokenSupports
 from hpcrl.sessions.config import SessionServerConfig
 from hpcrl.sessions.environment import Environment, EpisodeResult, episode_metrics, load_environment, run_episode
 from hpcrl.sessions.server import SessionServer
@@ -95,6 +96,7 @@ def run_episodes(
     sampling: dict[str, Any] | None = None,
     limits: dict[str, int] | None = None,
     max_concurrency: int = 16,
+    api_key: str | None = None,
 ) -> list[EpisodeResult]:
     """The episodes of a step in (example, sample) order, each seeded by (seed, step, example, sample)."""
     jobs = [(p, s) for p in range(len(examples)) for s in range(num_samples)]
@@ -103,7 +105,9 @@ def run_episodes(
         p, s = job
         row = {"prompt": examples[p].prompt, "answer": examples[p].answer}
         episode_seed = sample_seed(seed, step, p, s) % 2**31
-        return run_episode(env, row, server_url, sampling=sampling, limits=limits, seed=episode_seed)
+        return run_episode(
+            env, row, server_url, sampling=sampling, limits=limits, seed=episode_seed, api_key=api_key
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(jobs)))) as pool:
         return list(pool.map(one, jobs))
@@ -125,10 +129,13 @@ class EpisodeRollout:
         self.cfg, self.seed = cfg, seed
         self.env = load_environment(cfg.environment or "calculator")
         limits = cfg.episode_limits
+        # The server drives the run's engines with their keys: only this rollout may open sessions on it.
+        self._key = secrets.token_hex(16)
         server_cfg = SessionServerConfig(
             model_family=cfg.model_family, model=str(model_dir), engine_urls=tuple(e.url for e in engines),
             request_timeout_s=cfg.request_timeout_s, max_turns=limits.max_turns,
             max_tokens_per_turn=limits.max_tokens_per_turn, max_episode_tokens=limits.max_episode_tokens,
+            api_key=self._key,
         )  # fmt: skip
         self.server = SessionServer(server_cfg, tokenizer=tokenizer, engines=engines).start()
         self._metrics: dict[str, float] = {}
@@ -137,7 +144,7 @@ class EpisodeRollout:
         n = self.cfg.n_samples_per_prompt
         results = run_episodes(
             self.env, examples, self.server.url, num_samples=n, step=step, seed=self.seed,
-            sampling=self._sampling(), max_concurrency=MAX_CONCURRENT_EPISODES,
+            sampling=self._sampling(), max_concurrency=MAX_CONCURRENT_EPISODES, api_key=self._key,
         )  # fmt: skip
         failed = [r for r in results if r.end_reason == "engine_failed"]
         if failed:
