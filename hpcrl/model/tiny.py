@@ -24,14 +24,24 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
+    """The shape of a tiny random Qwen3-architecture model with a character-level tokenizer."""
+
     num_layers: int = 2
+    """Decoder layers."""
     hidden_size: int = 64
+    """Width of the residual stream."""
     intermediate_size: int = 128
+    """Width of each layer's SwiGLU MLP."""
     num_heads: int = 4
+    """Query heads per layer."""
     num_kv_heads: int = 2
+    """Key/value heads per layer (grouped-query attention); num_heads must be a multiple of it."""
     head_dim: int = 16
+    """Width of one attention head; even (RoPE rotates pairs)."""
     max_position_embeddings: int = 1024
+    """Longest sequence (prompt + answer) the model takes."""
     seed: int = 0
+    """Seed of the random weights."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):

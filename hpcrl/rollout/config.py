@@ -23,6 +23,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     """The field (column) holding the prompt, for files and datasets."""
     answer_key: str = "answer"
+    """The field (column) holding the reference answer the reward compares against, for files and datasets."""
     num_examples: int = 5000
     """Examples generated for `addition` and for `reasoning_gym:TASK`."""
     digits: int = 2
@@ -35,6 +36,7 @@ class DataConfig:
     template (`prompt_template: chat`) adds exactly what the template writes. `true` adds them to chat prompts
     too; `false` never adds them. The first step's prompt ids are written to the run's log."""
     prompts_per_step: int = 16
+    """Prompts drawn per GRPO step; each becomes a group of rollout.n_samples_per_prompt samples."""
     shuffle: bool = True
     """Visit the examples in a fresh seeded permutation every epoch (GRPO and SFT batches alike); false keeps
     the dataset's order (a curriculum file), epoch after epoch."""
@@ -79,14 +81,18 @@ class RolloutConfig:
     `async`: a producer keeps groups in flight on the engines while the trainer trains, through a bounded
     buffer (the `buffer:` section; docs/async.md)."""
     n_samples_per_prompt: int = 8
+    """Samples per prompt: a group, whose rewards give each sample its group-relative advantage."""
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    """Most tokens generated per sample (single_turn); longer answers are cut and count as truncated."""
     temperature: float = 1.0
+    """Sampling temperature, > 0."""
     top_p: float = 1.0
     """Top-p (nucleus) filter; < 1 turns on sampling-support replay and needs a positive top_k."""
     top_k: int = -1
     """Top-k filter; -1 is off (the whole vocabulary), >= 1 turns on sampling-support replay: the trainer
     renormalises over the ids each token was drawn from (docs/sampling-replay.md)."""
     request_timeout_s: float = 600.0
+    """Seconds an engine request (one /generate call, or one multi-turn turn) may take before it fails."""
     model_family: str | None = None
     """multi_turn: the chat template, stop tokens and tool-call parser by name (`qwen3`, `tiny`); required there,
     never detected from the checkpoint."""
