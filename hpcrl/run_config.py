@@ -13,6 +13,7 @@ from hpcrl.guard.config import GuardConfig
 from hpcrl.model.tiny import TinyModelSpec
 from hpcrl.rollout.config import BufferConfig, DataConfig, EvalConfig, RewardConfig, RolloutConfig
 from hpcrl.slurm.config import SlurmConfig
+from hpcrl.store.sinks.config import LoggingConfig
 from hpcrl.sync.config import SyncConfig
 from hpcrl.trainer.config import SFTConfig, TrainConfig
 
@@ -61,6 +62,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         if self.num_steps < 0:

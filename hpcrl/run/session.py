@@ -49,6 +49,7 @@ from hpcrl.store.run_dir import (
     inspect_run_dir,
     set_aside,
 )
+from hpcrl.store.sinks import open_sinks
 from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
@@ -139,6 +140,7 @@ class RunSession:
                 "git_commit": git_commit(),
                 "hosts": json.dumps([socket.gethostname()]),
             },
+            sinks=open_sinks(cfg, self.run_dir, say=say),  # logging: TensorBoard, wandb, MLflow
         )
         self._closers.append(self.store.close)
         self.trainer = self.placement.start_trainer(model_dir)

@@ -32,6 +32,8 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
+    from hpcrl.store.sinks import SinkSet
+
 FORMAT_ATTR = "hpcrl_format"
 FORMAT_VERSION_ATTR = "hpcrl_format_version"
 METRICS_FORMAT = "metrics"
@@ -125,7 +127,9 @@ class MetricsWriter:
         root_attrs: Mapping[str, str] | None = None,
         flush_every_steps: int = 10,
         flush_interval_s: float = 5.0,
+        sinks: SinkSet | None = None,
     ) -> None:
+        """sinks: copies of every row and event (TensorBoard, wandb, MLflow); they never fail a write here."""
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
         if not flush_interval_s >= 0:
@@ -134,6 +138,7 @@ class MetricsWriter:
         self.flush_every_steps = flush_every_steps
         self.flush_interval_s = flush_interval_s
         self._rows: list[tuple[int, dict[str, float]]] = []
+        self._sinks = sinks
         self._key_paths: dict[str, str] = {}
         self._columns: dict[str, h5py.Dataset] = {}
         self._last_flush_s = time.monotonic()
@@ -287,6 +292,8 @@ class MetricsWriter:
                 raise ValueError(f"metric key {key!r} names the same metric {path!r} as another key of this step")
             row[path] = _as_float(key, value)
         self._rows.append((step, row))
+        if self._sinks is not None:
+            self._sinks.log(step, {key: row[self._key_paths[key]] for key in metrics})
         now_s = time.monotonic()
         if len(self._rows) >= self.flush_every_steps or now_s - self._last_flush_s >= self.flush_interval_s:
             self.flush()
@@ -359,6 +366,8 @@ class MetricsWriter:
                 ds.resize((index + 1,))
                 ds[index] = values[name]
         self._num_events = index + 1
+        if self._sinks is not None:
+            self._sinks.event(kind, None if step is None else step_value, json.loads(detail_json))
 
     def rename_events(self, kind: str, new_kind: str) -> int:
         """Renames every event of `kind` (a `finished` that a resumed run supersedes); returns how many."""
@@ -414,6 +423,9 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Flushes the buffered rows and closes the file; closing twice is harmless."""
+        if self._sinks is not None:
+            sinks, self._sinks = self._sinks, None
+            sinks.close()
         if self._file.id.valid:
             try:
                 self.flush()

@@ -1,0 +1,173 @@
+"""`SinkSet`: the configured sinks, each isolated so that its failure costs one log line and never the run."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hpcrl.store.sinks.config import LoggingConfig
+
+if TYPE_CHECKING:
+    from hpcrl.run_config import RunConfig
+
+Say = Callable[[str], None]
+
+IDS_FILE = "sinks.json"
+"""RUN_DIR/sinks.json: the wandb and MLflow run ids, so that a resumed run continues the same runs there."""
+
+# sink -> (module that must import, the hpcrl extra that installs it, the class implementing the sink)
+CLIENTS: dict[str, tuple[str, str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard", "hpcrl.store.sinks.tensorboard_sink:TensorBoardSink"),
+    "wandb": ("wandb", "wandb", "hpcrl.store.sinks.wandb_sink:WandbSink"),
+    "mlflow": ("mlflow", "mlflow", "hpcrl.store.sinks.mlflow_sink:MlflowSink"),
+}
+
+
+class Sink(Protocol):
+    """One destination of the run's metrics. Calls may raise: the SinkSet drops a sink that does."""
+
+    name: str
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def event(self, kind: str, step: int | None, detail: Mapping[str, Any]) -> None: ...
+
+    def images(self, step: int | None, paths: Sequence[Path]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def pip_command(extras: Sequence[str]) -> str:
+    """The one pip command that installs these hpcrl extras."""
+    return f"pip install 'hpcrl[{','.join(dict.fromkeys(extras))}]'"
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_clients(cfg: LoggingConfig) -> dict[str, str]:
+    """{sink: extra} for every configured sink whose client package is not installed."""
+    return {name: CLIENTS[name][1] for name in cfg.enabled if not has_module(CLIENTS[name][0])}
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def open_sinks(cfg: RunConfig, run_dir: Path, *, say: Say = _stderr) -> SinkSet | None:
+    """The sinks of `cfg.logging` for the run in `run_dir`; None when none is configured (or none opened)."""
+    from hpcrl.config import to_dict
+
+    logging = cfg.logging
+    if not logging.enabled:
+        return None
+    missing = missing_clients(logging)
+    if missing:
+        names = ", ".join(f"logging.{name}" for name in missing)
+        say(
+            f"warning: {names} set, but the client is not installed: {pip_command(list(missing.values()))}; "
+            "this run goes on without it (metrics.h5 keeps every metric)"
+        )
+    ids = _read_ids(run_dir)
+    sinks: list[Sink] = []
+    for name in logging.enabled:
+        if name in missing:
+            continue
+        module_name, _, target = CLIENTS[name]
+        module_path, class_name = target.split(":")
+        try:
+            sink_class = getattr(importlib.import_module(module_path), class_name)
+            sinks.append(sink_class(logging, run_dir=run_dir, run_name=cfg.name, params=to_dict(cfg), ids=ids))
+        except Exception as err:  # noqa: BLE001 - a sink must never stop the run
+            say(f"warning: logging.{name} could not start ({type(err).__name__}: {err}); this run goes on without it")
+    if not sinks:
+        return None
+    _write_ids(run_dir, ids)
+    return SinkSet(sinks, run_dir=run_dir, say=say)
+
+
+def _read_ids(run_dir: Path) -> dict[str, str]:
+    try:
+        data = json.loads((run_dir / IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _write_ids(run_dir: Path, ids: Mapping[str, str]) -> None:
+    if not ids:
+        return
+    path = run_dir / IDS_FILE
+    tmp = path.with_name(f".{IDS_FILE}.tmp")
+    tmp.write_text(json.dumps(dict(ids), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class SinkSet:
+    """Fans rows and events out to the sinks; a sink that raises is reported once and dropped."""
+
+    def __init__(self, sinks: Sequence[Sink], *, run_dir: Path, say: Say = _stderr) -> None:
+        self.sinks = list(sinks)
+        self.run_dir = run_dir
+        self.say = say
+        self._last_step: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [sink.name for sink in self.sinks]
+
+    def _each(self, what: str, call: Callable[[Sink], object]) -> None:
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as err:  # noqa: BLE001 - a sink must never stop the run
+                self.sinks.remove(sink)
+                self.say(
+                    f"warning: logging.{sink.name} failed to {what} ({type(err).__name__}: {err}); it is off for the "
+                    "rest of this run, which goes on (metrics.h5 keeps every metric)"
+                )
+                try:
+                    sink.close()
+                except Exception:  # noqa: BLE001, S110 - already reported; closing is a courtesy
+                    pass
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {key: float(value) for key, value in metrics.items()}
+        self._last_step = step
+        self._each(f"log step {step}", lambda sink: sink.log(step, row))
+
+    def event(self, kind: str, step: int | None, detail: Mapping[str, Any]) -> None:
+        self._each(f"log event {kind}", lambda sink: sink.event(kind, step, detail))
+        if kind == "finished":
+            self._send_report(step)
+
+    def _send_report(self, step: int | None) -> None:
+        """The report's plots (RUN_DIR/report/*.png) as images, when hpcrl[report] is installed."""
+        if not self.sinks:
+            return
+        if not has_module("matplotlib"):
+            self.say(f"note: the report's plots are not sent to {', '.join(self.names)}: {pip_command(['report'])}")
+            return
+        try:
+            from hpcrl.report.build import build_report
+
+            plots = build_report(self.run_dir).plots
+        except Exception as err:  # noqa: BLE001 - the run is done; its record is metrics.h5
+            self.say(f"warning: the report's plots could not be drawn for the sinks ({type(err).__name__}: {err})")
+            return
+        at = step if step is not None else self._last_step
+        self._each("send the report's plots", lambda sink: sink.images(at, plots))
+
+    def close(self) -> None:
+        self._each("close", lambda sink: sink.close())
+        self.sinks = []
