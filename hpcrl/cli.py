@@ -12,6 +12,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+from hpcrl.config_show import add_config_commands
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from hpcrl.guard.cli import add_guard_commands
 from hpcrl.report.cli import add_report_commands
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_guard_commands(sub)
     add_slurm_commands(sub)
     add_report_commands(sub)
+    add_config_commands(sub)
     add_session_commands(sub)
     return parser
 
