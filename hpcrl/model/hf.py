@@ -139,11 +139,6 @@ def _unexpected_weight(model_dir: Path, name: str, args: ModelArgs) -> str:
     )
 
 
-def save_model(model: CausalLM, out_dir: str | Path, *, source_dir: str | Path) -> Path:
-    """Write the model as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
-    return save_state_dict(model.state_dict(), out_dir, source_dir=source_dir)
-
-
 def save_state_dict(state: Mapping[str, torch.Tensor], out_dir: str | Path, *, source_dir: str | Path) -> Path:
     """Write HF-named tensors as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
     out_dir = Path(out_dir)

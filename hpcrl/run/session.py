@@ -155,7 +155,12 @@ class RunSession:
         )  # fmt: skip
         self._closers.append(sync.close)
         sync.connect()
-        self.publisher = WeightPublisher(cfg.engine, self.fleet, sync, self.trainer.named_weights, on_event=self._event)
+        # Engines that lend their weights' memory to the trainer get it back as zeros: every push then sends
+        # every weight, not only those a step can change.
+        full = cfg.engine.offload_during_train
+        self.publisher = WeightPublisher(
+            cfg.engine, self.fleet, sync, lambda: self.trainer.push_weights(full=full), on_event=self._event
+        )
         if multi_turn:
             self.rollout = EpisodeRollout(
                 cfg.rollout, clients, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed

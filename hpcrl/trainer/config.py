@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from hpcrl.trainer.converters import CONVERTERS
+
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
@@ -87,11 +89,19 @@ class TrainConfig:
     19.5%. megatron backend, the same levers, one H100: 37.3% against 15.2% (docs/benchmarks.md, "Trainer MFU
     levers"). Same numbers to rounding (tests/unit/test_torch_compile.py, tests/unit/test_megatron.py); on a CPU it
     needs a C++ compiler."""
+    converters: tuple[str, ...] = ()
+    """Model converters applied, in this order, when the torch backend builds the model (hpcrl/trainer/converters):
+    `freeze` stops the modules of freeze_modules from training. A converter decides which parameters the
+    optimizer holds and what a weight push sends; checkpoints and exports hold the whole model."""
+    freeze_modules: tuple[str, ...] = ()
+    """converters: [freeze]: modules whose parameters do not train, by name (e.g. `model.embed_tokens`,
+    `lm_head`, `model.layers.0`; a module freezes all its parts). They leave the optimizer and weight pushes."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
 
     def __post_init__(self) -> None:
+        self._check_converters()
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
@@ -189,6 +199,25 @@ class TrainConfig:
                 f"onpolicy covers device cpu or cuda, not {self.device!r}; use one of those, or onpolicy: false "
                 "(docs/numerics.md)"
             )
+
+    def _check_converters(self) -> None:
+        for name in self.converters:
+            if name not in CONVERTERS:
+                raise ValueError(f"converters: unknown model converter {name!r}; valid: {', '.join(CONVERTERS)}")
+        if len(set(self.converters)) != len(self.converters):
+            raise ValueError(f"converters lists a converter twice: {list(self.converters)}")
+        if self.converters and self.backend != "torch":
+            raise ValueError(
+                f"converters {list(self.converters)} change the torch backend's model; the {self.backend} backend "
+                "builds its own: use backend: torch, or converters: []"
+            )
+        if ("freeze" in self.converters) != bool(self.freeze_modules):
+            raise ValueError(
+                "freeze_modules names the modules the freeze converter freezes: set both converters: [freeze] and "
+                "freeze_modules (e.g. [model.embed_tokens]), or neither"
+            )
+        if any(not m or m != m.strip() for m in self.freeze_modules):
+            raise ValueError(f"freeze_modules: module names must be non-empty, without spaces: {self.freeze_modules}")
 
 
 @dataclass(kw_only=True, frozen=True)

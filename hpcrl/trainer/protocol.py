@@ -22,8 +22,13 @@ class Trainer(Protocol):
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]: ...
 
-    def named_weights(self) -> list[tuple[str, Tensor]]:
-        """Every weight in Hugging Face names and shapes: what a push sends and an export writes."""
+    def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
+        """What a weight push sends, in Hugging Face names: the tensors a step can change (a model converter may
+        leave out frozen ones, which the engines keep); `full`: every weight, for engines that dropped theirs."""
+        ...
+
+    def export_weights(self) -> list[tuple[str, Tensor]]:
+        """The whole model in Hugging Face names and shapes: what an export writes."""
         ...
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -32,4 +37,6 @@ class Trainer(Protocol):
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None: ...
 
-    def export(self, out_dir: str | Path) -> Path: ...
+    def export(self, out_dir: str | Path) -> Path:
+        """Write `export_weights()` as a Hugging Face model directory."""
+        ...

@@ -24,7 +24,7 @@ from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.protocol import Trainer
 from hpcrl.trainer.torch_backend import TorchTrainer
 
-CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD, CMD_WEIGHTS, CMD_STATE = 0, 1, 2, 3, 4, 5
+CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD, CMD_WEIGHTS, CMD_STATE, CMD_EXPORT = 0, 1, 2, 3, 4, 5, 6
 _KINDS = {
     "input_ids": torch.long,
     "prompt_lens": torch.long,
@@ -119,22 +119,26 @@ class RankGroup:
             _send(CMD_SFT, batch)
         return self.trainer.train_sft(batch)
 
-    def named_weights(self) -> list[tuple[str, Tensor]]:
-        self._announce(CMD_WEIGHTS)
-        return self.trainer.named_weights()
+    def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
+        self._announce(CMD_WEIGHTS, extra=int(full))
+        return self.trainer.push_weights(full=full)
+
+    def export_weights(self) -> list[tuple[str, Tensor]]:
+        self._announce(CMD_EXPORT)
+        return self.trainer.export_weights()
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         self._announce(CMD_STATE)
         return self.trainer.state()
 
     def export(self, out_dir: Path) -> Path:
-        self._announce(CMD_WEIGHTS)
+        self._announce(CMD_EXPORT)
         return self.trainer.export(out_dir)
 
-    def _announce(self, cmd: int) -> None:
+    def _announce(self, cmd: int, extra: int = 0) -> None:
         if self.trainer.world_size > 1 and self.trainer.collective:
             self._check_followers()
-            _send(cmd, None)
+            _send(cmd, None, extra=extra)
 
     # ----- a part of the run's checkpointed state (hpcrl/store/run_state.py) -----
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -207,7 +211,9 @@ def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr:
             ckpt = load_checkpoint(checkpoint_path(run_dir / "checkpoints", extra))
             trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
         elif cmd == CMD_WEIGHTS:
-            trainer.named_weights()
+            trainer.push_weights(full=bool(extra))
+        elif cmd == CMD_EXPORT:
+            trainer.export_weights()
         elif cmd == CMD_STATE:
             trainer.state()
         elif cmd == CMD_SFT:

@@ -22,11 +22,12 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.model import invariant
-from hpcrl.model.hf import load_model, parse_dtype, save_model
+from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM
 from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.converters.base import build_converters
 from hpcrl.trainer.loss import (
     PolicyLossConfig,
     hidden_token_logprobs,
@@ -36,6 +37,7 @@ from hpcrl.trainer.loss import (
     support_token_logprobs,
     token_logprobs,
 )
+from hpcrl.trainer.parallel import apply_compile, parallelize
 from hpcrl.trainer.step_stats import NanGuard, StepSums
 
 
@@ -62,17 +64,14 @@ class TorchTrainer:
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # After the reference copy: the KL term's reference is the policy as loaded.
+        self.converters = build_converters(cfg)
+        for converter in self.converters:
+            converter.convert(self.model)
         if cfg.torch_compile:
-            # Per layer rather than the whole model: the layers share one graph (compiled once); the LM head, the
-            # loss and the (eager) reference copy stay as they are; parameter names stay those of pushes and
-            # checkpoints (Module.compile wraps no module).
-            for layer in self.model.model.decoder_layers:
-                layer.compile()
-        self.ddp: torch.nn.Module = self.model
-        if world_size > 1:
-            self.ddp = DistributedDataParallel(
-                self.model, device_ids=None if self.device.type == "cpu" else [self.device]
-            )
+            apply_compile(self.model)
+        # The module the training forward runs through; the weight and state calls read self.model.
+        self.ddp: torch.nn.Module = parallelize(self.model, "ddp", device=self.device, world_size=world_size)
         self.optimizer = self._make_optimizer(cfg.lr)
         # The warm start gets an optimizer of its own, so GRPO starts from fresh Adam moments.
         self.sft_lr = sft_lr
@@ -87,13 +86,21 @@ class TorchTrainer:
         self.nan_guard = NanGuard(cfg.max_nan_steps)
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            self.model.parameters(),
+        optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],  # a converter may have frozen some
             lr=lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps,
             weight_decay=self.cfg.weight_decay,
         )
+        if self.converters:
+            # After every step the optimizer takes (one the NaN guard skips calls no hook).
+            optimizer.register_step_post_hook(lambda *_: self._post_optimizer_step())
+        return optimizer
+
+    def _post_optimizer_step(self) -> None:
+        for converter in self.converters:
+            converter.post_optimizer_hook(self.model)
 
     # ----- steps -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
@@ -263,8 +270,25 @@ class TorchTrainer:
         return self.nan_guard.step(optimizer, metrics)
 
     # ----- weights and state -----
-    def named_weights(self) -> list[tuple[str, Tensor]]:
-        return [(k, v.detach()) for k, v in self.model.state_dict().items()]
+    def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
+        """What a weight push sends: the tensors a step can change, as the converters decide (every weight
+        without converters); `full`: every weight, for engines that dropped theirs."""
+        if full:
+            return self.export_weights()
+        state = self._weights()
+        for converter in reversed(self.converters):
+            state = converter.push_state(self.model, state)
+        return list(state.items())
+
+    def export_weights(self) -> list[tuple[str, Tensor]]:
+        """The whole model in Hugging Face names: what an export writes."""
+        state = self._weights()
+        for converter in reversed(self.converters):
+            state = converter.export_state(self.model, state)
+        return list(state.items())
+
+    def _weights(self) -> dict[str, Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Model and optimizer state as tensors + JSON skeleton (no pickle), for checkpoints.
@@ -285,16 +309,34 @@ class TorchTrainer:
                 f"train.backend={state['backend']}"
             )
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        self._check_frozen(model_state)
         self.model.load_state_dict(model_state, strict=True)
         if self.ref_model is not None:
             ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
             self.ref_model.load_state_dict(ref, strict=True)
         opt = {k: v for k, v in tensors.items() if k.startswith("optimizer/")}
-        self.optimizer.load_state_dict(unflatten_state(opt, state["optimizer"]))
+        try:
+            self.optimizer.load_state_dict(unflatten_state(opt, state["optimizer"]))
+        except ValueError as exc:  # torch's words: a parameter group of another size
+            raise ValueError(
+                f"this checkpoint's optimizer state does not fit this run's trainable parameters ({exc}); resume "
+                "with the train.converters and train.freeze_modules the run was started with"
+            ) from exc
         self.nan_guard.in_a_row = int(state.get("num_nan_in_a_row", 0))
 
+    def _check_frozen(self, model_state: dict[str, Tensor]) -> None:
+        """A parameter that does not train is left out of pushes, so engines serve the copy they loaded from
+        model.path: a checkpoint must hold that same copy."""
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad and name in model_state and not torch.equal(model_state[name].to(p.device), p):
+                raise ValueError(
+                    f"this checkpoint's {name} differs from model.path's, but this run does not train it "
+                    f"(train.converters {list(self.cfg.converters)}), so engines would serve model.path's; resume "
+                    "with the model.path, train.converters and train.freeze_modules the run was started with"
+                )
+
     def export(self, out_dir: str | Path) -> Path:
-        return save_model(self.model, out_dir, source_dir=self.model_dir)
+        return save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
 
 
 def _host_copy(tensor: Tensor) -> Tensor:

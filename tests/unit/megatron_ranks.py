@@ -261,7 +261,7 @@ def main() -> int:
     trainer = MegatronTrainer(config(tp, pp, world, dtype), model_dir, rank=rank, world_size=world)
     if scenario == "bf16":
         trainer.train_grpo(batch)
-        pushed = {str(v.dtype) for _, v in trainer.named_weights()}
+        pushed = {str(v.dtype) for _, v in trainer.push_weights()}
         tensors, _ = trainer.state()
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -273,7 +273,7 @@ def main() -> int:
         return 0
     steps = 3 if scenario == "grpo" else 2
     metrics = [trainer.train_grpo(batch) for _ in range(steps)]
-    weights = {k: v.clone() for k, v in trainer.named_weights()}  # fp32 weights are the live params
+    weights = {k: v.clone() for k, v in trainer.export_weights()}  # fp32 weights are the live params
     result: dict[str, object] = {"metrics": metrics, "optimizer": trainer.optimizer_kind}
     if scenario == "resume":
         tensors, state = trainer.state()  # whole on rank 0; every rank reads it back, as a resume does
@@ -283,13 +283,13 @@ def main() -> int:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(ckpt))
         dist.barrier()
         result["next"] = trainer.train_grpo(batch)
-        after = dict(trainer.named_weights())
+        after = dict(trainer.export_weights())
         fresh = MegatronTrainer(config(tp, pp, world), model_dir, rank=rank, world_size=world)
         fresh.load_state(load_file(ckpt), state)
-        restored = dict(fresh.named_weights())
+        restored = dict(fresh.export_weights())
         result["restored_equal"] = all(torch.equal(restored[k], weights[k]) for k in weights)
         result["next_resumed"] = fresh.train_grpo(batch)
-        again = dict(fresh.named_weights())
+        again = dict(fresh.export_weights())
         result["after_max_abs_diff"] = max((float((again[k] - after[k]).abs().max()) for k in after), default=0.0)
     if scenario == "reshard":
         tensors, state = trainer.state()
@@ -303,7 +303,7 @@ def main() -> int:
             single = MegatronTrainer(config(1, 1, 1), model_dir)
             result["single_optimizer"] = single.optimizer_kind
             single.load_state(tensors, state)
-            restored = dict(single.named_weights())
+            restored = dict(single.export_weights())
             result["restored_equal"] = all(torch.equal(restored[k], weights[k]) for k in weights)
             result["next_sharded"] = metrics_next
             result["next_single"] = single.train_grpo(batch)

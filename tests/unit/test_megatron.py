@@ -200,7 +200,7 @@ def torch_reference(tiny_model_dir: Path) -> tuple[list[dict[str, float]], dict[
     trainer = TorchTrainer(TrainConfig(**TRAIN), tiny_model_dir)
     batch = fixed_batch(ModelArgs.from_dir(tiny_model_dir).vocab_size)
     metrics = [trainer.train_grpo(batch) for _ in range(3)]
-    return metrics, {k: v.clone() for k, v in trainer.named_weights()}
+    return metrics, {k: v.clone() for k, v in trainer.export_weights()}
 
 
 @pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 2)], ids=["tp1", "tp2", "pp2", "dp2"])
@@ -248,7 +248,7 @@ def test_untied_embeddings_under_pp_match_the_torch_backend(tiny_model_dir: Path
     batch = fixed_batch(ModelArgs.from_dir(model_dir).vocab_size)
     reference = TorchTrainer(TrainConfig(**TRAIN), model_dir)
     ref_metrics = [reference.train_grpo(batch) for _ in range(3)]
-    ref_weights = dict(reference.named_weights())
+    ref_weights = dict(reference.export_weights())
     result = run_ranks("grpo", model_dir, tmp_path / "out", 1, 2, 2)
     for step, (a, b) in enumerate(zip(ref_metrics, result["metrics"], strict=True)):
         for key in ("loss", "grad_norm", "pg_loss"):

@@ -206,7 +206,7 @@ def test_one_step_without_the_old_logprob_pass_equals_one_with_it(tiny_model_dir
     explicit = TorchTrainer(TrainConfig(**cfg, old_logprobs="rollout"), tiny_model_dir)
     b = explicit.train_grpo(with_rollout_logprobs(batch, old))
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
-    for (name, wa), (_, wb) in zip(skipped.named_weights(), explicit.named_weights(), strict=True):
+    for (name, wa), (_, wb) in zip(skipped.export_weights(), explicit.export_weights(), strict=True):
         assert torch.equal(wa, wb), name
     assert adam_steps(skipped) == adam_steps(explicit) == 1
 

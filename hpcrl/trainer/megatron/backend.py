@@ -55,7 +55,7 @@ Optimizer = LocalOptimizer | DistributedOptimizer
 
 
 class MegatronTrainer:
-    """Same calls as TorchTrainer; `named_weights`, `state` and `export` are collective over all ranks."""
+    """Same calls as TorchTrainer; the weight calls, `state` and `export` are collective over all ranks."""
 
     collective = True
 
@@ -389,7 +389,11 @@ class MegatronTrainer:
                 for name in names:
                     dist.send(mine[name].float().contiguous(), dst=0)
 
-    def named_weights(self) -> list[tuple[str, Tensor]]:
+    def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
+        """A push sends every weight (this backend has no model converters); every rank must call it."""
+        return self.export_weights()
+
+    def export_weights(self) -> list[tuple[str, Tensor]]:
         """The policy in HF names and shapes on rank 0 ([] elsewhere); every rank must call it."""
         params = dict(self.model.named_parameters())
         # Megatron keeps norm weights in fp32 under bf16; the engines load the model's dtype, and mixed
@@ -452,7 +456,7 @@ class MegatronTrainer:
 
     def export(self, out_dir: str | Path) -> Path:
         """Write the policy as an HF dir on rank 0; every rank must call it."""
-        weights = self.named_weights()
+        weights = self.export_weights()
         out = Path(out_dir)
         if self.rank == 0:
             save_state_dict(dict(weights), out, source_dir=self.model_dir)

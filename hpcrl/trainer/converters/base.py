@@ -1,0 +1,58 @@
+"""What a model converter may do to the torch trainer's model, and when the trainer asks it."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import Tensor
+
+from hpcrl.model.qwen3 import CausalLM
+from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.converters import CONVERTERS
+
+
+class ModelConverter:
+    """One named change to the model (`train.converters`); every hook but `convert` defaults to doing nothing.
+
+    The trainer calls, in this order: `convert` once, after loading the weights (and taking the KL
+    reference copy) and before compilation, the parallelism and the optimizer, which holds the parameters
+    left with `requires_grad`; `post_optimizer_hook` after every optimizer step that ran; `push_state` and
+    `export_state` on each push and export. With several converters, `convert` runs in the listed order
+    and the state hooks in the reverse one (the last change is undone first)."""
+
+    name = ""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+
+    def convert(self, model: CausalLM) -> None:
+        """Change `model` in place."""
+        raise NotImplementedError
+
+    def post_optimizer_hook(self, model: CausalLM) -> None:
+        """After each optimizer step (e.g. re-derive quantization scales from the updated weights)."""
+
+    def push_state(self, model: CausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The tensors a weight push sends, given the previous converter's (the model's state at first).
+
+        Engines keep what a push leaves out, so a converter drops only tensors no step changes, or replaces
+        them by what the engine applies (an adapter)."""
+        return state
+
+    def export_state(self, model: CausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The tensors an export writes (a whole model in Hugging Face names), given the previous converter's."""
+        return state
+
+
+def build_converters(cfg: TrainConfig) -> list[ModelConverter]:
+    """The converters of `cfg.converters`, in the order they apply."""
+    out = []
+    for name in cfg.converters:
+        if name not in CONVERTERS:
+            raise ValueError(f"unknown model converter {name!r}; valid: {', '.join(CONVERTERS)}")
+        module, _, cls = CONVERTERS[name].partition(":")
+        converter = getattr(importlib.import_module(module), cls)(cfg)
+        if not isinstance(converter, ModelConverter):
+            raise TypeError(f"{CONVERTERS[name]} is not a ModelConverter")
+        out.append(converter)
+    return out
