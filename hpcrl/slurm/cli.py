@@ -1,13 +1,14 @@
 """The Slurm commands of the hpcrl CLI: submit, sbatch, doctor.
 
 hpcrl submit experiments/quickstart.yaml [key=value ...] [--run-dir DIR]
-hpcrl sbatch experiments/quickstart.yaml -o sbatch/quickstart.sbatch [--run-dir DIR] [--dry-run]
-hpcrl doctor [--run-dir DIR]
+hpcrl sbatch experiments/quickstart.yaml -o sbatch/quickstart.sbatch [--run-dir DIR] [--base-dir DIR] [--dry-run]
+hpcrl doctor [CONFIG [key=value ...]] [--run-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import warnings
@@ -20,17 +21,23 @@ def default_run_dir(config: str) -> str:
     return str(Path("runs") / Path(config).stem)
 
 
-def sbatch_command_line(config: str, overrides: Sequence[str], output: str | None, run_dir: str | None) -> list[str]:
+def sbatch_command_line(
+    config: str, overrides: Sequence[str], output: str | None, run_dir: str | None, base_dir: str | None = None
+) -> list[str]:
     """The argv that regenerates a script (its header shows it; the drift test runs it)."""
     argv = ["hpcrl", "sbatch", config, *overrides]
     if output:
         argv += ["-o", output]
     if run_dir:
         argv += ["--run-dir", run_dir]
+    if base_dir:
+        argv += ["--base-dir", base_dir]
     return argv
 
 
-def render_sbatch(config: str, overrides: Sequence[str], output: str | None, run_dir: str | None) -> str:
+def render_sbatch(
+    config: str, overrides: Sequence[str], output: str | None, run_dir: str | None, base_dir: str | None = None
+) -> str:
     """The text `hpcrl sbatch` writes for these arguments."""
     from hpcrl.run_config import load_run_config
     from hpcrl.slurm.render import render_script
@@ -39,18 +46,19 @@ def render_sbatch(config: str, overrides: Sequence[str], output: str | None, run
     return render_script(
         cfg,
         run_dir or default_run_dir(config),
-        command_line=sbatch_command_line(config, overrides, output, run_dir),
+        command_line=sbatch_command_line(config, overrides, output, run_dir, base_dir),
         script_path=output,
+        base_dir=base_dir,
     )
 
 
 def _sbatch(ns: argparse.Namespace) -> int:
     from hpcrl.run_config import load_run_config
-    from hpcrl.slurm.render import check_mpi_launch, nodes_python
+    from hpcrl.slurm.render import check_mpi_launch, job_log_dir, nodes_python
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        text = render_sbatch(ns.config, ns.overrides, ns.output, ns.run_dir)
+        text = render_sbatch(ns.config, ns.overrides, ns.output, ns.run_dir, ns.base_dir)
     cfg = load_run_config(ns.config, list(ns.overrides))
     notes = [str(note.message) for note in caught] + check_mpi_launch(cfg, nodes_python(cfg))
     for note in notes:
@@ -79,7 +87,11 @@ def _sbatch(ns: argparse.Namespace) -> int:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {out}: {exc.strerror or exc}; choose another -o path") from None
-    print(f"wrote {out}; submit it with: sbatch {out}")
+    log_dir = job_log_dir(cfg, os.path.abspath(ns.base_dir or os.getcwd()))
+    if log_dir is not None:
+        # Slurm does not create the job log's directory: a job whose log cannot be opened fails without a word.
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    print(f"wrote {out}; submit it (from any directory) with: sbatch {out.absolute()}")
     return 0
 
 
@@ -117,7 +129,14 @@ def _submit(ns: argparse.Namespace) -> int:
 def _doctor(ns: argparse.Namespace) -> int:
     from hpcrl.slurm.doctor import run_doctor
 
-    return run_doctor(Path(ns.run_dir))
+    cfg = None
+    if ns.config is not None:
+        from hpcrl.run_config import load_run_config
+
+        cfg = load_run_config(ns.config, ns.overrides)
+    elif ns.overrides:
+        raise ValueError(f"hpcrl doctor: overrides {ns.overrides} need a CONFIG before them")
+    return run_doctor(Path(ns.run_dir), cfg)
 
 
 def add_slurm_commands(sub: argparse._SubParsersAction) -> None:
@@ -144,14 +163,25 @@ def add_slurm_commands(sub: argparse._SubParsersAction) -> None:
     _add_config_args(p)
     p.add_argument("-o", "--output", default=None, help="script to write (default: print it)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the script; write nothing")
+    p.add_argument(
+        "--base-dir",
+        default=None,
+        help="the directory the job runs in, where the config's relative paths start (default: the current one); "
+        "the script names it and every other path absolutely, so it can be submitted from anywhere",
+    )
     p.set_defaults(func=_sbatch)
 
     p = sub.add_parser(
         "doctor",
         help="check what this machine has for hpcrl: Slurm, MPI, GPUs/NVML, sglang, megatron-core, a writable run dir",
-        description="Check the commands and packages hpcrl can use and print what is missing with the fix. Exits 0 "
-        "when a local run (hpcrl run) can work; Slurm, MPI, GPUs, sglang and megatron-core are optional.",
+        description="Check the commands and packages hpcrl can use and print what is missing with the fix, and the "
+        "one pip command that adds the missing extras. Given a CONFIG: also the extras its features need (a dataset "
+        "file, a logging sink, engine.kind=sglang, ...). Exits 0 when a local run (hpcrl run) of it can work; Slurm, "
+        "MPI, GPUs, sglang and megatron-core are otherwise optional.",
+        epilog="example: hpcrl doctor experiments/cluster-example.yaml",
     )
+    p.add_argument("config", nargs="?", default=None, help="YAML run config whose features to check (optional)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. logging.tensorboard=true")
     p.add_argument("--run-dir", default="runs", help="directory runs will be written to (default: runs)")
     p.set_defaults(func=_doctor)
 

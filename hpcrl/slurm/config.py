@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 # sbatch 22.05's long options (`sbatch --help` plus the ones only in its man page). extra_sbatch keys are
 # checked against them so that a typo fails at submission with the close match, not in the queue.
@@ -32,6 +33,9 @@ OWNED_SBATCH_OPTIONS = {
     "account": "slurm.account",
     "qos": "slurm.qos",
     "constraint": "slurm.constraint",
+    "reservation": "slurm.reservation",
+    "gres": "slurm.gpu_type (with slurm.engines.gpus_per_node / slurm.trainer.gpus_per_task)",
+    "chdir": "nothing: the job runs in the directory the script was rendered in (hpcrl sbatch --base-dir)",
     "time": "slurm.time_limit",
     "signal": "slurm.signal_delay_s",
     "requeue": "slurm.requeue",
@@ -44,8 +48,8 @@ OWNED_SBATCH_OPTIONS = {
     "gpus-per-node": "slurm.engines.gpus_per_node / slurm.trainer.gpus_per_task",
     "gpus-per-task": "slurm.trainer.gpus_per_task",
     "mem": "slurm.engines.mem_gb / slurm.trainer.mem_gb",
-    "output": "nothing: hpcrl names the job log itself (hpcrl submit prints where)",
-    "error": "nothing: hpcrl names the job log itself (hpcrl submit prints where)",
+    "output": "slurm.log_dir (the job log is LOG_DIR/<job name>-<job id>.out)",
+    "error": "slurm.log_dir (the job log holds stdout and stderr)",
     "open-mode": "nothing: the job log is appended to, so a requeued job keeps the earlier attempts' lines",
     "array": "nothing: Slurm has no arrays of heterogeneous jobs; submit one job per run",
 }
@@ -54,6 +58,9 @@ _TIME_FORMS = "M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (e.g. 90, 01:30:00, 2-00:00:
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MPI_PLUGIN_RE = re.compile(r"^[A-Za-z0-9_]+$")
+_GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_MODULE_RE = re.compile(r"^[A-Za-z0-9_.+/@:-]+$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def time_limit_seconds(text: str) -> int:
@@ -166,6 +173,41 @@ class TrainerGroupConfig(SlurmGroupConfig):
 
 
 @dataclass(kw_only=True, frozen=True)
+class ContainerConfig:
+    """The image every step runs in: Apptainer/Singularity (`apptainer exec`) or enroot through pyxis
+    (`srun --container-image`). hpcrl must be installed in the image."""
+
+    image: str
+    """apptainer/singularity: a .sif file, or a docker://, oras:// or library:// reference; pyxis: a registry
+    reference (nvcr.io#nvidia/pytorch:25.01-py3) or a .sqsh file. A file must exist when the script is rendered."""
+    runtime: Literal["apptainer", "singularity", "pyxis"] = "apptainer"
+    """`apptainer`/`singularity`: each step's command runs under `RUNTIME exec`; `pyxis`: each srun step gets
+    `--container-image` (Slurm's pyxis plugin with enroot)."""
+    binds: tuple[str, ...] = ()
+    """More host paths to see in the container, `SRC[:DST[:ro]]` (apptainer --bind, pyxis --container-mounts).
+    The run dir and the directory the script runs in are always bound."""
+
+    def __post_init__(self) -> None:
+        if not self.image.strip() or _CONTROL_RE.search(self.image):
+            raise ValueError(
+                f"image {self.image!r} is empty or has control characters; name the image file or reference"
+            )
+        for bind in self.binds:
+            if not bind or "," in bind or _CONTROL_RE.search(bind) or bind.startswith(":"):
+                raise ValueError(
+                    f"binds: {bind!r} is not SRC[:DST[:ro]] (one path per entry, no commas), e.g. /scratch or "
+                    "/data:/data:ro"
+                )
+
+    @property
+    def is_file(self) -> bool:
+        """Whether `image` names a file on this machine (not a registry reference)."""
+        if self.runtime == "pyxis":
+            return self.image.startswith(("/", "./", "../", "~")) or self.image.endswith(".sqsh")
+        return "://" not in self.image
+
+
+@dataclass(kw_only=True, frozen=True)
 class SlurmConfig:
     """How `hpcrl submit` / `hpcrl sbatch` ask Slurm for the run's nodes."""
 
@@ -175,6 +217,21 @@ class SlurmConfig:
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
+    reservation: str | None = None
+    """A reservation the job runs in (`--reservation`); null: none."""
+    exclusive: bool = False
+    """`--exclusive` for every component: no other job shares the nodes."""
+    gpu_type: str | None = None
+    """A GPU type of the cluster's gres (`sinfo -o %G`, e.g. h100): GPUs are asked for as `--gres=gpu:TYPE:N`;
+    null: `--gpus-per-node=N`, any type."""
+    log_dir: str = ""
+    """Directory of the job log (`LOG_DIR/<job name>-<job id>.out`: the batch shell and every step); relative paths
+    start at the directory the script is rendered in, and `hpcrl sbatch`/`hpcrl submit` create it. Empty: `hpcrl
+    sbatch`: Slurm's slurm-<job id>.out in that directory; `hpcrl submit`: RUN_DIR/slurm."""
+    container: ContainerConfig | None = None
+    """Run every step in this container image; null: on the nodes' own environment."""
+    modules: tuple[str, ...] = ()
+    """Environment modules loaded (`module load`) before anything else, the Python environment included."""
     time_limit: str = "01:00:00"
     """Slurm `--time`: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S."""
     signal_delay_s: int = 120
@@ -193,8 +250,9 @@ class SlurmConfig:
     Empty: `hpcrl submit` uses the interpreter it runs in; a script of `hpcrl sbatch` uses the venv active
     when it is submitted ($VIRTUAL_ENV), else ./.venv, else python3."""
     setup: tuple[str, ...] = ()
-    """Shell lines run in the batch shell before the steps start (e.g. `module load cuda/12.4`). These are
-    shell code on purpose, unlike every other value here, which the script quotes."""
+    """Shell lines run in the batch shell after `modules` and before the Python environment is activated (e.g.
+    `source /etc/profile.d/lmod.sh`). These are shell code on purpose, unlike every other value here, which the
+    script quotes."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables exported to every step (values are quoted, never expanded)."""
     mpi: str = "pmix"
@@ -211,10 +269,29 @@ class SlurmConfig:
                 f"signal_delay_s={self.signal_delay_s} is not shorter than time_limit={self.time_limit} "
                 f"({limit_s} s): the USR2 would come at the start; lower signal_delay_s or raise time_limit"
             )
-        for name in ("partition", "account", "qos", "constraint"):
+        for name in ("partition", "account", "qos", "constraint", "reservation"):
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"{name} is empty; leave it out (null) for the cluster's default")
+        if self.gpu_type is not None and not _GPU_TYPE_RE.match(self.gpu_type):
+            raise ValueError(
+                f"gpu_type {self.gpu_type!r} is not a gres type name (letters, digits, _ . -; `sinfo -o %G` lists "
+                "them, e.g. h100), or null for any GPU"
+            )
+        if _CONTROL_RE.search(self.log_dir):
+            raise ValueError(f"log_dir {self.log_dir!r} has control characters (a newline?); use a plain path")
+        for module in self.modules:
+            if not _MODULE_RE.match(module):
+                raise ValueError(
+                    f"modules: {module!r} is not a module name (e.g. cuda/12.4 or gcc@13); one module per entry, "
+                    "shell code goes in slurm.setup"
+                )
+        if self.container is not None and self.python.endswith("/activate"):
+            raise ValueError(
+                f"python={self.python!r} is an activate script, which the batch shell cannot source inside "
+                f"a {self.container.runtime} container; name the container's interpreter (e.g. /opt/venv/bin/python), "
+                "or leave it empty for the image's python3"
+            )
         normalize_sbatch_options(self.extra_sbatch, "extra_sbatch")
         if not _MPI_PLUGIN_RE.match(self.mpi):
             raise ValueError(f"mpi {self.mpi!r} is not an srun MPI plugin name (`srun --mpi=list`), e.g. pmix")

@@ -1,11 +1,13 @@
 """`hpcrl doctor`: what this machine has for hpcrl, and the fix for what it lacks.
 
-    hpcrl doctor [--run-dir runs]
+    hpcrl doctor [CONFIG [key=value ...]] [--run-dir runs]
 
 Essential (exit 1 without them): Python >= 3.10, the core packages, a writable run dir — what `hpcrl run`
-needs. Optional: Slurm (submit/sbatch), submitit, MPI (and, with Slurm, the srun --mpi=pmix plugin and
-its PMIx library, for sync.transport=mpi), NVML and GPUs, sglang, megatron-core. Nothing
-heavy is imported: packages are found by their metadata, GPUs through NVML or the device files.
+needs — and, given a CONFIG, the extras its features need (a dataset file: datasets; a logging sink: its
+client; engine.kind=sglang: sglang, ...). Optional: Slurm (submit/sbatch), submitit, MPI (and, with Slurm, the
+srun --mpi=pmix plugin and its PMIx library, for sync.transport=mpi), NVML and GPUs, sglang, megatron-core, and
+the extras of `hpcrl report` and `hpcrl submit`. The missing extras come as one pip command. Nothing heavy is
+imported: packages are found by their metadata, GPUs through NVML or the device files.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpcrl.run_config import RunConfig
 
 SLURM_COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "scancel")
 
@@ -309,7 +315,75 @@ def check_backends() -> list[Check]:
     ]
 
 
-def run_doctor(run_dir: Path) -> int:
+# ---- the extras a feature needs: one pip command for all that are missing
+
+
+@dataclass(frozen=True)
+class Need:
+    feature: str
+    """What needs it, as the user names it: `logging.wandb`, `hpcrl report`, `data.source (a .parquet file)`."""
+    extra: str
+    """The hpcrl extra that installs it (`pip install 'hpcrl[EXTRA]'`)."""
+    modules: tuple[str, ...]
+    """The modules that must import."""
+    essential: bool = True
+
+
+def feature_needs(cfg: RunConfig | None) -> list[Need]:
+    """The extras of the commands (report, submit) and, given a config, of each feature it turns on."""
+    from hpcrl.store.sinks.base import CLIENTS
+
+    needs = [
+        Need("hpcrl report (plots)", "report", ("matplotlib", "pandas"), essential=False),
+        Need("hpcrl submit", "slurm", ("submitit",), essential=False),
+    ]
+    if cfg is None:
+        return needs
+    from hpcrl.rollout.external_data import DATASET_SUFFIXES, GYM_PREFIX
+
+    for key, source in (("data.source", cfg.data.source), ("eval.source", cfg.eval.source)):
+        if source is None:
+            continue
+        if source.startswith(GYM_PREFIX):
+            needs.append(Need(f"{key}={source}", "data", ("reasoning_gym",)))
+        elif Path(source).suffix in DATASET_SUFFIXES or Path(source).is_dir():
+            kind = f"a {Path(source).suffix} file" if Path(source).suffix else "a dataset directory"
+            needs.append(Need(f"{key} ({kind})", "data", ("datasets",)))
+    if cfg.reward.fn == "math_verify":
+        needs.append(Need("reward.fn=math_verify", "data", ("math_verify",)))
+    for name in cfg.logging.enabled:
+        module, extra, _ = CLIENTS[name]
+        needs.append(Need(f"logging.{name}", extra, (module,)))
+    if cfg.engine.kind == "sglang":
+        needs.append(Need("engine.kind=sglang", "sglang", ("sglang",)))
+    if cfg.train.backend == "megatron":
+        needs.append(Need("train.backend=megatron", "megatron", ("megatron.core",)))
+    if cfg.sync.transport == "mpi":
+        needs.append(Need("sync.transport=mpi", "mpi", ("mpi4py",)))
+    if cfg.guard.mode == "on":
+        needs.append(Need("guard.mode=on", "guard", ("pynvml",)))
+    return needs
+
+
+def check_extras(needs: list[Need]) -> tuple[list[Check], str | None]:
+    """A check per need, and the one pip command that installs every missing extra (None: nothing missing)."""
+    from hpcrl.store.sinks.base import has_module, pip_command
+
+    checks, missing = [], []
+    for need in needs:
+        absent = [m for m in need.modules if not has_module(m)]
+        if absent:
+            missing.append(need.extra)
+            detail = f"{', '.join(absent)} not installed"
+            checks.append(Check(need.feature, False, detail, pip_command([need.extra]), need.essential))
+        else:
+            checks.append(Check(need.feature, True, ", ".join(need.modules), essential=need.essential))
+    return checks, pip_command(missing) if missing else None
+
+
+def run_doctor(run_dir: Path, cfg: RunConfig | None = None) -> int:
+    """Prints every check; 1 when something essential is missing (given a config: an extra it needs)."""
+    extras, install = check_extras(feature_needs(cfg))
     checks = [
         check_python(),
         *check_core_packages(),
@@ -318,6 +392,7 @@ def run_doctor(run_dir: Path) -> int:
         *check_mpi(),
         *check_gpus(),
         *check_backends(),
+        *extras,
     ]
     width = max(len(c.name) for c in checks)
     for c in checks:
@@ -328,6 +403,8 @@ def run_doctor(run_dir: Path) -> int:
         print(line)
     failed = [c.name for c in checks if c.essential and not c.ok]
     optional = [c.name for c in checks if not c.essential and not c.ok]
+    if install is not None:
+        print(f"hpcrl doctor: the missing extras install with: {install}")
     if failed:
         print(f"hpcrl doctor: cannot run hpcrl here: {', '.join(failed)} (see the fixes above)")
         return 1

@@ -41,6 +41,7 @@ from hpcrl.slurm.render import (
     check_placement,
     directive_lines,
     job_components,
+    job_log_dir,
 )
 
 _HET_LEADER_RE = re.compile(r"(\d+)\+0")
@@ -152,8 +153,9 @@ def submit_run(
         for note in check_mpi_launch(cfg, None if python.endswith("/activate") else python):
             warnings.warn(note, stacklevel=2)
     write_run_config(cfg, run_dir)
+    log_dir = job_log_dir(cfg, os.getcwd())  # slurm.log_dir: submitit's folder (job log, pickles)
     executor = HetSlurmExecutor(
-        run_dir / "slurm",
+        Path(log_dir) if log_dir is not None else run_dir / "slurm",
         components=job_components(cfg),
         body=batch_body(cfg, str(run_dir), python=python, role_command=role_command),
         python=shlex.quote(python) if not python.endswith("/activate") else "python",

@@ -14,15 +14,17 @@ the config.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from hpcrl.config import ConfigError, dump_yaml
 from hpcrl.run_config import RunConfig
-from hpcrl.slurm.config import SlurmGroupConfig, normalize_sbatch_options
+from hpcrl.slurm.config import ContainerConfig, SlurmGroupConfig, normalize_sbatch_options
 from hpcrl.slurm.env import HET_GROUP_VAR
 
 SbatchValue = str | int | bool
@@ -138,11 +140,19 @@ def nodes_python(cfg: RunConfig) -> str | None:
 # #SBATCH directives
 
 
-def job_components(cfg: RunConfig) -> list[dict[str, SbatchValue]]:
-    """The sbatch options of each het component: [engines, trainer], or [one] when colocated."""
+def job_components(cfg: RunConfig, *, base_dir: str | None = None) -> list[dict[str, SbatchValue]]:
+    """The sbatch options of each het component: [engines, trainer], or [one] when colocated.
+
+    base_dir: the absolute directory the job runs in (`--chdir`, where the config's relative paths start), and
+    that a relative slurm.log_dir starts at; None: where sbatch runs (submitit's own submission)."""
     slurm = cfg.slurm
     job: dict[str, SbatchValue] = {"job-name": slurm.job_name or cfg.name}
-    for key in ("partition", "account", "qos", "constraint"):
+    if base_dir is not None:
+        job["chdir"] = base_dir
+        log_dir = job_log_dir(cfg, base_dir)
+        if log_dir is not None:
+            job["output"] = f"{log_dir}/%x-%j.out"
+    for key in ("partition", "account", "qos", "reservation", "constraint"):
         value = getattr(slurm, key)
         if value is not None:
             job[key] = value
@@ -153,21 +163,30 @@ def job_components(cfg: RunConfig) -> list[dict[str, SbatchValue]]:
     job["open-mode"] = "append"
     job.update(_flags(normalize_sbatch_options(slurm.extra_sbatch, "slurm.extra_sbatch")))
     trainer = slurm.trainer
-    trainer_opts = _group_options(trainer, tasks_per_node=trainer.tasks_per_node, gpus_per_node=trainer.gpus_per_node)
+    trainer_opts = _group_options(
+        trainer, tasks_per_node=trainer.tasks_per_node, gpus_per_node=trainer.gpus_per_node, cfg=cfg
+    )
     if slurm.colocate:
         return [job | trainer_opts]
     engines = slurm.engines
-    engine_opts = _group_options(engines, tasks_per_node=1, gpus_per_node=engines.gpus_per_node)
+    engine_opts = _group_options(engines, tasks_per_node=1, gpus_per_node=engines.gpus_per_node, cfg=cfg)
     return [job | engine_opts, trainer_opts]
 
 
-def _group_options(group: SlurmGroupConfig, *, tasks_per_node: int, gpus_per_node: int) -> dict[str, SbatchValue]:
+def _group_options(
+    group: SlurmGroupConfig, *, tasks_per_node: int, gpus_per_node: int, cfg: RunConfig
+) -> dict[str, SbatchValue]:
     opts: dict[str, SbatchValue] = {
         "nodes": group.nodes,
         "ntasks-per-node": tasks_per_node,
         "cpus-per-task": group.cpus_per_task,
     }
-    if gpus_per_node:
+    if cfg.slurm.exclusive:
+        # Per component: in a het job each component has nodes of its own.
+        opts["exclusive"] = True
+    if gpus_per_node and cfg.slurm.gpu_type:
+        opts["gres"] = f"gpu:{cfg.slurm.gpu_type}:{gpus_per_node}"
+    elif gpus_per_node:
         opts["gpus-per-node"] = gpus_per_node
     if group.mem_gb is not None:
         opts["mem"] = f"{int(group.mem_gb)}G" if float(group.mem_gb).is_integer() else f"{round(group.mem_gb * 1024)}M"
@@ -209,6 +228,40 @@ def directive_lines(components: Sequence[Mapping[str, SbatchValue]]) -> list[str
     return lines
 
 
+def job_log_dir(cfg: RunConfig, base_dir: str) -> str | None:
+    """slurm.log_dir as an absolute path (relative ones start at base_dir); None when unset."""
+    if not cfg.slurm.log_dir:
+        return None
+    return os.path.normpath(Path(base_dir) / Path(cfg.slurm.log_dir).expanduser())
+
+
+def check_container(cfg: RunConfig, base_dir: str) -> None:
+    """ConfigError when slurm.container names an image file that is not there (a registry reference is not
+    checked here: the nodes pull it)."""
+    container = cfg.slurm.container
+    if container is None or not container.is_file:
+        return
+    image = Path(base_dir) / Path(container.image).expanduser()
+    if not image.is_file():
+        make = (
+            "enroot import -o IMAGE.sqsh docker://REGISTRY#IMAGE"
+            if container.runtime == "pyxis"
+            else f"{container.runtime} build IMAGE.sif docker://IMAGE"
+        )
+        raise ConfigError(
+            f"slurm.container.image {container.image!r} does not exist ({image} is no file): build or pull it "
+            f"first ({make}), fix the path, or name a registry image ("
+            + ("nvcr.io#nvidia/pytorch:25.01-py3" if container.runtime == "pyxis" else "docker://...")
+            + ")"
+        )
+
+
+def _container_image(container: ContainerConfig, base_dir: str | None) -> str:
+    if container.is_file and base_dir is not None:
+        return os.path.normpath(Path(base_dir) / Path(container.image).expanduser())
+    return container.image
+
+
 # --------------------------------------------------------------------------------------------------
 # The batch shell
 
@@ -220,36 +273,57 @@ def batch_body(
     config_text: str | None = None,
     python: str | None = None,
     role_command: str | None = None,
+    base_dir: str | None = None,
 ) -> list[str]:
     """The batch shell's lines after the directives.
 
     config_text: embedded in a quoted heredoc and written to RUN_DIR/config.yaml when absent (standalone
     scripts); None when the submitter wrote it. python: the interpreter (None: slurm.python, else a
     lookup at run time). role_command: a shell command that replaces `python -m hpcrl.cli role` (tests).
+    base_dir: where a relative container image path starts (None: the current directory).
     """
     slurm, q = cfg.slurm, shlex.quote
     mpi = cfg.sync.transport == "mpi"
     if _CONTROL_RE.search(run_dir):
         # sbatch drops a het script's empty lines and rejects \r\n: such a path would not survive.
         raise ConfigError(f"run dir {run_dir!r} contains control characters (a newline?); choose a plain path")
+    base_dir = base_dir or os.getcwd()
+    check_container(cfg, base_dir)
+    container = slurm.container
     lines = ["# ---- hpcrl: environment of every step"]
     lines += [f"RUN_DIR={q(run_dir)}"]
-    lines += _python_lines(python if python is not None else slurm.python)
-    lines += [f"export {name}={q(value)}" for name, value in (NVLS_OFF | dict(slurm.env)).items()]
+    if slurm.modules:
+        lines += _module_lines(slurm.modules)
     if slurm.setup:
-        lines += ["# slurm.setup (shell code from the config)", *slurm.setup]
+        lines += ["# slurm.setup (shell code from the config), before the Python environment", *slurm.setup]
+    if container is None:
+        lines += _python_lines(python if python is not None else slurm.python)
+    else:
+        lines += _container_lines(cfg, container, _container_image(container, base_dir))
+    lines += [f"export {name}={q(value)}" for name, value in (NVLS_OFF | dict(slurm.env)).items()]
     lines += [
         'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/engines" || { echo "hpcrl: cannot create $RUN_DIR" >&2; exit 1; }',
     ]
     if config_text is not None:
         lines += _config_heredoc(config_text)
+    # pyxis starts the container per srun step; apptainer wraps the command of the step.
+    in_container = '"${hpcrl_container[@]}" ' if container is not None and container.runtime != "pyxis" else ""
+    pyxis = ' "${hpcrl_pyxis[@]}"' if container is not None and container.runtime == "pyxis" else ""
     if role_command is None:
-        lines += [
-            "# Fail here, readably, when the nodes' Python cannot import hpcrl (not in every rank's log).",
-            '"$HPCRL_PYTHON" -c "import hpcrl" || { echo "hpcrl: $HPCRL_PYTHON cannot import hpcrl; activate the '
-            'venv before sbatch or set slurm.python" >&2; exit 1; }',
-        ]
-        role = '"$HPCRL_PYTHON" -m hpcrl.cli role'
+        if container is None:
+            lines += [
+                "# Fail here, readably, when the nodes' Python cannot import hpcrl (not in every rank's log).",
+                '"$HPCRL_PYTHON" -c "import hpcrl" || { echo "hpcrl: $HPCRL_PYTHON cannot import hpcrl; activate the '
+                'venv before sbatch or set slurm.python" >&2; exit 1; }',
+            ]
+        elif in_container:
+            lines += [
+                "# Fail here, readably, when the image's Python cannot import hpcrl (not in every rank's log).",
+                f'{in_container}"$HPCRL_PYTHON" -c "import hpcrl" || {{ echo "hpcrl: $HPCRL_PYTHON in the image '
+                'cannot import hpcrl; install hpcrl in the image, or set slurm.python to its interpreter" >&2; '
+                "exit 1; }",
+            ]
+        role = f'{in_container}"$HPCRL_PYTHON" -m hpcrl.cli role'
         if mpi:
             lines += [
                 "# sync.transport=mpi: the roles need mpi4py and its MPI library (loaded, not initialized, here).",
@@ -267,11 +341,13 @@ def batch_body(
         # memory and GPUs that the engines step holds (steps do not share them by default).
         # --ntasks too: srun would otherwise take the job's SLURM_NTASKS (all ranks) and ignore the per-node 1.
         nodes = slurm.trainer.nodes
-        engines_srun = f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --cpus-per-task={engines_cpus}"
-        trainer_srun = f"srun --overlap --cpus-per-task={trainer_cpus}"
+        engines_srun = (
+            f"srun{pyxis} --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --cpus-per-task={engines_cpus}"
+        )
+        trainer_srun = f"srun{pyxis} --overlap --cpus-per-task={trainer_cpus}"
     else:
-        engines_srun = f"srun --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus}"
-        trainer_srun = f"srun --het-group=1 --cpus-per-task={trainer_cpus}"
+        engines_srun = f"srun{pyxis} --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus}"
+        trainer_srun = f"srun{pyxis} --het-group=1 --cpus-per-task={trainer_cpus}"
     restart = "${SLURM_RESTART_COUNT:-0}"
     lines += [
         'echo "hpcrl: job $SLURM_JOB_ID restart ' + restart + ' on $(hostname): run dir $RUN_DIR"',
@@ -302,7 +378,7 @@ def batch_body(
     if mpi:
         # One step over both het groups: its tasks form one MPI world (agents ranks 0..N-1, trainer ranks after;
         # the transport reorders them, the driver first). The roles read their component from HPCRL_HET_GROUP.
-        step = f"--mpi={slurm.mpi} --kill-on-bad-exit=1"
+        step = f"--mpi={slurm.mpi} --kill-on-bad-exit=1{pyxis}"
         lines += [
             f"# ---- the roles: sync.transport=mpi, so one MPI step (srun --mpi={slurm.mpi}) over both het groups: an",
             "# agent per engine node (it starts the node's engines and loads the weights that trainer rank 0",
@@ -371,6 +447,44 @@ def batch_body(
     return lines
 
 
+def _module_lines(modules: Sequence[str]) -> list[str]:
+    names = " ".join(shlex.quote(m) for m in modules)
+    return [
+        "# slurm.modules, before the Python environment (a venv made with a module's Python needs it loaded).",
+        "# A non-login batch shell may lack the `module` function: source the usual init scripts first.",
+        "if ! type module >/dev/null 2>&1; then",
+        "  for hpcrl_init in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh /usr/share/lmod/lmod/init/bash; do",
+        '    if [ -r "$hpcrl_init" ]; then . "$hpcrl_init"; break; fi',
+        "  done",
+        "fi",
+        'type module >/dev/null 2>&1 || { echo "hpcrl: slurm.modules is set but this shell has no module command; '
+        "source your site's module init in slurm.setup, or load the modules before sbatch\" >&2; exit 1; }",
+        f'module load {names} || {{ echo "hpcrl: module load {names} failed (see above)" >&2; exit 1; }}',
+    ]
+
+
+def _container_lines(cfg: RunConfig, container: ContainerConfig, image: str) -> list[str]:
+    q = shlex.quote
+    python = cfg.slurm.python or "python3"
+    lines = [f"# slurm.container: every step runs in {_CONTROL_RE.sub(' ', image)} ({container.runtime}); hpcrl "
+             "comes from the image", f"HPCRL_PYTHON={q(python)}"]  # fmt: skip
+    if container.runtime == "pyxis":
+        # The run dir is mounted where the host has it, so that every path in the config means the same inside.
+        mounts = ",".join(['"$RUN_DIR:$RUN_DIR"', *(q(bind) for bind in container.binds)])
+        return lines + [
+            f'hpcrl_pyxis=(--container-image={q(image)} --container-mounts={mounts} --container-workdir="$PWD")'
+        ]
+    slurm = cfg.slurm
+    gpus = slurm.trainer.gpus_per_node or (not slurm.colocate and slurm.engines.gpus_per_node)
+    binds = " ".join(['--bind "$RUN_DIR"', *(f"--bind {q(bind)}" for bind in container.binds)])
+    return lines + [
+        f'command -v {container.runtime} >/dev/null || {{ echo "hpcrl: slurm.container.runtime={container.runtime} '
+        f'but this node has no {container.runtime} command (add its module to slurm.modules)" >&2; exit 1; }}',
+        # --nv: the host's NVIDIA driver inside; the working directory is Apptainer's default mount.
+        f"hpcrl_container=({container.runtime} exec{' --nv' if gpus else ''} {binds} {q(image)})",
+    ]
+
+
 def _python_lines(python: str) -> list[str]:
     q = shlex.quote
     if python.endswith("/activate"):
@@ -418,12 +532,16 @@ def render_script(
     command_line: Sequence[str] = (),
     script_path: str | None = None,
     role_command: str | None = None,
+    base_dir: str | None = None,
 ) -> str:
     """A batch script that plain `sbatch` runs: directives, the config, the body. No pickle, no hpcrl at submit.
 
     command_line: the `hpcrl sbatch ...` argv that regenerates it; script_path: where it will live (both
-    only shown in the header).
+    only shown in the header). base_dir: the directory the job runs in, where the config's relative paths
+    start (default: the current one); every path in the script is absolute, so it is submitted from anywhere.
     """
+    base_dir = os.path.abspath(base_dir or os.getcwd())
+    run_dir = os.path.normpath(Path(base_dir) / run_dir)
     for note in check_placement(cfg):
         warnings.warn(note, stacklevel=2)
     layout = (
@@ -434,13 +552,17 @@ def render_script(
     header = ["#!/bin/bash", _comment(f"hpcrl job of run '{cfg.name}' ({layout}).")]
     if command_line:
         header += [_comment("Generated by: " + shlex.join(command_line)), "# Do not edit: regenerate."]
+    log_dir = job_log_dir(cfg, base_dir)
     header += [
-        "# Submit it from the directory that relative paths start at (the repository root):",
+        _comment(f"It runs in {base_dir}, where the config's relative paths start; submit it from any directory:"),
         _comment(f"  sbatch {shlex.quote(script_path or 'SCRIPT')}"),
-        _comment(f"Job log: slurm-<jobid>.out there; role logs: {run_dir}/logs/"),
+        _comment(
+            f"Job log: {log_dir or base_dir}/{'%x-%j.out (job name, job id)' if log_dir else 'slurm-<jobid>.out'}"
+        ),
+        _comment(f"Role logs: {run_dir}/logs/"),
     ]
-    body = batch_body(cfg, run_dir, config_text=dump_yaml(cfg), role_command=role_command)
-    return "\n".join([*header, *directive_lines(job_components(cfg)), "", *body]) + "\n"
+    body = batch_body(cfg, run_dir, config_text=dump_yaml(cfg), role_command=role_command, base_dir=base_dir)
+    return "\n".join([*header, *directive_lines(job_components(cfg, base_dir=base_dir)), "", *body]) + "\n"
 
 
 def _comment(text: str) -> str:

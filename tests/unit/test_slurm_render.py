@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ import pytest
 
 from hpcrl.cli import main
 from hpcrl.config import ConfigError, from_dict, load_yaml
-from hpcrl.run_config import RunConfig
+from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.cli import render_sbatch, sbatch_command_line
+from hpcrl.slurm.config import SlurmConfig
 from hpcrl.slurm.render import _config_heredoc, check_placement, directive_value, render_script
 from tests.support import (
     GOLDEN,
@@ -75,28 +77,49 @@ def _mask_config(text: str) -> str:
     )
 
 
-@pytest.mark.parametrize("kind", sorted(GOLDEN_CONFIGS))
-def test_golden_sbatch(kind: str) -> None:
-    cfg = make_config(GOLDEN_CONFIGS[kind], model_path="/models/qwen3-8b")
-    text = _mask_config(render_script(cfg, f"runs/{cfg.name}", command_line=["hpcrl", "sbatch", f"{kind}.yaml"]))
-    path = GOLDEN / f"sbatch_{kind}.sbatch"
+# The directory the goldens and sbatch/'s scripts are rendered in: the scripts name every path absolutely.
+BASE_DIR = "/path/to/hpcrl"
+
+
+def _check_golden(text: str, path: Path) -> None:
     if os.environ.get("HPCRL_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert path.exists(), f"no golden file {path}; create it: HPCRL_UPDATE_GOLDEN=1 pytest {__file__} -k golden"
     assert text == path.read_text(), (
-        f"the rendered {kind} script differs from {path}; if the change is intended, refresh it: "
+        f"the rendered script differs from {path}; if the change is intended, refresh it: "
         f"HPCRL_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_render.py -k golden (and review the diff)"
     )
 
 
+@pytest.mark.parametrize("kind", sorted(GOLDEN_CONFIGS))
+def test_golden_sbatch(kind: str) -> None:
+    cfg = make_config(GOLDEN_CONFIGS[kind], model_path="/models/qwen3-8b")
+    command = ["hpcrl", "sbatch", f"{kind}.yaml"]
+    text = _mask_config(render_script(cfg, f"runs/{cfg.name}", command_line=command, base_dir=BASE_DIR))
+    _check_golden(text, GOLDEN / f"sbatch_{kind}.sbatch")
+
+
+def test_golden_cluster_example(monkeypatch: pytest.MonkeyPatch) -> None:
+    """experiments/cluster-example.yaml sets every key of the slurm section: container, log dir, modules, gres."""
+    monkeypatch.chdir(REPO)
+    config = "experiments/cluster-example.yaml"
+    cfg = load_run_config(config)
+    assert cfg.slurm.container is not None and cfg.slurm.log_dir and cfg.slurm.modules and cfg.slurm.gpu_type
+    unset = [f.name for f in dataclasses.fields(SlurmConfig) if f.name not in load_yaml(config)["slurm"]]
+    assert not unset, f"{config} should show every slurm key; it lacks {unset}"
+    text = render_sbatch(config, [], None, None, BASE_DIR)
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    _check_golden(_mask_config(text), GOLDEN / "sbatch_cluster_example.sbatch")
+
+
 def test_sbatch_dir_holds_every_experiment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)  # the scripts name paths relative to the repository root, as users run them
+    monkeypatch.chdir(REPO)
     stale, experiments = [], sorted(Path("experiments").glob("*.yaml"))
     for config in experiments:
         out = f"sbatch/{config.stem}.sbatch"
-        expected = render_sbatch(str(config), [], out, None)
+        expected = render_sbatch(str(config), [], out, None, BASE_DIR)
         if not Path(out).exists() or Path(out).read_text() != expected:
-            stale.append(shlex.join(sbatch_command_line(str(config), [], out, None)))
+            stale.append(shlex.join(sbatch_command_line(str(config), [], out, None, BASE_DIR)))
     orphans = sorted({p.stem for p in Path("sbatch").glob("*.sbatch")} - {c.stem for c in experiments})
     assert not stale, "sbatch/ is stale for some experiments; refresh with:\n  " + "\n  ".join(stale)
     assert not orphans, f"sbatch/ has scripts without an experiments/*.yaml: {orphans}; delete them"
@@ -148,6 +171,13 @@ def test_directive_values_are_quoted_for_sbatch(value: str, rendered: str) -> No
         ({"slurm.engines.gpus_per_node": 4, "slurm.engines.gpus_per_engine": 3}, "multiple of gpus_per_engine"),
         ({"slurm.partition": " "}, "partition is empty"),
         ({"slurm.env": {"1BAD": "x"}}, "not a variable name"),
+        ({"slurm.extra_sbatch": {"output": "/logs/%j.out"}}, "set slurm.log_dir (the job log is LOG_DIR/"),
+        ({"slurm.extra_sbatch": {"gres": "gpu:a100:4"}}, "set slurm.gpu_type"),
+        ({"slurm.gpu_type": "h100:4"}, "not a gres type name"),
+        ({"slurm.modules": ["cuda/12.4; rm -rf /"]}, "one module per entry, shell code goes in slurm.setup"),
+        ({"slurm.container": {"image": "x.sif", "binds": ["/a,/b"]}}, "one path per entry, no commas"),
+        ({"slurm.container": {"image": "x.sif"}, "slurm.python": "/venv/bin/activate"}, "the container's interpreter"),
+        ({"slurm.container": {"image": "x", "runtime": "docker"}}, "expected one of 'apptainer', 'singularity'"),
     ],
 )
 def test_invalid_slurm_sections_name_the_fix(overrides: dict[str, Any], message: str) -> None:
@@ -177,7 +207,7 @@ def test_cli_sbatch_dry_run_and_output(tmp_path: Path, capsys: pytest.CaptureFix
     assert out.startswith("#!/bin/bash") and "#SBATCH hetjob" in out and "dry run: the script is valid" in err
     target = tmp_path / "sub" / "q.sbatch"
     assert main(["sbatch", config, "-o", str(target), "--run-dir", "runs/x"]) == 0
-    assert target.stat().st_mode & 0o111 and "RUN_DIR=runs/x" in target.read_text()
+    assert target.stat().st_mode & 0o111 and f"RUN_DIR={Path('runs/x').absolute()}\n" in target.read_text()
     assert main(["sbatch", config, "slurm.extra_sbatch.nodez=1", "--dry-run"]) == 2
     assert "unknown sbatch option 'nodez'" in capsys.readouterr().err
 
@@ -215,3 +245,112 @@ def test_watcher_reads_het_jobs_from_component_zero() -> None:
     sacct = "JobID|State|NodeList\n12+0|RUNNING|n1\n12+0.batch|RUNNING|n1\n12+1|RUNNING|n2\n13|PENDING|None\n"
     info = HetSlurmInfoWatcher().read_info(sacct)
     assert info["12"]["State"] == "RUNNING" and info["13"]["State"] == "PENDING"
+
+
+# ---- what a cluster's admins ask for: container, log dir, modules, gres type, account/qos/reservation/exclusive
+
+
+def test_script_names_every_path_absolutely_and_runs_from_any_directory(tmp_path: Path) -> None:
+    cfg = make_config({"slurm.log_dir": "logs/slurm", "slurm.python": ".venv/bin/python"})
+    text = render_script(cfg, "runs/t", base_dir=str(tmp_path))
+    assert f"#SBATCH --chdir={tmp_path}\n" in text
+    assert f"#SBATCH --output={tmp_path}/logs/slurm/%x-%j.out\n" in text
+    assert f"RUN_DIR={tmp_path}/runs/t\n" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_cli_creates_the_log_dir_slurm_cannot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "experiments" / "quickstart.yaml")
+    assert main(["sbatch", config, "slurm.log_dir=job-logs", "-o", "q.sbatch", "--base-dir", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "job-logs").is_dir()
+    assert f"#SBATCH --output={tmp_path}/b/job-logs/%x-%j.out" in (tmp_path / "q.sbatch").read_text()
+
+
+def test_modules_load_before_the_python_environment_and_setup_after_them() -> None:
+    cfg = make_config({"slurm.modules": ["cuda/12.4", "gcc/13"], "slurm.setup": ["echo site-init"]})
+    lines = render_script(cfg, "runs/t", base_dir="/b").splitlines()
+    load = lines.index(
+        'module load cuda/12.4 gcc/13 || { echo "hpcrl: module load cuda/12.4 gcc/13 failed (see above)" >&2; exit 1; }'
+    )
+    assert load < lines.index("echo site-init") < next(i for i, line in enumerate(lines) if "HPCRL_PYTHON=" in line)
+
+
+def test_gpu_type_account_qos_reservation_exclusive_reach_every_component() -> None:
+    cfg = make_config(
+        GOLDEN_CONFIGS["disaggregated"]
+        | {"slurm.gpu_type": "h100", "slurm.reservation": "rl-week", "slurm.exclusive": True}
+    )
+    text = render_script(cfg, "runs/t", base_dir="/b")
+    first, second = text.split("#SBATCH hetjob\n")
+    assert "#SBATCH --gres=gpu:h100:4\n" in first and "#SBATCH --gres=gpu:h100:4\n" in second
+    assert "--gpus-per-node" not in text
+    assert "#SBATCH --exclusive\n" in first and "#SBATCH --exclusive\n" in second
+    for line in ("--account=rl-team", "--qos=high", "--reservation=rl-week"):
+        assert f"#SBATCH {line}\n" in first and line not in second
+
+
+def test_apptainer_container_wraps_every_step(tmp_path: Path) -> None:
+    image = tmp_path / "hpcrl.sif"
+    image.write_bytes(b"SIF")
+    gpu = {"engine.device": "cuda", "train.device": "cuda", "slurm.engines.gpus_per_node": 1}
+    cfg = make_config(
+        gpu | {"slurm.trainer.gpus_per_task": 1, "slurm.container": {"image": "hpcrl.sif", "binds": ["/data:/data:ro"]}}
+    )
+    text = render_script(cfg, "runs/t", base_dir=str(tmp_path))
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    assert f'hpcrl_container=(apptainer exec --nv --bind "$RUN_DIR" --bind /data:/data:ro {image})' in text
+    assert "HPCRL_PYTHON=python3\n" in text and "VIRTUAL_ENV" not in text
+    steps = [line for line in text.splitlines() if line.startswith("OMP_NUM_THREADS=")]
+    assert len(steps) == 2 and all('"${hpcrl_container[@]}" "$HPCRL_PYTHON" -m hpcrl.cli role' in s for s in steps)
+
+
+def test_pyxis_container_goes_to_every_srun(tmp_path: Path) -> None:
+    cfg = make_config({"slurm.container": {"runtime": "pyxis", "image": "nvcr.io#org/hpcrl:0.1", "binds": ["/data"]}})
+    text = render_script(cfg, "runs/t", base_dir=str(tmp_path))
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    assert (
+        "hpcrl_pyxis=(--container-image='nvcr.io#org/hpcrl:0.1' "
+        '--container-mounts="$RUN_DIR:$RUN_DIR",/data --container-workdir="$PWD")'
+    ) in text
+    steps = [line for line in text.splitlines() if line.startswith("OMP_NUM_THREADS=")]
+    assert len(steps) == 2 and all(' srun "${hpcrl_pyxis[@]}" --het-group=' in s for s in steps)
+
+
+@pytest.mark.parametrize(
+    ("container", "names"),
+    [
+        ({"image": "images/missing.sif"}, "apptainer build"),
+        ({"image": "/nowhere/hpcrl.sif", "runtime": "singularity"}, "singularity build"),
+        ({"image": "./hpcrl.sqsh", "runtime": "pyxis"}, "enroot import"),
+    ],
+)
+def test_a_container_image_that_does_not_exist_is_refused_at_render_time(
+    container: dict[str, str], names: str, tmp_path: Path
+) -> None:
+    cfg = make_config({"slurm.container": container})
+    with pytest.raises(ConfigError, match=rf"slurm.container.image .* does not exist .*{names}"):
+        render_script(cfg, "runs/t", base_dir=str(tmp_path))
+    # A registry reference is the nodes' to pull: not checked here.
+    pulled = "docker://ghcr.io/org/hpcrl:0.1" if container.get("runtime") != "pyxis" else "nvcr.io#org/hpcrl:0.1"
+    render_script(make_config({"slurm.container": {**container, "image": pulled}}), "runs/t", base_dir=str(tmp_path))
+
+
+def test_doctor_checks_the_extras_of_a_configs_features_and_gives_one_pip_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What an environment without wandb and datasets looks like to the import system.
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    config = str(REPO / "experiments" / "quickstart.yaml")
+    args = ["doctor", config, "data.source=train.parquet", "logging.wandb.project=p", "logging.tensorboard=true"]
+    assert main([*args, "--run-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^  FAIL  logging\.wandb +wandb not installed\n +fix: pip install 'hpcrl\[wandb\]'$", out, re.M)
+    assert re.search(r"^  FAIL  data\.source \(a \.parquet file\) +datasets not installed$", out, re.M)
+    assert re.search(r"^  ok    logging\.tensorboard +tensorboard$", out, re.M)
+    assert "the missing extras install with: pip install 'hpcrl[data,wandb]'" in out
+    assert "cannot run hpcrl here: data.source (a .parquet file), logging.wandb" in out
+    # Without a config: the commands' extras only, and they are optional.
+    assert main(["doctor", "--run-dir", str(tmp_path)]) == 0
+    assert re.search(r"^  ok    hpcrl report \(plots\) +matplotlib, pandas$", capsys.readouterr().out, re.M)
