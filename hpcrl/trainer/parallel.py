@@ -48,11 +48,3 @@ def apply_compile(model: CausalLM) -> None:
     wraps no module)."""
     for layer in model.model.decoder_layers:
         layer.compile()
-
-
-def unwrap(module: nn.Module) -> CausalLM:
-    """The model inside what `parallelize` returned (the head's weight is read from it)."""
-    inner = module.module if isinstance(module, DistributedDataParallel) else module
-    if not isinstance(inner, CausalLM):
-        raise TypeError(f"expected the trainer's CausalLM inside {type(module).__name__}, got {type(inner).__name__}")
-    return inner
