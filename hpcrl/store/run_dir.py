@@ -334,7 +334,7 @@ def config_differences(recorded: Mapping[str, Any], cfg: Any) -> list[str]:
     """The keys where `cfg` differs from a recorded config, as "train.lr: 0.0005 -> 0.001".
 
     Ignores num_steps (extending a run is a normal request) and, for train.backend=megatron, the TP/PP
-    split and num_ranks (its checkpoints hold the whole model in HF layout).
+    split and num_ranks (its checkpoints hold the whole model in HF layout), and the logging section.
     """
     from hpcrl.config import ConfigError, from_dict, to_dict
 
@@ -357,7 +357,8 @@ def _comparable(cfg: Any) -> Any:
     train = cfg.train
     if train.backend == "megatron":
         train = dataclasses.replace(train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1)
-    return dataclasses.replace(cfg, num_steps=0, train=train)
+    # The logging sinks copy metrics and change nothing a checkpoint holds: a resumed run may add or drop one.
+    return dataclasses.replace(cfg, num_steps=0, train=train, logging=type(cfg.logging)())
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

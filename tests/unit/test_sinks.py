@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hpcrl.config import ConfigError, from_dict, load_yaml
+from hpcrl.config import ConfigError, from_dict, load_yaml, to_dict
 from hpcrl.run_config import RunConfig
 from hpcrl.store import load_events, load_metrics
+from hpcrl.store.run_dir import config_differences
 from hpcrl.store.sinks import LoggingConfig, missing_clients, open_sinks, pip_command
 from tests.support import hpcrl, make_config
 
@@ -266,3 +267,9 @@ def test_a_missing_client_is_named_with_the_pip_command_at_start_up(
         len(said) == 1 and "logging.wandb set, but the client is not installed: pip install 'hpcrl[wandb]'" in said[0]
     )
     assert pip_command(["wandb", "mlflow", "wandb"]) == "pip install 'hpcrl[wandb,mlflow]'"
+
+
+def test_a_resumed_run_may_add_or_drop_a_sink() -> None:
+    recorded = to_dict(make_config())
+    assert config_differences(recorded, make_config({"logging.tensorboard": True, "logging.mlflow": {}})) == []
+    assert config_differences(recorded, make_config({"seed": 1})) == ["seed: 0 -> 1"]
