@@ -74,6 +74,53 @@ class _Loader(yaml.SafeLoader):
                     seen[key] = key_node
         return super().construct_mapping(node, deep=deep)  # type: ignore[arg-type]
 
+    def construct_document(self, node: yaml.Node) -> Any:
+        # Aliases are shared in the loaded data, but a typed key's conversion (and any message quoting the value)
+        # walks them expanded: nine nested anchors ("billion laughs") would hang the load for good.
+        if _expanded_size(node) > MAX_YAML_VALUES:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"the document expands through its anchors and aliases (&name / *name) to more than "
+                f"{MAX_YAML_VALUES:,} values (the most a config may hold); write the values out instead of "
+                "nesting aliases",
+                node.start_mark,
+            )
+        return super().construct_document(node)
+
+
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes `root` holds with every alias expanded (a cycle counts as too many); linear in the nodes."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            sizes[key] = min(1 + sum(sizes[id(c)] for c in _children(node)), MAX_YAML_VALUES + 1)
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:  # an alias of one of its own ancestors: infinite when expanded
+            return MAX_YAML_VALUES + 1
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    return []
+
 
 _Loader.yaml_implicit_resolvers = {
     first: [

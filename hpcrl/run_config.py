@@ -41,6 +41,9 @@ class CheckpointConfig:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
 
 
+MAX_STEPS = 1_000_000_000  # far beyond any run; a larger count is a typo (it overflows the step counters)
+
+
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
     name: str = "run"
@@ -65,8 +68,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        if self.num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if not 0 <= self.num_steps <= MAX_STEPS:
+            raise ValueError(f"num_steps must be between 0 and {MAX_STEPS:,}, got {self.num_steps}")
         if self.train.old_logprobs is None:
             # Resolved here, so the dumped config (and a resume's comparison with it) names the choice.
             object.__setattr__(self, "train", replace(self.train, old_logprobs=_default_old_logprobs(self)))
@@ -166,6 +169,13 @@ class RunConfig:
             raise ValueError(
                 "rollout.mode=async cannot use sync.pause_mode=abort: generation is always in flight, so every "
                 "weight push would abort it and throw the work away; use sync.pause_mode=retract (or in_place)"
+            )
+        if self.inflight_groups > self.capacity_groups:
+            raise ValueError(
+                f"buffer.max_inflight_groups={self.inflight_groups} is more than buffer.capacity_groups="
+                f"{self.capacity_groups}: the groups in flight could not all find room in the buffer and the rest "
+                f"would be discarded; set buffer.max_inflight_groups <= {self.capacity_groups}, or raise "
+                "buffer.capacity_groups"
             )
         if self.capacity_groups < self.data.prompts_per_step:
             raise ValueError(

@@ -48,6 +48,13 @@ class DataConfig:
             _check_template(self.prompt_template)
         if self.num_examples < 1:
             raise ValueError(f"num_examples must be >= 1, got {self.num_examples}")
+        generated = self.source in ("addition", "product") or self.source.startswith("reasoning_gym:")
+        if generated and self.num_examples < self.prompts_per_step:
+            raise ValueError(
+                f"num_examples={self.num_examples} is less than prompts_per_step={self.prompts_per_step}: every "
+                f"step would draw some of the {self.num_examples} examples twice; set num_examples >= "
+                f"{self.prompts_per_step} (or fewer prompts_per_step)"
+            )
         if self.digits < 1:
             raise ValueError(f"digits must be >= 1, got {self.digits}")
 
@@ -168,6 +175,9 @@ class RolloutConfig:
             )
 
 
+MAX_INFLIGHT_GROUPS = 1024
+
+
 @dataclass(kw_only=True, frozen=True)
 class BufferConfig:
     """The group buffer of `rollout.mode: async` (hpcrl/rollout/buffer.py)."""
@@ -193,6 +203,12 @@ class BufferConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"{key} must be >= 1 (or null for the default), got {value}")
+        if self.max_inflight_groups is not None and self.max_inflight_groups > MAX_INFLIGHT_GROUPS:
+            # Each group in flight is a producer thread waiting on its engine request.
+            raise ValueError(
+                f"max_inflight_groups={self.max_inflight_groups} is more than {MAX_INFLIGHT_GROUPS} groups generating "
+                f"at once (each is a thread); set at most {MAX_INFLIGHT_GROUPS} (null: data.prompts_per_step)"
+            )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(
                 f"max_staleness must be >= 0 weight versions (0: only groups of the step's own policy), or null "
