@@ -1,4 +1,4 @@
-"""Evaluation during training (issue 20, item 4): held-out prompts, greedy accuracy and pass@k / mean@k in
+"""Evaluation during training: held-out prompts, greedy accuracy and pass@k / mean@k in
 metrics.h5, and a run with evaluation trains exactly as one without."""
 
 from __future__ import annotations

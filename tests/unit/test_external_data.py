@@ -1,4 +1,4 @@
-"""Data users already have (issue 20, item 5): local parquet / arrow / save_to_disk datasets through Hugging
+"""Data users already have: local parquet / arrow / save_to_disk datasets through Hugging
 Face `datasets` with column mapping, reasoning-gym tasks by name with their own scorer, and a math-verify
 reward. All offline: the files are written here, the gym tasks are generated from a seed."""
 

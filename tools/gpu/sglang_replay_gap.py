@@ -1,4 +1,4 @@
-"""Sampling-support replay against stock SGLang 0.5.16 on one H200 (issue 18, "Show"): the log-prob gap of the
+"""Sampling-support replay against stock SGLang 0.5.16 on one H200: the log-prob gap of the
 torch trainer against SGLang with and without replay, from the same rollout, and the memory the supports take.
 
   python3 tools/gpu/sglang_replay_gap.py --out $OUT      # after `source .sglang/activate.sh ...`
