@@ -105,9 +105,7 @@ def run_episodes(
         p, s = job
         row = {"prompt": examples[p].prompt, "answer": examples[p].answer}
         episode_seed = sample_seed(seed, step, p, s) % 2**31
-        return run_episode(
-            env, row, server_url, sampling=sampling, limits=limits, seed=episode_seed, api_key=api_key
-        )
+        return run_episode(env, row, server_url, sampling=sampling, limits=limits, seed=episode_seed, api_key=api_key)
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(jobs)))) as pool:
         return list(pool.map(one, jobs))

@@ -52,6 +52,9 @@ class SessionServerConfig:
     max_episode_tokens: int = 4096
     max_sessions: int = 4096
     """Open sessions at once; creating one more is refused (HTTP 429) rather than growing memory without bound."""
+    api_key: str | None = None
+    """When set, every route but /health requires `Authorization: Bearer <api_key>` (HTTP 401 otherwise): a run's
+    own session server drives the run's engines with their keys, so no other local user may open sessions on it."""
 
     def __post_init__(self) -> None:
         from hpcrl.sessions.families import get_family

@@ -114,6 +114,10 @@ class EpisodeResult:
         return sum(len(s["token_ids"]) for s in self.sequences)
 
 
+class SessionServerError(RuntimeError):
+    """The session server refused what an episode needs (a new session): the rollout cannot go on."""
+
+
 def run_episode(
     env: Environment,
     row: dict[str, Any],
@@ -123,16 +127,23 @@ def run_episode(
     limits: dict[str, int] | None = None,
     seed: int | None = None,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> EpisodeResult:
     """One episode in a linear session: generate, answer tool calls, repeat until an answer or a limit.
 
-    With `seed`, turn k samples with seed + k: an episode repeats exactly on the same weights."""
+    With `seed`, turn k samples with seed + k: an episode repeats exactly on the same weights. `api_key`: the
+    session server's key (a run's own server has one)."""
     episode = env.start(row)
     calls = errors = 0
     end_reason = ""
-    with httpx.Client(base_url=server_url, timeout=timeout_s, trust_env=False) as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=server_url, timeout=timeout_s, trust_env=False, headers=headers) as http:
         created = http.post("/sessions", json={"mode": "linear", "limits": limits or {}})
-        created.raise_for_status()
+        if created.status_code != 200:
+            raise SessionServerError(
+                f"the session server at {server_url} refused a new session: HTTP {created.status_code}: "
+                f"{created.text[:500]}"
+            )
         sid = created.json()["session_id"]
         try:
             while True:
