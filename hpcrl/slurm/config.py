@@ -107,6 +107,7 @@ class SlurmGroupConfig:
     """What one het group asks of Slurm per node and per task."""
 
     nodes: int = 1
+    """Nodes of this het group."""
     cpus_per_task: int = 1
     """CPUs per task; also the OMP_NUM_THREADS of the group's processes."""
     mem_gb: float | None = None
@@ -151,6 +152,7 @@ class TrainerGroupConfig(SlurmGroupConfig):
     """Het group 1: one task per trainer rank; rank 0 also drives the run."""
 
     tasks_per_node: int = 1
+    """Trainer ranks per node."""
     gpus_per_task: int = 0
     """GPUs per rank. The node asks for tasks_per_node x gpus_per_task GPUs and every rank sees all of
     them (rank r uses its share from SLURM_LOCALID): NCCL's peer-to-peer paths need the GPUs visible, and
@@ -214,9 +216,13 @@ class SlurmConfig:
     job_name: str = ""
     """Empty: the run's `name`."""
     partition: str | None = None
+    """The partition the job runs in (`--partition`); null: the cluster's default."""
     account: str | None = None
+    """The account charged (`--account`); null: the user's default."""
     qos: str | None = None
+    """The quality of service (`--qos`); null: the default."""
     constraint: str | None = None
+    """Node features the job needs (`--constraint`, e.g. `a100&ib`); null: none."""
     reservation: str | None = None
     """A reservation the job runs in (`--reservation`); null: none."""
     exclusive: bool = False

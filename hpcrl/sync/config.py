@@ -5,29 +5,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hpcrl.sync.transport import TRANSPORTS
+
 
 @dataclass(kw_only=True, frozen=True)
 class SyncConfig:
-    transport: Literal["auto", "distributed", "tensor", "mpi"] = "auto"
-    """`distributed`: a torch.distributed group from trainer rank 0 to the engines (gloo on CPU, nccl on
-    GPU); `tensor`: same-host handover of one flat buffer (shared memory / CUDA IPC) for colocated runs;
-    `auto`: `tensor` when trainer and engines share one CUDA device (colocated), else `distributed`;
-    `mpi`: MPI broadcast to one agent per engine node (`hpcrl role mpi-agent`), see hpcrl/sync/mpi.py."""
+    transport: str = "auto"
+    """A name in hpcrl/sync/transport.py's TRANSPORTS, or `auto`. `distributed`: a torch.distributed group from
+    trainer rank 0 to the engines (gloo on CPU, nccl on GPU); `tensor`: same-host handover of one flat buffer
+    (shared memory / CUDA IPC) for colocated runs; `auto`: `tensor` when trainer and engines share one CUDA
+    device (colocated), else `distributed`; `mpi`: MPI broadcast to one agent per engine node
+    (`hpcrl role mpi-agent`), see hpcrl/sync/mpi.py."""
     bucket_mb: float = 512.0
     """Upper bound on the bytes of one bucket (one HTTP call + its broadcasts)."""
     flattened: bool = True
     """Send each bucket as one flat buffer (one collective) instead of one broadcast per tensor."""
     pause_mode: Literal["retract", "in_place", "abort"] = "retract"
+    """How engines pause generation for a push: `retract` puts running requests back in the queue (their K/V is
+    recomputed after the push), `in_place` holds them where they are, `abort` ends them (sync mode only)."""
     every_steps: int = 1
     """Push new weights after every N-th trainer step (rollout.mode: async only; the synchronous loop pushes
     after every step)."""
     group_timeout_s: float = 300.0
     """Bound on forming the weight group and on every broadcast; longer than any allowed thermal pause."""
     master_address: str = "127.0.0.1"
+    """Address of the weight-update group's store, on the trainer's node; under Slurm the node's own address is
+    used instead."""
     master_port: int = 0
     """0 picks a free port."""
 
     def __post_init__(self) -> None:
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not one of {['auto', *TRANSPORTS]}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.every_steps < 1:
