@@ -406,7 +406,7 @@ def host_weight_group(url: str) -> tuple[Any, str]:
 
     import httpx
 
-    from hpcrl.sync.group import init_weight_group
+    from hpcrl.weightwire.group import init_weight_group
 
     port = free_port()
     name = f"g{port}"

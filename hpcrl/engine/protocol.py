@@ -1095,6 +1095,18 @@ def _check_load_format(value: object) -> None:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {value!r}")
 
 
+APPLY_REPLACE = "replace"
+"""`apply_strategy` of a weight update (hpcrl's extension): how the engine writes the tensors into its model.
+The embedded engine lists its strategies (hpcrl/engine/embedded/apply.py) and refuses others; `to_dict` sends the
+key only when it is not "replace", what a stock SGLang server does with every update (it refuses unknown keys)."""
+
+
+def _without_default_apply(body: dict[str, Any]) -> dict[str, Any]:
+    if body.get("apply_strategy") == APPLY_REPLACE:
+        del body["apply_strategy"]
+    return body
+
+
 @dataclass(frozen=True, kw_only=True)
 class UpdateWeightsFromDistributed(Message):
     """POST /update_weights_from_distributed: the engine receives these tensors, in order, from group rank 0.
@@ -1112,6 +1124,7 @@ class UpdateWeightsFromDistributed(Message):
     weight_version: str | None = None
     load_format: str | None = None
     torch_empty_cache: bool = False
+    apply_strategy: str = APPLY_REPLACE
 
     def __post_init__(self) -> None:
         names = tuple(_str(f"names[{i}]", name) for i, name in enumerate(_list("names", self.names)))
@@ -1139,9 +1152,13 @@ class UpdateWeightsFromDistributed(Message):
         _optional_str("weight_version", self.weight_version)
         _check_load_format(self.load_format)
         _bool("torch_empty_cache", self.torch_empty_cache)
+        _str("apply_strategy", self.apply_strategy)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "dtypes", dtypes)
         object.__setattr__(self, "shapes", shapes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_default_apply(super().to_dict())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1156,6 +1173,7 @@ class UpdateWeightsFromTensor(Message):
     weight_version: str | None = None
     disable_draft_model: bool | None = None
     torch_empty_cache: bool = False
+    apply_strategy: str = APPLY_REPLACE
 
     def __post_init__(self) -> None:
         payloads = tuple(
@@ -1171,7 +1189,11 @@ class UpdateWeightsFromTensor(Message):
         if self.disable_draft_model is not None:
             _bool("disable_draft_model", self.disable_draft_model)
         _bool("torch_empty_cache", self.torch_empty_cache)
+        _str("apply_strategy", self.apply_strategy)
         object.__setattr__(self, "serialized_named_tensors", payloads)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_default_apply(super().to_dict())
 
 
 @dataclass(frozen=True, kw_only=True)

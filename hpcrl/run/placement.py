@@ -23,8 +23,8 @@ from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import Progress
 from hpcrl.sync.config import SyncConfig
-from hpcrl.sync.group import free_port
 from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
+from hpcrl.weightwire.group import free_port
 
 
 class Placement:

@@ -1,6 +1,6 @@
 """Weights over a torch.distributed group from trainer rank 0 to the engines (NCCL on GPU, gloo on CPU).
 
-The group is the one SGLang's `init_weights_update_group` joins (hpcrl/sync/group.py): trainer rank 0 hosts
+The group is the one SGLang's `init_weights_update_group` joins (hpcrl/weightwire/group.py): trainer rank 0 hosts
 it, engine i joins as rank 1 + i. Per bucket every engine gets `update_weights_from_distributed` (names,
 dtypes, shapes) while rank 0 broadcasts the bytes: one uint8 buffer per bucket (`flattened_bucket`, SGLang's
 layout) or one broadcast per tensor. Every rendezvous and broadcast is bounded by `sync.group_timeout_s`.
@@ -10,29 +10,26 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
 import torch.distributed as dist
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
-from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.errors import WeightSyncError
-from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, free_port, init_weight_group
-from hpcrl.sync.sglang_payload import flatten_bucket
+from hpcrl.sync.transport import Transport, TransportContext
+from hpcrl.weightwire.buckets import Bucket
+from hpcrl.weightwire.group import broadcast, broadcast_many, destroy_weight_group, free_port, init_weight_group
+from hpcrl.weightwire.sglang_payload import flatten_bucket
 
 GROUP_NAME = "hpcrl_weights"
 
 
-class DistributedTransport:
-    def __init__(
-        self, cfg: SyncConfig, engines: Sequence[EngineClient], *, device: torch.device, pool: ThreadPoolExecutor
-    ) -> None:
-        self.cfg = cfg
-        self.engines = list(engines)
-        self.device = device
-        self._pool = pool
+class DistributedTransport(Transport):
+    def __init__(self, ctx: TransportContext) -> None:
+        self.cfg = ctx.cfg
+        self.engines = list(ctx.engines)
+        self.device = ctx.device
+        self._pool = ctx.pool
         self.group: dist.ProcessGroup | None = None
         # Torch refuses a group name twice in one process: each (re)connect forms a newly named group.
         self.num_groups = 0
@@ -99,7 +96,7 @@ class DistributedTransport:
         self.engines = list(engines)
         self.connect()
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def send(self, bucket: Bucket) -> None:
         assert self.group is not None, "connect() first"
         flattened = self.cfg.flattened
         request = UpdateWeightsFromDistributed(

@@ -29,10 +29,10 @@ import torch
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.sync.tensor_handover import tensor_update_request
+from hpcrl.sync.transport import Transport, TransportContext
 
 CMD_BUCKET, CMD_STOP = 1, 0
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bf16 travels as raw bits
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class MpiSyncError(RuntimeError):
@@ -115,21 +115,16 @@ def _agree(comm: Any, ok: bool) -> int:
     return int(total[0])
 
 
-class MpiWeightSender:
-    """Rank 0's side: broadcast buckets to the agents."""
+class MpiWeightSender(Transport):
+    """Rank 0's side: broadcast buckets to the agents. Their engines cannot be restarted from here, and the
+    agents joined MPI_Init with this process: nothing to form or re-form."""
 
-    def __init__(self, comm: Any | None = None) -> None:
+    def __init__(self, ctx: TransportContext | None = None, *, comm: Any | None = None) -> None:
         self.comm = comm or mpi_world()
         if self.comm.rank != 0:
             raise MpiSyncError("the MPI weight sender runs on MPI rank 0 (the driver)")
         if self.comm.size < 2:
             raise MpiSyncError("sync.transport=mpi needs agents: launch ranks 1..N with `hpcrl role mpi-agent`")
-
-    def connect(self) -> None:
-        pass  # the agents joined MPI_Init with this process
-
-    def reconnect(self, engines: Sequence[EngineClient]) -> None:
-        pass  # the agents' engines cannot be restarted from here
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         dtype = str(bucket[0][1].dtype).removeprefix("torch.")

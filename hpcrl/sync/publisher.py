@@ -4,7 +4,14 @@ Per training step (colocated engines with `engine.offload_during_train`):
   lend_memory():   after the rollout: release `kv_cache`, then `weights` (each checked to have freed memory)
   publish(v):      1. resume `weights` (their contents are stale: SGLang's read as zeros until written)
                    2. restart dead engines (bounded), re-form the weight group over the live ones
-                   3. push every weight (WeightSync: pause, buckets, update_weight_version(v), continue, check)
+                   3. push every weight (WeightSync, sync/push.py), in this order on every engine:
+                      a. pause_generation(mode)         every engine, before any weight moves
+                      b. transport.begin(v)             once (sync/transport.py: the transport's hooks)
+                      c. transport.send(bucket)         per bucket (<= sync.bucket_mb), in order
+                      d. transport.finish(v)            once; every engine now holds the new weights
+                      e. update_weight_version(v, abort_all_requests=False)   never aborting in-flight requests
+                      f. continue_generation
+                      g. check: every engine reports version v (model_info)
                    4. resume `kv_cache`
                    A push that an engine's death breaks is redone once, whole, over the engines then alive
                    (a fresh engine has no weights); one that died while its memory was lent is restarted whole.
@@ -23,9 +30,8 @@ import torch
 
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
-from hpcrl.sync.finite import first_non_finite
 from hpcrl.sync.push import WeightSync, WeightSyncError
-from hpcrl.trainer.step_stats import NonFiniteWeightsError
+from hpcrl.weightwire.finite import NonFiniteWeightsError, first_non_finite
 
 LENT_TAGS = ("kv_cache", "weights")
 WeightsFn = Callable[[], list[tuple[str, torch.Tensor]]]
@@ -52,8 +58,13 @@ class WeightPublisher:
         freed = self.fleet.release_memory(list(LENT_TAGS))
         self._lend_metrics = freed | {"fleet/release_s": time.perf_counter() - t0}
 
-    def publish(self, version: str) -> dict[str, float]:
-        """Give every live engine the trainer's current weights as `version` (the order in the docstring)."""
+    def publish(self, version: int | str) -> dict[str, float]:
+        """Give every live engine the trainer's current weights as `version` (the order in the docstring).
+
+        A string is the engines' label: its digits are the number, and "sft" (the warm start's weights) is 0.
+        """
+        number = version if isinstance(version, int) else _ordinal(version)
+        label = str(version)
         weights = self.weights()
         self.check_finite(weights, f"weight version {version}")
         t0 = time.perf_counter()
@@ -63,19 +74,19 @@ class WeightPublisher:
             if self.fleet.restart_dead() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
-                pushed = self.sync.push(weights, version)
+                pushed = self.sync.push(weights, number, label=label)
                 break
             except WeightSyncError:
                 if attempt:
                     raise
                 self.fleet.probe_all()  # find out who died; the next attempt restarts them and pushes all
         self.fleet.resume_memory(["kv_cache"])
-        self.version = version
+        self.version = label
         out = pushed | self._lend_metrics
         if self._lend_metrics:
             out["fleet/resume_s"] = time.perf_counter() - t0 - pushed["sync/seconds"]
-        if version.isdigit():
-            out["sync/weight_version"] = float(version)
+        if label.isdigit():
+            out["sync/weight_version"] = float(number)
         self._lend_metrics = {}
         return out
 
@@ -100,3 +111,11 @@ class WeightPublisher:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], *, step: int) -> None:
         self.version = str(state["version"])
+
+
+def _ordinal(label: str) -> int:
+    if label.isdigit():
+        return int(label)
+    if label == "sft":
+        return 0
+    raise ValueError(f"weight version {label!r} is neither a number nor 'sft'")

@@ -1,7 +1,7 @@
 """The same-host `/update_weights_from_tensor` request for one bucket, in the format each engine kind reads.
 
-The embedded engine takes hpcrl's JSON handover (hpcrl/sync/handover.py: it never unpickles request data);
-a stock SGLang server takes only its own pickled flattened bucket (hpcrl/sync/sglang_payload.py) and exits
+The embedded engine takes hpcrl's JSON handover (hpcrl/weightwire/handover.py: it never unpickles request data);
+a stock SGLang server takes only its own pickled flattened bucket (hpcrl/weightwire/sglang_payload.py) and exits
 on anything else. Used by the driver's push (hpcrl/sync/push.py) and by the MPI agent on an engine node
 (hpcrl/sync/mpi.py), which hands what it received to its local engines.
 """
@@ -9,15 +9,15 @@ on anything else. Used by the driver's push (hpcrl/sync/push.py) and by the MPI 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import UpdateWeightsFromTensor
-from hpcrl.sync.handover import create_handover
-from hpcrl.sync.sglang_payload import LOAD_FORMAT, sglang_bucket_payload
+from hpcrl.sync.transport import Transport, TransportContext
+from hpcrl.weightwire.buckets import Bucket
+from hpcrl.weightwire.handover import create_handover
+from hpcrl.weightwire.sglang_payload import LOAD_FORMAT, sglang_bucket_payload
 
 
 @contextlib.contextmanager
@@ -35,25 +35,14 @@ def tensor_update_request(
         yield UpdateWeightsFromTensor(serialized_named_tensors=(payload,), flush_cache=False)
 
 
-EachFn = Callable[[Callable[[EngineClient], Any], str], list[Any]]
+class TensorSender(Transport):
+    """The same-host transport of a push: every engine maps one buffer per bucket (nothing to form: each bucket
+    is handed over on its own)."""
 
+    def __init__(self, ctx: TransportContext) -> None:
+        self.each = ctx.each  # the push's fan-out: one call per engine, in parallel, failures named
+        self.engine_kind, self.tp_size = ctx.engine_kind, ctx.engine_tp_size
 
-class TensorSender:
-    """The same-host transport of a push: every engine maps one buffer per bucket."""
-
-    def __init__(self, each: EachFn, *, engine_kind: str, tp_size: int) -> None:
-        self.each = each  # the push's fan-out: one call per engine, in parallel, failures named
-        self.engine_kind, self.tp_size = engine_kind, tp_size
-
-    def connect(self) -> None:
-        pass
-
-    def reconnect(self, engines: Sequence[EngineClient]) -> None:
-        pass  # nothing to form: each bucket is handed over on its own
-
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def send(self, bucket: Bucket) -> None:
         with tensor_update_request(bucket, engine_kind=self.engine_kind, tp_size=self.tp_size) as request:
             self.each(lambda e: e.update_weights_from_tensor(request), "update_weights_from_tensor")
-
-    def close(self) -> None:
-        pass

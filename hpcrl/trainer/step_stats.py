@@ -16,10 +16,6 @@ class NonFiniteStepError(RuntimeError):
     pass
 
 
-class NonFiniteWeightsError(NonFiniteStepError):
-    """A weight is NaN or infinite after an optimizer step: it must reach neither an engine nor a checkpoint."""
-
-
 class StepSums:
     """Token-weighted sums of a step's statistics over its micro-batches (divide by the step's tokens)."""
 

@@ -16,7 +16,7 @@ import torch
 
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
-from hpcrl.sync.handover import create_handover
+from hpcrl.weightwire.handover import create_handover
 from tests.conftest import EngineProcess, start_engine
 
 pytestmark = [

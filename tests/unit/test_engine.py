@@ -20,8 +20,8 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
-from hpcrl.sync.group import broadcast, destroy_weight_group
-from hpcrl.sync.handover import create_handover
+from hpcrl.weightwire.group import broadcast, destroy_weight_group
+from hpcrl.weightwire.handover import create_handover
 from tests.conftest import EngineProcess
 from tests.support import host_weight_group
 

@@ -27,9 +27,9 @@ from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.local import LocalEngines
 from hpcrl.engine.sglang import sglang_command, write_sglang_config
 from hpcrl.model.hf import load_model
-from hpcrl.sync import handover
-from hpcrl.sync.group import broadcast, destroy_weight_group
-from hpcrl.sync.handover import UntrustedHandoverError, create_handover, private_dir
+from hpcrl.weightwire import handover
+from hpcrl.weightwire.group import broadcast, destroy_weight_group
+from hpcrl.weightwire.handover import UntrustedHandoverError, create_handover, private_dir
 from tests.conftest import EngineProcess, free_port, start_engine
 from tests.support import host_weight_group, skip_or_fail
 

@@ -1,5 +1,5 @@
 """The weight-update group forms with a peer that joins the way stock SGLang 0.5.16 joins it, and carries
-SGLang's flattened-bucket layout (issue 14, item 2).
+SGLang's flattened-bucket layout.
 
 The peer process below performs, call for call, what SGLang's `init_weights_update_group` runs:
 `init_custom_process_group(backend, init_method="tcp://host:port", world_size, rank, group_name)`
@@ -17,8 +17,8 @@ import textwrap
 
 import torch
 
-from hpcrl.sync.group import broadcast, destroy_weight_group, init_weight_group
-from hpcrl.sync.sglang_payload import flatten_bucket
+from hpcrl.weightwire.group import broadcast, destroy_weight_group, init_weight_group
+from hpcrl.weightwire.sglang_payload import flatten_bucket
 from tests.conftest import free_port
 
 SGLANG_PEER = textwrap.dedent(

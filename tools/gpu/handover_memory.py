@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 tools/gpu/handover_memory.py --out $OUT [--model DIR]
 
 1. `update_weights_from_tensor` from this (another) process: all weights packed in one flat CUDA
-   buffer (`hpcrl.sync.handover.create_handover`), one IPC handle; the HTTP call timed end to end,
+   buffer (`hpcrl.weightwire.handover.create_handover`), one IPC handle; the HTTP call timed end to end,
    three times, and checked with /get_weights_by_name.
 2. `/release_memory_occupation` and `/resume_memory_occupation` (tags cuda_graph + kv_cache, then
    weights; resume weights, push weights, resume kv_cache + cuda_graph): the bytes freed as torch
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from hpcrl.model.hf import load_model  # noqa: E402
 from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, ModelShape, init_shaped_model  # noqa: E402
-from hpcrl.sync.handover import create_handover  # noqa: E402
+from hpcrl.weightwire.handover import create_handover  # noqa: E402
 from tests.conftest import start_engine  # noqa: E402
 
 

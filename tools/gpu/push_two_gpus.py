@@ -1,4 +1,4 @@
-"""Issue #9, item 1, on nvidia-h200-x2: the weight push from a trainer GPU to an engine GPU over NCCL.
+"""Two GPUs of one host: the weight push from a trainer GPU to an engine GPU over NCCL.
 
     PYTHONPATH=. python3 tools/gpu/push_two_gpus.py --out $OUT
 
@@ -111,7 +111,7 @@ def main() -> int:
                 for i in range(ns.repeats + 1):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    m = sync.push(named, version=f"b{bucket_mb}-{flattened}-{i}")
+                    m = sync.push(named, version=i + 1, label=f"b{bucket_mb}-{flattened}-{i}")
                     torch.cuda.synchronize()  # the sends have left this GPU
                     if i:  # the first push pays NCCL's connection setup
                         times.append(time.perf_counter() - t0)

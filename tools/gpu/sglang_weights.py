@@ -1,5 +1,5 @@
 """Stock SGLang on the GPU: hpcrl's weight payload and the memory-rental cycle, against a server started
-on the pushed weights (issue 14, items 2-4). Run on the GPU machine after `source .sglang/activate.sh ...`:
+on the pushed weights. Run on the GPU machine after `source .sglang/activate.sh ...`:
 
   python3 tools/gpu/sglang_weights.py --workdir /tmp/sgw --out $OUT
 
@@ -196,7 +196,7 @@ def main() -> int:
         t0 = time.perf_counter()
         sync.connect()
         connect_s = time.perf_counter() - t0
-        dist_metrics = sync.push(original, "w-dist")
+        dist_metrics = sync.push(original, 3, label="w-dist")
         again = generate(url_a, greedy=True)
         same = tokens(again) == tokens(before)
         diff = max(

@@ -600,6 +600,7 @@ class EmbeddedEngine:
                     shapes=[list(s) for s in req.shapes],
                     group_name=req.group_name,
                     load_format=req.load_format,
+                    apply_strategy=req.apply_strategy,
                 )
             )
             if (version := req.weight_version) is not None:
@@ -615,7 +616,7 @@ class EmbeddedEngine:
         )
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
-        from hpcrl.sync.handover import UntrustedHandoverError, decode_payload
+        from hpcrl.weightwire.handover import UntrustedHandoverError, decode_payload
 
         t0 = time.perf_counter()
         try:
@@ -625,7 +626,7 @@ class EmbeddedEngine:
             payload = decode_payload(req.serialized_named_tensors[0])
             if req.abort_all_requests:
                 await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
-            nbytes = await self._run(lambda: self.weights.load_handover(payload))
+            nbytes = await self._run(lambda: self.weights.load_handover(payload, req.apply_strategy))
             if (version := req.weight_version) is not None:
                 await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
         except UntrustedHandoverError as exc:

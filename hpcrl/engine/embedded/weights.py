@@ -1,13 +1,14 @@
 """Weight updates for the embedded engine: from a torch.distributed group, and from same-host tensors.
 
 Receiving runs off the scheduler thread (generation goes on meanwhile when it is not paused);
-copying into the model runs on the scheduler thread, between forward passes.
+writing into the model runs on the scheduler thread, between forward passes, through the request's apply
+strategy (hpcrl/engine/embedded/apply.py: replace the tensors, or add a delta to them).
 
 Same-host handover (`update_weights_from_tensor`) uses hpcrl's own JSON payload instead of SGLang's
 pickled MultiprocessingSerializer blobs, so the server never unpickles request data:
   {"kind": "shm", "path": "/dev/shm/hpcrl-<uid>/...", "nbytes": N, "tensors": [{name, dtype, shape, offset}],
    "mac": HMAC}
-  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...], "mac": HMAC}     (see hpcrl/sync/handover.py)
+  {"kind": "cuda_ipc", "handle": {...}, "tensors": [...], "mac": HMAC}     (see hpcrl/weightwire/handover.py)
 each base64-encoded JSON in `serialized_named_tensors[0]`. Only this user's own handovers are mapped
 (docs/security.md), and no update with a NaN or inf in it is loaded.
 """
@@ -21,22 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcrl.engine.embedded import apply
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler
-from hpcrl.sync.finite import first_non_finite
-from hpcrl.sync.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    name = name.removeprefix("torch.")
-    if name not in TORCH_DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported for weights; use one of {', '.join(TORCH_DTYPES)}")
-    return TORCH_DTYPES[name]
+from hpcrl.weightwire.buckets import parse_dtype
+from hpcrl.weightwire.finite import first_non_finite
+from hpcrl.weightwire.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
 
 
 class WeightReceiver:
@@ -84,18 +74,14 @@ class WeightReceiver:
             if tuple(shape) != params[name]:
                 raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model expects {params[name]}")
 
-    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy into the model (scheduler thread). Returns bytes loaded."""
+    def _apply(self, named: list[tuple[str, torch.Tensor]], strategy: apply.ApplyStrategy) -> int:
+        """Write into the model (scheduler thread). Returns bytes loaded."""
         if self.scheduler.weights_released:
             raise EngineStateError("weights are released; resume_memory_occupation(['weights']) before an update")
-        params = self.scheduler.named_parameters()
-        total = 0
-        with torch.no_grad():
-            for name, tensor in named:
-                params[name].copy_(tensor)
-                total += tensor.numel() * tensor.element_size()
+        strategy.apply(self.scheduler.named_parameters(), named)
+        # Each strategy refuses non-finite results, so what it wrote is finite.
         self.nonfinite.difference_update(n for n, _ in named)
-        return total
+        return sum(t.numel() * t.element_size() for _, t in named)
 
     # ----- update_weights_from_distributed -----
     def receive_distributed(
@@ -106,7 +92,9 @@ class WeightReceiver:
         shapes: list[list[int]],
         group_name: str,
         load_format: str | None,
+        apply_strategy: str = apply.DEFAULT,
     ) -> int:
+        strategy = apply.strategy(apply_strategy)
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
         self.check_names(names, shapes)
@@ -126,7 +114,8 @@ class WeightReceiver:
         elif load_format in (None, "", "default"):
             # Paused, nothing runs a forward: a tensor of the model's dtype lands straight in its
             # parameter (no receive buffer, no copy). Captured graphs stay valid: addresses do not move.
-            params = self.scheduler.named_parameters() if self._can_receive_in_place() else {}
+            in_place_ok = strategy.receives_in_place and self._can_receive_in_place()
+            params = self.scheduler.named_parameters() if in_place_ok else {}
             targets: list[torch.Tensor] = []
             in_place: list[tuple[str, torch.Tensor]] = []
             for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
@@ -152,7 +141,7 @@ class WeightReceiver:
         if bad is not None:
             raise ValueError(_nonfinite_message(bad, kept=True))
         if received:
-            self.scheduler.call(lambda: self._apply(received)).result()
+            self.scheduler.call(lambda: self._apply(received, strategy)).result()
         return sum(int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, torch_dtypes, strict=True))
 
     def _can_receive_in_place(self) -> bool:
@@ -160,15 +149,16 @@ class WeightReceiver:
         return self.scheduler.paused is not None and not self.scheduler.weights_released
 
     # ----- update_weights_from_tensor -----
-    def load_handover(self, payload: dict[str, Any]) -> int:
-        from hpcrl.sync.handover import open_handover
+    def load_handover(self, payload: dict[str, Any], apply_strategy: str = apply.DEFAULT) -> int:
+        from hpcrl.weightwire.handover import open_handover
 
+        strategy = apply.strategy(apply_strategy)
         with open_handover(payload, device=self.scheduler.device) as named:
             self.check_names([n for n, _ in named], [list(t.shape) for _, t in named])
             bad = first_non_finite(named)
             if bad is not None:
                 raise ValueError(_nonfinite_message(bad, kept=True))
-            return self.scheduler.call(lambda: self._apply(named)).result()
+            return self.scheduler.call(lambda: self._apply(named, strategy)).result()
 
 
 def _nonfinite_message(name: str, *, kept: bool) -> str:

@@ -8,6 +8,10 @@ import torch
 from torch import Tensor
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """A weight is NaN or infinite: it must reach neither an engine nor a checkpoint (the message names it)."""
+
+
 def first_non_finite(named: Iterable[tuple[str, Tensor]]) -> str | None:
     """The name of the first floating-point tensor holding NaN or inf, None when all are finite.
 

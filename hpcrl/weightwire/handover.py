@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from hpcrl.weightwire.buckets import DTYPES, dtype_name
+
 _ALIGN = 256
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FILE_PREFIX, _FILE_SUFFIX = "hpcrl-weights-", ".bin"
 _FILE_NAME = re.compile(re.escape(_FILE_PREFIX) + "[0-9a-f]{32}" + re.escape(_FILE_SUFFIX))
 _KEY_NAME, _KEY_BYTES = "handover.key", 32
@@ -39,18 +40,11 @@ class UntrustedHandoverError(PermissionError):
     """A handover the engine refuses to map: the message names the rule it breaks."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"cannot hand over dtype {name}; supported: {', '.join(_DTYPES)}")
-    return name
-
-
 def _layout(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[dict[str, Any]], int]:
     entries, offset = [], 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
-        entries.append({"name": name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+        entries.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
         offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     return entries, max(offset, _ALIGN)
 
@@ -223,7 +217,7 @@ def decode_payload(serialized: str) -> dict[str, Any]:
     except (ValueError, json.JSONDecodeError) as exc:
         raise ValueError(
             "serialized_named_tensors[0] is not an hpcrl handover payload (base64 JSON). The embedded engine "
-            "does not unpickle SGLang's MultiprocessingSerializer format; use hpcrl.sync.handover.create_handover"
+            "does not unpickle SGLang's MultiprocessingSerializer format; use hpcrl.weightwire.handover.create_handover"
         ) from exc
     if not isinstance(payload, dict) or payload.get("kind") not in ("shm", "cuda_ipc"):
         raise ValueError("handover payload kind must be 'shm' or 'cuda_ipc'")
@@ -242,7 +236,7 @@ def decode_payload(serialized: str) -> dict[str, Any]:
         _check_entry(i, e, nbytes)
     if not isinstance(payload.get("mac"), str):
         raise ValueError(
-            "handover payload field 'mac' is missing: make payloads with hpcrl.sync.handover.create_handover"
+            "handover payload field 'mac' is missing: make payloads with hpcrl.weightwire.handover.create_handover"
         )
     return payload
 
@@ -253,14 +247,14 @@ def _check_entry(i: int, e: Any, nbytes: int) -> None:
         raise ValueError(f"{where} must be an object with exactly the fields name, dtype, shape, offset")
     if not isinstance(e["name"], str):
         raise ValueError(f"{where}.name must be a string")
-    if e["dtype"] not in _DTYPES:
-        raise ValueError(f"{where}.dtype {e['dtype']!r} is not one of {', '.join(_DTYPES)}")
+    if e["dtype"] not in DTYPES:
+        raise ValueError(f"{where}.dtype {e['dtype']!r} is not one of {', '.join(DTYPES)}")
     shape, offset = e["shape"], e["offset"]
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValueError(f"{where}.shape must be a list of non-negative integers")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise ValueError(f"{where}.offset must be a non-negative integer")
-    itemsize = _DTYPES[e["dtype"]].itemsize
+    itemsize = DTYPES[e["dtype"]].itemsize
     if offset % itemsize:
         raise ValueError(f"{where}.offset {offset} is not a multiple of its dtype's {itemsize} bytes")
     size = int(torch.Size(shape).numel()) * itemsize
@@ -360,7 +354,7 @@ def open_handover(payload: dict[str, Any], *, device: torch.device) -> Iterator[
 def _views(payload: dict[str, Any], flat: torch.Tensor) -> Iterator[list[tuple[str, torch.Tensor]]]:
     named: list[tuple[str, torch.Tensor]] = []
     for e in payload["tensors"]:
-        dtype = _DTYPES[e["dtype"]]
+        dtype = DTYPES[e["dtype"]]
         numel = int(torch.Size(e["shape"]).numel())
         nbytes = numel * dtype.itemsize
         raw = flat[e["offset"] : e["offset"] + nbytes]

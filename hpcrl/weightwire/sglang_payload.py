@@ -14,7 +14,7 @@ The CUDA tensor is reduced as SGLang's own sender does (utils/patch_torch.py): t
 IPC arguments becomes the device's UUID, which SGLang's patched rebuild maps back to its local index,
 so a server whose CUDA_VISIBLE_DEVICES numbers the GPU differently still opens the right one.
 
-The embedded engine never unpickles: it takes hpcrl's JSON handover (hpcrl/sync/handover.py).
+The embedded engine never unpickles: it takes hpcrl's JSON handover (hpcrl/weightwire/handover.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""Weight transports are found by name in one registry and see a push through three hooks; the wire format sits
+below both ends (the engine imports nothing of sync/, sync/ nothing of trainer/)."""
+
+from __future__ import annotations
+
+import ast
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.config import ConfigError
+from hpcrl.engine.client import EngineClient
+from hpcrl.model.hf import load_model
+from hpcrl.run_config import load_run_config
+from hpcrl.sync import transport
+from hpcrl.sync.config import SyncConfig
+from hpcrl.sync.push import WeightSync
+from hpcrl.sync.tensor_handover import TensorSender
+from hpcrl.sync.transport import TransportContext, make_transport
+from hpcrl.weightwire.buckets import Bucket
+from tests.conftest import EngineProcess
+
+HPCRL = Path(__file__).resolve().parents[2] / "hpcrl"
+CALLS: list[tuple[str, object]] = []
+
+
+class Recording(TensorSender):
+    """A transport of this test module: the same-host handover, with every hook recorded."""
+
+    def begin(self, version: int) -> None:
+        CALLS.append(("begin", version))
+
+    def send(self, bucket: Bucket) -> None:
+        CALLS.append(("send", [name for name, _ in bucket]))
+        super().send(bucket)
+
+    def finish(self, version: int) -> None:
+        CALLS.append(("finish", version))
+
+
+def test_an_unknown_transport_is_refused_with_the_registered_names(tmp_path: Path) -> None:
+    ctx = TransportContext(
+        cfg=SyncConfig(), engines=[], device=torch.device("cpu"), pool=ThreadPoolExecutor(1),
+        each=lambda fn, what: [], engine_kind="embedded", engine_tp_size=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"sync.transport 'nccl' is not one of \['distributed', 'tensor', 'mpi'\]"):
+        make_transport("nccl", ctx)
+    with pytest.raises(ValueError, match=r"'nccl' is not one of \['auto', 'distributed', 'tensor', 'mpi'\]"):
+        SyncConfig(transport="nccl")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: {path: m}\n")
+    with pytest.raises(ConfigError, match=r"sync.*'nccl' is not one of \['auto', 'distributed', 'tensor', 'mpi'\]"):
+        load_run_config(cfg, ["sync.transport=nccl"])
+
+
+def test_a_registered_transport_sees_begin_every_bucket_then_finish(
+    shared_engine: EngineProcess, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new transport is one module and this one line.
+    monkeypatch.setitem(transport.TRANSPORTS, "recording", f"{__name__}:Recording")
+    named = list(load_model(tiny_model_dir).state_dict().items())
+    sync = WeightSync(
+        SyncConfig(transport="recording", bucket_mb=0.01), [EngineClient(shared_engine.url)], device=torch.device("cpu")
+    )
+    CALLS.clear()
+    try:
+        metrics = sync.push(named, 5)
+    finally:
+        sync.close()
+    assert CALLS[0] == ("begin", 5) and CALLS[-1] == ("finish", 5)
+    sent = [names for hook, names in CALLS[1:-1] if hook == "send"]
+    assert len(sent) == len(CALLS) - 2 == metrics["sync/num_buckets"] > 1
+    assert [n for names in sent for n in names] == [n for n, _ in named]  # every tensor once, in order
+    assert EngineClient(shared_engine.url).weight_version() == "5"
+
+
+def _hpcrl_imports(package: str) -> dict[str, set[str]]:
+    """Every hpcrl module that a module of `package` imports, lazily or for type checking included."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((HPCRL / package).rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        found[str(path.relative_to(HPCRL.parent))] = {n for n in names if n.startswith("hpcrl.")}
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [("engine", ("hpcrl.sync", "hpcrl.trainer")), ("sync", ("hpcrl.trainer",)), ("weightwire", ("hpcrl.",))],
+)
+def test_the_wire_format_sits_below_the_engine_and_sync(package: str, forbidden: tuple[str, ...]) -> None:
+    bad = {
+        module: sorted(n for n in names if n.startswith(forbidden) and not n.startswith(f"hpcrl.{package}"))
+        for module, names in _hpcrl_imports(package).items()
+    }
+    assert not {m: names for m, names in bad.items() if names}, f"hpcrl/{package} imports {forbidden}"
