@@ -377,6 +377,18 @@ _ROUTES = [
 ]
 
 
+# A JSON escape of a surrogate; only then can the parsed body hold a lone one, which no tokenizer can encode.
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _holds_lone_surrogate(body: Any) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 class _Handler(BaseHTTPRequestHandler):
     service: SessionService  # set on the subclass made per server
     _raw = b""
@@ -429,8 +441,14 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SessionError(400, f"the request body is not JSON ({exc})") from None
+        except RecursionError:
+            raise SessionError(400, "the request body nests JSON too deeply; send a flat JSON object") from None
         if not isinstance(body, dict):
             raise SessionError(400, "the request body must be a JSON object")
+        if _SURROGATE.search(raw.decode("utf-8", errors="replace")) and _holds_lone_surrogate(body):
+            raise SessionError(
+                400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
+            )
         return body
 
     def _answer(self, status: int, body: Any) -> None:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import signal
 import stat
@@ -227,6 +228,8 @@ class EmbeddedEngine:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hpcrl-engine-ctl")
         self._control: set[Future[Any]] = set()
         self._waiters: set[asyncio.Future[Any]] = set()
+        # Text prompts are tokenized here, off the event loop: one 5 MB text took ~19 s, with /health unanswered.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcrl-engine-tokenize")
         self.started_s = time.time()
 
     # ----- helpers -----
@@ -261,7 +264,15 @@ class EmbeddedEngine:
             batch = cast("list[list[int]]", ids if req.is_batch else [ids])  # is_batch: a list of lists
         else:
             texts = req.text if isinstance(req.text, list) else [req.text]
+            for i, t in enumerate(texts):
+                if isinstance(t, str) and _has_lone_surrogate(t):
+                    raise ValueError(f"text {i} holds a lone UTF-16 surrogate, which is not text; send valid Unicode")
             batch = [self.tokenizer.encode(t, add_special_tokens=False) if self.tokenizer else [] for t in texts]
+        if len(batch) * req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(
+                f"the request asks for {len(batch)} prompt(s) x n={req.n} = {len(batch) * req.n} sequences, more than "
+                f"{MAX_SEQUENCES_PER_REQUEST} in one request; split it"
+            )
         vocab = self.model.args.vocab_size
         limit = self.scheduler.cfg.context_length
         for i, prompt in enumerate(batch):
@@ -319,6 +330,13 @@ class EmbeddedEngine:
     # ----- handlers -----
     async def generate(self, request: web.Request) -> web.Response:
         intake0 = time.perf_counter()
+        if (request.content_length or 0) > MAX_GENERATE_BODY_BYTES:
+            # The app's limit is for weight pushes; a prompt batch this large is a mistake or an attack.
+            return _error(
+                f"the /generate body has {request.content_length} bytes, more than {MAX_GENERATE_BODY_BYTES}; "
+                "send fewer or shorter prompts per request",
+                status=413,
+            )
         body = await _json_body(request)
         if not isinstance(body, dict):
             return _error("the /generate body must be a JSON object")
@@ -338,8 +356,12 @@ class EmbeddedEngine:
                 )
             if req.stream:
                 raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
-            prompts = self._prompts(req)
-        except (ValueError, TypeError) as exc:
+            if req.input_ids is not None:
+                prompts = self._prompts(req)
+            else:
+                loop = asyncio.get_running_loop()
+                prompts = await loop.run_in_executor(self._tokenize_pool, self._prompts, req)
+        except (ValueError, TypeError, RecursionError) as exc:
             return _error(str(exc))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[SeqRequest]] = []
@@ -704,6 +726,7 @@ class EmbeddedEngine:
 
     async def _shutdown(self, app: web.Application) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         # A handler waiting on a rendezvous with a peer that is gone would hold the server's shutdown for
         # the whole group timeout: stop waiting (the client's connection closes).
         for waiter in list(self._waiters):
@@ -726,6 +749,18 @@ async def _json_body(request: web.Request, default: Any = None) -> Any:
         return jsonwire.loads(text)
     except json.JSONDecodeError as exc:
         raise _bad_request(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise _bad_request("the request body nests JSON too deeply; send a flat JSON object") from None
+
+
+# One request's sequences (prompts x n): more would hold the scheduler's queue for everyone else.
+MAX_SEQUENCES_PER_REQUEST = 65536
+MAX_GENERATE_BODY_BYTES = 256 << 20  # 256 prompts of 128k token ids as JSON fit
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    return _SURROGATE.search(text) is not None
 
 
 def _bad_request(message: str) -> web.HTTPBadRequest:
