@@ -162,3 +162,24 @@ def port_in_use(host: str, port: int) -> str | None:
             return f"{host}:{port}"
         return None
     return ", ".join(item.describe() for item in found) or None
+
+
+class PortInUseError(RuntimeError):
+    """A server cannot listen where it was asked to: another process holds the port."""
+
+
+def check_port_free(host: str, port: int, *, what: str, option: str = "--port") -> None:
+    """Raise PortInUseError when `host:port` is taken; called before a server's slow start-up (a model load)."""
+    if port == 0:
+        return
+    held = port_in_use(host, port)
+    if held is not None:
+        raise PortInUseError(
+            f"{what} cannot listen on {host}:{port}: another process already listens on {held}; stop it, or pass "
+            f"another {option}"
+        )
+
+
+def bind_error(exc: OSError, host: str, port: int, *, what: str, option: str = "--port") -> PortInUseError:
+    """The error of a bind that failed after the check (the port was taken meanwhile), naming the fix."""
+    return PortInUseError(f"{what} cannot listen on {host}:{port}: {exc.strerror or exc}; pass another {option}")

@@ -38,6 +38,7 @@ from hpcrl.engine.client import (
     EngineRequestError,
     EngineUnreachableError,
 )
+from hpcrl.engine.portcheck import bind_error, check_port_free
 from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
@@ -507,6 +508,7 @@ class SessionServer:
         """`engines`: clients the caller owns (a run's, with their keys) instead of ones made from cfg.engine_urls."""
         from hpcrl.sessions.cli import load_tokenizer
 
+        check_port_free(cfg.host, cfg.port, what="the session server")  # before the tokenizer loads
         self._owns_engines = engines is None
         if engines is None:
             engines = [
@@ -514,7 +516,10 @@ class SessionServer:
             ]
         self.service = SessionService(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.model), engines)
         handler = type("Handler", (_Handler,), {"service": self.service})
-        self.httpd = _HTTPServer((cfg.host, cfg.port), handler)
+        try:
+            self.httpd = _HTTPServer((cfg.host, cfg.port), handler)
+        except OSError as exc:
+            raise bind_error(exc, cfg.host, cfg.port, what="the session server") from None
         self.url = f"http://{cfg.host}:{self.httpd.server_address[1]}"
         self._thread: threading.Thread | None = None
 

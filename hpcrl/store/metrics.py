@@ -461,7 +461,11 @@ def _open_for_read(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
         raise StoreError(f"{path} is not an HDF5 file (no HDF5 signature), so not an hpcrl metrics file")
     f = _open_hdf5_for_read(path)
     try:
-        if f.attrs.get(FORMAT_ATTR) != METRICS_FORMAT:
+        try:
+            format_name = f.attrs.get(FORMAT_ATTR)
+        except _READ_ERRORS as error:  # a bit flip in the root's header fails its checksum here
+            raise StoreError(f"cannot read {path} ({error}); the file is truncated or corrupt") from error
+        if format_name != METRICS_FORMAT:
             raise StoreError(
                 f"{path} is an HDF5 file but not an hpcrl metrics file (no root attribute "
                 f"{FORMAT_ATTR}={METRICS_FORMAT!r}); pass the metrics.h5 of an hpcrl run directory"

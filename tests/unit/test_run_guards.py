@@ -207,3 +207,59 @@ def test_a_read_only_run_dir_is_a_clear_error(tmp_path: Path, tiny_model_dir: Pa
             assert "hpcrl: error: cannot" in out.stderr, out.stderr
             assert "Permission denied" in out.stderr or "Read-only file system" in out.stderr
         assert list(run_dir.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors a user meets as hpcrl: error lines, not tracebacks
+
+
+@pytest.mark.parametrize("command", ["engine", "sessions"])
+def test_serving_on_a_port_in_use_is_refused_before_the_model_loads(
+    tmp_path: Path, tiny_model_dir: Path, squatter: Squatter, command: str
+) -> None:
+    port = squatter.server.server_address[1]
+    args = {
+        "engine": ["engine", "serve", "--model", str(tiny_model_dir), "--port", str(port)],
+        "sessions": ["sessions", "serve", "--engine", "http://127.0.0.1:9", "--model", str(tiny_model_dir),
+                     "--family", "tiny", "--port", str(port)],
+    }[command]  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True, timeout=300)
+    print(out.stderr[-800:])
+    assert out.returncode == 1
+    assert "hpcrl: error: PortInUseError: " in out.stderr and f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "another --port" in out.stderr and "Traceback" not in out.stderr
+    assert "loaded" not in out.stdout + out.stderr  # refused before the model (or tokenizer) load
+    assert squatter.seen == []
+
+
+def _damaged_metrics(run_dir: Path, how: str) -> None:
+    from hpcrl.store.metrics import MetricsWriter
+
+    run_dir.mkdir()
+    path = run_dir / "metrics.h5"
+    writer = MetricsWriter(path, root_attrs={"config": ""})
+    for step in range(3):
+        writer.log(step, {"train/loss": 0.5})
+    writer.close()
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "bit-flipped":
+        for i in range(600, len(data), 53):
+            data[i] ^= 0x40
+    else:  # random bytes behind the HDF5 signature
+        data = bytearray(data[:8] + os.urandom(3000))
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit-flipped", "random"])
+def test_a_damaged_metrics_file_is_an_error_line_naming_the_file(tmp_path: Path, how: str) -> None:
+    _damaged_metrics(tmp_path / "r", how)
+    before = (tmp_path / "r" / "metrics.h5").read_bytes()
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "report", "r"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    print(out.stderr[-600:])
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "error: cannot" in out.stderr and "r/metrics.h5" in out.stderr and "truncated or corrupt" in out.stderr
+    assert (tmp_path / "r" / "metrics.h5").read_bytes() == before  # nothing rewritten

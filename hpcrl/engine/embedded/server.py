@@ -42,6 +42,7 @@ from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.detokenize import TextDecoder
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
+from hpcrl.engine.portcheck import bind_error, check_port_free
 from hpcrl.model.hf import load_model, parse_dtype
 from hpcrl.model.qwen3 import ModelArgs
 
@@ -870,13 +871,17 @@ class _HttpThread:
 def serve(cfg: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
+    check_port_free(cfg.host, cfg.port, what="hpcrl engine serve")  # before the model load, not after it
     engine = EmbeddedEngine(cfg)
     # What start-up made (torch, the model, the tokenizer: ~500k tracked objects) lives as long as the server.
     # Frozen, it is never scanned again by the cyclic collector, which building one large answer otherwise
     # sets off dozens of times (docs/benchmarks.md: 0.19 s -> 0.03 s for a 256 x 512 answer's lists).
     gc.collect()
     gc.freeze()
-    http = _HttpThread(engine.app(), cfg.host, cfg.port)
+    try:
+        http = _HttpThread(engine.app(), cfg.host, cfg.port)
+    except OSError as exc:
+        raise bind_error(exc, cfg.host, cfg.port, what="hpcrl engine serve") from None
     log.info(
         "loaded %s on %s/%s in %.1f s (decode path %s); serving on http://%s:%d",
         cfg.model,
