@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, Literal
 
 from hpcrl.trainer.converters import CONVERTERS
+
+# What each trainer backend does not implement: settings that must keep their defaults under it, and why. Every
+# other setting, the PPO step of hpcrl/trainer/step.py with all its loss settings included, every backend runs.
+# A new backend is one row here (and one in the `backend` choices).
+BACKEND_LIMITS: dict[str, dict[str, str]] = {
+    "torch": {
+        "tensor_parallel_size": "the torch backend is DDP only: every rank holds the whole model",
+        "pipeline_parallel_size": "the torch backend is DDP only: every rank holds the whole model",
+        "megatron_optimizer": "it picks the megatron backend's optimizer",
+    },
+    "megatron": {
+        "converters": "model converters change the torch backend's model; the megatron backend builds its own",
+        "onpolicy": (
+            "onpolicy needs the trainer to compute its log-probs with the engine's batch-invariant forward "
+            "(hpcrl.model.invariant); the megatron backend runs megatron-core's own kernels, whose GEMMs, "
+            "attention and tensor-parallel reductions differ from it"
+        ),
+    },
+}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,9 +63,9 @@ class TrainConfig:
     """The old policy of the PPO ratio: `trainer` scores the batch with the trainer's weights before the first
     update (with a single optimizer step that is the training forward itself, detached: no extra pass, and the
     ratio is 1); `rollout` takes the engine's sampled-token log-probs, so the clip bounds how far the update
-    moves a token from the policy that sampled it. Null: `rollout` in rollout.mode: async with the torch
-    backend and no off_policy_correction (stale groups, docs/async.md), `trainer` otherwise; the resolved
-    config names the one chosen."""
+    moves a token from the policy that sampled it. Null: `rollout` in rollout.mode: async with no
+    off_policy_correction (stale groups, docs/async.md), `trainer` otherwise; the resolved config names the one
+    chosen."""
     off_policy_correction: Literal["none", "tis", "mis"] = "none"
     """Per-token importance weight on the policy-gradient term for the engine/trainer mismatch, from
     r = exp(trainer old log-prob - engine log-prob) (detached): `tis` weighs by min(r, is_clip) (truncated IS);
@@ -114,33 +133,18 @@ class TrainConfig:
             raise ValueError(f"max_nan_steps must be >= 1, got {self.max_nan_steps}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
-        if self.backend == "torch" and model_parallel > 1:
+        self._check_backend_limits()
+        if self.num_ranks % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(
-                "tensor_parallel_size / pipeline_parallel_size > 1 need backend: megatron "
-                "(the torch backend is DDP only)"
+                f"num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel_size x pipeline_parallel_size "
+                f"({self.tensor_parallel_size} x {self.pipeline_parallel_size})"
             )
-        if self.backend == "torch" and self.megatron_optimizer != "auto":
-            raise ValueError("megatron_optimizer applies to backend: megatron only; remove it or set backend: megatron")
-        if self.backend == "megatron":
-            if self.num_ranks % model_parallel:
-                raise ValueError(
-                    f"num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel_size x pipeline_parallel_size "
-                    f"({self.tensor_parallel_size} x {self.pipeline_parallel_size})"
-                )
-            if self.megatron_optimizer == "distributed" and not self.device.startswith("cuda"):
-                raise ValueError(
-                    "megatron_optimizer: distributed needs CUDA (Megatron's DDP and distributed optimizer "
-                    f"allocate their buffers on the GPU), but device is {self.device!r}; use device: cuda, "
-                    "or megatron_optimizer: local (or auto) on CPU"
-                )
-            if self.onpolicy:
-                raise ValueError(
-                    "onpolicy needs the trainer to compute its log-probs with the engine's batch-invariant "
-                    "forward (hpcrl.model.invariant); the megatron backend runs megatron-core's own kernels, "
-                    "whose GEMMs, attention and tensor-parallel reductions differ from it; "
-                    "set onpolicy: false or backend: torch"
-                )
+        if self.megatron_optimizer == "distributed" and not self.device.startswith("cuda"):
+            raise ValueError(
+                "megatron_optimizer: distributed needs CUDA (Megatron's DDP and distributed optimizer "
+                f"allocate their buffers on the GPU), but device is {self.device!r}; use device: cuda, "
+                "or megatron_optimizer: local (or auto) on CPU"
+            )
         if self.torch_compile and self.onpolicy:
             raise ValueError(
                 "torch_compile fuses the layers' kernels, but onpolicy needs the trainer's forward to be the engine's "
@@ -149,10 +153,13 @@ class TrainConfig:
             )
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 (null: the whole batch), got {self.global_batch_size}")
-        if self.global_batch_size is not None and self.global_batch_size % self.num_ranks:
+        if self.global_batch_size is not None and self.global_batch_size % self.data_parallel_size:
+            replicas = f"num_ranks ({self.num_ranks})"
+            if self.data_parallel_size != self.num_ranks:
+                replicas = f"the data-parallel size, num_ranks / (TP x PP) ({self.data_parallel_size})"
             raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) must be a multiple of num_ranks ({self.num_ranks}): "
-                "every rank trains on an equal share of each mini-batch"
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of {replicas}: every "
+                "data-parallel replica trains on an equal share of each mini-batch"
             )
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
@@ -163,17 +170,6 @@ class TrainConfig:
                 f"off_policy_correction: {self.off_policy_correction} weighs by trainer old / engine log-probs, but "
                 "old_logprobs: rollout makes the engine's log-probs the old policy already, so the PPO ratio carries "
                 "the correction; set old_logprobs: trainer, or off_policy_correction: none"
-            )
-        if self.backend == "megatron" and (
-            self.global_batch_size is not None
-            or self.ppo_epochs != 1
-            or self.old_logprobs == "rollout"
-            or self.off_policy_correction != "none"
-        ):
-            raise ValueError(
-                "global_batch_size, ppo_epochs, old_logprobs: rollout and off_policy_correction are implemented by "
-                "the torch backend only (the megatron backend takes one optimizer step per rollout batch with old "
-                "log-probs from its own forward); use backend: torch, or leave them at their defaults"
             )
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ValueError("adam_beta1 and adam_beta2 must be in [0, 1)")
@@ -206,11 +202,6 @@ class TrainConfig:
                 raise ValueError(f"converters: unknown model converter {name!r}; valid: {', '.join(CONVERTERS)}")
         if len(set(self.converters)) != len(self.converters):
             raise ValueError(f"converters lists a converter twice: {list(self.converters)}")
-        if self.converters and self.backend != "torch":
-            raise ValueError(
-                f"converters {list(self.converters)} change the torch backend's model; the {self.backend} backend "
-                "builds its own: use backend: torch, or converters: []"
-            )
         if ("freeze" in self.converters) != bool(self.freeze_modules):
             raise ValueError(
                 "freeze_modules names the modules the freeze converter freezes: set both converters: [freeze] and "
@@ -218,6 +209,29 @@ class TrainConfig:
             )
         if any(not m or m != m.strip() for m in self.freeze_modules):
             raise ValueError(f"freeze_modules: module names must be non-empty, without spaces: {self.freeze_modules}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that each train on their share of a batch: num_ranks / (tensor x pipeline parallel size)."""
+        return self.num_ranks // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    def _check_backend_limits(self) -> None:
+        """Refuse a setting the chosen backend does not implement (BACKEND_LIMITS), naming the ones that do."""
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        for key, why in BACKEND_LIMITS[self.backend].items():
+            value = getattr(self, key)
+            if value != defaults[key]:
+                others = " or ".join(b for b, limits in BACKEND_LIMITS.items() if key not in limits)
+                raise ValueError(
+                    f"{key}: {_yaml(value)} is not implemented by backend: {self.backend} ({why}); set {key}: "
+                    f"{_yaml(defaults[key])}, or use backend: {others}"
+                )
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass(kw_only=True, frozen=True)

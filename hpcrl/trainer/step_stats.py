@@ -24,8 +24,9 @@ class StepSums:
 
     def add(self, stats: dict[str, float], tokens: float) -> None:
         for key, value in stats.items():
-            if key != "num_tokens" and isinstance(value, float) and math.isfinite(value):
-                self.sums[key] += value * tokens
+            if key != "num_tokens" and isinstance(value, float):
+                # A non-finite value is left out, but its key stays: replicas reduce the same keys in one tensor.
+                self.sums[key] += value * tokens if math.isfinite(value) else 0.0
 
     def add_rollout_gap(self, logprobs: Tensor, mb: TrainBatch, tokens: float) -> None:
         gap = logprob_mismatch(logprobs.detach(), mb.rollout_logprobs, mb.loss_mask)

@@ -1,12 +1,9 @@
 """The PyTorch trainer: GRPO and SFT steps on hpcrl's model, one process per rank, DDP across ranks.
 
-Every rank holds the full model (DDP); rank r trains on rows r, r+W, r+2W, ... of a step's batch.
-Losses are scaled by the global token count (all-reduced) times the world size, so that DDP's gradient
-average equals the gradient of the whole batch's token mean.
-
-A rollout batch makes `ppo_epochs` x (batch / global_batch_size) optimizer steps, each on one mini-batch
-split over the ranks like the whole batch is; the old policy's log-probs are scored once, before the first
-step, unless that single step's own forward gives them (the default: one step, no extra pass).
+Every rank holds the full model (DDP); rank r trains on rows r, r+W, r+2W, ... of a step's batch. The step
+itself (mini-batches, epochs, old log-probs, the loss, the NaN guard) is hpcrl/trainer/step.py; this backend
+gives it log-probs from hpcrl's model and an update: forward and backward under DDP, which averages the
+gradients over the ranks (the step scales the losses by the world size to make that a sum), then the clip.
 """
 
 from __future__ import annotations
@@ -28,22 +25,18 @@ from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters
-from hpcrl.trainer.loss import (
-    PolicyLossConfig,
-    hidden_token_logprobs,
-    importance_weights,
-    policy_loss,
-    sft_loss,
-    support_token_logprobs,
-    token_logprobs,
-)
+from hpcrl.trainer.loss import hidden_token_logprobs, support_token_logprobs, token_logprobs
 from hpcrl.trainer.parallel import apply_compile, parallelize
-from hpcrl.trainer.step_stats import NanGuard, StepSums
+from hpcrl.trainer.step import MicroLoss, TrainStep
+from hpcrl.trainer.step_stats import NanGuard
 
 
 class TorchTrainer:
     # Every rank holds the whole model: rank 0 answers weight and state requests alone.
     collective = False
+    # The step's backend (hpcrl/trainer/step.py): DDP averages gradients; every rank computes the loss.
+    averages_gradients = True
+    computes_loss = True
 
     def __init__(
         self, cfg: TrainConfig, model_dir: str | Path, *, rank: int = 0, world_size: int = 1, sft_lr: float = 1e-3
@@ -76,14 +69,9 @@ class TorchTrainer:
         # The warm start gets an optimizer of its own, so GRPO starts from fresh Adam moments.
         self.sft_lr = sft_lr
         self._sft_optimizer: torch.optim.Optimizer | None = None
-        self.loss_cfg = PolicyLossConfig(
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=cfg.eps_clip_high,
-            kl_coef=cfg.kl_coef,
-            entropy_coef=cfg.entropy_coef,
-            aggregation=cfg.aggregation,
-        )
+        self.dp_rank, self.dp_size = rank, world_size
         self.nan_guard = NanGuard(cfg.max_nan_steps)
+        self.step = TrainStep(self, cfg, self.nan_guard)
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         optimizer = torch.optim.AdamW(
@@ -102,69 +90,39 @@ class TorchTrainer:
         for converter in self.converters:
             converter.post_optimizer_hook(self.model)
 
-    # ----- steps -----
+    # ----- steps (the algorithm: hpcrl/trainer/step.py) -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        """The PPO updates of one rollout batch on this rank's share of it: `ppo_epochs` passes over its
-        mini-batches of `global_batch_size` samples, one optimizer step each."""
-        local = self._shard(batch).to(self.device)
-        minis = self._mini_batches(len(batch), len(local))
-        num_updates = len(minis) * self.cfg.ppo_epochs
-        t0 = time.perf_counter()
-        old = self._old_logprobs(local, num_updates)
-        old_s = time.perf_counter() - t0
-        steps = []
-        for _ in range(self.cfg.ppo_epochs):
-            for rows in minis:
-                mb_old = None if old is None else old[rows]
-                steps.append(self._step(local.select(rows), mode="grpo", optimizer=self.optimizer, old=mb_old))
-        return _combine_updates(steps, len(minis), old_s)
-
-    def _mini_batches(self, num_samples: int, num_local: int) -> list[slice]:
-        """This rank's rows of each mini-batch: mini-batch j is rows [j*g, (j+1)*g) of the rollout batch and
-        rank r holds its rows r, r+W, ...; with the strided shard those are local rows [j*g/W, (j+1)*g/W)."""
-        gbs = self.cfg.global_batch_size
-        if gbs is None:
-            return [slice(0, num_local)]
-        if num_samples % gbs:
-            raise ValueError(
-                f"train.global_batch_size={gbs} does not divide this rollout batch of {num_samples} samples"
-            )
-        per_rank = gbs // self.world_size
-        return [slice(j * per_rank, (j + 1) * per_rank) for j in range(num_samples // gbs)]
-
-    def _old_logprobs(self, local: TrainBatch, num_updates: int) -> Tensor | None:
-        """The old policy's log-probs [n, T-1], or None when the first update's own forward gives them."""
-        if self.cfg.old_logprobs == "rollout":
-            return local.rollout_logprobs
-        if num_updates == 1:
-            # Nothing has changed the weights yet: the ratio is 1 by construction and the old log-probs
-            # are the training forward detached, so a second (no-grad) forward would only cost time.
-            return None
-        out = torch.zeros(local.loss_mask.shape, dtype=torch.float32, device=self.device)
-        mbs = self.cfg.micro_batch_size
-        with torch.no_grad():
-            for start in range(0, len(local), mbs):
-                mb = local.select(slice(start, min(start + mbs, len(local))))
-                lp, _ = self._logprobs(self.model, mb, with_entropy=False)
-                out[start : start + len(mb), : lp.shape[1]] = lp
-        return out
+        return self.step.grpo(batch, self.optimizer)
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         if self._sft_optimizer is None:
             self._sft_optimizer = self._make_optimizer(self.sft_lr)
-        return self._step(self._shard(batch), mode="sft", optimizer=self._sft_optimizer)
+        return self.step.sft(batch, self._sft_optimizer)
 
-    def _shard(self, batch: TrainBatch) -> TrainBatch:
-        if self.world_size == 1:
-            return batch
-        return batch.select(torch.arange(self.rank, len(batch), self.world_size))
+    def score(self, mb: TrainBatch, *, reference: bool) -> Tensor:
+        model = self.ref_model if reference else self.model
+        assert model is not None, "reference log-probs need train.kl_coef > 0"
+        with torch.no_grad():
+            return self._logprobs(model, mb, with_entropy=False)[0]
 
-    def _global_sum(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
+    def update(self, optimizer: Any, mbs: list[TrainBatch], loss: MicroLoss) -> tuple[float, float]:
+        optimizer.zero_grad(set_to_none=True)
+        forward_s = 0.0
+        for i, mb in enumerate(mbs):
+            t0 = time.perf_counter()
+            lp, entropy = self._logprobs(self.ddp, mb)
+            forward_s += time.perf_counter() - t0
+            loss(i, lp, entropy).backward()
+        clip = self.cfg.grad_clip or float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()), forward_s
+
+    def all_reduce(self, values: Tensor, op: str) -> Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return values
+
+    def share(self, metrics: dict[str, float]) -> dict[str, float]:
+        return metrics  # every rank computed them
 
     def _logprobs(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
@@ -203,71 +161,6 @@ class TorchTrainer:
         targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
         lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
         return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
-
-    def _step(
-        self, batch: TrainBatch, *, mode: str, optimizer: torch.optim.Optimizer, old: Tensor | None = None
-    ) -> dict[str, float]:
-        """One optimizer step; `old` [n, >= T-1] are the old-policy log-probs (None: this forward's, detached)."""
-        batch = batch.to(self.device)
-        optimizer.zero_grad(set_to_none=True)
-        forward_s = 0.0
-        global_tokens = self._global_sum(float(batch.num_response_tokens))
-        if global_tokens == 0:
-            raise ValueError("the batch has no response tokens to train on")
-        # DDP averages gradients over ranks; scaling by the world size turns that into a sum.
-        scale_tokens = global_tokens / self.world_size
-        sums = StepSums()
-        n = len(batch)
-        mbs = self.cfg.micro_batch_size
-        for start in range(0, max(n, 1), mbs):
-            mb = batch.select(slice(start, min(start + mbs, n)))
-            tokens = float(mb.num_response_tokens)
-            t0 = time.perf_counter()
-            lp, entropy = self._logprobs(self.ddp, mb)
-            forward_s += time.perf_counter() - t0
-            if mode == "sft":
-                loss, stats = sft_loss(lp, mb.loss_mask, loss_scale_tokens=scale_tokens)
-            else:
-                ref = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref, _ = self._logprobs(self.ref_model, mb)
-                mb_old = lp.detach() if old is None else old[start : start + len(mb), : lp.shape[1]]
-                weights = None
-                if self.cfg.off_policy_correction != "none":
-                    weights, is_stats = importance_weights(
-                        mb_old, mb.rollout_logprobs, mb.loss_mask,
-                        mode=self.cfg.off_policy_correction, is_clip=self.cfg.is_clip,
-                    )  # fmt: skip
-                    sums.add(is_stats, tokens)
-                loss, stats = policy_loss(
-                    lp,
-                    mb_old,
-                    mb.advantages,
-                    mb.loss_mask,
-                    self.loss_cfg,
-                    ref_logprobs=ref,
-                    entropy=entropy,
-                    token_weights=weights,
-                    loss_scale_tokens=scale_tokens,
-                )
-                sums.add_rollout_gap(lp, mb, tokens)
-            loss.backward()
-            # Each rank's loss is scaled by the world size already (above): their sum is W x the batch mean.
-            sums.sums["loss"] += float(loss.detach().item())
-            sums.add(stats, tokens)
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf")).item()
-        )
-        totals = sums.sums
-        metrics = {k: self._global_sum(v) / global_tokens for k, v in totals.items() if k not in ("loss",)}
-        if "train_rollout_logprob_max_abs_diff" in totals:
-            metrics["train_rollout_logprob_max_abs_diff"] = totals["train_rollout_logprob_max_abs_diff"]
-        metrics["loss"] = self._global_sum(totals["loss"]) / self.world_size
-        metrics["grad_norm"] = grad_norm
-        metrics["num_tokens"] = global_tokens
-        metrics["forward_s"] = forward_s
-        return self.nan_guard.step(optimizer, metrics)
 
     # ----- weights and state -----
     def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
@@ -341,28 +234,3 @@ class TorchTrainer:
 
 def _host_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
-
-
-def _combine_updates(steps: list[dict[str, float]], num_minis: int, old_logprob_s: float) -> dict[str, float]:
-    """One row for a rollout batch's updates: statistics averaged over the updates; the trainer/engine gap
-    and the token count over the first epoch (each sample once; mini-batch j measured after j updates)."""
-    if len(steps) == 1:
-        out = dict(steps[0])
-    else:
-        first = steps[:num_minis]
-        tokens = [m["num_tokens"] for m in first]
-        out = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0] if k in _MEAN_OVER_UPDATES}
-        for k in ("train_rollout_logprob_abs_diff", "train_rollout_kl"):
-            out[k] = sum(m[k] * t for m, t in zip(first, tokens, strict=True)) / sum(tokens)
-        out["train_rollout_logprob_max_abs_diff"] = max(m["train_rollout_logprob_max_abs_diff"] for m in first)
-        out["num_tokens"] = sum(tokens)
-        out["forward_s"] = sum(m["forward_s"] for m in steps)
-        out["nan_skipped"] = sum(m["nan_skipped"] for m in steps)
-    out["forward_s"] += old_logprob_s
-    out["num_optimizer_steps"] = float(len(steps))
-    return out
-
-
-_MEAN_OVER_UPDATES = (
-    "loss", "grad_norm", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl", "is_weight_mean", "is_clipped_share",
-)  # fmt: skip

@@ -13,6 +13,9 @@ Scenarios write their results to OUT_DIR from rank 0 (JSON metrics, safetensors 
   hold the same weights and take the same next step as the sharded one;
 - resume: two steps, the checkpoint state, a third step; a fresh trainer of the same split loads the
   state and takes the third step again;
+- ppo: one rollout step per PPO setting of HPCRL_TEST_PPO (comma-separated names of PPO_CASES: mini-batches and
+  epochs, the engine's log-probs as the old policy, truncated importance sampling), each on a fresh trainer and
+  the 8-sample batch: its metrics and the weights after;
 - levers: one GRPO step per lever set of HPCRL_TEST_LEVERS (comma-separated; `plain`, `head` =
   train.logprob_chunk_tokens, `compile` = train.torch_compile, joined with `+`), each on a fresh trainer:
   its metrics, its gradients in HF layout, and counts, summed over the ranks, of what ran (output-layer
@@ -38,19 +41,26 @@ from hpcrl.trainer.config import TrainConfig
 
 TRAIN = dict(lr=1e-2, micro_batch_size=4, kl_coef=0.1, entropy_coef=0.01)
 NO_KL = dict(TRAIN, kl_coef=0.0)  # replay refuses the KL to the reference (a full-vocabulary score)
+PPO_SAMPLES = 8
+PPO_CASES: dict[str, dict] = {
+    # A quarter of the batch per optimizer step, two passes: 8 updates, the old policy scored before the first.
+    "epochs": dict(TRAIN, lr=3e-2, global_batch_size=PPO_SAMPLES // 4, ppo_epochs=2),
+    "rollout": dict(TRAIN, global_batch_size=PPO_SAMPLES // 2, old_logprobs="rollout"),
+    "tis": dict(TRAIN, global_batch_size=PPO_SAMPLES // 2, ppo_epochs=2, off_policy_correction="tis", is_clip=1.5),
+}
 
 
-def fixed_batch(vocab: int) -> TrainBatch:
+def fixed_batch(vocab: int, num_samples: int = 6) -> TrainBatch:
     g = torch.Generator().manual_seed(0)
 
     def ids(lo: int, hi: int) -> list[int]:
         return torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
 
-    prompts, responses = [ids(2, 6) for _ in range(6)], [ids(1, 7) for _ in range(6)]
+    prompts, responses = [ids(2, 6) for _ in range(num_samples)], [ids(1, 7) for _ in range(num_samples)]
     return TrainBatch.from_sequences(
         prompts,
         responses,
-        advantages=torch.randn(6, generator=g).tolist(),
+        advantages=torch.randn(num_samples, generator=g).tolist(),
         rollout_logprobs=[[-2.0 - 0.1 * j for j in range(len(r))] for r in responses],
     )
 
@@ -174,16 +184,16 @@ def vocab_parallel_head_check(out_dir: Path, rank: int, world: int) -> None:
 
 
 def levers_check(model_dir: Path, out_dir: Path, tp: int, pp: int, world: int, rank: int, batch: TrainBatch) -> None:
-    from hpcrl.trainer.megatron import backend
+    from hpcrl.trainer.megatron import pipeline
 
-    fused = backend.vocab_parallel_hidden_logprobs
+    fused = pipeline.vocab_parallel_hidden_logprobs
     fused_calls = [0]
 
     def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         fused_calls[0] += 1
         return fused(*args, **kwargs)  # type: ignore[arg-type]
 
-    backend.vocab_parallel_hidden_logprobs = counted  # type: ignore[assignment]
+    pipeline.vocab_parallel_hidden_logprobs = counted  # type: ignore[assignment]
     result: dict[str, object] = {}
     grads: dict[str, torch.Tensor] = {}
     for name in os.environ.get("HPCRL_TEST_LEVERS", "plain,head,compile,head+compile").split(","):
@@ -228,6 +238,21 @@ def one_lever_step(
     return step, ran, [(k, v.clone()) for k, v in trainer._collect(lambda n: params[n].grad)]
 
 
+def ppo_check(model_dir: Path, out_dir: Path, tp: int, pp: int, world: int, rank: int, batch: TrainBatch) -> None:
+    from hpcrl.trainer.megatron.backend import MegatronTrainer
+
+    result: dict[str, object] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for name in os.environ["HPCRL_TEST_PPO"].split(","):
+        trainer = MegatronTrainer(config(tp, pp, world, train=PPO_CASES[name]), model_dir, rank=rank, world_size=world)
+        result[name] = trainer.train_grpo(batch)
+        weights.update({f"{name}/{k}": v.clone() for k, v in trainer.export_weights()})
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out_dir / "weights.safetensors"))
+        (out_dir / "result.json").write_text(json.dumps(result))
+
+
 def main() -> int:
     scenario, model_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     tp, pp = int(sys.argv[4]), int(sys.argv[5])
@@ -255,6 +280,11 @@ def main() -> int:
         return 0
     if scenario == "levers":
         levers_check(model_dir, out_dir, tp, pp, world, rank, batch)
+        dist.destroy_process_group()
+        return 0
+    if scenario == "ppo":
+        ppo_check(model_dir, out_dir, tp, pp, world, rank, fixed_batch(vocab, PPO_SAMPLES))
+        dist.barrier()
         dist.destroy_process_group()
         return 0
     dtype = "bfloat16" if scenario == "bf16" else "float32"

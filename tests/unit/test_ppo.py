@@ -50,7 +50,6 @@ def test_a_global_batch_size_that_does_not_divide_the_batch_is_refused_with_the_
             r"global_batch_size \(16\) must be a multiple of num_ranks",
         ),
         (["train.off_policy_correction=tis", "train.old_logprobs=rollout"], "set old_logprobs: trainer"),
-        (["train.backend=megatron", "train.ppo_epochs=2"], "torch backend only"),
     ],
 )
 def test_ppo_settings_that_cannot_work_are_refused_at_load(overrides: list[str], expected: str) -> None:

@@ -4,17 +4,10 @@ Ranks are laid out the way Megatron does (TP fastest, then DP, then PP), so glob
 the driver, is TP rank 0 of pipeline stage 0 and data-parallel replica 0. Data-parallel replica d
 trains on rows d, d+DP, ... of a step's batch; every rank of a replica sees the same rows.
 
-Log-probs are computed vocab-parallel: each TP rank holds a slice of the vocabulary's logits, and
-the log-softmax normalizer, the target's logit and the entropy are all-reduced across TP. With
-train.logprob_chunk_tokens the last stage stops at the final norm and the LM head and log-softmax run fused
-over token chunks (`vocab_parallel_hidden_logprobs`), so the logits never exist in full; with
-train.torch_compile every TransformerLayer of the policy (not the reference copy) is compiled. Losses are
-the torch backend's (`hpcrl.trainer.loss`), scaled by the global token count so the sum of gradients
-over DP replicas is the gradient of the whole batch's token mean.
-
-Pipeline stages run a GPipe schedule (all micro-batches forward, then all backward) with plain
-send/recv of the [s, b, h] activations, which works on gloo and nccl alike; Megatron's own schedules
-allocate their buffers on CUDA. Optimizer (`train.megatron_optimizer`, see optimizer.py): on CUDA,
+The step (mini-batches, epochs, old log-probs, losses, the NaN guard) is the torch backend's,
+hpcrl/trainer/step.py; pipeline.py gives it this backend's mechanics: a GPipe schedule over the stages and
+vocab-parallel log-probs. With train.torch_compile every TransformerLayer of the policy (not the reference
+copy) is compiled. Optimizer (`train.megatron_optimizer`, see optimizer.py): on CUDA,
 Megatron's DDP and distributed optimizer (fp32 master weights, Adam state split over DP); on CPU, torch
 AdamW over this rank's shards with gradients all-reduced over DP by hand. AdamW is element-wise, so
 sharding does not change its result.
@@ -26,8 +19,6 @@ the full model and Adam moments in HF layout and resumes under any TP/PP split.
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,16 +31,12 @@ from hpcrl.model.hf import iter_safetensors, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, sft_loss
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
-from hpcrl.trainer.megatron.logprobs import (
-    vocab_parallel_hidden_logprobs,
-    vocab_parallel_logprobs,
-    vocab_parallel_support_logprobs,
-)
-from hpcrl.trainer.megatron.model import build_gpt_model, compile_layers, init_parallel_state, output_weight
+from hpcrl.trainer.megatron.model import build_gpt_model, compile_layers, init_parallel_state
 from hpcrl.trainer.megatron.optimizer import MOMENTS, DistributedOptimizer, LocalOptimizer
-from hpcrl.trainer.step_stats import NanGuard, StepSums
+from hpcrl.trainer.megatron.pipeline import Pipeline
+from hpcrl.trainer.step import TrainStep
+from hpcrl.trainer.step_stats import NanGuard
 
 Optimizer = LocalOptimizer | DistributedOptimizer
 
@@ -110,11 +97,10 @@ class MegatronTrainer:
         self.sft_lr = sft_lr
         self._sft_optimizer: Optimizer | None = None
         self._last_mode = "grpo"
-        self.loss_cfg = PolicyLossConfig(
-            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, kl_coef=cfg.kl_coef,
-            entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
-        )  # fmt: skip
         self.nan_guard = NanGuard(cfg.max_nan_steps)
+        self.pipeline = Pipeline(cfg, self.args, self.shard, model=self.model, ref_model=self.ref_model,
+                                 dtype=self.dtype, device=self.device)  # fmt: skip
+        self.step = TrainStep(self.pipeline, cfg, self.nan_guard)
 
     def _build(self, hf: dict[str, Tensor]) -> torch.nn.Module:
         model = build_gpt_model(
@@ -147,12 +133,12 @@ class MegatronTrainer:
     def optimizer_kind(self) -> str:
         return self.optimizer.kind
 
-    # ----- steps -----
+    # ----- steps (the algorithm: hpcrl/trainer/step.py, the mechanics: pipeline.py) -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        return self._step(self._shard_rows(batch), mode="grpo", optimizer=self._optimizer_for("grpo"))
+        return self.step.grpo(batch, self._optimizer_for("grpo"))
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
-        return self._step(self._shard_rows(batch), mode="sft", optimizer=self._optimizer_for("sft"))
+        return self.step.sft(batch, self._optimizer_for("sft"))
 
     def _optimizer_for(self, mode: str) -> Optimizer:
         """GRPO and the SFT warm start each have their own Adam state and learning rate."""
@@ -169,176 +155,6 @@ class MegatronTrainer:
         if self._sft_optimizer is None:
             self._sft_optimizer = self._make_optimizer(self.sft_lr)
         return self._sft_optimizer
-
-    def _shard_rows(self, batch: TrainBatch) -> TrainBatch:
-        if self.dp_size == 1:
-            return batch
-        return batch.select(torch.arange(self.dp_rank, len(batch), self.dp_size))
-
-    def _dp_sum(self, value: float) -> float:
-        if self.dp_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t.item())
-
-    def _forward(self, model: Any, ids: Tensor, hidden_in: Tensor | None, hidden_only: bool) -> Tensor:
-        """Hidden states [s, b, h] out of a middle stage, or logits [b, s, V/tp] out of the last (its final
-        norm's output [s, b, h] with `hidden_only`)."""
-        if hidden_in is not None:
-            model.set_input_tensor(hidden_in)
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions, None, hidden_only=hidden_only)
-
-    def _fused_head(self, supports: tuple[Tensor, Tensor] | None) -> bool:
-        """Whether the last stage hands the fused head its hidden states: train.logprob_chunk_tokens is set and
-        the micro-batch has no sampling supports (replay scores each token's support from the logits, as the
-        torch backend does; the run config refuses that pair, TrainConfig alone does not see the rollout)."""
-        return self.cfg.logprob_chunk_tokens is not None and supports is None
-
-    def _logprobs(
-        self, model: Any, out: Tensor, ids: Tensor, supports: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy [b, T-1] from the last stage's output: logits [b, T, V/tp], or the hidden
-        states [T, b, h] where `_fused_head`."""
-        if self._fused_head(supports):
-            return self._hidden_logprobs(model, out, ids)
-        logits, width = out, out.shape[-1]
-        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
-            return vocab_parallel_support_logprobs(
-                logits[:, :-1], ids[:, 1:], *supports, vocab_start=self.shard.tp_rank * width, group=self.tp_group
-            )
-        return vocab_parallel_logprobs(
-            logits[:, :-1], ids[:, 1:], vocab_start=self.shard.tp_rank * width, vocab_size=self.args.vocab_size,
-            group=self.tp_group,
-        )  # fmt: skip
-
-    def _hidden_logprobs(self, model: Any, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        assert self.cfg.logprob_chunk_tokens is not None
-        s, b, h = hidden.shape
-        # Rows in the hidden states' own [s, b] order: hidden[:-1] flattens without a copy, the ids are tiny.
-        weight = output_weight(model)
-        lp, ent = vocab_parallel_hidden_logprobs(
-            hidden[:-1].reshape((s - 1) * b, h), weight, ids[:, 1:].t().reshape(-1),
-            vocab_start=self.shard.tp_rank * weight.shape[0], vocab_size=self.args.vocab_size, group=self.tp_group,
-            chunk_tokens=self.cfg.logprob_chunk_tokens, compiled=self.cfg.torch_compile,
-        )  # fmt: skip
-        return lp.view(s - 1, b).t(), ent.view(s - 1, b).t()
-
-    def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
-        """Reference log-probs, run through the pipeline like the policy (forward only)."""
-        if self.ref_model is None:
-            return None
-        with torch.no_grad():
-            out = self._stage_forward(self.ref_model, mb, keep_graph=False, hidden_only=self._fused_head(None))[1]
-            if not self.shard.last_stage:
-                return None
-            return self._logprobs(self.ref_model, out, mb.input_ids)[0]
-
-    def _stage_forward(
-        self, model: torch.nn.Module, mb: TrainBatch, *, keep_graph: bool, hidden_only: bool
-    ) -> tuple[Tensor | None, Tensor]:
-        """Receive the previous stage's activations (if any), run this stage, send to the next."""
-        hidden_in = None
-        if not self.shard.first_stage:
-            s, b = mb.input_ids.shape[1], mb.input_ids.shape[0]
-            hidden_in = torch.empty(s, b, self.args.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(hidden_in, src=self._pp_peer(-1))
-            hidden_in.requires_grad_(keep_graph)
-        out = self._forward(model, mb.input_ids, hidden_in, hidden_only)
-        if not self.shard.last_stage:
-            dist.send(out.detach().contiguous(), dst=self._pp_peer(+1))
-        return hidden_in, out
-
-    def _pp_peer(self, delta: int) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_pipeline_model_parallel_next_rank() if delta > 0 else ps.get_pipeline_model_parallel_prev_rank()
-
-    def _step(self, batch: TrainBatch, *, mode: str, optimizer: Optimizer) -> dict[str, float]:
-        batch = batch.to(self.device)
-        optimizer.zero_grad(set_to_none=True)
-        global_tokens = self._dp_sum(float(batch.num_response_tokens))
-        if global_tokens == 0:
-            raise ValueError("the batch has no response tokens to train on")
-        sums = StepSums()
-        forward_s = 0.0
-        mbs = self.cfg.micro_batch_size
-        pending: list[tuple[Tensor | None, Tensor]] = []
-        for start in range(0, max(len(batch), 1), mbs):
-            mb = batch.select(slice(start, min(start + mbs, len(batch))))
-            t0 = time.perf_counter()
-            ref = self._ref_logprobs(mb) if mode == "grpo" else None
-            supports = mb.padded_supports()
-            hidden_in, out = self._stage_forward(self.model, mb, keep_graph=True,
-                                                 hidden_only=self._fused_head(supports))  # fmt: skip
-            if self.shard.last_stage:
-                out = self._loss(out, mb, supports, mode, ref, global_tokens, sums)
-            forward_s += time.perf_counter() - t0
-            pending.append((hidden_in, out))
-        for hidden_in, out in reversed(pending):
-            if self.shard.last_stage:
-                out.backward()
-            else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, src=self._pp_peer(+1))
-                out.backward(grad)
-            if hidden_in is not None:
-                assert hidden_in.grad is not None
-                dist.send(hidden_in.grad.contiguous(), dst=self._pp_peer(-1))
-        optimizer.finish_grads()
-        grad_norm = optimizer.clip_grads(self.cfg.grad_clip)
-        metrics = self._last_stage_metrics(sums, global_tokens)
-        metrics.update(grad_norm=grad_norm, num_tokens=global_tokens, forward_s=forward_s)
-        return self.nan_guard.step(optimizer, metrics)
-
-    def _loss(self, out: Tensor, mb: TrainBatch, supports: tuple[Tensor, Tensor] | None, mode: str,
-              ref: Tensor | None, global_tokens: float, sums: StepSums) -> Tensor:  # fmt: skip
-        lp, entropy = self._logprobs(self.model, out, mb.input_ids, supports)
-        tokens = float(mb.num_response_tokens)
-        if mode == "sft":
-            loss, stats = sft_loss(lp, mb.loss_mask, loss_scale_tokens=global_tokens)
-        else:
-            loss, stats = policy_loss(
-                lp, lp.detach(), mb.advantages, mb.loss_mask, self.loss_cfg,
-                ref_logprobs=ref, entropy=entropy, loss_scale_tokens=global_tokens,
-            )  # fmt: skip
-            sums.add_rollout_gap(lp, mb, tokens)
-        sums.sums["loss"] += float(loss.detach().item())
-        sums.add(stats, tokens)
-        return loss
-
-    def _last_stage_metrics(self, step_sums: StepSums, global_tokens: float) -> dict[str, float]:
-        """Metrics summed over DP on the last stage, then sent to every stage (rank 0 logs them)."""
-        sums = step_sums.sums
-        metrics: dict[str, float] = {}
-        if self.shard.last_stage:
-            keys = sorted(sums)
-            values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-            if self.dp_size > 1:
-                dist.all_reduce(values, group=self.dp_group)
-            if "train_rollout_logprob_max_abs_diff" in keys and self.dp_size > 1:
-                peak = torch.tensor([sums["train_rollout_logprob_max_abs_diff"]], dtype=torch.float64,
-                                    device=self.device)  # fmt: skip
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_group)
-                values[keys.index("train_rollout_logprob_max_abs_diff")] = peak[0]
-            for k, v in zip(keys, values.tolist(), strict=True):
-                metrics[k] = v if k in ("loss", "train_rollout_logprob_max_abs_diff") else v / global_tokens
-        if self.shard.pp_size > 1:
-            metrics = self._broadcast_json(metrics, src_stage=self.shard.pp_size - 1)
-        return metrics
-
-    def _broadcast_json(self, value: dict[str, float], *, src_stage: int) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
-
-        src = dist.get_global_rank(self.pp_group, src_stage)
-        data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=self.device)
-        size = torch.tensor([data.numel()], dtype=torch.long, device=self.device)
-        dist.broadcast(size, src=src, group=self.pp_group)
-        buf = data if ps.get_pipeline_model_parallel_rank() == src_stage else torch.empty(
-            int(size.item()), dtype=torch.uint8, device=self.device)  # fmt: skip
-        dist.broadcast(buf, src=src, group=self.pp_group)
-        return json.loads(bytes(buf.cpu().tolist()).decode())
 
     def _shared_embedding(self) -> Tensor | None:
         """This stage's copy of the tied embedding (None when untied: the LM head is a weight of its own)."""
