@@ -61,8 +61,6 @@ def test_anchors_and_merge_keys_within_the_bound_still_load(tmp_path: Path) -> N
         (QUICKSTART, ["data.num_examples=3", "data.prompts_per_step=4"],
          "num_examples=3 is less than prompts_per_step=4"),
         (ASYNC, ["buffer.max_inflight_groups=100000"], "max_inflight_groups=100000 is more than 1024 groups"),
-        (ASYNC, ["buffer.max_inflight_groups=1000", "buffer.capacity_groups=64"],
-         "buffer.max_inflight_groups=1000 is more than buffer.capacity_groups=64"),
     ],
 )  # fmt: skip
 def test_unbounded_knobs_are_refused(config: Path, overrides: list[str], message: str) -> None:
