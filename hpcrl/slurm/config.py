@@ -306,6 +306,13 @@ class SlurmConfig:
                 raise ValueError(
                     f"env: {name!r} is not a variable name (letters, digits, _; not starting with a digit)"
                 )
+            if name == "HPCRL_ENGINE_API_KEY":
+                # The values are written into the job script, which others can read; the run makes its engines'
+                # keys itself.
+                raise ValueError(
+                    "env: HPCRL_ENGINE_API_KEY would be written into the job script, where other users can read "
+                    "it; remove it: the run gives each engine a random key of its own"
+                )
 
     @property
     def time_limit_s(self) -> int:

@@ -72,3 +72,9 @@ def test_unbounded_knobs_are_refused(config: Path, overrides: list[str], message
 def test_the_quickstarts_stay_within_the_bounds() -> None:
     load_config(RunConfig, QUICKSTART)
     load_config(RunConfig, ASYNC, ["buffer.max_inflight_groups=32"])
+
+
+def test_slurm_env_refuses_the_engine_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(RunConfig, QUICKSTART, ["slurm.env={HPCRL_ENGINE_API_KEY: secret}"])
+    assert "HPCRL_ENGINE_API_KEY would be written into the job script" in str(info.value)
