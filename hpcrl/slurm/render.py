@@ -41,6 +41,14 @@ ENGINES_STOP_WAIT_S = 30
 SRUN_OUTLIVES_STEPS_S = 45
 SRUN_WATCH_EVERY_S = 5
 """After the trainer step ends, how long the engines get to see their DONE file before a TERM."""
+# Slurm 22.05's mpi/pmix plugin runs a fence without data (Open MPI's barrier after MPI_Init's modex) as
+# a tree collective by default, and in a het step that tree released ranks before every rank had
+# reached it: a rank's first message then met a peer still in its modex, whose COMM_WORLD was not set up
+# yet, and the peer segfaulted in MPI_Init (mca_pml_ob1_recv_frag_callback_match, open-mpi/ompi#12495).
+# The ring collective (the plugin's choice for fences with data; it needs the plugin's direct connections,
+# on by default) waits for every node, so the MPI step runs every fence as a ring; a SLURM_PMIX_FENCE set
+# by the site or slurm.env is kept.
+PMIX_FENCE = "SLURM_PMIX_FENCE=${SLURM_PMIX_FENCE:-ring}"
 
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _BARE_DIRECTIVE_RE = re.compile(r"^[A-Za-z0-9_.,:@%/+=-]+$")
@@ -379,12 +387,21 @@ def batch_body(
         # One step over both het groups: its tasks form one MPI world (agents ranks 0..N-1, trainer ranks after;
         # the transport reorders them, the driver first). The roles read their component from HPCRL_HET_GROUP.
         step = f"--mpi={slurm.mpi} --kill-on-bad-exit=1{pyxis}"
+        fence = f"{PMIX_FENCE} " if slurm.mpi.startswith("pmix") else ""
         lines += [
             f"# ---- the roles: sync.transport=mpi, so one MPI step (srun --mpi={slurm.mpi}) over both het groups: an",
             "# agent per engine node (it starts the node's engines and loads the weights that trainer rank 0",
             "# broadcasts) and the trainer ranks. The step ends when the driver has sent the agents STOP;",
             "# --kill-on-bad-exit: a task that fails ends it (its peers would wait in a collective).",
-            f"srun {step} --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus} \\",
+            *(
+                [
+                    "# Every PMIx fence as a ring: Slurm's default tree fence can let a rank out of MPI_Init's",
+                    "# barrier before a peer in another het component has set up COMM_WORLD (a segfault there).",
+                ]
+                if fence
+                else []
+            ),
+            f"{fence}srun {step} --het-group=0 --ntasks-per-node=1 --cpus-per-task={engines_cpus} \\",
             f'  env OMP_NUM_THREADS={engines_cpus} {HET_GROUP_VAR}=0 {role} mpi-agent --run-dir "$RUN_DIR" \\',
             f"  : {step} --het-group=1 --cpus-per-task={trainer_cpus} \\",
             f'  env OMP_NUM_THREADS={trainer_cpus} {HET_GROUP_VAR}=1 {role} trainer --run-dir "$RUN_DIR" &',

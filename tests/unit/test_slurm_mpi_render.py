@@ -27,7 +27,7 @@ def test_mpi_script_runs_agents_and_trainer_in_one_mpi_step(tmp_path: Path) -> N
     cfg = make_config(MPI_LAYOUT | {"slurm.engines.cpus_per_task": 2, "slurm.trainer.cpus_per_task": 3})
     text = render_script(cfg, "runs/t")
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
-    step = re.search(r"^srun --mpi=pmix .*?&$", text, re.M | re.S)
+    step = re.search(r"^(?:SLURM_PMIX_FENCE=\S+ )?srun --mpi=pmix .*?&$", text, re.M | re.S)
     assert step, text
     components = step.group().replace("\\\n", " ").split(" : ")
     assert len(components) == 2, "one srun, two het components"
@@ -99,3 +99,32 @@ def test_srun_watchdog_ends_only_an_srun_that_outlived_its_steps(
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env)
     assert out.stdout.strip().splitlines()[-1] == ("ENDED" if ends_srun else "ALIVE"), out
     assert ("srun outlived every step" in out.stderr) == ends_srun
+
+
+@pytest.mark.parametrize(
+    "mpi,site,fence",
+    [("pmix", None, "ring"), ("pmix_v4", None, "ring"), ("pmix", "tree", "tree"), ("pmi2", None, None)],
+    ids=["pmix", "pmix_v4", "site-setting-kept", "not-pmix"],
+)
+def test_mpi_step_runs_every_pmix_fence_as_a_ring(
+    tmp_path: Path, mpi: str, site: str | None, fence: str | None
+) -> None:
+    """The MPI step's srun, run for real with a fake srun: it sees SLURM_PMIX_FENCE=ring, so Slurm's pmix
+    plugin runs Open MPI's barrier fences as rings (its default tree fence let ranks out of MPI_Init
+    early in a het step: a segfault in a peer still in its modex). A site's own setting is kept."""
+    from hpcrl.slurm import render
+
+    lines = render.batch_body(make_config({"sync.transport": "mpi", "slurm.mpi": mpi}), "/tmp/run", python="python3")
+    start = next(i for i, line in enumerate(lines) if re.search(r"\bsrun --mpi=", line))
+    end = next(i for i in range(start, len(lines)) if lines[i].endswith("&"))
+    step = "\n".join(lines[start : end + 1])
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\necho "fence=${SLURM_PMIX_FENCE-unset} args=$*"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_PMIX_FENCE"}
+    env |= {"PATH": f"{fake.parent}:{os.environ['PATH']}"} | ({"SLURM_PMIX_FENCE": site} if site else {})
+    out = subprocess.run(["bash", "-c", f"{step}\nwait"], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out
+    assert out.stdout.startswith(f"fence={fence or 'unset'} args=--mpi={mpi} "), out.stdout
+    assert " : " in out.stdout and "--het-group=1" in out.stdout, "still one srun over both het components"
