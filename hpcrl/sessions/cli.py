@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,26 @@ def _family_check(ns: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def _engine_key(path: str | None) -> str | None:
+    """The engines' key from --engine-api-key-file (mode 0600), else HPCRL_ENGINE_API_KEY, else none."""
+    if path is None:
+        return os.environ.pop("HPCRL_ENGINE_API_KEY", None) or None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"--engine-api-key-file {path}: cannot open it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+            raise ValueError(
+                f"--engine-api-key-file {path} must be a regular file only you can read; run `chmod 600 {path}`"
+            )
+        key = f.read(4097).decode(errors="replace").strip()
+    if not key or len(key) > 4096 or any(c.isspace() for c in key):
+        raise ValueError(f"--engine-api-key-file {path} must hold one key (no spaces) on one line")
+    return key
+
+
 def _sessions_serve(ns: argparse.Namespace) -> int:
     from hpcrl.sessions.config import SessionServerConfig
     from hpcrl.sessions.server import serve
@@ -37,6 +59,7 @@ def _sessions_serve(ns: argparse.Namespace) -> int:
         model_family=ns.family,
         model=ns.model,
         engine_urls=tuple(ns.engine),
+        engine_api_key=_engine_key(ns.engine_api_key_file),
         host=ns.host,
         port=ns.port,
         max_turns=ns.max_turns,
@@ -77,6 +100,10 @@ def add_session_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--family", required=True, help="model family: qwen3, tiny (never detected)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback only)")
     s.add_argument("--port", type=int, default=30100)
+    s.add_argument(
+        "--engine-api-key-file",
+        help="file (mode 0600) holding the engines' API key; without it, HPCRL_ENGINE_API_KEY if set",
+    )
     s.add_argument("--max-turns", type=int, default=8)
     s.add_argument("--max-tokens-per-turn", type=int, default=256)
     s.add_argument("--max-episode-tokens", type=int, default=4096)

@@ -51,3 +51,46 @@ def test_a_full_session_server_is_a_clear_error_not_an_httpx_traceback(
         assert f"the session server at {srv.url} refused a new session: HTTP 429" in message
         assert "max_sessions" in message
         assert isinstance(info.value, RuntimeError)  # `hpcrl run` prints it as an hpcrl: error line
+
+
+def test_sessions_serve_drives_a_keyed_engine_with_a_key_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import free_port, start_engine
+
+    engine = start_engine(tiny_model_dir, tmp_path, "--api-key", KEY, timeout_s=300)
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(KEY + "\n")
+    port = free_port()
+    cmd = [sys.executable, "-m", "hpcrl.cli", "sessions", "serve", "--engine", engine.url, "--model",
+           str(tiny_model_dir), "--family", "tiny", "--port", str(port),
+           "--engine-api-key-file", str(key_file)]  # fmt: skip
+    key_file.chmod(0o644)
+    loose = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert loose.returncode == 2 and f"chmod 600 {key_file}" in loose.stderr, loose.stderr
+    key_file.chmod(0o600)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"{url}/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "sessions serve did not come up"
+            time.sleep(0.5)
+        sid = httpx.post(f"{url}/sessions", json={}, trust_env=False).json()["session_id"]
+        r = httpx.post(
+            f"{url}/sessions/{sid}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            trust_env=False, timeout=120,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text  # the engine (which refuses requests without its key) answered
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        engine.stop()
