@@ -113,7 +113,8 @@ def test_quickstart_with_mpi_transport_as_a_het_job(
     config = tmp_path / "mpi.yaml"
     config.write_text(dump_yaml(cfg))
     script, run_dir = tmp_path / "mpi.sbatch", tmp_path / "run"
-    assert main(["sbatch", str(config), "-o", str(script), "--run-dir", str(run_dir)]) == 0
+    # --base-dir: the job runs (and writes its slurm-JOBID.out) in tmp_path, not in the repository.
+    assert main(["sbatch", str(config), "-o", str(script), "--run-dir", str(run_dir), "--base-dir", str(tmp_path)]) == 0
     job_id = sbatch(script)
     state = slurm_cluster.wait_done(job_id, 420)  # a het job of 6 Python processes: minutes on 2 loaded cores
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
