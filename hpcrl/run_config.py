@@ -94,7 +94,7 @@ class RunConfig:
             raise ValueError(
                 f"train.global_batch_size={gbs} must divide the rollout batch, data.prompts_per_step x "
                 f"rollout.n_samples_per_prompt = {self.data.prompts_per_step} x {self.rollout.n_samples_per_prompt} "
-                f"= {batch}; use one of {_divisors(batch, self.train.num_ranks)} (or null: the whole batch)"
+                f"= {batch}; use one of {_divisors(batch, self.train.data_parallel_size)} (or null: the whole batch)"
             )
         if self.train.onpolicy and not self.engine.batch_invariant:
             raise ValueError(
@@ -202,10 +202,9 @@ def _default_old_logprobs(cfg: RunConfig) -> Literal["trainer", "rollout"]:
     old log-probs the single update's ratio is 1, so the clip never acts and a stale group pushes on a token
     however far the policy has already moved it; on the quickstart that stops the learning at staleness 2.
     Against the engine's log-probs the clip stops pushing a token once it has moved past eps_clip from the
-    sampling policy (docs/async.md, "Learning"). An explicit off_policy_correction needs the trainer's log-probs,
-    and the megatron backend has only those."""
-    async_torch = cfg.rollout.mode == "async" and cfg.train.backend == "torch"
-    return "rollout" if async_torch and cfg.train.off_policy_correction == "none" else "trainer"
+    sampling policy (docs/async.md, "Learning"). An explicit off_policy_correction needs the trainer's log-probs."""
+    async_mode = cfg.rollout.mode == "async"
+    return "rollout" if async_mode and cfg.train.off_policy_correction == "none" else "trainer"
 
 
 def _divisors(n: int, multiple_of: int) -> str:
