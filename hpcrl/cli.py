@@ -8,12 +8,13 @@ hpcrl model init-tiny DIR                      # a tiny Qwen3-architecture model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from collections.abc import Callable, Sequence
 
 from hpcrl.config_show import add_config_commands
-from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
+from hpcrl.engine.embedded.serve_cli import add_engine_flags
 from hpcrl.guard.cli import add_guard_commands
 from hpcrl.report.cli import add_report_commands
 from hpcrl.sessions.cli import add_session_commands
@@ -23,7 +24,10 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _engine_serve(ns: argparse.Namespace) -> int:
-    from hpcrl.engine.embedded.server import ServerConfig, resolve_api_key, serve
+    import os
+
+    from hpcrl.engine.embedded.serve_cli import engine_config
+    from hpcrl.engine.kernels_config import with_env_overrides
 
     if ns.onpolicy_logprobs:
         raise ValueError(
@@ -31,29 +35,21 @@ def _engine_serve(ns: argparse.Namespace) -> int:
             "use --logprobs recompute for the re-score, or --batch-invariant (run config: engine.logprobs: recompute, "
             "engine.batch_invariant: true with train.onpolicy: true)"
         )
+    engine = engine_config(ns)
+    kernels, overrides = with_env_overrides(engine.kernels, os.environ)
+    # Checked before the heavy imports and the model load: a bad setting must not cost either.
+    from hpcrl.engine.embedded.server import ServerConfig, resolve_api_key, serve
+
     cfg = ServerConfig(
         model=ns.model,
+        engine=dataclasses.replace(engine, kernels=kernels),
+        kernel_overrides=tuple(overrides),
         host=ns.host,
         port=ns.port,
         api_key=resolve_api_key(api_key=ns.api_key, api_key_file=ns.api_key_file),
-        device=ns.device,
-        dtype=ns.dtype,
-        max_running_requests=ns.max_running_requests,
-        context_length=ns.context_length,
-        max_prefill_tokens=ns.max_prefill_tokens,
-        deterministic=ns.deterministic,
-        logprobs=ns.logprobs,
-        batch_invariant=ns.batch_invariant,
         random_seed=ns.random_seed,
         weight_version=ns.weight_version,
-        enable_weights_cpu_backup=ns.enable_weights_cpu_backup,
-        group_timeout_s=ns.group_timeout_s,
-        num_threads=ns.num_threads,
         ignore_sigterm=ns.ignore_sigterm,
-        decode_mode=ns.decode_mode,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        overlap=ns.decode_overlap,
-        profile=ns.decode_profile,
     )
     if ns.parent_pid:
         _exit_with_parent(ns.parent_pid)
@@ -189,80 +185,16 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="the key itself, for a quick test at a terminal: every user of the node sees it in `ps`; "
         "prefer --api-key-file or HPCRL_ENGINE_API_KEY",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=DEFAULT_MAX_RUNNING_REQUESTS,
-        help="sequences decoded together (KV slots; default %(default)s)",
-    )
-    p.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens (default: model's)")
-    p.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=4096,
-        help="prompt tokens prefilled in one forward (a group's other samples are copied from its prompt's prefill "
-        "and not counted); every waiting prompt that fits is prefilled, a forward of at most this many, before the "
-        "next decode step",
-    )
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="form batches only on an idle engine, so a /generate call gives bit-identical results every time",
-    )
     p.add_argument("--onpolicy-logprobs", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--logprobs",
-        choices=("sampled", "recompute"),
-        default="sampled",
-        help="sampled: report the log-probs of the distribution sampled from; recompute: re-score finished "
-        "sequences with the standard forward (a relabel: the tokens still come from decode) and send the sampled "
-        "ones as meta_info.hpcrl_sampled_logprobs",
-    )
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="prefill, decode and sample with hpcrl.model.invariant (CPU or CUDA, float32 or bfloat16): a token's "
-        "log-prob does not depend on its batch, and equals the trainer's train.onpolicy forward bit for bit",
-    )
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests that carry no sampling_seed")
     p.add_argument("--weight-version", default="default", help="initial weight version")
-    p.add_argument("--enable-weights-cpu-backup", action="store_true", help="keep a host copy of released weights")
-    p.add_argument("--group-timeout-s", type=float, default=300.0, help="bound on weight-group rendezvous")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launchers)")
     p.add_argument(
         "--ignore-sigterm",
         action="store_true",
         help="keep serving on SIGTERM (Slurm TERMs all steps at once; stop with SIGINT)",
     )
-    # Default None (not given): the deprecated HPCRL_ENGINE_* variables then still apply (server.decode_settings).
-    p.add_argument(
-        "--decode-mode",
-        choices=["auto", "eager", "triton", "graph", "compile"],
-        default=None,
-        help="auto (default): CUDA graphs of fused kernels on CUDA, eager on CPU; compile: torch.compile'd CPU step",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8_e4m3"],
-        default="auto",
-        help="K/V cache storage: auto (the model's dtype) or fp8_e4m3 (half of bfloat16's bytes, faster decode at "
-        "batch 256, a larger log-prob gap; CUDA with the fused decode path only)",
-    )
-    p.add_argument(
-        "--decode-overlap",
-        choices=["auto", "on", "off"],
-        default=None,
-        help="launch decode step t+1 before reading step t (auto, the default: on for CUDA)",
-    )
-    p.add_argument(
-        "--decode-profile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="time every decode step; /server_info reports it under internal_states[0].profile",
-    )
+    add_engine_flags(p)
     p.set_defaults(func=_engine_serve)
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+
+from hpcrl.engine.kernels_config import KernelsConfig
 
 DEFAULT_STARTUP_TIMEOUT_S = {"embedded": 120.0, "sglang": 600.0}
 
@@ -24,12 +28,28 @@ class EngineConfig:
     kind: Literal["embedded", "sglang"] = "embedded"
     """`embedded` runs hpcrl's own engine (`hpcrl engine serve`); `sglang` runs `python -m sglang.launch_server`
     (install the `sglang` extra on the GPU nodes)."""
+    SERVE_KEYS: ClassVar[tuple[str, ...]] = (
+        "device", "dtype", "max_running_requests", "context_length", "max_prefill_tokens", "deterministic",
+        "logprobs", "batch_invariant", "kv_cache_dtype", "num_threads", "group_timeout_s", "enable_weights_cpu_backup",
+        "decode_mode", "decode_overlap", "decode_profile", "kernels",
+    )  # fmt: skip
+    """What one embedded engine process reads (`hpcrl engine serve` has a flag for each); the other keys are the
+    fleet's, which the launcher reads."""
     num_engines: int = 1
     device: str = "cpu"
+    """cpu, cuda or cuda:N."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The weights' and activations' dtype."""
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    """Sequences decoded together (an engine's KV-cache slots)."""
+    context_length: int | None = None
+    """embedded: the most prompt + output tokens of a sequence (null: the model's max_position_embeddings)."""
+    max_prefill_tokens: int = 4096
+    """embedded: prompt tokens prefilled in one forward (a group's other samples are copied from its prompt's
+    prefill and not counted); every waiting prompt that fits is prefilled before the next decode step."""
     deterministic: bool = True
-    """Batches form only on an idle engine: a resumed run regenerates exactly what it would have."""
+    """Batches form only on an idle engine: a resumed run regenerates exactly what it would have, and a /generate
+    call gives bit-identical results every time (false: requests join a running batch, for throughput)."""
     logprobs: Literal["sampled", "recompute"] = "sampled"
     """embedded: which log-probs an engine reports. `sampled`: those of the distribution it sampled from.
     `recompute`: a finished sequence re-scored by the model's standard full-sequence forward (the tokens still
@@ -43,10 +63,15 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """K/V cache storage. `auto`: the model's dtype. `fp8_e4m3`: 8-bit floats (scale 1, saturating at +-448), half
     the bytes of bfloat16; at batch 256 a decode step is mostly the attention reading K/V, so this is the engine's
-    largest speed lever, at the price of a larger train/rollout log-prob gap (measured every step;
-    docs/benchmarks.md). embedded: CUDA with the fused decode path (decode_mode auto, graph or triton), bfloat16 or
+    largest speed lever, at the price of a larger train/rollout log-prob gap (measured every step).
+    embedded: CUDA with the fused decode path (decode_mode auto, graph or triton), bfloat16 or
     float16, not batch_invariant. sglang: passed as --kv-cache-dtype."""
     num_threads: int = 1
+    """Torch CPU threads of each engine (and its OMP_NUM_THREADS)."""
+    group_timeout_s: float = 300.0
+    """embedded: bound on a weight-group rendezvous (update_weights_from_distributed)."""
+    enable_weights_cpu_backup: bool = False
+    """embedded: keep a host copy of the weights that release_memory_occupation frees."""
     startup_timeout_s: float | None = None
     """Bound on an engine's start (process launch to its first healthy answer); while it runs the engine
     is `starting`, never `hung`. None: the kind's own (embedded 120 s; sglang 600 s, since a stock SGLang
@@ -83,6 +108,9 @@ class EngineConfig:
     decode_profile: bool = False
     """embedded: time every decode step (CUDA events and host timers), reported in /server_info under
     internal_states[0].profile (`--decode-profile`)."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """embedded: the launch parameters of the CUDA decode kernels (`engine.kernels.*`; each also overridable by an
+    HPCRL_ENGINE_<KEY> environment variable for a sweep, named in the engine's start-up line)."""
 
     @property
     def start_timeout_s(self) -> float:
@@ -106,13 +134,12 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.kind == "embedded" and (self.tp_size != 1 or self.sglang_args or self.enable_memory_saver):
             raise ValueError("tp_size, sglang_args and enable_memory_saver apply to kind: sglang only")
-        if self.kind == "sglang" and (
-            self.decode_mode != "auto" or self.decode_overlap != "auto" or self.decode_profile
-        ):
-            raise ValueError(
-                "decode_mode, decode_overlap and decode_profile apply to kind: embedded only; "
-                "pass SGLang's own flags in sglang_args"
-            )
+        if self.kind == "sglang":
+            embedded_only = [key for key in _EMBEDDED_ONLY if getattr(self, key) != _default(key)]
+            if embedded_only:
+                raise ValueError(
+                    f"{', '.join(embedded_only)} apply to kind: embedded only; pass SGLang's own flags in sglang_args"
+                )
         if self.kind == "sglang" and (self.batch_invariant or self.logprobs != "sampled"):
             raise ValueError(
                 "batch_invariant and logprobs: recompute apply to kind: embedded only (SGLang's own "
@@ -146,6 +173,12 @@ class EngineConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1 (or null: the model's), got {self.context_length}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not (math.isfinite(self.group_timeout_s) and self.group_timeout_s > 0):
+            raise ValueError(f"group_timeout_s must be a positive number of seconds, got {self.group_timeout_s}")
         if not 0 <= self.base_port <= 65535:
             raise ValueError(
                 f"base_port must be a TCP port (1 to 65535), or 0 to pick free ports; got {self.base_port}"
@@ -154,6 +187,17 @@ class EngineConfig:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if not 0 < self.health_timeout_s <= self.hung_after_s:
             raise ValueError("health_timeout_s must be > 0 and <= hung_after_s")
+
+
+_EMBEDDED_ONLY = (
+    "decode_mode", "decode_overlap", "decode_profile", "context_length", "max_prefill_tokens", "group_timeout_s",
+    "enable_weights_cpu_backup", "kernels",
+)  # fmt: skip
+
+
+def _default(name: str) -> object:
+    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def fp8_kv_cache_problem(*, device: str, dtype: str, decode_mode: str, batch_invariant: bool) -> str | None:

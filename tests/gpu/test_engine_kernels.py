@@ -13,6 +13,7 @@ import torch
 
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.sampling import RowParams, counter_uniform, sample
+from hpcrl.engine.kernels_config import KernelsConfig
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs, rope_cos_sin
 from tests.gpu.triton_support import DEVICE, DTYPES, needs_triton
 
@@ -251,9 +252,12 @@ def test_decode_step_matches_forward_cached(
 ) -> None:
     from hpcrl.engine.embedded.runner import DecodeRunner, RowState
 
-    monkeypatch.setattr(kernels, "GEMM_PATH", "cublas" if gemm == "cublas_split" else gemm)
-    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K", (2, 4) if gemm == "cublas_split" else (1, 1))
-    monkeypatch.setattr(kernels, "GEMM_CONFIGS", SMALL_GEMM_CONFIGS)
+    knobs = KernelsConfig(
+        gemm="triton" if gemm == "triton" else "cublas",
+        cublas_split_k=(2, 4) if gemm == "cublas_split" else (1, 1),
+        **{f"gemm_config_{stage}": tiles for stage, tiles in SMALL_GEMM_CONFIGS.items()},  # type: ignore[arg-type]
+    )
+    monkeypatch.setattr(kernels, "SETTINGS", knobs)
     args = tiny_args(llama=llama)
     model = random_model(args, dtype)
     slots, max_len = 6, 40
@@ -329,7 +333,6 @@ def test_a_row_past_the_cache_end_leaves_the_cache_and_the_other_rows_alone() ->
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("llama", [False, True])
 def test_fused_prefill_matches_forward_cached(dtype: torch.dtype, llama: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import fused_prefill
     from hpcrl.engine.embedded.runner import DecodeRunner
 
     args = tiny_args(llama=llama)
@@ -342,7 +345,7 @@ def test_fused_prefill_matches_forward_cached(dtype: torch.dtype, llama: bool, m
     n, width = len(lengths), max(lengths)
     ids = torch.randint(3, args.vocab_size, (n, width), device=DEVICE)
     last = torch.tensor(lengths, device=DEVICE) - 1
-    monkeypatch.setattr(fused_prefill, "PREFILL_PATH", "fused")
+    monkeypatch.setattr(kernels, "SETTINGS", KernelsConfig(prefill="fused"))
     runner = DecodeRunner(model, cache, max_batch=slots, device=DEVICE, mode="triton")
     assert runner.prefill_fused
     with torch.no_grad():
@@ -363,7 +366,6 @@ def test_fused_prefill_matches_forward_cached(dtype: torch.dtype, llama: bool, m
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="an 8-bit K/V cache needs CUDA and bfloat16")
 def test_fused_prefill_into_an_fp8_cache_matches_forward_cached(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import fused_prefill
     from hpcrl.engine.embedded.runner import DecodeRunner
 
     args = tiny_args()
@@ -374,7 +376,7 @@ def test_fused_prefill_into_an_fp8_cache_matches_forward_cached(monkeypatch: pyt
     lengths = [9, 33, 4]
     ids = torch.randint(3, args.vocab_size, (3, 33), device=DEVICE)
     last = torch.tensor(lengths, device=DEVICE) - 1
-    monkeypatch.setattr(fused_prefill, "PREFILL_PATH", "fused")
+    monkeypatch.setattr(kernels, "SETTINGS", KernelsConfig(prefill="fused"))
     runner = DecodeRunner(model, cache, max_batch=6, device=DEVICE, mode="triton")
     with torch.no_grad():
         ref = model.forward_cached(ids, ref_cache, 1, torch.zeros(3, dtype=torch.int64, device=DEVICE), last,
@@ -442,7 +444,7 @@ def test_programmatic_dependent_launch_decodes_the_same_bits(kv8: bool, monkeypa
     rows = [RowState(5 + i, 3 + i, i, 0, 1.0, -1, 1.0, 0.0) for i in range(8)]
 
     def generate(pdl: bool) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
-        monkeypatch.setattr(kernels, "PDL", pdl)
+        monkeypatch.setattr(kernels, "SETTINGS", KernelsConfig(pdl=pdl))
         cache = KVCache.allocate(args, 8, 64, torch.float8_e4m3fn if kv8 else torch.bfloat16, DEVICE)
         runner = DecodeRunner(model, cache, max_batch=8, device=DEVICE, mode="graph")
         tokens, logprobs = [], []

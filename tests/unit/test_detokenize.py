@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 
+from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder, decode_ids
 from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.protocol import GrowingPackedColumn, pack_logprobs
@@ -92,7 +93,8 @@ def test_the_scheduler_advances_texts_while_rows_decode(tiny_model_dir: Path) ->
     model = load_model(tiny_model_dir).eval()
     sched = Scheduler(
         model,
-        SchedulerConfig(max_running_requests=8, context_length=200, overlap=True),  # as on a GPU
+        # decode_overlap on: as on a GPU
+        SchedulerConfig(engine=EngineConfig(max_running_requests=8, decode_overlap="on"), context_length=200),
         device=torch.device("cpu"),
         dtype=torch.float32,
     )

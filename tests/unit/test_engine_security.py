@@ -1,4 +1,4 @@
-"""Issue 23's security and engine bad-input items, tried as a hostile or careless local user would.
+"""Security and engine bad-input cases, tried as a hostile or careless local user would.
 
 Real engine servers on loopback, real files in /dev/shm, real `hpcrl engine serve` processes and the
 launcher's real command lines read from /proc.
@@ -333,10 +333,10 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     [
         (["--host", "0.0.0.0"], "--host 0.0.0.0 is reachable from other machines"),
         (["--host", "10.1.2.3", "--api-key", ""], "the API key is empty"),
-        (["--max-running-requests", "0"], "--max-running-requests 0 must be at least 1"),
+        (["--max-running-requests", "0"], "max_running_requests must be >= 1, got 0 (from --max-running-requests 0)"),
         (["--port", "99999"], "--port 99999 is not a TCP port"),
         (["--port", "0"], "--port 0 is not a TCP port"),
-        (["--group-timeout-s", "nan"], "--group-timeout-s nan must be a positive number"),
+        (["--group-timeout-s", "nan"], "engine.group_timeout_s: expected a finite number, got nan"),
         (["--api-key", "a", "--api-key-file", "/dev/null"], "--api-key or --api-key-file, not both"),
     ],
 )
@@ -353,7 +353,7 @@ def test_bad_serve_flags_are_refused_before_the_model_loads(args: list[str], mes
 def test_context_length_above_the_models_positions_is_refused(tiny_model_dir: Path) -> None:
     r = serve("--model", str(tiny_model_dir), "--context-length", "5000")
     assert r.returncode == 2, r.stderr
-    assert "--context-length 5000 is above the model's max_position_embeddings 1024" in r.stderr, r.stderr
+    assert "context_length 5000 is above the model's max_position_embeddings 1024" in r.stderr, r.stderr
 
 
 def _start_with_key(model: Path, log_dir: Path, key: str, *args: str, env: dict[str, str] | None = None) -> Any:

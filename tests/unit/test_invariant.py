@@ -9,6 +9,7 @@ import httpx
 import pytest
 import torch
 
+from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model
@@ -47,18 +48,19 @@ def _requests(n: int, *, seed: int = 0, max_new_tokens: int = 10) -> list[SeqReq
 
 
 def _generate(
-    model: CausalLM, reqs: list[SeqRequest], *, max_running: int, retract_after_steps: int | None = None, **cfg: object
+    model: CausalLM, reqs: list[SeqRequest], *, max_running: int, retract_after_steps: int | None = None
 ) -> list[SeqRequest]:
     """Drive a real scheduler on this thread (what its loop does) until every request finished."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    engine = EngineConfig(
+        max_running_requests=max_running,
+        dtype=dtype,  # type: ignore[arg-type]
+        batch_invariant=True,
+        deterministic=False,  # admit while others run: batches change size every few steps
+    )
     sched = Scheduler(
         model,
-        SchedulerConfig(
-            max_running_requests=max_running,
-            context_length=64,
-            batch_invariant=True,
-            deterministic=False,  # admit while others run: batches change size every few steps
-            **cfg,  # type: ignore[arg-type]
-        ),
+        SchedulerConfig(engine=engine, context_length=64),
         device=torch.device("cpu"),
         dtype=next(model.parameters()).dtype,
     )
@@ -277,7 +279,7 @@ def test_recompute_mode_reports_the_rescore_and_keeps_the_sampled(tiny_model_dir
     model = load_model(tiny_model_dir).eval()  # the plain CPU engine fuses its weights: not the shared model
     sched = Scheduler(
         model,
-        SchedulerConfig(max_running_requests=8, context_length=64, logprobs="recompute"),
+        SchedulerConfig(engine=EngineConfig(max_running_requests=8, logprobs="recompute"), context_length=64),
         device=torch.device("cpu"),
         dtype=torch.float32,
     )
@@ -376,20 +378,19 @@ def test_train_onpolicy_needs_the_invariant_engine_on_the_trainers_device_and_dt
 
 
 def test_the_devices_and_dtypes_the_guarantee_covers_are_named_everywhere() -> None:
-    """CUDA and bf16 pass the engine server's flags, the trainer's config and the forward's own check;
+    """CUDA and bf16 pass the engine's config, the trainer's config and the forward's own check;
     fp16 and other devices are refused with what is covered."""
-    from hpcrl.engine.embedded.server import ServerConfig
     from hpcrl.trainer.config import TrainConfig
 
     for device in ("cpu", "cuda", "cuda:1"):
         for dtype in ("float32", "bfloat16"):
             assert invariant.supported_reason(device, getattr(torch, dtype)) is None
-            ServerConfig(model="m", device=device, dtype=dtype, batch_invariant=True)
+            EngineConfig(device=device, dtype=dtype, batch_invariant=True)  # type: ignore[arg-type]
             TrainConfig(device=device, dtype=dtype, onpolicy=True)  # type: ignore[arg-type]
     assert "not float16" in str(invariant.supported_reason("cuda", torch.float16))
     assert "not meta" in str(invariant.supported_reason("meta", torch.float32))
-    with pytest.raises(ValueError, match="--batch-invariant covers --device cpu or cuda in float32 or bfloat16"):
-        ServerConfig(model="m", device="cuda", dtype="float16", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant covers device cpu or cuda in float32 or bfloat16"):
+        EngineConfig(device="cuda", dtype="float16", batch_invariant=True)
     with pytest.raises(ValueError, match="onpolicy covers device cpu or cuda, not 'mps'"):
         TrainConfig(device="mps", onpolicy=True)
 
@@ -471,102 +472,3 @@ def test_a_bad_kernel_launch_override_names_the_variable_and_the_fix(
         launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True)
     monkeypatch.setenv("HPCRL_INVARIANT_MATMUL", "32,64,64,4,3")
     assert launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True) == (32, 64, 64, 4, 3)
-
-
-def test_an_attention_override_with_an_unknown_dot_mode_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import kernels
-
-    monkeypatch.setenv("HPCRL_ENGINE_ATTN_CONFIG_KV8", "32,2,3,5")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_ATTN_CONFIG_KV8=32,2,3,5: the 4th value, use_dot, .*unset it"):
-        kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2))
-    monkeypatch.setenv("HPCRL_ENGINE_ATTN_CONFIG_KV8", "64,4,2,2")
-    assert kernels._attn_config("ATTN_CONFIG_KV8", (32, 2, 3, 2)) == (64, 4, 2, 2)
-
-
-def test_a_sampler_override_of_the_old_three_values_or_an_odd_block_fails_at_start_up(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from hpcrl.engine.embedded import kernels
-
-    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1024,8,8")  # the older form: BLOCK, warps, splits
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1024,8,8: expected .*BLOCK,warps,splits.*unset"):
-        kernels._sample_env_config()
-    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "1000,4")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=1000,4: expected .* a power of two"):
-        kernels._sample_env_config()
-    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,64")  # a CUDA block holds at most 32 warps
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_SAMPLE_CONFIG=512,64: expected .*warps at most 32"):
-        kernels._sample_env_config()
-    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2")
-    assert kernels._sample_env_config() == (512, 2, 1024, 4)  # the draw's default
-    monkeypatch.setenv("HPCRL_ENGINE_SAMPLE_CONFIG", "512,2,256,2")
-    assert kernels._sample_env_config() == (512, 2, 256, 2)
-
-
-def test_an_unknown_prefill_path_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import fused_prefill
-
-    monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "flash")
-    with pytest.raises(ValueError, match=r"PREFILL='flash': must be one of model, fused \(fused: .*unset it"):
-        fused_prefill.prefill_path()
-    monkeypatch.setenv("HPCRL_ENGINE_PREFILL", "model")
-    assert fused_prefill.prefill_path() == "model"
-    monkeypatch.delenv("HPCRL_ENGINE_PREFILL")
-    assert fused_prefill.prefill_path() == "fused"
-
-
-def test_an_unknown_gemm_path_or_a_bad_gemm_config_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import kernels
-
-    monkeypatch.setenv("HPCRL_ENGINE_GEMM", "cutlass")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_GEMM='cutlass': must be cublas .* or triton"):
-        kernels._gemm_path()
-    monkeypatch.setenv("HPCRL_ENGINE_GEMM", "triton")
-    assert kernels._gemm_path() == "triton"
-    for bad in ("64,48,128,1,4,3", "64,64,128,0,4,3", "64,64,128,1,4"):
-        monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", bad)
-        with pytest.raises(ValueError, match=r"HPCRL_ENGINE_GEMM_CONFIG_O=.*unset it"):
-            kernels._gemm_config("O", (64, 64, 128, 4, 4, 3))
-    for name in ("GATE_UP", "QKV"):
-        monkeypatch.setenv(f"HPCRL_ENGINE_GEMM_CONFIG_{name}", "64,64,64,2,4,4")
-        with pytest.raises(ValueError, match="SPLIT_K 1 for QKV and GATE_UP"):
-            kernels._gemm_config(name, (64, 64, 64, 1, 4, 4))
-    monkeypatch.setenv("HPCRL_ENGINE_GEMM_CONFIG_O", "32,64,256,8,4,3")
-    assert kernels._gemm_config("O", (64, 64, 128, 4, 4, 3)) == (32, 64, 256, 8, 4, 3)
-
-
-def test_the_cublas_split_k_setting_is_checked_and_fits_each_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
-
-    from hpcrl.engine.embedded import kernels
-    from hpcrl.engine.embedded.runner import _split_k_for
-
-    for bad in ("0,2", "2", "2,2,2", "two,2"):
-        monkeypatch.setenv("HPCRL_ENGINE_CUBLAS_SPLIT_K", bad)
-        with pytest.raises(ValueError, match=r"HPCRL_ENGINE_CUBLAS_SPLIT_K=.*unset it"):
-            kernels._cublas_split_k()
-    monkeypatch.setenv("HPCRL_ENGINE_CUBLAS_SPLIT_K", "4,3")
-    assert kernels._cublas_split_k() == (4, 3)
-    monkeypatch.delenv("HPCRL_ENGINE_CUBLAS_SPLIT_K")
-    assert kernels._cublas_split_k() == (2, 2)
-    qwen = SimpleNamespace(num_heads=16, head_dim=128, intermediate_size=3072)
-    odd = SimpleNamespace(num_heads=16, head_dim=128, intermediate_size=3073)
-    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K", (2, 2))
-    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K_ASKED", False)
-    assert _split_k_for(qwen) == (2, 2)
-    assert _split_k_for(odd) == (2, 1), "a default that does not divide K falls back to the whole GEMM"
-    monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K_ASKED", True)
-    with pytest.raises(ValueError, match=r"2 parts do not divide this model's down GEMM, K = 3073"):
-        _split_k_for(odd)
-
-
-def test_a_bad_pdl_switch_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.engine.embedded import kernels
-
-    monkeypatch.setenv("HPCRL_ENGINE_PDL", "yes")
-    with pytest.raises(ValueError, match=r"HPCRL_ENGINE_PDL='yes': must be 1 .* or 0 .*unset it"):
-        kernels._pdl_setting()
-    monkeypatch.setenv("HPCRL_ENGINE_PDL", "0")
-    assert kernels._pdl_setting() is False
-    monkeypatch.delenv("HPCRL_ENGINE_PDL")
-    assert kernels._pdl_setting() is True

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcrl.config import load_yaml
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded.launch import embedded_launch
 from hpcrl.engine.launch import LaunchSlot
@@ -93,9 +94,9 @@ def test_the_run_config_refuses_an_fp8_cache_the_embedded_engine_cannot_read(set
 def test_engines_are_launched_with_the_cache_dtype(tmp_path: Path) -> None:
     slot = LaunchSlot(index=0, position=0, model_dir="/m", host="127.0.0.1", port=30001, api_key="k", seed=0,
                       run_dir=tmp_path)  # fmt: skip
-    embedded = embedded_launch(EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3"), slot).cmd
-    assert embedded[embedded.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
-    assert "--kv-cache-dtype" not in embedded_launch(EngineConfig(), slot).cmd
+    fp8 = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    embedded = embedded_launch(fp8, slot).cmd
+    assert load_yaml(embedded[embedded.index("--config") + 1])["kv_cache_dtype"] == "fp8_e4m3"
     sglang = sglang_command(
         EngineConfig(kind="sglang", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3"), python="python3",
         model_dir="/m", host="127.0.0.1", port=30001, config_file=tmp_path / "c.yaml", seed=0, weight_version="0",
@@ -110,5 +111,5 @@ def test_engine_serve_refuses_an_fp8_cache_on_the_cpu_before_loading_anything(tm
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "--kv-cache-dtype fp8_e4m3 needs a CUDA device" in proc.stderr
-    assert "leave --kv-cache-dtype at auto" in proc.stderr
+    assert "kv_cache_dtype: fp8_e4m3 needs a CUDA device" in proc.stderr
+    assert "use kv_cache_dtype: auto" in proc.stderr and "--kv-cache-dtype fp8_e4m3" in proc.stderr

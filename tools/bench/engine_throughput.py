@@ -111,6 +111,8 @@ def _embedded_command(ns: argparse.Namespace, model_dir: Path, port: int) -> lis
         str(ns.prompt_len + ns.max_new_tokens),
         "--max-prefill-tokens",
         str(ns.max_prefill_tokens or max(ns.num_seqs * ns.prompt_len, 4096)),
+        "--no-deterministic",  # requests join a running batch, as a serving engine's do
+        *ns.engine_arg,
     ]
 
 
@@ -427,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sglang-arg", action="append", default=[], help="an extra SGLang launch argument (repeat)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.5, help="SGLang --mem-fraction-static")
     p.add_argument("--engine-env", action="append", default=[], help="KEY=VALUE for the engine process (repeat)")
+    p.add_argument(
+        "--engine-arg", action="append", default=[],
+        help="an extra `hpcrl engine serve` argument of the embedded engine (repeat), e.g. "
+             "--engine-arg=--decode-profile or --engine-arg=--kernels-attn-config=64,8,3,1",
+    )  # fmt: skip
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="the embedded engine's prefill chunk (default: every prompt in one forward; the engine's own "
                         "default is 4096)")  # fmt: skip

@@ -67,6 +67,7 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
     """(engine tok/s, trainer forward s, trainer forward + backward s), each keyed by batch_invariant."""
     import torch
 
+    from hpcrl.engine.config import EngineConfig
     from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
     from hpcrl.model import invariant
     from hpcrl.model.hf import load_model, parse_dtype
@@ -80,11 +81,15 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
         bi: Scheduler(
             model,
             SchedulerConfig(
-                max_running_requests=ns.num_seqs,
+                engine=EngineConfig(
+                    device=ns.device,
+                    dtype=ns.dtype,
+                    max_running_requests=ns.num_seqs,
+                    batch_invariant=bi,
+                    decode_profile=ns.profile,
+                    deterministic=False,
+                ),
                 context_length=ns.prompt_len + ns.max_new_tokens + 1,
-                batch_invariant=bi,
-                decode_mode="auto",
-                profile=ns.profile,
             ),
             device=device,
             dtype=dtype,

@@ -4,7 +4,8 @@
 
 At M = 256 the four GEMMs of a Qwen3-0.6B layer take 6.5-7.8 us each in cuBLAS, 28.8 us together
 against 10.2 us for their FLOPs at 790 TFLOP/s (measured on an H200). Each stage is timed as the engine runs it with
-HPCRL_ENGINE_GEMM=cublas (the default) and =triton, the op after the GEMM included where the Triton path fuses into it:
+engine.kernels.gemm cublas (the default) and triton, the op after the GEMM included where the Triton path fuses into
+it:
 
     qkv        F.linear                       | linear
     o          F.linear + add_rmsnorm         | linear, SPLIT_K fp32 partials + add_rmsnorm summing them
@@ -91,7 +92,7 @@ class Stage:
         return y
 
     def cublas_split(self, parts: int, rotate: bool = True) -> torch.Tensor:
-        """o or down as the engine's cuBLAS path runs it with HPCRL_ENGINE_CUBLAS_SPLIT_K: `kernels.split_k_linear`
+        """o or down as the engine's cuBLAS path runs it with engine.kernels.cublas_split_k: `kernels.split_k_linear`
         (one strided-batch GEMM of fp32 partials), then add_rmsnorm summing them."""
         kernels.add_rmsnorm(
             kernels.split_k_linear(self.x, self._w(rotate), parts), self.resid, self.norm_w, 1e-6, self.h

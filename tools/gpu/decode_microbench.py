@@ -9,12 +9,13 @@ replay; the torch sampler against the fused sampling kernel; the decode-attentio
 several launch configurations (GB/s against the K/V bytes it must read); and a torch.profiler
 kernel table of one fused step. Checks the fused step's logits against the eager forward. Prints a
 table last and writes microbench.json; writes the best attention/sampling launch configs to
-best_attn_config.txt / best_sample_config.txt for the engine (HPCRL_ENGINE_ATTN_CONFIG, ...).
+best_attn_config.txt / best_sample_config.txt for the engine (engine.kernels.attn_config, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -465,7 +466,7 @@ def main() -> int:
 
     def step_variants() -> dict[str, Any]:
         # Variants of the same decode step, in one process: programmatic dependent launch of the Triton kernels
-        # (kernels.PDL, HPCRL_ENGINE_PDL) and torch's GEMMs through cuBLASLt instead of cuBLAS. Each is captured
+        # (engine.kernels.pdl) and torch's GEMMs through cuBLASLt instead of cuBLAS. Each is captured
         # afresh; rounds interleave the variants so that clock drift spreads over all of them. Neither may change
         # the logits: step_logits_maxdiff_* is the largest difference over the rounds. (Two half-batches on two streams
         # and an L2 prefetch of each GEMM's weights were both slower.)
@@ -478,11 +479,11 @@ def main() -> int:
         loop_times: dict[str, list[float]] = {k: [] for k in variants}
         out: dict[str, Any] = {}
         ref: torch.Tensor | None = None
-        default_pdl, default_blas = kernels.PDL, torch.backends.cuda.preferred_blas_library()
+        default_knobs, default_blas = kernels.SETTINGS, torch.backends.cuda.preferred_blas_library()
         try:
             for _ in range(3):
                 for name, (pdl, blas) in variants.items():
-                    kernels.PDL = pdl
+                    kernels.configure(dataclasses.replace(default_knobs, pdl=pdl))
                     torch.backends.cuda.preferred_blas_library(blas)
                     runner.reset_graphs()
                     runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
@@ -495,7 +496,7 @@ def main() -> int:
                     out[f"step_logits_maxdiff_{name}"] = max(diff, out.get(f"step_logits_maxdiff_{name}", 0.0))
                     loop_times[name].append(loop_steps() * 1e3)
         finally:
-            kernels.PDL = default_pdl
+            kernels.configure(default_knobs)
             torch.backends.cuda.preferred_blas_library(default_blas)
             runner.reset_graphs()
         for name in variants:

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 
 def _attention(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], tuple[int, ...], int, int]:
-    block_n, warps, stages, _ = kernels.ATTN_CONFIG_KV8
+    block_n, warps, stages, _ = kernels.SETTINGS.attn_config_kv8
     signature = {
         "Q": "*bf16", "KC": "*fp8e4nv", "VC": "*fp8e4nv", "Out": "*bf16", "Pos": "*i64", "sm_scale": "fp32",
         "stride_qb": "i32", "stride_cb": "i32", "stride_ch": "i32", "stride_cn": "i32", "max_len": "i32",
@@ -49,7 +49,7 @@ def _attention(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], tuple
 def _sample_partial(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], tuple[int, ...], int, int]:
     from hpcrl.engine.embedded.sampling import SAMPLE_CHUNK_IDS
 
-    block, warps, _, _ = kernels.SAMPLE_CONFIG
+    block, warps, _, _ = kernels.SETTINGS.sample_config
     signature = {"Logits": "*bf16", "stride_row": "i32", "V": "i32", "Temp": "*fp32", "Part": "*fp32", "PartI": "*i32"}
     chunks = -(-151_936 // SAMPLE_CHUNK_IDS)
     constexprs = {"NSPLIT": chunks, "CHUNK": SAMPLE_CHUNK_IDS, "BLOCK": block, "FAST_EXP": True, "PDL": True}

@@ -85,16 +85,19 @@ def _requests(n: int, vocab: int, *, seed: int, max_new_tokens: int) -> list:
 def _generate(model, reqs: list, *, max_running: int, batch_invariant: bool, device, dtype) -> list:  # noqa: ANN001
     import torch
 
+    from hpcrl.engine.config import EngineConfig
     from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig
 
+    engine = EngineConfig(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_running_requests=max_running,
+        batch_invariant=batch_invariant,
+        deterministic=False,  # admit while others run: the decode batch changes size every few steps
+    )
     sched = Scheduler(
         model,
-        SchedulerConfig(
-            max_running_requests=max_running,
-            context_length=96,
-            batch_invariant=batch_invariant,
-            deterministic=False,  # admit while others run: the decode batch changes size every few steps
-        ),
+        SchedulerConfig(engine=engine, context_length=96),
         device=device,
         dtype=dtype,
     )

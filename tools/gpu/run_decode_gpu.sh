@@ -12,10 +12,11 @@
 # (more decode_microbench.py flags, e.g. "--prefill-profile-tokens 32768"),
 # MICRO_TIMEOUT_S, TESTS_TIMEOUT_S, GEMM_TIMEOUT_S, GEMM_ENV_FILE; each section logs its start [s]
 # bench: 256 x 512 decode with log-probs, Qwen3-0.6B shape, bf16: K/V cache bf16, then fp8_e4m3, each with the model's
-#        prefill (HPCRL_ENGINE_PREFILL=model), then fp8_e4m3 with the fused prefill (the default), then also
-#        HPCRL_ENGINE_GEMM=triton; same model and prompts. RUNS= picks others; "default" leaves a variable unset
+#        prefill (--kernels-prefill=model), then fp8_e4m3 with the fused prefill (the default), then also
+#        --kernels-gemm=triton; same model and prompts. RUNS= picks others; "default" leaves a knob at its default
 # gap: the colocated GRPO step's train/rollout log-prob gap with each cache (the engine inherits this shell's
-#      environment: HPCRL_ENGINE_PREFILL=model STEPS=gap ... measures it with the model's prefill)
+#      environment: HPCRL_ENGINE_PREFILL=model STEPS=gap ... measures it with the model's prefill; the engine names
+#      the override in its start-up line)
 # Sections are independent: one failing does not stop the next.
 set -u
 export PYTHONUNBUFFERED=1
@@ -63,16 +64,16 @@ if [[ $STEPS == *gemm* ]]; then
     | tee "$OUT/gemm_sweep.log" | grep -E "^best|^a layer|failed" | tee -a "$OUT/decode.log"
 fi
 if [[ $STEPS == *bench* ]]; then
-  # cache:tree:prefill:gemm[:extra] (HPCRL_ENGINE_PREFILL, HPCRL_ENGINE_GEMM, or "default": unset; triton takes the
+  # cache:tree:prefill:gemm[:extra] (engine.kernels.prefill, engine.kernels.gemm, or "default"; triton takes the
   # gemm step's configs when it ran in this call, else GEMM_ENV_FILE's, else the defaults); RUNS= picks others.
-  # extra: "+"-separated NAME=VALUE engine variables and --bench-flag=value arguments, e.g.
-  # fp8_e4m3:.:default:default:HPCRL_ENGINE_PDL=1+--logprob-wire=triples
+  # extra: "+"-separated NAME=VALUE engine variables (HPCRL_ENGINE_<KNOB> overrides) and --bench-flag=value
+  # arguments, e.g. fp8_e4m3:.:default:default:HPCRL_ENGINE_PDL=0+--logprob-wire=triples
   runs=${RUNS:-"auto:.:model:cublas fp8_e4m3:.:model:cublas fp8_e4m3:.:fused:cublas fp8_e4m3:.:fused:triton"}
   [[ -n $BASELINE ]] && runs="$runs fp8_e4m3:$BASELINE:default:default"
   for run in $runs; do
     IFS=: read -r cache tree prefill gemm more <<<"$run"
     name=bench_${cache}_${prefill}_${gemm}$([[ $tree == . ]] || echo "_tree_$(basename "$tree")")
-    extra=()  # prefill or gemm "default": the variable is left unset, as a user's run would have it
+    extra=()  # prefill or gemm "default": the knob is left at its default, as a user's run would have it
     if [[ -n ${more:-} ]]; then
       name=${name}_$(tr -c 'A-Za-z0-9_\n' _ <<<"$more")
       IFS=+ read -r -a items <<<"$more"
@@ -81,15 +82,15 @@ if [[ $STEPS == *bench* ]]; then
         if [[ $item == --* ]]; then extra+=("$item"); else extra+=(--engine-env "$item"); fi
       done
     fi
-    [[ $prefill == default ]] || extra+=(--engine-env "HPCRL_ENGINE_PREFILL=$prefill")
-    [[ $gemm == default ]] || extra+=(--engine-env "HPCRL_ENGINE_GEMM=$gemm")
+    [[ $prefill == default ]] || extra+=("--engine-arg=--kernels-prefill=$prefill")
+    [[ $gemm == default ]] || extra+=("--engine-arg=--kernels-gemm=$gemm")
     if [[ $gemm == triton && -n $GEMM_ENV && -f $GEMM_ENV ]]; then
       while read -r line; do [[ -n $line ]] && extra+=(--engine-env "$line"); done <"$GEMM_ENV"
     fi
     section "256 x 512 with log-probs, kv cache $cache, prefill $prefill, gemm $gemm ${extra[*]+${extra[*]}}, tree $tree"
     (cd "$tree" && PYTHONPATH=/tmp/site:. timeout 240 python3 tools/bench/engine_throughput.py \
       --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 \
-      --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-env HPCRL_ENGINE_PROFILE=1 \
+      --logprobs --skip-generate --timed-runs 3 --kv-cache-dtype $cache --engine-arg=--decode-profile \
       ${extra[@]+"${extra[@]}"} \
       --workdir /tmp/hpcrl-gpu/$name --json-out "$OUT/$name.json" 2>&1 | grep -E "^config|^engine|rror") \
       | tee -a "$OUT/decode.log"

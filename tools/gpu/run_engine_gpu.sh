@@ -15,7 +15,7 @@ STEPS=${STEPS:-"micro bench ablation handover tests"}
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/all.log"
-ENGINE_ENV=(--engine-env HPCRL_ENGINE_PROFILE=1)
+ENGINE_ARGS=(--engine-arg=--decode-profile)
 if [[ $STEPS == *micro* ]]; then
   echo "=== decode microbenchmark" | tee -a "$OUT/all.log"
   timeout 300 python3 tools/gpu/decode_microbench.py --out /tmp/hpcrl-gpu --sections "${MICRO_SECTIONS:-all}" 2>&1 \
@@ -23,15 +23,15 @@ if [[ $STEPS == *micro* ]]; then
   cp /tmp/hpcrl-gpu/microbench.json "$OUT/" 2>/dev/null
 fi
 if [[ -f /tmp/hpcrl-gpu/best_attn_config.txt ]]; then
-  ENGINE_ENV+=(--engine-env "HPCRL_ENGINE_ATTN_CONFIG=$(cat /tmp/hpcrl-gpu/best_attn_config.txt)")
+  ENGINE_ARGS+=("--engine-arg=--kernels-attn-config=$(cat /tmp/hpcrl-gpu/best_attn_config.txt)")
 fi
 if [[ -f /tmp/hpcrl-gpu/best_sample_config.txt ]]; then
-  ENGINE_ENV+=(--engine-env "HPCRL_ENGINE_SAMPLE_CONFIG=$(cat /tmp/hpcrl-gpu/best_sample_config.txt)")
+  ENGINE_ARGS+=("--engine-arg=--kernels-sample-config=$(cat /tmp/hpcrl-gpu/best_sample_config.txt)")
 fi
 if [[ $STEPS == *bench* ]]; then
-  echo "=== throughput: engine vs generate (${ENGINE_ENV[*]})" | tee -a "$OUT/all.log"
+  echo "=== throughput: engine vs generate (${ENGINE_ARGS[*]})" | tee -a "$OUT/all.log"
   timeout 480 python3 tools/bench/engine_throughput.py --init-qwen3-0.6b-shape --device cuda --dtype bfloat16 \
-    --num-seqs 256 --prompt-len 128 --max-new-tokens 512 "${ENGINE_ENV[@]}" ${BENCH_ARGS:-} \
+    --num-seqs 256 --prompt-len 128 --max-new-tokens 512 "${ENGINE_ARGS[@]}" ${BENCH_ARGS:-} \
     --workdir /tmp/hpcrl-gpu/bench --json-out "$OUT/bench.json" 2>&1 | tee -a "$OUT/all.log"
   cp /tmp/hpcrl-gpu/bench/embedded.log "$OUT/engine_bench.log" 2>/dev/null
 fi
@@ -39,7 +39,7 @@ if [[ $STEPS == *ablation* ]]; then
   echo "=== engine only, eager decode path (the path before the fused kernels)" | tee -a "$OUT/all.log"
   timeout 300 python3 tools/bench/engine_throughput.py --model /tmp/hpcrl-gpu/bench/qwen3-0.6b-shape --device cuda \
     --dtype bfloat16 --num-seqs 256 --prompt-len 128 --max-new-tokens 512 --skip-generate --warmup-runs 0 \
-    --engine-env HPCRL_ENGINE_DECODE=eager --engine-env HPCRL_ENGINE_PROFILE=1 \
+    --engine-arg=--decode-mode=eager --engine-arg=--decode-profile \
     --workdir /tmp/hpcrl-gpu/eager --json-out "$OUT/bench_eager.json" 2>&1 | tee -a "$OUT/all.log"
 fi
 if [[ $STEPS == *handover* ]]; then

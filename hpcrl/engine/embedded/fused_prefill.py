@@ -7,38 +7,18 @@ This path runs a prompt token as the decode step runs a row: one fused QKV and o
 `qk_norm_rope_store` (one program per token, into its prompt's cache slot) and `silu_mul`, with SDPA's causal
 flash attention over the QKV output. The last layer's output projection and MLP run for the `last` tokens only.
 
-The default (HPCRL_ENGINE_PREFILL=fused): on an H200 it took the 256 x 128-token prefill of the 8-bit-cache decode
-bench from 0.174 to 0.064 s and the bench from 63.5k to 67.4k tok/s, with the same train/rollout log-prob gap
-(docs/benchmarks.md). HPCRL_ENGINE_PREFILL=model keeps forward_cached.
+The default (engine.kernels.prefill: auto, fused in these modes): on an H200 it took the 256 x 128-token prefill
+of the 8-bit-cache decode bench from 0.174 to 0.064 s and the bench from 63.5k to 67.4k tok/s, with the same
+train/rollout log-prob gap (benchmarks/decode_h200_2026-12.md). engine.kernels.prefill: model keeps forward_cached.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from hpcrl.engine.embedded import kernels
 from hpcrl.model.qwen3 import CausalLM, KVCache
-
-PATHS = ("model", "fused")
-
-
-def prefill_path() -> str:
-    """HPCRL_ENGINE_PREFILL, checked at start-up: `model` (forward_cached) or `fused` (this module)."""
-    return kernels.env_choice(
-        "HPCRL_ENGINE_PREFILL",
-        "fused",
-        PATHS,
-        f"one of {', '.join(PATHS)} (fused: the decode step's Triton kernels in the triton and graph decode modes, "
-        "the default; model: the model's own forward)",
-    )
-
-
-PREFILL_PATH = prefill_path()  # read once, at start-up: a bad value fails before a model loads
-PREFILL_PATH_ASKED = bool(os.environ.get("HPCRL_ENGINE_PREFILL", "").strip())
-"""Whether the path was set rather than defaulted: only an explicit `fused` in a mode without its kernels warns."""
 
 
 def prefill_logits(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hpcrl.engine.embedded.sampling import CHUNK_COUNTER, SAMPLE_CHUNK_IDS
-from hpcrl.model.invariant_kernels import launch_config
+from hpcrl.engine.kernels_config import KernelsConfig
 
 try:
     import triton
@@ -45,106 +45,26 @@ except ImportError:  # CPU-only installs have no Triton; the engine then decodes
     AVAILABLE = False
 
 
-def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    """Launch parameters, overridable as HPCRL_ENGINE_<NAME>="a,b,c" (the GPU microbenchmark picks them)."""
-    return launch_config(f"HPCRL_ENGINE_{name}", default)
+SETTINGS = KernelsConfig()
+"""The resolved `engine.kernels` this process launches with (`configure`); every launch reads it, so a benchmark
+may swap it (dataclasses.replace) to compare two settings in one process, recapturing its graphs."""
 
 
-def _attn_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    """An attention launch config; its 4th value (use_dot) is checked here, at start-up, not at the first decode."""
-    config = _config(name, default)
-    if len(config) == 4 and config[3] not in (0, 1, 2):
-        raise ValueError(
-            f"HPCRL_ENGINE_{name}={','.join(map(str, config))}: the 4th value, use_dot, must be 0 (CUDA-core dots), "
-            f"1 (q the first dot operand) or 2 (K first), like {','.join(map(str, default))} (the default); "
-            "unset it to use the default"
-        )
-    return config
+def configure(settings: KernelsConfig) -> None:
+    """Launch every kernel of this process with `settings` (the engine section's kernels, env overrides applied):
+    the kernels are process-wide, like the CUDA graphs that capture them."""
+    global SETTINGS
+    SETTINGS = settings
 
 
-# decode_attention: (BLOCK_N, num_warps, num_stages, use_dot); sample_rows: (BLOCK, num_warps) of the pass over the
-# logits, then of the draw.
-# Defaults: the configs the H200 sweep picked for the measured run in docs/benchmarks.md (the sweep's
-# spread between configs, 2.8-3.2 TB/s for attention, is close to its run-to-run noise).
-ATTN_CONFIG = _attn_config("ATTN_CONFIG", (64, 8, 3, 1))
-# With an 8-bit K/V cache (tools/gpu/attention_kv8_variants.py, H200, batch 256, length 384, CUDA-graph replays):
-# small tiles, one warp, three stages, K first: 0.0588-0.0591 ms a layer (3.4 TB/s of e4m3 K/V) against
-# 0.0625-0.0627 with two warps; the same loads alone read 4.2 TB/s.
-ATTN_CONFIG_KV8 = _attn_config("ATTN_CONFIG_KV8", (32, 1, 3, 2))
-# One program a chunk of SAMPLE_CHUNK_IDS ids, its pass two plain scans (max, then sum-exp; the noise is hashed for
-# one chunk a row, in the combine kernel). H200, 256 x 151,936 bf16 logits, T=1, graph replays
-# (a sweep of configs): the pass 30.0 us at 512,2 against 32-35 at 256,1, 256,2, 1024,4 and 512,4,
-# and 41-48 at 128,1, 512,1, 1024,2, 2048,8, 4096,4 and 4096,8; a one-scan online pass took 44.9 us.
-# The draw (one program a row, Gumbel-max over its drawn chunk) has a config of its own: its last two values.
-_SAMPLE_DEFAULT = (512, 2, 1024, 4)
-
-
-def env_choice(name: str, default: str, choices: tuple[str, ...], meaning: str) -> str:
-    """Environment variable `name` (unset or blank: `default`), checked at start-up against `choices`; a bad value
-    is an error that says what each choice means (`meaning`, "a (...) or b (...)") and to unset it."""
-    value = os.environ.get(name, default).strip() or default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: must be {meaning}; unset it to use the default")
-    return value
-
-
-def _gemm_path() -> str:
-    return env_choice(
-        "HPCRL_ENGINE_GEMM",
-        "cublas",
-        ("cublas", "triton"),
-        "cublas (torch's GEMMs, the default) or triton (the decode step's GEMMs as the engine's own Triton kernels, "
-        "CUDA only)",
-    )
-
-
-def _gemm_config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of one decode GEMM, checked at start-up."""
-    config = launch_config(f"HPCRL_ENGINE_GEMM_CONFIG_{name}", default, exact=True)
-    blocks_ok = all(b >= 16 and b & (b - 1) == 0 for b in config[:3])
-    whole = name in ("QKV", "GATE_UP")  # their outputs feed kernels that need whole sums, not partials
-    if not blocks_ok or config[3] < 1 or (whole and config[3] != 1) or config[4] < 1:
-        raise ValueError(
-            f"HPCRL_ENGINE_GEMM_CONFIG_{name}={','.join(map(str, config))}: the blocks must be powers of two >= 16, "
-            "SPLIT_K and the warps >= 1 (SPLIT_K 1 for QKV and GATE_UP, whose outputs must be whole sums), like "
-            f"{','.join(map(str, default))} (the default); unset it to use the default"
-        )
-    return config
-
-
-# The decode GEMMs on Triton tiles (HPCRL_ENGINE_GEMM=triton; cuBLAS by default). At batch 256 cuBLAS takes 6.5-7.8
-# us for each of a Qwen3-0.6B layer's four GEMMs, against 2-3 us of bytes and FLOPs (docs/benchmarks.md).
-# NOT YET TIMED ON A GPU: these defaults are starting points for tools/gpu/decode_gemm_sweep.py, which prints the
-# measured best of each as the HPCRL_ENGINE_GEMM_CONFIG_* lines to use.
-GEMM_PATH = _gemm_path()
-GEMM_CONFIGS = {
-    "qkv": _gemm_config("QKV", (64, 64, 128, 1, 4, 3)),
-    "o": _gemm_config("O", (64, 64, 128, 4, 4, 3)),
-    "gate_up": _gemm_config("GATE_UP", (64, 64, 64, 1, 4, 4)),
-    "down": _gemm_config("DOWN", (64, 64, 128, 4, 4, 3)),
-}
-
-
-def _cublas_split_k() -> tuple[int, int]:
-    config = launch_config("HPCRL_ENGINE_CUBLAS_SPLIT_K", (2, 2), exact=True)
-    if min(config) < 1:
-        raise ValueError(
-            f"HPCRL_ENGINE_CUBLAS_SPLIT_K={','.join(map(str, config))}: the parts of the o and the down GEMM must be "
-            ">= 1, like 2,2 (the default; 1 = no split); unset it to use the default"
-        )
-    return config[0], config[1]
-
-
-# The decode step's o and down GEMMs on the cuBLAS path, split over K into (o, down) parts: one strided-batch cuBLAS
-# call of fp32 partials that add_rmsnorm sums, as the Triton path's split-K. At batch 256 their [256, 1024] outputs
-# are too few tiles to fill an H200's 132 multiprocessors. H200, Qwen3-0.6B shape, each GEMM with its add_rmsnorm
-# (tools/gpu/decode_gemm_sweep.py --cublas-splits): o 8.2 us whole, 7.2 / 7.4 / 10.0 in 2 / 4 / 8 parts; down 9.7
-# whole, 8.2 / 8.3 / 8.3 / 9.0 / 10.1 in 2 / 3 / 4 / 6 / 8; the decode step 2.93 -> 2.87 ms (docs/benchmarks.md).
-# 1 = F.linear, whole. A default split that does not divide a model's K falls back to 1 (DecodeRunner). Above
-# CUBLAS_SPLIT_K_MAX_ROWS rows a step keeps whole GEMMs: the same sweep at 1 to 512 rows found 2 parts faster at every
-# batch up to 384 (o 7.35 -> 6.40 us at 8 rows, 8.16 -> 7.61 at 384) and slower at 512 (o 8.49 -> 8.91).
-CUBLAS_SPLIT_K = _cublas_split_k()
-CUBLAS_SPLIT_K_ASKED = bool(os.environ.get("HPCRL_ENGINE_CUBLAS_SPLIT_K", "").strip())
+# The decode step's o and down GEMMs on the cuBLAS path (KernelsConfig.cublas_split_k), split over K: one
+# strided-batch cuBLAS call of fp32 partials that add_rmsnorm sums, as the Triton path's split-K. At batch 256
+# their [256, 1024] outputs are too few tiles to fill an H200's 132 multiprocessors. H200, Qwen3-0.6B shape, each
+# GEMM with its add_rmsnorm (tools/gpu/decode_gemm_sweep.py --cublas-splits): o 8.2 us whole, 7.2 / 7.4 / 10.0 in
+# 2 / 4 / 8 parts; down 9.7 whole, 8.2 / 8.3 / 8.3 / 9.0 / 10.1 in 2 / 3 / 4 / 6 / 8. Above
+# CUBLAS_SPLIT_K_MAX_ROWS rows a step keeps whole GEMMs: the same sweep at 1 to 512 rows found 2 parts faster at
+# every batch up to 384 (o 7.35 -> 6.40 us at 8 rows, 8.16 -> 7.61 at 384) and slower at 512 (o 8.49 -> 8.91).
+CUBLAS_SPLIT_K_DEFAULT = (2, 2)
 CUBLAS_SPLIT_K_MAX_ROWS = 384
 
 
@@ -157,7 +77,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
     if k % parts or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError(
             f"split_k_linear: K = {k} must split into {parts} equal parts of contiguous x and weight; set "
-            "HPCRL_ENGINE_CUBLAS_SPLIT_K to parts that divide the model's heads x head_dim and intermediate size"
+            "engine.kernels.cublas_split_k to parts that divide the model's heads x head_dim and intermediate size"
         )
     share = k // parts
     xs = x.view(n, parts, share).transpose(0, 1)  # [parts, n, share], rows k apart
@@ -166,23 +86,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
         return torch.bmm(xs, ws, out_dtype=torch.float32)
     # CPU builds have no bmm with out_dtype: the same products (a bf16 x bf16 product is exact in fp32).
     return torch.bmm(xs.float(), ws.float())
-
-
-def _pdl_setting() -> bool:
-    meaning = (
-        "1 (programmatic dependent launch where the GPU has it, compute capability 9 and newer: the default) or 0 "
-        "(each kernel launched after the previous one has ended)"
-    )
-    return env_choice("HPCRL_ENGINE_PDL", "1", ("0", "1"), meaning) == "1"
-
-
-# Programmatic dependent launch (on by default; HPCRL_ENGINE_PDL=0 turns it off; CUDA compute capability >= 9 only):
-# the decode step's Triton kernels are launched while the kernel before them drains, and wait on the device
-# (griddepcontrol.wait, before their first load) until its writes are visible. A decode step is ~260 launches, most
-# of them a few microseconds long. On an H200 (256 x 512, docs/benchmarks.md) it took the step's GPU time from
-# 3.11-3.12 to 3.04-3.05 ms, the same bits. Read at each launch, so that a benchmark can compare both ways in one
-# process (recapturing its graphs).
-PDL = _pdl_setting()
 
 
 def nvidia_compiled() -> bool:
@@ -200,7 +103,7 @@ def pdl_capable(device_index: int) -> bool:
 
 def pdl_on(device: torch.device) -> bool:
     """Whether kernels launched on `device` use programmatic dependent launch now."""
-    if not PDL or device.type != "cuda":
+    if not SETTINGS.pdl or device.type != "cuda":
         return False
     return pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -935,7 +838,7 @@ def decode_attention(
     """
     n = q.shape[0]
     group = num_heads // num_kv_heads
-    config = config or (ATTN_CONFIG_KV8 if k_cache.element_size() == 1 else ATTN_CONFIG)
+    config = config or (SETTINGS.attn_config_kv8 if k_cache.element_size() == 1 else SETTINGS.attn_config)
     block_n, warps, stages, use_dot = config + (1,) * (4 - len(config))
     if use_dot not in (0, 1, 2):
         raise ValueError(f"decode_attention config {config}: use_dot (the 4th value) must be 0, 1 or 2")
@@ -1048,7 +951,7 @@ def sample_rows(
     """
     n, vocab = logits.shape
     update = tokens is not None
-    block, warps, draw_block, draw_warps = _sample_config(config or SAMPLE_CONFIG)
+    block, warps, draw_block, draw_warps = _sample_config(config or SETTINGS.sample_config)
     block = min(block, _next_pow2(vocab), SAMPLE_CHUNK_IDS)
     chunks = triton.cdiv(vocab, SAMPLE_CHUNK_IDS)
     # A vocabulary of one chunk (tiny models) is scanned to its next power of two, not 4096 ids.
@@ -1095,27 +998,13 @@ def sample_rows(
     )
 
 
-def _sample_config(config: tuple[int, ...], source: str = "sample_rows config") -> tuple[int, int, int, int]:
-    """(BLOCK, num_warps) of the pass, then of the draw (the default's, when only two are given), checked: each a
-    power of two (the chunk of SAMPLE_CHUNK_IDS ids is scanned in whole blocks; Triton wants warps so), and at most
-    32 warps (what one CUDA block holds)."""
-    full = config + _SAMPLE_DEFAULT[2:] if len(config) == 2 else config
-    if len(full) != 4 or any(v < 1 or v & (v - 1) for v in full) or max(full[1], full[3]) > 32:
-        raise ValueError(
-            f"{source}={','.join(map(str, config))}: expected BLOCK,num_warps of the pass over the logits, and "
-            "optionally BLOCK,num_warps of the draw, each a power of two, warps at most 32 (a BLOCK past "
-            f"{SAMPLE_CHUNK_IDS} scans {SAMPLE_CHUNK_IDS}), like {','.join(map(str, _SAMPLE_DEFAULT))} (the default; "
-            "the older three-value form BLOCK,warps,splits is gone); unset it to use the default"
-        )
-    return full[0], full[1], full[2], full[3]
-
-
-def _sample_env_config() -> tuple[int, int, int, int]:
-    # Checked at start-up, not at the first sampled token (where a failure would turn the fused sampler off).
-    return _sample_config(_config("SAMPLE_CONFIG", _SAMPLE_DEFAULT), "HPCRL_ENGINE_SAMPLE_CONFIG")
-
-
-SAMPLE_CONFIG = _sample_env_config()
+def _sample_config(config: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """An explicit sample_rows config (a benchmark's): (BLOCK, num_warps) of the pass, then of the draw (the
+    default's, when only two are given), checked by KernelsConfig's rule."""
+    full = config + KernelsConfig().sample_config[2:] if len(config) == 2 else config
+    if len(full) != 4:
+        raise ValueError(f"sample_rows config {config}: expected BLOCK,num_warps[,BLOCK,num_warps of the draw]")
+    return KernelsConfig(sample_config=(full[0], full[1], full[2], full[3])).sample_config
 
 
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:

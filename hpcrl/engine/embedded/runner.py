@@ -12,7 +12,7 @@ Four ways to run the step, picked once per engine (`mode`):
   opt-in: the first step compiles for several seconds); prefill as in "eager";
 - "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default);
-  "triton" and "graph" prefill with those kernels too (`fused_prefill.py`; HPCRL_ENGINE_PREFILL=model: the model's);
+  "triton" and "graph" prefill with those kernels too (`fused_prefill.py`; engine.kernels.prefill: model: the model's);
 - "invariant": `hpcrl.model.invariant` for prefill and decode, sampling from its log-prob rows
   (`--batch-invariant`, CPU float32): a token's log-prob does not depend on its batch or on prefill vs decode.
 Top-k/top-p/min-p and sampling-support requests always use `sampling.sample` on the step's logits.
@@ -156,12 +156,13 @@ class DecodeRunner:
         self.profile = profile
         self.is_cuda = device.type == "cuda"
         # Prompts through the decode step's kernels (fused_prefill.py) wherever those kernels decode.
-        self.prefill_fused = fused_prefill.PREFILL_PATH == "fused" and mode in ("triton", "graph")
-        if fused_prefill.PREFILL_PATH_ASKED and fused_prefill.PREFILL_PATH == "fused" and not self.prefill_fused:
-            log.warning("HPCRL_ENGINE_PREFILL=fused needs the triton or graph decode mode; %s prefills as before", mode)
-        if kernels.GEMM_PATH == "triton" and mode not in ("triton", "graph"):
-            log.warning("HPCRL_ENGINE_GEMM=triton needs the triton or graph decode mode; %s decodes as before", mode)
-        self.split_k = _split_k_for(model.args)
+        settings = kernels.SETTINGS
+        self.prefill_fused = settings.prefill != "model" and mode in ("triton", "graph")
+        if settings.prefill == "fused" and not self.prefill_fused:
+            log.warning("kernels.prefill fused needs the triton or graph decode mode; %s prefills as before", mode)
+        if settings.gemm == "triton" and mode not in ("triton", "graph"):
+            log.warning("kernels.gemm triton needs the triton or graph decode mode; %s decodes as before", mode)
+        self.split_k = _split_k_for(model.args, settings.cublas_split_k)
         # The invariant mode uses it only on its log-prob rows at temperature 1 without supports (_invariant_step).
         self.fast_sampler = self.is_cuda and mode != "eager"
         z: dict[str, Any] = dict(device=device)
@@ -507,7 +508,7 @@ class DecodeRunner:
         nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
         scale = 1.0 / math.sqrt(hd)
         act = torch.empty(n, a.intermediate_size, dtype=h.dtype, device=h.device)
-        gemm = kernels.GEMM_CONFIGS if kernels.GEMM_PATH == "triton" else None
+        gemm = kernels.SETTINGS.gemm_configs() if kernels.SETTINGS.gemm == "triton" else None
         for i, layer in enumerate(layers):
             at = layer.self_attn
             qkv_w, qkv_b, gate_up_w = fused[i]
@@ -788,20 +789,22 @@ _ONEDNN_MIN_MACS = 1 << 21
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _split_k_for(args: Any) -> tuple[int, int]:
-    """kernels.CUBLAS_SPLIT_K for a model: (o, down) parts that divide its K (heads x head_dim, the intermediate
-    size). A default that does not divide falls back to 1 (whole); a setting the user asked for is an error."""
+def _split_k_for(args: Any, asked: tuple[int, int] | None) -> tuple[int, int]:
+    """engine.kernels.cublas_split_k for a model: (o, down) parts that divide its K (heads x head_dim, the
+    intermediate size). The default (null) that does not divide falls back to 1 (whole); a setting given is an
+    error."""
+    wanted = asked or kernels.CUBLAS_SPLIT_K_DEFAULT
     splits = []
     for what, parts, k in (
-        ("o", kernels.CUBLAS_SPLIT_K[0], args.num_heads * args.head_dim),
-        ("down", kernels.CUBLAS_SPLIT_K[1], args.intermediate_size),
+        ("o", wanted[0], args.num_heads * args.head_dim),
+        ("down", wanted[1], args.intermediate_size),
     ):
         if k % parts == 0:
             splits.append(parts)
-        elif kernels.CUBLAS_SPLIT_K_ASKED:
+        elif asked is not None:
             raise ValueError(
-                f"HPCRL_ENGINE_CUBLAS_SPLIT_K={','.join(map(str, kernels.CUBLAS_SPLIT_K))}: {parts} parts do not "
-                f"divide this model's {what} GEMM, K = {k}; use parts that divide it, or unset it for the default"
+                f"kernels.cublas_split_k {','.join(map(str, asked))}: {parts} parts do not divide this model's "
+                f"{what} GEMM, K = {k}; use parts that divide it, or null for the default"
             )
         else:
             splits.append(1)

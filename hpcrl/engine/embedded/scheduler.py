@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
+from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
@@ -118,18 +118,52 @@ class SeqRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
-    context_length: int = 1024
-    max_prefill_tokens: int = 4096
-    deterministic: bool = False
-    logprobs: str = "sampled"  # "recompute": re-score finished sequences (see _complete)
-    batch_invariant: bool = False  # the "invariant" decode mode (hpcrl.model.invariant)
-    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
-    # "auto": CUDA graphs of the fused kernels on CUDA when Triton is there, else the eager model.
-    decode_mode: str = "auto"
-    # Launch step t+1 before reading step t (None: on for CUDA, where launches are asynchronous).
-    overlap: bool | None = None
-    profile: bool = False
+    """The scheduler's view of the engine section: its settings as `EngineConfig` declares, defaults and checks
+    them, plus the one thing only the loaded model decides, the context length."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    context_length: int
+    """engine.context_length, or the model's max_position_embeddings where that is null."""
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.engine.max_running_requests
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.engine.max_prefill_tokens
+
+    @property
+    def deterministic(self) -> bool:
+        return self.engine.deterministic
+
+    @property
+    def logprobs(self) -> str:
+        """`sampled`, or `recompute`: re-score finished sequences (see _complete)."""
+        return self.engine.logprobs
+
+    @property
+    def batch_invariant(self) -> bool:
+        """The "invariant" decode mode (hpcrl.model.invariant)."""
+        return self.engine.batch_invariant
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype | None:
+        """None: the model's dtype."""
+        return torch.float8_e4m3fn if self.engine.kv_cache_dtype == "fp8_e4m3" else None
+
+    @property
+    def decode_mode(self) -> str:
+        return self.engine.decode_mode
+
+    @property
+    def overlap(self) -> bool | None:
+        """Launch step t+1 before reading step t (None: on for CUDA, where launches are asynchronous)."""
+        return {"auto": None, "on": True, "off": False}[self.engine.decode_overlap]
+
+    @property
+    def profile(self) -> bool:
+        return self.engine.decode_profile
 
 
 def resolve_decode_mode(
@@ -174,6 +208,7 @@ class Scheduler:
         # Set by the server once its tokenizer is loaded; None: no text is decoded on this thread.
         self.text_decoder: TextDecoder | None = None
         self.cfg = cfg
+        kernels.configure(cfg.engine.kernels)  # process-wide, like the CUDA graphs that capture the kernels
         self.device = device
         self.dtype = dtype
         self.eos_ids = frozenset(model.args.eos_token_ids)
@@ -189,10 +224,11 @@ class Scheduler:
             profile=cfg.profile,
         )
         if self.cache.k[0].element_size() == 1 and self.runner.mode not in ("graph", "triton"):
-            # The deprecated HPCRL_ENGINE_DECODE switch can still pick a path the flags' check did not see.
+            # EngineConfig checked the settings; this is a GPU or build without the fused kernels (no Triton).
             raise ValueError(
                 f"an 8-bit K/V cache needs the fused CUDA decode path (graph or triton), but this engine's decode "
-                f"path is {self.decode_path}: unset HPCRL_ENGINE_DECODE or leave --kv-cache-dtype at auto"
+                f"path is {self.decode_path} (Triton missing, or the model's head_dim unsupported): leave "
+                "kv_cache_dtype at auto"
             )
         self.overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
         self.weights_released = False

@@ -10,14 +10,12 @@ the client uses) and hands work to the scheduler, which runs on the main thread;
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import gc
 import hmac
 import ipaddress
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -28,20 +26,22 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from aiohttp import web
 
+from hpcrl.config import to_dict
 from hpcrl.engine import jsonwire
 from hpcrl.engine import protocol as P
-from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS, fp8_kv_cache_problem
+from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.detokenize import TextDecoder
 from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
 from hpcrl.engine.embedded.weights import WeightReceiver
+from hpcrl.engine.kernels_config import Override, describe
 from hpcrl.engine.portcheck import bind_error, check_port_free
 from hpcrl.model.hf import load_model, parse_dtype
 from hpcrl.model.qwen3 import ModelArgs
@@ -53,64 +53,24 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
+    """One engine process: the engine section whole (declared, defaulted and checked once, by EngineConfig), and
+    where this process serves it."""
+
     model: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kernel_overrides: tuple[Override, ...] = ()
+    """The engine.kernels knobs an HPCRL_ENGINE_* variable set (engine.kernels already holds their values)."""
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
-    context_length: int | None = None
-    max_prefill_tokens: int = 4096
-    deterministic: bool = False
-    logprobs: Literal["sampled", "recompute"] = "sampled"
-    batch_invariant: bool = False
     random_seed: int = 0
     weight_version: str = "default"
-    enable_weights_cpu_backup: bool = False
-    group_timeout_s: float = 300.0
-    num_threads: int | None = None
     ignore_sigterm: bool = False
-    # Decode tuning (--decode-mode, --decode-overlap, --decode-profile; engine.decode_* in a run config).
-    # None means not given: then the deprecated HPCRL_ENGINE_DECODE / _OVERLAP / _PROFILE still apply.
-    decode_mode: str | None = None
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
-    overlap: Literal["auto", "on", "off"] | None = None
-    profile: bool | None = None
 
     def __post_init__(self) -> None:
-        # Checked before the model loads: a bad flag must not cost a model load, nor start an engine that
-        # cannot answer (max_running_requests=0 queues every /generate forever).
+        # Checked before the model loads: a bad flag must not cost a model load.
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port; use 1..65535")
-        for flag, value in (
-            ("--max-running-requests", self.max_running_requests),
-            ("--max-prefill-tokens", self.max_prefill_tokens),
-            ("--context-length", self.context_length),
-            ("--num-threads", self.num_threads),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} {value} must be at least 1")
-        if self.batch_invariant and (
-            not self.device.startswith(("cpu", "cuda")) or self.dtype not in ("float32", "bfloat16")
-        ):
-            raise ValueError(
-                f"--batch-invariant covers --device cpu or cuda in float32 or bfloat16, not --device {self.device} "
-                f"--dtype {self.dtype} (docs/numerics.md)"
-            )
-        if self.batch_invariant and self.logprobs == "recompute":
-            raise ValueError("--batch-invariant reports its sampled log-probs; drop --logprobs recompute")
-        if self.kv_cache_dtype == "fp8_e4m3":
-            problem = fp8_kv_cache_problem(
-                device=self.device,
-                dtype=self.dtype,
-                decode_mode=self.decode_mode or "auto",
-                batch_invariant=self.batch_invariant,
-            )
-            if problem:
-                raise ValueError(f"--kv-cache-dtype fp8_e4m3 {problem}; or leave --kv-cache-dtype at auto")
-        if not (math.isfinite(self.group_timeout_s) and self.group_timeout_s > 0):
-            raise ValueError(f"--group-timeout-s {self.group_timeout_s} must be a positive number of seconds")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty; put the key in the --api-key-file or HPCRL_ENGINE_API_KEY")
         if not self.api_key and not is_loopback(self.host):
@@ -119,6 +79,18 @@ class ServerConfig:
                 f"could drive it: give it a key with --api-key-file FILE (mode 0600) or the environment variable "
                 f"{API_KEY_ENV}, or bind to loopback (--host 127.0.0.1)"
             )
+
+    def info(self) -> dict[str, Any]:
+        """What /server_info reports of the settings: the engine section whole, and this process's place."""
+        return {
+            **to_dict(self.engine),
+            "model": self.model,
+            "host": self.host,
+            "port": self.port,
+            "random_seed": self.random_seed,
+            "weight_version": self.weight_version,
+            "kernel_overrides": [str(o) for o in self.kernel_overrides],
+        }
 
 
 API_KEY_ENV = "HPCRL_ENGINE_API_KEY"
@@ -189,39 +161,29 @@ def _ok(message: str, **extra: Any) -> web.Response:
 class EmbeddedEngine:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.device = torch.device(cfg.device)
+        engine = cfg.engine
+        torch.set_num_threads(engine.num_threads)
+        self.device = torch.device(engine.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: an engine on cuda:1 must make it current.
             torch.cuda.set_device(self.device)
-        self.dtype = parse_dtype(cfg.dtype)
+        self.dtype = parse_dtype(engine.dtype)
         max_positions = ModelArgs.from_dir(cfg.model).max_position_embeddings
-        if cfg.context_length is not None and cfg.context_length > max_positions:
+        if engine.context_length is not None and engine.context_length > max_positions:
             # Positions past the model's table have rotary angles it never saw in training.
             raise ValueError(
-                f"--context-length {cfg.context_length} is above the model's max_position_embeddings "
+                f"context_length {engine.context_length} is above the model's max_position_embeddings "
                 f"{max_positions} ({cfg.model}/config.json); use at most {max_positions}"
             )
         self.model = load_model(cfg.model, dtype=self.dtype, device=self.device)
-        context_length = cfg.context_length or max_positions
         self.scheduler = Scheduler(
             self.model,
-            SchedulerConfig(
-                max_running_requests=cfg.max_running_requests,
-                context_length=context_length,
-                max_prefill_tokens=cfg.max_prefill_tokens,
-                deterministic=cfg.deterministic,
-                logprobs=cfg.logprobs,
-                batch_invariant=cfg.batch_invariant,
-                kv_cache_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8_e4m3" else None,
-                **decode_settings(cfg),
-            ),
+            SchedulerConfig(engine=engine, context_length=engine.context_length or max_positions),
             device=self.device,
             dtype=self.dtype,
         )
         self.scheduler.weight_version = cfg.weight_version
-        self.weights = WeightReceiver(self.scheduler, group_timeout_s=cfg.group_timeout_s)
+        self.weights = WeightReceiver(self.scheduler, group_timeout_s=engine.group_timeout_s)
         self.tokenizer = _load_tokenizer(cfg.model)
         self.scheduler.text_decoder = TextDecoder(self.tokenizer) if self.tokenizer is not None else None
         self._seed_rng = secrets.SystemRandom() if cfg.random_seed < 0 else None
@@ -470,7 +432,7 @@ class EmbeddedEngine:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        info = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k != "api_key"}
+        info = self.cfg.info()
         info["model_path"] = self.cfg.model
         info["context_length"] = self.scheduler.cfg.context_length
         info.update(
@@ -490,7 +452,13 @@ class EmbeddedEngine:
                         "weights_released": self.scheduler.weights_released,
                         "kv_cache_released": self.scheduler.cache is None,
                         "decode_path": self.scheduler.decode_path,
-                        # Whether the decode kernels use programmatic dependent launch (HPCRL_ENGINE_PDL, and a GPU
+                        # What the scheduler and the kernels run with (the engine section, resolved): a setting
+                        # can be checked where it acts, not only where it was given.
+                        "max_running_requests": self.scheduler.cfg.max_running_requests,
+                        "max_prefill_tokens": self.scheduler.cfg.max_prefill_tokens,
+                        "overlap": self.scheduler.overlap,
+                        "kernels": to_dict(kernels.SETTINGS),
+                        # Whether the decode kernels use programmatic dependent launch (engine.kernels.pdl, and a GPU
                         # that has it): what a benchmark row with PDL "on" can be checked against.
                         "pdl": self.scheduler.runner.mode in ("triton", "graph")
                         and kernels.pdl_on(self.scheduler.runner.device),
@@ -545,7 +513,9 @@ class EmbeddedEngine:
             before, reserved_before = _device_bytes(self.device), _device_reserved(self.device)
             t0 = time.perf_counter()
             freed = await self._on_scheduler(
-                lambda: self.scheduler.release_memory(tags, weights_cpu_backup=self.cfg.enable_weights_cpu_backup)
+                lambda: self.scheduler.release_memory(
+                    tags, weights_cpu_backup=self.cfg.engine.enable_weights_cpu_backup
+                )
             )
             seconds = time.perf_counter() - t0
         except (ValueError, EngineStateError) as exc:
@@ -787,48 +757,6 @@ def _resolve(fut: asyncio.Future[SeqRequest], seq: SeqRequest) -> None:
         fut.set_result(seq)
 
 
-def decode_settings(cfg: ServerConfig) -> dict[str, Any]:
-    """The scheduler's decode_mode, overlap and profile: the flags, else the deprecated environment switches.
-
-    The environment switches predate the flags; they are still read (with a warning) so that old benchmark
-    commands keep working, but a given flag always wins, so a run's engine.decode_* settings are what runs.
-    """
-    mode = _flag_or_env(cfg.decode_mode, "HPCRL_ENGINE_DECODE", "--decode-mode", "decode_mode")
-    overlap = _flag_or_env(cfg.overlap, "HPCRL_ENGINE_OVERLAP", "--decode-overlap", "decode_overlap")
-    profile = _flag_or_env(cfg.profile, "HPCRL_ENGINE_PROFILE", "--decode-profile", "decode_profile")
-    return {
-        "decode_mode": mode or "auto",
-        "overlap": _on_off(overlap),
-        "profile": profile if isinstance(profile, bool) else bool(_on_off(profile)),
-    }
-
-
-def _flag_or_env(given: Any, env_name: str, flag: str, setting: str) -> Any:
-    env_value = os.environ.get(env_name, "")
-    if given is not None:
-        if env_value:
-            log.warning("%s=%s is ignored: %s %s was given", env_name, env_value, flag, _flag_text(given))
-        return given
-    if env_value:
-        log.warning(
-            "%s is deprecated and will go: pass %s to hpcrl engine serve (engine.%s in a run config)",
-            env_name, flag, setting,
-        )  # fmt: skip
-        return env_value
-    return None
-
-
-def _flag_text(value: Any) -> str:
-    return ("on" if value else "off") if isinstance(value, bool) else str(value)
-
-
-def _on_off(value: str | None) -> bool | None:
-    """`auto` (or nothing) is None (for overlap: on for CUDA); on/off and the old 1/0 are fixed."""
-    if value is None or value.lower() == "auto":
-        return None
-    return value.lower() not in ("0", "false", "no", "off")
-
-
 def _load_tokenizer(model_dir: str) -> Any:
     if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer_config.json").is_file():
         return None
@@ -883,12 +811,13 @@ def serve(cfg: ServerConfig) -> None:
     except OSError as exc:
         raise bind_error(exc, cfg.host, cfg.port, what="hpcrl engine serve") from None
     log.info(
-        "loaded %s on %s/%s in %.1f s (decode path %s); serving on http://%s:%d",
+        "loaded %s on %s/%s in %.1f s (decode path %s; kernels: %s); serving on http://%s:%d",
         cfg.model,
-        cfg.device,
-        cfg.dtype,
+        cfg.engine.device,
+        cfg.engine.dtype,
         time.perf_counter() - t0,
         engine.scheduler.decode_path,
+        describe(cfg.engine.kernels, list(cfg.kernel_overrides)),
         cfg.host,
         cfg.port,
     )
