@@ -7,12 +7,12 @@ node) and never NVLink multicast (it can take a shared host's GPUs out of servic
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from hpcrl.engine.config import EngineConfig
+from hpcrl.loader import load_object
 
 KINDS = {"embedded": "hpcrl.engine.embedded.launch:embedded_launch", "sglang": "hpcrl.engine.sglang:sglang_launch"}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -44,7 +44,6 @@ class LaunchFn(Protocol):
 
 
 def launch_for(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
-    module, name = KINDS[cfg.kind].split(":")
-    fn: LaunchFn = getattr(importlib.import_module(module), name)
+    fn = cast(LaunchFn, load_object(KINDS[cfg.kind], key="engine.kind"))
     launch = fn(cfg, slot)
     return Launch(launch.cmd, {**NO_MULTICAST, **launch.env})

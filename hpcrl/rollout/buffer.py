@@ -12,13 +12,14 @@ step s (which trains the policy of version s) is s minus the oldest version of a
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
+from hpcrl.loader import LoadError, load_object
 from hpcrl.samples.sample import Group
 
 GroupFilter = Callable[[Group], bool]
@@ -50,21 +51,15 @@ def zero_std(group: Group) -> bool:
 
 
 def load_filter(spec: str | None) -> GroupFilter | None:
+    """`zero_std`, or a function of a Group named by a path (hpcrl/loader.py)."""
     if spec is None:
         return None
     if spec == "zero_std":
         return zero_std
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"buffer.filter {spec!r}: cannot load it ({type(exc).__name__}: {exc}); use `zero_std` or a dotted path "
-            "`package.module:function` importable from the run's PYTHONPATH"
-        ) from None
+    fn = load_object(spec, key="buffer.filter", builtins="zero_std")
     if not callable(fn):
-        raise ValueError(f"buffer.filter {spec!r} is a {type(fn).__name__}, not a function of a Group")
-    return fn
+        raise LoadError("buffer.filter", spec, f"it is a {type(fn).__name__}, not a function of a Group")
+    return cast(GroupFilter, fn)
 
 
 def arrival_verdict(group: Group, keep: GroupFilter | None) -> str | None:

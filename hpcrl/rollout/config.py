@@ -104,7 +104,8 @@ class RolloutConfig:
     """multi_turn: the chat template, stop tokens and tool-call parser by name (`qwen3`, `tiny`); required there,
     never detected from the checkpoint."""
     environment: str | None = None
-    """multi_turn: the environment, a built-in (`calculator`, the default) or `package.module:Class`."""
+    """multi_turn: the environment, a built-in (`calculator`, the default), `package.module:Class` or
+    `file.py:Class`."""
     max_turns: int | None = None
     """multi_turn: generated assistant turns per episode (null: 8); one more ends it (reason `max_turns`)."""
     max_tokens_per_turn: int | None = None
@@ -193,7 +194,8 @@ class BufferConfig:
     null: no limit. At least sync.every_steps - 1."""
     filter: str | None = None
     """Reject groups on arrival: `zero_std` (all rewards equal: no GRPO signal), a dotted path
-    `package.module:function` taking a Group and returning bool (true keeps it), or null (keep all)."""
+    `package.module:function` or a file path `file.py:function` taking a Group and returning bool (true keeps it),
+    or null (keep all)."""
     on_drop: Literal["drop", "retry"] = "drop"
     """What becomes of a dropped prompt: `drop` records it in the ledger and moves on; `retry` regenerates it
     from scratch (fresh seeds), up to 3 attempts in all, then it is dropped."""
@@ -223,7 +225,8 @@ class BufferConfig:
 @dataclass(kw_only=True, frozen=True)
 class RewardConfig:
     fn: str = "arithmetic_answer"
-    """A built-in (exact_match, arithmetic_answer, gsm8k) or a dotted path `package.module:function`."""
+    """A built-in (exact_match, arithmetic_answer, gsm8k, math_verify, reasoning_gym), a dotted path
+    `package.module:function`, or a file path `file.py:function` (relative to the working directory)."""
     max_failed_share: float = 0.2
     """Stop the run when more than this share of a step's samples fail to score."""
     timeout_s: float = 60.0

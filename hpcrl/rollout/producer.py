@@ -54,7 +54,7 @@ _DROP_COUNTERS = {"aborted": "aborted", "reward_failed": "aborted", "filtered": 
 class Publisher(Protocol):
     version: str
 
-    def publish(self, version: str) -> dict[str, float]: ...
+    def publish(self, version: int | str) -> dict[str, float]: ...
 
     def restore_engines(self) -> None: ...
 
@@ -355,7 +355,7 @@ class AsyncRollout:
             self._next_step = step + 1
         self._nudge()
 
-    def publish(self, version: str) -> dict[str, float]:
+    def publish(self, version: int) -> dict[str, float]:
         """Push the trainer's weights as `version` while the producer's requests stay in flight."""
         with self._publish_lock:
             out = self.publisher.publish(version)

@@ -3,16 +3,15 @@
 A reward that also declares a keyword `meta` gets the example's meta JSON (`Example.meta`): the built-in
 `reasoning_gym` reward uses it to find the task entry its scorer needs.
 
-A reward is either a built-in name (see `BUILTIN_REWARDS`) or a dotted path to any importable callable,
-`package.module.func` or `package.module:func`. `score` runs one over a batch so that a crash or a bad
-value in one sample marks that sample failed instead of killing the step; `check_failures` then decides,
-from a configured share, whether the batch is still worth training on.
+A reward is either a built-in name (see `BUILTIN_REWARDS`) or a path to any callable, `package.module:func` or
+`file.py:func` (hpcrl/loader.py). `score` runs one over a batch so that a crash or a bad value in one sample marks
+that sample failed instead of killing the step; `check_failures` then decides, from a configured share, whether the
+batch is still worth training on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import logging
 import math
@@ -24,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NoReturn, cast
+
+from hpcrl.loader import LoadError, load_object
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -151,43 +152,16 @@ def takes_meta(fn: Callable[..., object]) -> bool:
 
 
 def load_reward(spec: str) -> RewardFn:
-    """The reward function named by `spec`: a built-in name, 'package.module.func' or 'package.module:func'."""
+    """The reward function named by `spec`: a built-in name, or a path hpcrl/loader.py loads ('package.module:func',
+    'package.module.func' or 'file.py:func')."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     builtins = ", ".join(BUILTIN_REWARDS)
-    if ":" in spec:
-        module_name, _, attr = spec.rpartition(":")
-    elif "." in spec:
-        module_name, _, attr = spec.rpartition(".")
-    else:
-        raise RewardError(
-            f"unknown reward {spec!r}; use a built-in ({builtins}) or a dotted path such as 'mypkg.rewards.my_reward'"
-        )
-    if not module_name or not attr:
-        raise RewardError(
-            f"reward {spec!r} is not a valid path; expected 'package.module.func' or 'package.module:func'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise RewardError(
-                f"reward {spec!r}: no module named {module_name!r} ({exc}); check the spelling and that its package "
-                f"is installed or on PYTHONPATH; built-ins: {builtins}"
-            ) from exc
-        # The module exists but one of its own imports is missing: that is the user's dependency to install.
-        raise RewardError(f"reward {spec!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise RewardError(f"reward {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
-    if not hasattr(module, attr):
-        available = sorted(name for name, value in vars(module).items() if callable(value) and not name.startswith("_"))
-        raise RewardError(
-            f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}; "
-            f"its public callables: {', '.join(available) or '(none)'}; built-ins: {builtins}"
-        )
-    fn: object = getattr(module, attr)
+    if ":" not in spec and "." not in spec:
+        raise LoadError("reward.fn", spec, "it is neither a built-in nor a path", builtins=builtins)
+    fn = load_object(spec, key="reward.fn", builtins=builtins)
     if not callable(fn):
-        raise RewardError(f"reward {spec!r} is a {type(fn).__name__}, not callable; built-ins: {builtins}")
+        raise LoadError("reward.fn", spec, f"it is a {type(fn).__name__}, not callable", builtins=builtins)
     _check_signature(fn, spec)
     return cast(RewardFn, fn)
 
@@ -201,8 +175,8 @@ def _check_signature(fn: Callable[..., object], spec: str) -> None:
     try:
         signature.bind("response", "answer")
     except TypeError as exc:
-        raise RewardError(
-            f"reward {spec!r} has signature {signature}, which cannot be called as fn(response, answer): {exc}"
+        raise LoadError(
+            "reward.fn", spec, f"its signature {signature} cannot be called as fn(response, answer): {exc}"
         ) from None
 
 

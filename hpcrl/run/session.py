@@ -9,7 +9,6 @@ decisions: the step's metrics row, preemption, the end of the run.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import signal
 import socket
@@ -33,10 +32,12 @@ from hpcrl.rollout.evaluate import Evaluator, held_out_examples
 from hpcrl.rollout.generate import PromptFormatter, Rollout, answer_batches, rollout_stats
 from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
+from hpcrl.run.groups import AsyncGroups, StepGroups, SyncGroups
 from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit
 from hpcrl.run_config import RunConfig
 from hpcrl.samples.sample import Example, Group
+from hpcrl.sessions.environment import environment_class
 from hpcrl.sessions.traces import ToolTraces
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.metrics import MetricsWriter
@@ -47,10 +48,12 @@ from hpcrl.store.run_dir import (
     check_can_continue,
     find_resume_point,
     inspect_run_dir,
+    refuse_planted_links,
     set_aside,
+    write_file_atomically,
 )
-from hpcrl.store.sinks import open_sinks
 from hpcrl.store.run_state import JsonState, RngState, RunState
+from hpcrl.store.sinks import open_sinks
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
 from hpcrl.trainer.advantage import batch_from_groups
@@ -80,7 +83,7 @@ class RunSession:
     data: PromptSource
     evaluator: Evaluator | None = None  # single-turn runs only
     formatter: PromptFormatter
-    async_rollout: AsyncRollout | None = None  # rollout.mode: async
+    groups: StepGroups  # where a step's groups come from: made in the step (sync) or by a producer (async)
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> None:
         self.cfg, self.run_dir, self.slurm, self.restart = cfg, run_dir, slurm, restart
@@ -124,6 +127,8 @@ class RunSession:
             cfg.reward, interrupted=self._preempted, on_stop=self._record_stop, by_environment=multi_turn
         )
         load_filter(cfg.buffer.filter)  # a bad buffer.filter is refused before the run dir is touched
+        if multi_turn:
+            environment_class(cfg.rollout.environment or "calculator")  # so is a bad rollout.environment
         from transformers import AutoTokenizer
 
         self.formatter = formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), cfg.data)
@@ -159,8 +164,9 @@ class RunSession:
         # every weight, not only those a step can change.
         full = cfg.engine.offload_during_train
         self.publisher = WeightPublisher(
-            cfg.engine, self.fleet, sync, lambda: self.trainer.push_weights(full=full), on_event=self._event
-        )
+            cfg.engine, self.fleet, sync, lambda: self.trainer.push_weights(full=full), on_event=self._event,
+            every_steps=cfg.sync.every_steps, num_steps=cfg.num_steps,
+        )  # fmt: skip
         if multi_turn:
             self.rollout = EpisodeRollout(
                 cfg.rollout, clients, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed
@@ -193,13 +199,16 @@ class RunSession:
         self.state.register("weights", self.publisher)
         self.state.register("warm_start", self.warm_start)
         if cfg.rollout.mode == "async":
-            self.async_rollout = AsyncRollout(
+            producer = AsyncRollout(
                 cfg.rollout, cfg.buffer, self.fleet, formatter, self.data, self.rewards, self.publisher,
                 seed=cfg.seed, prompts_per_step=cfg.data.prompts_per_step,
                 max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups,
             )  # fmt: skip
-            self._closers.append(self.async_rollout.close)
-            self.state.register("rollout_buffer", self.async_rollout)
+            self._closers.append(producer.close)
+            self.state.register("rollout_buffer", producer)
+            self.groups = AsyncGroups(producer, self.run_dir, interrupted=self._preempted)
+        else:
+            self.groups = SyncGroups(self.rollout, self.rewards, self.data, self.publisher)
         self._resume_point = resume_point
 
     def _sft_batches(self, examples: list[Example]) -> Callable[[int], TrainBatch]:
@@ -235,15 +244,14 @@ class RunSession:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
         lock = RunDirLock.acquire(self.run_dir, job_id=self.placement.incarnation.job_id)
         self._closers.insert(0, lock.release)  # last to close: nothing writes run_dir after it
+        refuse_planted_links(self.run_dir)
         if self.restart and (moved := set_aside(self.run_dir)) is not None:
             self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
         point = find_resume_point(self.run_dir / "checkpoints")
         step = point.checkpoint.step if point.checkpoint is not None else None
         check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=point.unreadable)
         lock.record_owner()
-        path = self.run_dir / "config.yaml"
-        path.with_suffix(".yaml.tmp").write_text(dump_yaml(self.cfg))
-        os.replace(path.with_suffix(".yaml.tmp"), path)
+        write_file_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg).encode())
         return point
 
     # ----- the run's own decisions -----
@@ -318,10 +326,12 @@ class RunSession:
 
     def on_preempt(self) -> int:
         """Checkpoint the last finished step (unless the trainer moved past it) and say how to exit."""
+        self.groups.stop()
         finished = None if self._trained_past_last_logged else self._last_logged
         if finished is not None:
             self.state.save(*finished)
         self.state.wait()  # the checkpoint is on disk before the job is requeued
+        self.groups.checkpointed()
         step = finished[0] if finished else None
         name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
         job_id = self.placement.incarnation.job_id
@@ -339,6 +349,7 @@ class RunSession:
         return 128 + int(self.preempt_signal or signal.SIGTERM)
 
     def finish(self) -> None:
+        self.groups.finish()
         self.state.wait()  # a failed last checkpoint is the error to report, before the export
         out = self.trainer.export(self.run_dir / "model")
         last = self.cfg.num_steps - 1 if self.cfg.num_steps else None

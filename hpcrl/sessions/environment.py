@@ -7,7 +7,6 @@ server's, never re-tokenized here.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from abc import ABC, abstractmethod
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from hpcrl.loader import LoadError, load_object
 from hpcrl.sessions.sandbox import CALCULATOR_SCHEMA, SandboxLimits, ToolResult, calculator
 
 __all__ = ["CalculatorEnvironment", "Environment", "Episode", "EpisodeResult", "load_environment", "run_episode"]
@@ -75,25 +75,22 @@ BUILTIN_ENVIRONMENTS = {"calculator": CalculatorEnvironment}
 
 
 def load_environment(path: str) -> Environment:
-    """A built-in name or `package.module:Class` (or `package.module.Class`), instantiated without arguments."""
+    """A built-in name or a path to an `Environment` subclass (hpcrl/loader.py), instantiated without arguments."""
+    return environment_class(path)()
+
+
+def environment_class(path: str) -> type[Environment]:
+    """The class `load_environment` instantiates; a path that names none is refused before anything starts."""
     if path in BUILTIN_ENVIRONMENTS:
-        return BUILTIN_ENVIRONMENTS[path]()
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(
-            f"environment {path!r}: give a built-in ({sorted(BUILTIN_ENVIRONMENTS)}) or package.module:Class"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"environment {path!r}: cannot import {module_name!r} ({exc})") from exc
-    cls = getattr(module, attr, None)
+        return BUILTIN_ENVIRONMENTS[path]
+    builtins = ", ".join(BUILTIN_ENVIRONMENTS)
+    cls = load_object(path, key="rollout.environment", what="Class", builtins=builtins)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(
-            f"environment {path!r}: {attr!r} in {module_name} is not a subclass of "
-            "hpcrl.sessions.environment.Environment"
-        )
-    return cls()
+        raise LoadError(
+            "rollout.environment", path, "it is not a subclass of hpcrl.sessions.environment.Environment",
+            what="Class", builtins=builtins,
+        )  # fmt: skip
+    return cls
 
 
 @dataclass

@@ -40,15 +40,28 @@ EventFn = Callable[[str, dict[str, Any]], None]
 
 class WeightPublisher:
     def __init__(
-        self, cfg: EngineConfig, fleet: EngineFleet, sync: WeightSync, weights: WeightsFn, *, on_event: EventFn
+        self,
+        cfg: EngineConfig,
+        fleet: EngineFleet,
+        sync: WeightSync,
+        weights: WeightsFn,
+        *,
+        on_event: EventFn,
+        every_steps: int,
+        num_steps: int,
     ) -> None:
         self.cfg = cfg
+        self.every_steps, self.num_steps = every_steps, num_steps  # the cadence of due(): sync.every_steps
         self.fleet = fleet
         self.sync = sync
         self.weights = weights
         self.on_event = on_event
         self.version = "0"  # engines start on the run's initial weights, which the driver calls "0"
         self._lend_metrics: dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        """Whether the weights trained at `step` are pushed after it: every `every_steps` steps, and after the last."""
+        return (step + 1) % self.every_steps == 0 or step + 1 == self.num_steps
 
     def lend_memory(self) -> None:
         """Colocated engines release their KV cache and weights for the trainer (when configured)."""

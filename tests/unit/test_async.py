@@ -55,7 +55,9 @@ class Parts:
         self.data = PromptSource(make_addition_task(500, 2, 0), batch_size=2, seed=0)
         self.sync = WeightSync(SyncConfig(transport="tensor"), self.clients, device=torch.device("cpu"))
         weights = list(load_file(str(model_dir / "model.safetensors")).items())
-        self.publisher = WeightPublisher(EngineConfig(), self.fleet, self.sync, lambda: weights, on_event=self._event)
+        self.publisher = WeightPublisher(
+            EngineConfig(), self.fleet, self.sync, lambda: weights, on_event=self._event, every_steps=1, num_steps=0
+        )
         self.made: list[AsyncRollout] = []
 
     def _event(self, kind: str, detail: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpcrl.loader import LoadError
 from hpcrl.rollout.rewards import (
     BUILTIN_REWARDS,
     RewardError,
@@ -117,34 +118,37 @@ def test_load_user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert fn("abc", "") == 3.0
 
 
+BUILTINS = "exact_match, arithmetic_answer, gsm8k, math_verify, reasoning_gym"
+HINT = f"; give a built-in ({BUILTINS}), a dotted path module:function or a file path file.py:function"
+
+
 def test_unknown_bare_name_lists_builtins() -> None:
-    with pytest.raises(RewardError) as info:
+    with pytest.raises(LoadError) as info:
         load_reward("exact")
-    assert str(info.value) == (
-        "unknown reward 'exact'; use a built-in (exact_match, arithmetic_answer, gsm8k, math_verify, reasoning_gym) "
-        "or a dotted path such as 'mypkg.rewards.my_reward'"
-    )
+    assert str(info.value) == "reward.fn: cannot import 'exact': it is neither a built-in nor a path" + HINT
 
 
 @pytest.mark.parametrize("spec", [":f", "mod:", ".f"])
 def test_malformed_path(spec: str) -> None:
-    with pytest.raises(RewardError, match="is not a valid path; expected 'package.module.func'"):
+    with pytest.raises(LoadError) as info:
         load_reward(spec)
+    assert str(info.value) == f"reward.fn: cannot import {spec!r}: it is not of the form module:name" + HINT
 
 
 def test_missing_module() -> None:
-    with pytest.raises(RewardError) as info:
+    with pytest.raises(LoadError) as info:
         load_reward("no_such_pkg_hpcrl.rewards.f")
-    message = str(info.value)
-    assert "no module named 'no_such_pkg_hpcrl.rewards'" in message
-    assert "installed or on PYTHONPATH; built-ins: exact_match, arithmetic_answer, gsm8k" in message
+    assert str(info.value) == (
+        "reward.fn: cannot import 'no_such_pkg_hpcrl.rewards.f': no module named 'no_such_pkg_hpcrl' (check the "
+        "spelling, and that it is on PYTHONPATH)" + HINT
+    )
 
 
 def test_module_whose_own_import_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "user_reward_dep.py").write_text("import no_such_dependency_hpcrl\n\ndef f(r, a):\n    return 0.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(
-        RewardError, match=r"importing 'user_reward_dep' failed: No module named 'no_such_dependency_hpcrl'"
+        LoadError, match=r"importing 'user_reward_dep' failed: No module named 'no_such_dependency_hpcrl'"
     ):
         load_reward("user_reward_dep.f")
 
@@ -152,28 +156,44 @@ def test_module_whose_own_import_fails(tmp_path: Path, monkeypatch: pytest.Monke
 def test_module_that_raises_on_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "user_reward_boom.py").write_text("raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RewardError, match=r"importing 'user_reward_boom' raised RuntimeError: boom"):
+    with pytest.raises(LoadError, match=r"importing 'user_reward_boom' raised RuntimeError: boom"):
         load_reward("user_reward_boom.f")
 
 
 def test_missing_attribute_lists_callables() -> None:
-    with pytest.raises(RewardError) as info:
+    with pytest.raises(LoadError) as info:
         load_reward("hpcrl.rollout.rewards.exact_matsh")
     message = str(info.value)
-    assert "module 'hpcrl.rollout.rewards' has no attribute 'exact_matsh'" in message
-    assert "arithmetic_answer" in message and "built-ins: exact_match, arithmetic_answer, gsm8k" in message
+    assert "'hpcrl.rollout.rewards' has no attribute 'exact_matsh' (it has: " in message
+    assert "arithmetic_answer" in message and message.endswith(HINT)
 
 
 def test_not_callable() -> None:
-    with pytest.raises(RewardError, match=r"reward 'math.pi' is a float, not callable; built-ins: exact_match"):
+    with pytest.raises(LoadError, match=r"reward.fn: cannot import 'math.pi': it is a float, not callable; give"):
         load_reward("math.pi")
 
 
 def test_wrong_signature_is_caught_at_load() -> None:
-    with pytest.raises(
-        RewardError, match=r"reward 'math.sqrt' has signature .* cannot be called as fn\(response, answer\)"
-    ):
+    with pytest.raises(LoadError, match=r"its signature .* cannot be called as fn\(response, answer\)"):
         load_reward("math.sqrt")
+
+
+def test_a_reward_from_a_file_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`reward.fn=./my_reward.py:fn`, relative to the working directory, as a user writes it next to a config."""
+    (tmp_path / "my_reward.py").write_text("def fn(response, answer):\n    return float(response == answer)\n")
+    monkeypatch.chdir(tmp_path)
+    fn = load_reward("./my_reward.py:fn")
+    assert fn("7", "7") == 1.0 and fn("7", "8") == 0.0
+    assert load_reward(str(tmp_path / "my_reward.py") + ":fn") is fn  # one module per file, however it is named
+    with pytest.raises(LoadError) as info:
+        load_reward("./no_reward.py:fn")
+    assert str(info.value) == (
+        f"reward.fn: cannot import './no_reward.py:fn': no file 'no_reward.py' (relative paths start at {tmp_path})"
+        + HINT
+    )
+    (tmp_path / "broken.py").write_text("def fn(response, answer)\n")
+    with pytest.raises(LoadError, match=r"running 'broken.py' raised SyntaxError: .*; give a built-in"):
+        load_reward("broken.py:fn")
 
 
 # --- score / check_failures ------------------------------------------------------------------------

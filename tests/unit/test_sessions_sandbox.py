@@ -133,5 +133,10 @@ def test_environments_load_by_dotted_path_with_clear_errors() -> None:
     assert isinstance(env, EchoEnvironment) and episode.messages[0]["content"] == "hi"
     unknown = env.call_tool(episode, "search", {})
     assert unknown.error and "no tool named 'search'" in unknown.content
-    with pytest.raises(ValueError, match="cannot import 'no_such_pkg_hpcrl'"):
+    with pytest.raises(ValueError) as info:
         load_environment("no_such_pkg_hpcrl:Env")
+    assert str(info.value) == (
+        "rollout.environment: cannot import 'no_such_pkg_hpcrl:Env': no module named 'no_such_pkg_hpcrl' (check the "
+        "spelling, and that it is on PYTHONPATH); give a built-in (calculator), a dotted path module:Class or a file "
+        "path file.py:Class"
+    )
