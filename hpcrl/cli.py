@@ -100,9 +100,12 @@ def _run(ns: argparse.Namespace) -> int:
 
     from hpcrl.driver import run
     from hpcrl.run_config import load_run_config
+    from hpcrl.store.progress import set_verbose
+    from hpcrl.store.run_dir import default_run_dir
 
+    set_verbose(ns.verbose)
     cfg = load_run_config(ns.config, ns.overrides)
-    run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / Path(ns.config).stem
+    run_dir = Path(ns.run_dir) if ns.run_dir else default_run_dir(cfg.name)
     print(f"hpcrl run: {cfg.name} -> {run_dir}", flush=True)
     return run(cfg, run_dir, restart=ns.restart)
 
@@ -118,7 +121,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="YAML run config (see experiments/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 num_steps=10")
-    p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<config name>)")
+    p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<the config's name:>)")
+    p.add_argument(
+        "--verbose", action="store_true", help="also print details for debugging (the first prompt's token ids)"
+    )
     p.add_argument(
         "--restart",
         action="store_true",

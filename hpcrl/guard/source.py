@@ -337,8 +337,21 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def open_source(cfg: GuardConfig, *, warn: Callable[[str], None]) -> TemperatureSource | None:
-    """The source the config asks for; None (after one `warn` line) when the guard is off."""
+def nvidia_gpus_present() -> bool:
+    """Whether this machine shows an NVIDIA GPU (a device node or the driver's GPU list), without NVML."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return any(Path("/dev").glob("nvidia[0-9]*")) or (gpus.is_dir() and any(gpus.iterdir()))
+
+
+def open_source(
+    cfg: GuardConfig, *, warn: Callable[[str], None], gpus_present: Callable[[], bool] = nvidia_gpus_present
+) -> TemperatureSource | None:
+    """The source the config asks for; None when the guard is off.
+
+    guard.mode=auto on a machine without NVIDIA GPUs (a CPU run) is off without a word: there is nothing to
+    watch, and a warning on every CPU run teaches users to ignore warnings. Where GPUs are present but NVML
+    cannot read them, auto warns once.
+    """
     if cfg.mode == "off":
         return None
     if cfg.trace is not None:
@@ -346,6 +359,8 @@ def open_source(cfg: GuardConfig, *, warn: Callable[[str], None]) -> Temperature
     try:
         return NvmlSource()
     except GuardUnavailableError as exc:
+        if cfg.mode == "auto" and not gpus_present():
+            return None
         if cfg.mode == "on":
             raise GuardUnavailableError(
                 f"guard.mode=on but {exc}; run where NVML sees the GPUs, replay a recorded trace with "

@@ -40,15 +40,22 @@ def build_report(
     window: int = DEFAULT_WINDOW,
     plots: bool = True,
     max_points: int = DEFAULT_MAX_POINTS,
+    smooth: int | None = None,
 ) -> ReportResult:
-    """Reads a run, writes ``report.md`` and the PNG plots into ``out_dir`` (default ``RUN_DIR/report``)."""
+    """Reads a run, writes ``report.md`` and the PNG plots into ``out_dir`` (default ``RUN_DIR/report``).
+
+    ``smooth``: None (a moving mean over a 20th of the steps on runs of 30 steps or more), 0 (raw values only)
+    or N (a moving mean over N steps, drawn over the raw values).
+    """
     run = load_run(run_path)
     out = Path(out_dir) if out_dir is not None else run.path.parent / "report"
     _prepare_out_dir(out)
     summary = summarize(run, window=window)
     plot_paths: list[Path] = []
     if plots and run.num_rows:
-        plot_paths = plotting.plot_run(run, out, max_points=max_points)
+        plot_paths = plotting.plot_run(
+            run, out, max_points=max_points, smooth=plotting.SMOOTH_AUTO if smooth is None else smooth
+        )
     markdown = render_markdown(summary, run.attrs, plot_paths)
     markdown_path = out / "report.md"
     markdown_path.write_text(markdown)
@@ -80,6 +87,7 @@ def build_compare(
     window: int = DEFAULT_WINDOW,
     plots: bool = True,
     max_points: int = DEFAULT_MAX_POINTS,
+    smooth: int | None = None,
 ) -> CompareResult:
     """Reads several runs, writes ``compare.md`` and ``compare.png`` (overlaid curves) into ``out_dir``."""
     metrics_paths = [resolve_metrics_path(p) for p in run_paths]
@@ -92,7 +100,9 @@ def build_compare(
     comparison = compare(runs, window=window)
     plot_paths: list[Path] = []
     if plots and any(r.num_rows for r in runs):
-        plot_paths = plotting.plot_compare(runs, out, max_points=max_points)
+        plot_paths = plotting.plot_compare(
+            runs, out, max_points=max_points, smooth=plotting.SMOOTH_AUTO if smooth is None else smooth
+        )
     markdown = render_compare_markdown(comparison, metrics_paths, plot_paths)
     markdown_path = out / "compare.md"
     markdown_path.write_text(markdown)

@@ -55,7 +55,9 @@ examples:
 def _report(ns: argparse.Namespace) -> int:
     from hpcrl.report.build import build_report
 
-    result = build_report(ns.run_dir, ns.output, window=ns.window, plots=not ns.no_plots, max_points=ns.max_points)
+    result = build_report(
+        ns.run_dir, ns.output, window=ns.window, plots=not ns.no_plots, max_points=ns.max_points, smooth=ns.smooth
+    )
     print(result.markdown, end="")
     _print_written(result.markdown_path, result.plots)
     return 0
@@ -66,7 +68,9 @@ def _compare(ns: argparse.Namespace) -> int:
 
     if len(ns.run_dirs) < 2:
         raise ValueError("compare needs at least two runs; for one run use `hpcrl report RUN_DIR`")
-    result = build_compare(ns.run_dirs, ns.output, window=ns.window, plots=not ns.no_plots, max_points=ns.max_points)
+    result = build_compare(
+        ns.run_dirs, ns.output, window=ns.window, plots=not ns.no_plots, max_points=ns.max_points, smooth=ns.smooth
+    )
     print(result.markdown, end="")
     _print_written(result.markdown_path, result.plots)
     return 0
@@ -98,6 +102,16 @@ def _explain(error: BaseException) -> str:
     return str(error)
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -113,6 +127,14 @@ def _add_common(p: argparse.ArgumentParser, output_default: Path | None, output_
     p.add_argument("--window", type=_positive_int, default=DEFAULT_WINDOW, metavar="N", help=_WINDOW_HELP)
     p.add_argument("--no-plots", action="store_true", help="write the markdown only (no matplotlib needed)")
     p.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS, metavar="N", help=_MAX_POINTS_HELP)
+    p.add_argument(
+        "--smooth",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="draw a moving mean over N steps on the raw values; 0 draws raw values only (default: a 20th of "
+        "the steps, on runs of 30 steps or more)",
+    )
 
 
 def add_report_commands(sub: argparse._SubParsersAction) -> None:

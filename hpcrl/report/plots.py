@@ -111,6 +111,10 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+SMOOTH_AUTO = -1
+"""``smooth`` of plot_run/plot_compare: a moving mean over a 20th of the steps on runs of 30 steps or more."""
+
+
 def draw_series(
     ax: Axes,
     steps: np.ndarray,
@@ -123,6 +127,7 @@ def draw_series(
     raw_alpha: float = 0.35,
     reduce: Literal["mean", "max"] = "mean",
     smooth_window: int | None = None,
+    smooth_min_points: int = _SMOOTH_MIN_POINTS,
 ) -> None:
     """One metric per step: raw (markers when short), raw + moving mean when long, bins past ``max_points``.
 
@@ -139,7 +144,7 @@ def draw_series(
         (line,) = ax.plot(x, mean, color=color, lw=1.2, label=label)
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
         return
-    if smooth and n >= _SMOOTH_MIN_POINTS:
+    if smooth and n >= smooth_min_points:
         window = smooth_window or max(2, n // 20)
         (line,) = ax.plot(steps, values, color=color, lw=0.8, alpha=raw_alpha)
         mean = moving_mean(values, window)
@@ -161,11 +166,16 @@ def mark_events(ax: Axes, events: Sequence[dict[str, Any]], *, legend: bool = Tr
 
 
 def _log_y(ax: Axes) -> None:
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     ax.set_yscale("log")
-    # Minor labels ("2 x 10^-7") crowd a range within one decade and overflow the fixed left margin.
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    # Compact labels ("2e-07") at 1, 2 and 5 of each decade: a gap that stays within one decade still gets
+    # several labelled ticks, and "2 x 10^-7" would overflow the fixed left margin.
+    compact = FuncFormatter(lambda v, _pos: f"{v:.0e}")
+    ax.yaxis.set_major_formatter(compact)
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+    ax.yaxis.set_minor_formatter(compact)
+    ax.tick_params(axis="y", which="minor", labelsize=8)
 
 
 def _finish(ax: Axes, ylabel: str) -> None:
@@ -177,8 +187,8 @@ def _finish(ax: Axes, ylabel: str) -> None:
 # -- one run -----------------------------------------------------------------------------------------
 
 _REWARD_PANELS = (
-    ("reward", (("rollout/reward_mean", "reward (raw mean)"),)),
-    ("response tokens", (("rollout/response_len_mean", "mean"), ("rollout/response_len_max", "max"))),
+    ("mean reward", (("rollout/reward_mean", "mean reward of the step's samples"),)),
+    ("response length (tokens)", (("rollout/response_len_mean", "mean"), ("rollout/response_len_max", "max"))),
     (
         "share of samples",
         (
@@ -188,13 +198,19 @@ _REWARD_PANELS = (
         ),
     ),
 )
+_REWARD_TITLES = {
+    "mean reward": "reward",
+    "response length (tokens)": "response length",
+    "share of samples": "truncated or failed samples",
+}
 # Usually all zero: drawn only when non-zero somewhere, else they add a flat line on the axis.
 _ONLY_IF_NONZERO = frozenset({"rollout/aborted_share", "rollout/reward_failed_share"})
 
 
-def plot_reward(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+def plot_reward(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     panels = [(y, [(k, lab) for k, lab in series if k in run.metrics]) for y, series in _REWARD_PANELS]
-    panels = [(y, series) for y, series in panels if series]
+    # A panel whose every series is 0 throughout (nothing truncated, aborted or failed) is left out.
+    panels = [(y, series) for y, series in panels if any(not flat_zero(run.metrics[k]) for k, _ in series)]
     if not panels:
         return None
     fig, axes = _figure(len(panels))
@@ -203,11 +219,12 @@ def plot_reward(run: RunData, out_dir: Path, max_points: int) -> Path | None:
             values = run.metrics[key]
             if key in _ONLY_IF_NONZERO and not np.nanmax(values, initial=0.0) > 0:
                 continue
-            draw_series(ax, run.steps, values, label=label, max_points=max_points)
+            _draw(ax, run.steps, values, label=label, max_points=max_points, smooth=smooth)
         mark_events(ax, run.events, legend=i == 0)
         _finish(ax, ylabel)
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(f"{run.name}: reward, response length and truncation per step{bin_note(run.num_rows, max_points)}")
+    what = ", ".join(_REWARD_TITLES[y] for y, _ in panels)
+    fig.suptitle(f"{run.name}: {what} per step{bin_note(run.num_rows, max_points)}")
     return _save(fig, out_dir / "reward.png")
 
 
@@ -241,7 +258,7 @@ def timing_layers(run: RunData) -> list[tuple[str, np.ndarray]]:
     return layers
 
 
-def plot_timing(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+def plot_timing(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     layers = timing_layers(run)
     if not layers:
         return None
@@ -260,17 +277,26 @@ def plot_timing(run: RunData, out_dir: Path, max_points: int) -> Path | None:
         ax.stackplot(x, *ys, labels=labels, colors=_colors(len(layers)), alpha=0.9)
     mark_events(ax, run.events)
     ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
+    ax.set_ylabel("seconds per step")
     # Headroom above the stack for a legend in rows, which would otherwise cover the bottom layers.
     ax.set_ylim(0, max(float(np.nanmax(np.sum([v for _, v in layers], axis=0), initial=0.0)), 1e-9) * 1.4)
     ax.legend(loc="upper left", fontsize=8, ncols=4)
     note = bin_note(run.num_rows, max_points, " [means of {k} steps]")
-    fig.suptitle(f"{run.name}: seconds per phase per step, stacked{note}")
+    fig.suptitle(f"{run.name}: time per step by phase (seconds, stacked){note}")
     return _save(fig, out_dir / "timing.png")
 
 
 def _colors(n: int) -> list[str]:
-    return [f"C{i % 10}" for i in range(n)]
+    """n distinct colours: the ten of matplotlib's default cycle, then their ten lighter shades (tab20)."""
+    from matplotlib import colormaps
+
+    pairs = [colormaps["tab20"](i) for i in range(20)]  # dark, light, dark, light, ...
+    palette = [pairs[i] for i in range(0, 20, 2)] + [pairs[i] for i in range(1, 20, 2)]
+    if n > len(palette):
+        palette += [colormaps["turbo"](i / (n - len(palette))) for i in range(n - len(palette))]
+    from matplotlib.colors import to_hex
+
+    return [to_hex(c) for c in palette[:n]]
 
 
 _GAP_SERIES = (
@@ -280,7 +306,7 @@ _GAP_SERIES = (
 )
 
 
-def plot_logprob_gap(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+def plot_logprob_gap(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     series = [(k, label) for k, label in _GAP_SERIES if k in run.metrics]
     if not series:
         return None
@@ -297,45 +323,106 @@ def plot_logprob_gap(run: RunData, out_dir: Path, max_points: int) -> Path | Non
         scale = ": exactly 0, bit-identical"
     mark_events(ax, run.events)
     ax.set_xlabel("step")
-    _finish(ax, "log-prob gap")
-    fig.suptitle(f"{run.name}: trainer vs engine log-prob gap{scale}{bin_note(run.num_rows, max_points)}")
+    _finish(ax, "log-prob gap (nats per token)")
+    fig.suptitle(f"{run.name}: trainer vs engine log-prob gap per step{scale}{bin_note(run.num_rows, max_points)}")
     return _save(fig, out_dir / "logprob_gap.png")
 
 
+# Per metric key: the panel's title in words and its y-axis label (with the unit).
+METRIC_LABELS: dict[str, tuple[str, str]] = {
+    "train/loss": ("Training loss", "loss"),
+    "train/pg_loss": ("Policy-gradient loss", "loss"),
+    "train/entropy": ("Policy entropy", "nats per token"),
+    "train/grad_norm": ("Gradient norm (before clipping)", "L2 norm"),
+    "train/ppo_kl": ("KL between old and new policy (PPO)", "nats per token"),
+    "train/pg_clipfrac": ("Tokens clipped by the PPO ratio", "share of tokens"),
+    "rollout/tokens_per_s": ("Rollout throughput", "tokens/s"),
+    "sync/seconds": ("Weight sync time", "seconds"),
+    "timing/total_s": ("Step time", "seconds per step"),
+    "rollout/zero_std_group_share": ("Groups without learning signal (equal rewards)", "share of groups"),
+    "eval/accuracy_greedy": ("greedy accuracy", "share of prompts"),
+    "eval/pass_at_k": ("pass@k", "share of prompts"),
+    "eval/mean_at_k": ("mean reward of k samples", "mean reward"),
+}
+
+
+def metric_label(key: str) -> tuple[str, str]:
+    """(title, y label) of a metric key: words and unit where known, else the key with the unit its name says."""
+    if key in METRIC_LABELS:
+        return METRIC_LABELS[key]
+    name = key.rsplit("/", 1)[-1]
+    for suffix, unit in (("_s", "seconds"), ("_gb", "GB"), ("_share", "share"), ("_c", "degrees C")):
+        if name.endswith(suffix):
+            return key, unit
+    return key, "value"
+
+
+def flat_zero(values: np.ndarray) -> bool:
+    """Whether a series is 0 (or missing) at every step: a panel of it shows nothing but a line on the axis."""
+    finite = values[np.isfinite(values)]
+    return not (finite != 0).any()
+
+
 def _grid_plot(
-    run: RunData, keys: Sequence[str], out_path: Path, title: str, max_points: int, ncols: int = 2
+    run: RunData,
+    keys: Sequence[str],
+    out_path: Path,
+    title: str,
+    max_points: int,
+    ncols: int = 2,
+    smooth: int = SMOOTH_AUTO,
 ) -> Path | None:
-    keys = [k for k in keys if k in run.metrics]
+    present = [k for k in keys if k in run.metrics]
+    keys = [k for k in present if not flat_zero(run.metrics[k])]
+    zeros = [metric_label(k)[0] for k in present if k not in keys]
     if not keys:
         return None
     nrows = math.ceil(len(keys) / ncols)
     fig, axes = _figure(nrows, ncols, width=12.0, row_height=2.4, titled_axes=True)
     for i, (ax, key) in enumerate(zip(axes.flat, keys, strict=False)):
-        draw_series(ax, run.steps, run.metrics[key], label=key, max_points=max_points)
+        panel_title, ylabel = metric_label(key)
+        _draw(ax, run.steps, run.metrics[key], label=panel_title, max_points=max_points, smooth=smooth)
         mark_events(ax, run.events, legend=i == 0)
-        ax.set_title(key, fontsize=9)
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
         # The key is each panel's title: one legend, on the first panel, explains the events and the smoothing.
         if i == 0:
             ax.legend(loc="best", fontsize=7)
     for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
-    for ax in axes[-1, :]:
-        ax.set_xlabel("step")
-    fig.suptitle(f"{run.name}: {title}{bin_note(run.num_rows, max_points)}")
+    for column in axes.T:
+        # The lowest drawn panel of each column carries the step axis (a hidden last panel would take it along).
+        shown = [ax for ax in column if ax.get_visible()]
+        if shown:
+            shown[-1].xaxis.set_tick_params(labelbottom=True)
+            shown[-1].set_xlabel("step")
+    zero_note = f" (always 0, not drawn: {', '.join(zeros)})" if zeros else ""
+    fig.suptitle(f"{run.name}: {title}{bin_note(run.num_rows, max_points)}{zero_note}")
     return _save(fig, out_path)
+
+
+def _draw(ax: Axes, steps: np.ndarray, values: np.ndarray, *, smooth: int, **kw: Any) -> None:
+    """draw_series with the report's smoothing choice: SMOOTH_AUTO, 0 (raw only) or a window of N steps."""
+    if smooth == SMOOTH_AUTO:
+        draw_series(ax, steps, values, **kw)
+    elif smooth <= 1:
+        draw_series(ax, steps, values, smooth=False, **kw)
+    else:
+        draw_series(ax, steps, values, smooth_window=smooth, smooth_min_points=smooth + 1, **kw)
 
 
 TRAIN_KEYS = ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/ppo_kl", "train/pg_clipfrac")
 THROUGHPUT_KEYS = ("rollout/tokens_per_s", "sync/seconds", "timing/total_s", "rollout/zero_std_group_share")
 
 
-def plot_train(run: RunData, out_dir: Path, max_points: int) -> Path | None:
-    return _grid_plot(run, TRAIN_KEYS, out_dir / "train.png", "training diagnostics per step", max_points)
+def plot_train(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
+    title = "training diagnostics per step"
+    return _grid_plot(run, TRAIN_KEYS, out_dir / "train.png", title, max_points, smooth=smooth)
 
 
-def plot_throughput(run: RunData, out_dir: Path, max_points: int) -> Path | None:
-    title = "rollout throughput, weight sync, step time, groups without signal"
-    return _grid_plot(run, THROUGHPUT_KEYS, out_dir / "throughput.png", title, max_points)
+def plot_throughput(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
+    title = "throughput and time per step"
+    return _grid_plot(run, THROUGHPUT_KEYS, out_dir / "throughput.png", title, max_points, smooth=smooth)
 
 
 def pause_spans(run: RunData) -> list[tuple[float, float]]:
@@ -372,7 +459,7 @@ def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def plot_thermal(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+def plot_thermal(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     temps = run.keys_under("guard/peak_temp_c/")
     others = [k for k in run.keys_under("guard/") if k not in temps]
     has_events = any(e["kind"] in ("thermal_pause", "thermal_resume") for e in run.events)
@@ -394,7 +481,7 @@ def plot_thermal(run: RunData, out_dir: Path, max_points: int) -> Path | None:
             ax_i.broken_barh(
                 ranges, (0, 1), transform=ax_i.get_xaxis_transform(), color="tab:red", alpha=0.15, label=pause_label
             )
-    _finish(ax, "peak GPU temperature (C)")
+    _finish(ax, "peak GPU temperature (degrees C)")
     for key in others:
         draw_series(axes[1, 0], run.steps, run.metrics[key], label=key, max_points=max_points, smooth=False)
     if others:
@@ -405,33 +492,44 @@ def plot_thermal(run: RunData, out_dir: Path, max_points: int) -> Path | None:
     return _save(fig, out_dir / "thermal.png")
 
 
-def plot_async(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+def plot_async(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     # rollout.mode=async logs buffer/* (queue, in flight, staleness, drops, waits: docs/async.md).
     buffer = run.keys_under("buffer/")
     staleness = sorted(k for k in run.metrics if "staleness" in k and not k.startswith(("queue/", "buffer/")))
     keys = [*buffer, *run.keys_under("queue/"), *staleness]
-    return _grid_plot(run, keys, out_dir / "async.png", "rollout queue and staleness per step", max_points)
+    title = "rollout queue and staleness per step"
+    return _grid_plot(run, keys, out_dir / "async.png", title, max_points, smooth=smooth)
 
 
-def plot_eval(run: RunData, out_dir: Path, max_points: int) -> Path | None:
-    """The held-out figures at the steps evaluation ran (markers joined by lines; the other rows are NaN)."""
-    keys = [k for k in ("eval/accuracy_greedy", "eval/pass_at_k", "eval/mean_at_k") if k in run.metrics]
-    if not keys:
+def plot_eval(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
+    """The held-out figures at the steps evaluation ran (markers joined by lines; the other rows are NaN).
+
+    Accuracy and pass@k are shares of prompts (0 to 1); mean@k is a mean reward, on the reward's own scale, so
+    it gets a panel of its own.
+    """
+    shares = [k for k in ("eval/accuracy_greedy", "eval/pass_at_k") if k in run.metrics]
+    rewards = [k for k in ("eval/mean_at_k",) if k in run.metrics]
+    panels = [group for group in (shares, rewards) if group]
+    if not panels:
         return None
-    fig, axes = _figure(1, row_height=3.6)
-    ax = axes[0, 0]
-    for key in keys:
-        values = run.metrics[key]
-        at = np.isfinite(values)
-        ax.plot(run.steps[at] + 1, values[at], marker="o", ms=3, lw=1.2, label=key[len("eval/") :])
-    mark_events(ax, run.events)
-    ax.set_xlabel("after step")
-    _finish(ax, "share of held-out prompts")
+    ks = run.column("eval/k")
+    k = int(np.nanmax(ks)) if ks is not None and np.isfinite(ks).any() else None
+    fig, axes = _figure(len(panels), row_height=3.0)
+    for i, (ax, keys) in enumerate(zip(axes[:, 0], panels, strict=True)):
+        for key in keys:
+            values = run.metrics[key]
+            at = np.isfinite(values)
+            label = metric_label(key)[0]
+            label = label.replace("@k", f"@{k}").replace(" k ", f" {k} ") if k else label
+            ax.plot(run.steps[at], values[at], marker="o", ms=3, lw=1.2, label=label)
+        mark_events(ax, run.events, legend=i == 0)
+        _finish(ax, metric_label(keys[0])[1])
+    axes[-1, 0].set_xlabel("after step")
     fig.suptitle(f"{run.name}: evaluation on held-out prompts")
     return _save(fig, out_dir / "eval.png")
 
 
-def plot_memory(run: RunData, out_dir: Path, max_points: int) -> Path | None:
+def plot_memory(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     keys = run.keys_under("memory/")
     if not keys:
         return None
@@ -458,56 +556,71 @@ PLOTTERS = (
 )
 
 
-def plot_run(run: RunData, out_dir: Path, *, max_points: int = DEFAULT_MAX_POINTS) -> list[Path]:
-    """Writes every plot the run has data for into ``out_dir``; returns their paths."""
+def plot_run(
+    run: RunData, out_dir: Path, *, max_points: int = DEFAULT_MAX_POINTS, smooth: int = SMOOTH_AUTO
+) -> list[Path]:
+    """Writes every plot the run has data for into ``out_dir``; returns their paths.
+
+    ``smooth``: SMOOTH_AUTO (a moving mean over a 20th of the steps, on runs of 30 steps or more), 0 (raw
+    values only) or N (a moving mean over N steps drawn over the raw values).
+    """
     if max_points < 2:
         raise ValueError(f"max_points must be >= 2, got {max_points}")
-    paths = [plotter(run, out_dir, max_points) for plotter in PLOTTERS]
+    paths = [plotter(run, out_dir, max_points, smooth) for plotter in PLOTTERS]
     return [p for p in paths if p is not None]
 
 
 # -- several runs ------------------------------------------------------------------------------------
 
 COMPARE_PANELS = (
-    ("rollout/reward_mean", "reward (raw mean)"),
-    ("rollout/response_len_mean", "response tokens (mean)"),
-    ("rollout/truncated_share", "truncated share"),
-    ("train/train_rollout_logprob_abs_diff", "log-prob gap (mean |trainer - engine|)"),
-    ("timing/total_s", "seconds per step"),
-    ("rollout/tokens_per_s", "rollout tokens/s"),
+    ("rollout/reward_mean", "Mean reward", "reward"),
+    ("rollout/response_len_mean", "Mean response length", "tokens"),
+    ("rollout/truncated_share", "Truncated responses", "share of samples"),
+    ("train/train_rollout_logprob_abs_diff", "Log-prob gap, mean |trainer - engine|", "nats per token"),
+    ("timing/total_s", "Step time", "seconds per step"),
+    ("rollout/tokens_per_s", "Rollout throughput", "tokens/s"),
 )
 
 
-def plot_compare(runs: Sequence[RunData], out_dir: Path, *, max_points: int = DEFAULT_MAX_POINTS) -> list[Path]:
-    """One figure, one panel per metric, one curve per run (``compare.png``)."""
-    panels = [(k, label) for k, label in COMPARE_PANELS if any(k in r.metrics for r in runs)]
+def plot_compare(
+    runs: Sequence[RunData], out_dir: Path, *, max_points: int = DEFAULT_MAX_POINTS, smooth: int = SMOOTH_AUTO
+) -> list[Path]:
+    """One figure, one panel per metric, one curve per run (``compare.png``); all-zero metrics are left out."""
+    panels = [
+        (k, label, unit)
+        for k, label, unit in COMPARE_PANELS
+        if any((v := r.column(k)) is not None and not flat_zero(v) for r in runs)
+    ]
     if not panels:
         return []
     fig, axes = _figure(math.ceil(len(panels) / 2), 2, width=13.0, row_height=2.8, titled_axes=True)
     longest = max(r.num_rows for r in runs)
     # One smoothing window for all runs: per-run windows would smooth a longer run more and bias the eye.
-    window = max(2, longest // 20)
-    for i, (ax, (key, label)) in enumerate(zip(axes.flat, panels, strict=False)):
+    window = max(2, longest // 20) if smooth == SMOOTH_AUTO else smooth
+    colors = _colors(len(runs))
+    for i, (ax, (key, label, unit)) in enumerate(zip(axes.flat, panels, strict=False)):
         positive = False
         for j, run in enumerate(runs):
             values = run.column(key)
             if values is None or not run.num_rows:
                 continue
-            color = f"C{j % 10}"
             draw_series(
                 ax,
                 run.steps,
                 values,
                 label=run.name,
-                color=color,
+                color=colors[j],
                 max_points=max_points,
                 raw_alpha=0.15,
+                smooth=window > 1,
                 smooth_window=window,
+                smooth_min_points=_SMOOTH_MIN_POINTS if smooth == SMOOTH_AUTO else window + 1,
             )
             positive = positive or bool((values[np.isfinite(values)] > 0).any())
         if key == "train/train_rollout_logprob_abs_diff" and positive:
             _log_y(ax)
         ax.set_title(label, fontsize=10)
+        ax.set_ylabel(unit, fontsize=8)
         if i == 0:
             ax.legend(loc="best", fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:

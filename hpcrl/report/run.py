@@ -49,7 +49,9 @@ class RunData:
 
     @property
     def steps(self) -> np.ndarray:
-        return self.metrics["step"]
+        """The rows' steps as the console counts them: 1 is the first step, N of N the last (metrics.h5 stores
+        the 0-based step index, which ``load_metrics`` returns unchanged)."""
+        return self.metrics["step"] + 1
 
     @property
     def num_rows(self) -> int:
@@ -78,6 +80,11 @@ class RunData:
         return loaded if isinstance(loaded, dict) else {}
 
 
+def _counted_from_one(event: dict[str, Any]) -> dict[str, Any]:
+    """An event's step as the console and the rows count it (stored as the 0-based index, None outside a step)."""
+    return event if event["step"] is None else {**event, "step": int(event["step"]) + 1}
+
+
 def run_name(path: Path) -> str:
     """The run's name: its directory (the parent of ``metrics.h5``)."""
     return (path.parent if path.name == METRICS_FILE else path).name or str(path)
@@ -93,7 +100,7 @@ def load_run(path: str | os.PathLike[str], *, name: str | None = None) -> RunDat
                 name=name or run_name(metrics_path),
                 path=metrics_path,
                 metrics=load_metrics(metrics_path),
-                events=load_events(metrics_path),
+                events=[_counted_from_one(e) for e in load_events(metrics_path)],
                 attrs=load_root_attrs(metrics_path),
             )
         except StoreError as error:

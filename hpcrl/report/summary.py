@@ -199,7 +199,7 @@ class Summary:
 EVAL_METRICS: tuple[tuple[str, str], ...] = (
     ("eval/accuracy_greedy", "greedy accuracy"),
     ("eval/pass_at_k", "pass@k"),
-    ("eval/mean_at_k", "mean@k"),
+    ("eval/mean_at_k", "mean reward@k"),
 )
 
 
@@ -420,7 +420,7 @@ def _eval_lines(summary: Summary, max_rows: int = 12) -> list[str]:
     shown = rows if len(rows) <= max_rows else [*rows[: max_rows // 2], *rows[-max_rows // 2 :]]
     table = markdown_table(
         ["after step", *(label.replace("@k", f"@{k}") for _, label in EVAL_METRICS)],
-        [[str(step + 1), *(fmt(v.get(key)) for key, _ in EVAL_METRICS)] for step, v in shown],
+        [[str(step), *(fmt(v.get(key)) for key, _ in EVAL_METRICS)] for step, v in shown],
     )
     note = f" ({len(rows) - len(shown)} rows in the middle left out)" if len(shown) < len(rows) else ""
     return ["", f"## Evaluation: held-out prompts, {len(rows)} evaluations{note}", "", table]

@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def default_run_dir(config: str) -> str:
-    # The same default as `hpcrl run`, so that a run moves between local and Slurm unchanged.
-    return str(Path("runs") / Path(config).stem)
+def default_run_dir(name: str) -> str:
+    # The same default as `hpcrl run` (runs/<name:>), so that a run moves between local and Slurm unchanged.
+    from hpcrl.store.run_dir import default_run_dir as run_dir_of
+
+    return str(run_dir_of(name))
 
 
 def sbatch_command_line(
@@ -45,7 +47,7 @@ def render_sbatch(
     cfg = load_run_config(config, list(overrides))
     return render_script(
         cfg,
-        run_dir or default_run_dir(config),
+        run_dir or default_run_dir(cfg.name),
         command_line=sbatch_command_line(config, overrides, output, run_dir, base_dir),
         script_path=output,
         base_dir=base_dir,
@@ -106,7 +108,7 @@ def _submit(ns: argparse.Namespace) -> int:
         from hpcrl.slurm.executor import submit_run
     except ImportError as exc:
         raise RuntimeError(f"hpcrl submit needs submitit ({exc}); install it: pip install 'hpcrl[slurm]'") from exc
-    run_dir = Path(ns.run_dir or default_run_dir(ns.config)).absolute()
+    run_dir = Path(ns.run_dir or default_run_dir(cfg.name)).absolute()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         job = submit_run(cfg, run_dir)  # sync.transport=mpi: it checks the MPI launch (errors, warnings)

@@ -11,6 +11,9 @@ Layout of one file, format version 2, an HDF5 file that any HDF5 reader opens:
   cache, which is what makes a durable checkpoint as fast as ``torch.save`` (benchmarks/checkpoint_cpu_2026-12.md).
 - ``/crc32``: uint32 per tensor, the CRC-32 of its name, dtype, shape and bytes (``zlib.crc32``, 3-4 GB/s
   a core and computed in threads beside the write and the read; BLAKE2b at 0.8 GB/s was the bottleneck).
+NNNNNNNN in the file name is the number of steps done, as the console counts them (``step 32/300`` is saved
+as ``step_00000032.h5``); the root attribute ``step`` is the step's index (31), as in metrics.h5. Files named
+by the index, as runs written before that convention have them, still load and resume.
 - root attributes: ``hpcrl_format="checkpoint"``, ``hpcrl_format_version``, ``step``, ``num_tensors``,
   ``state_json`` (the JSON-serialisable state: data cursor, weight version, RNG, optimizer skeleton...) and
   ``tensors_json`` (per tensor, in blob order: name, torch dtype name, shape, byte offset in the blob).
@@ -120,7 +123,26 @@ class Checkpoint:
 
 
 def checkpoint_path(ckpt_dir: str | os.PathLike[str], step: int) -> Path:
-    return Path(ckpt_dir) / f"step_{step:08d}.h5"
+    """The file of the checkpoint after step index `step`, named by the steps done (step + 1), as the console
+    counts: `step 32/300` is saved as step_00000032.h5."""
+    return Path(ckpt_dir) / f"step_{step + 1:08d}.h5"
+
+
+def checkpoint_file(ckpt_dir: str | os.PathLike[str], step: int) -> Path:
+    """The existing file of step index `step`: its name, or the name of runs written before checkpoints were
+    named by the steps done (step_NNNNNNNN.h5 with the step index), so that those runs still resume."""
+    path = checkpoint_path(ckpt_dir, step)
+    old = Path(ckpt_dir) / f"step_{step:08d}.h5"
+    return path if path.exists() or not old.exists() else old
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
+    """The step index a checkpoint file records, from its header alone (None if it cannot be read)."""
+    try:
+        with h5py.File(path, "r") as f:
+            return int(f.attrs["step"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
@@ -482,12 +504,14 @@ def _fsync_path(path: Path) -> None:
 
 def _prune(ckpt_dir: Path, step: int, keep_last: int) -> None:
     found = _checkpoints_by_step(ckpt_dir)
-    older = [path for path_step, path in found if path_step < step]
-    abandoned = [path for path_step, path in found if path_step > step]
+    # File names count steps done (step + 1); a name written before that convention (the step index) sorts
+    # before every checkpoint saved after resuming from it, so the comparison holds for both.
+    older = [path for steps_done, path in found if steps_done < step + 1]
+    abandoned = [path for steps_done, path in found if steps_done > step + 1]
     if abandoned:
         warnings.warn(
             f"deleting checkpoints {[path.name for path in abandoned]} in {ckpt_dir}: their steps are after the step "
-            f"{step} just saved, so they belong to a timeline the run abandoned when it resumed from an earlier one",
+            f"{step + 1} just saved: they belong to a timeline the run abandoned when it resumed from an earlier one",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -563,7 +587,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if len(tensors) != num_tensors:
         raise CheckpointError(f"checkpoint {path} holds {len(tensors)} tensors instead of {num_tensors}; it is corrupt")
     name_match = _NAME.fullmatch(path.name)
-    if name_match and int(name_match.group(1)) != step:
+    if name_match and int(name_match.group(1)) not in (step + 1, step):  # steps done, or the older step index
         raise CheckpointError(f"checkpoint {path} records step {step}, which does not match its file name")
     return Checkpoint(step=step, tensors=tensors, state=state, path=path)
 

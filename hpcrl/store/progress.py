@@ -35,7 +35,18 @@ def _fmt_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+_verbose = False
+
+
+def set_verbose(on: bool) -> None:
+    """Show the details a run prints only on request (`hpcrl run --verbose`), for this process."""
+    global _verbose
+    _verbose = on
+
+
 class Progress:
+    """The run's log: one line per step, numbered as the user counts (step 1 is the first, N of N the last)."""
+
     def __init__(self, num_steps: int, *, stream: TextIO = sys.stdout) -> None:
         self.num_steps = num_steps
         self.stream = stream
@@ -43,6 +54,11 @@ class Progress:
 
     def say(self, message: str) -> None:
         print(message, file=self.stream, flush=True)
+
+    def detail(self, message: str) -> None:
+        """A line for debugging a run (e.g. the first prompt's token ids), printed only under --verbose."""
+        if _verbose:
+            self.say(message)
 
     def step(self, step: int, m: dict[str, float]) -> None:
         self.step_seconds.append(m["timing/total_s"])
@@ -66,7 +82,8 @@ class Progress:
             k = int(m["eval/k"])
             self.say(
                 f"eval after step {step + 1}: greedy accuracy {m['eval/accuracy_greedy']:.3f} | pass@{k} "
-                f"{m['eval/pass_at_k']:.3f} | mean@{k} {m['eval/mean_at_k']:.3f} ({m['eval/num_prompts']:.0f} prompts)"
+                f"{m['eval/pass_at_k']:.3f} | mean reward@{k} {m['eval/mean_at_k']:.3f} "
+                f"({m['eval/num_prompts']:.0f} prompts)"
             )
 
 

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import stat
 import time
@@ -436,3 +437,36 @@ def keep_unreadable(ckpt_dir: Path, names: list[str]) -> dict[str, Path]:
             os.replace(ckpt_dir / name, target)
             kept[name] = target
     return kept
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def default_run_dir(name: str) -> Path:
+    """`runs/<the config's name:>`: where `hpcrl run`, `sbatch` and `submit` put a run without --run-dir."""
+    if not _RUN_NAME.fullmatch(name):
+        raise RunDirError(
+            f"name: {name!r} cannot name a run directory (runs/<name>): use letters, digits, '.', '_' and '-' "
+            "(not starting with '.' or '-'), or pass --run-dir DIR"
+        )
+    return Path("runs") / name
+
+
+def finished_run(run_dir: Path, cfg: Any) -> int | None:
+    """The steps done when `run_dir` already holds the checkpoint of all cfg.num_steps steps, else None.
+
+    Decided before any engine or trainer starts: only the newest checkpoint's header is read, and its tensors
+    are verified (loaded) only when that header says the run is done. A different config is refused here as a
+    resume would refuse it.
+    """
+    from hpcrl.store.checkpoint import checkpoint_step, list_checkpoints
+
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    newest = checkpoint_step(checkpoints[-1]) if checkpoints else None
+    if cfg.num_steps <= 0 or newest is None or newest + 1 < cfg.num_steps:
+        return None
+    point = find_resume_point(run_dir / "checkpoints")
+    if point.checkpoint is None or point.checkpoint.step + 1 < cfg.num_steps:
+        return None  # the newest is damaged: the run resumes from an older one
+    check_can_continue(inspect_run_dir(run_dir), cfg, resume_step=point.checkpoint.step, unreadable={})
+    return int(point.checkpoint.step) + 1

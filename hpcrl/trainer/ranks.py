@@ -193,7 +193,7 @@ def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr:
     """Ranks 1..N-1: build the trainer as rank 0 does (the settings of run_dir/config.yaml) and obey rank 0."""
     import signal
 
-    from hpcrl.store.checkpoint import checkpoint_path, load_checkpoint
+    from hpcrl.store.checkpoint import checkpoint_file, load_checkpoint
 
     # Slurm signals every task on preemption; rank 0 alone decides when to stop (it checkpoints first
     # and then sends STOP), so a follower must not die of TERM/USR2 in the middle of a collective.
@@ -208,7 +208,7 @@ def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr:
         if cmd == CMD_STOP:
             break
         if cmd == CMD_LOAD:
-            ckpt = load_checkpoint(checkpoint_path(run_dir / "checkpoints", extra))
+            ckpt = load_checkpoint(checkpoint_file(run_dir / "checkpoints", extra))
             trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
         elif cmd == CMD_WEIGHTS:
             trainer.push_weights(full=bool(extra))

@@ -30,8 +30,9 @@ from hpcrl.guard import (
     TraceError,
     TraceSource,
     TraceWriter,
+    open_source,
 )
-from hpcrl.guard.source import GpuInfo, Sample
+from hpcrl.guard.source import GpuInfo, Sample, nvidia_gpus_present
 from hpcrl.run_config import load_run_config
 from hpcrl.store import load_events, load_metrics
 
@@ -373,12 +374,23 @@ def test_a_replayed_trace_pauses_a_real_run_exactly_as_the_policy_says(workdir: 
 
 
 @no_nvml
-def test_without_nvml_auto_runs_on_with_one_warning(workdir: Path) -> None:
+@pytest.mark.skipif(nvidia_gpus_present(), reason="tests a CPU-only machine")
+def test_cpu_run_says_nothing_about_nvml(workdir: Path) -> None:
     out = hpcrl("run", "qs.yaml", *RUN, "num_steps=1", "--run-dir", "r", cwd=workdir)
     assert out.returncode == 0, out.stdout + out.stderr
-    warnings = [line for line in (out.stdout + out.stderr).splitlines() if "guard" in line]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: thermal guard off: NVML is not available")
+    said = (out.stdout + out.stderr).lower()
+    assert "nvml" not in said and "guard" not in said, said
     assert not any(k.startswith("guard/") for k in load_metrics(workdir / "r" / "metrics.h5"))
+
+
+@no_nvml
+def test_without_nvml_auto_warns_once_where_gpus_are_present() -> None:
+    said: list[str] = []
+    assert open_source(GuardConfig(), warn=said.append, gpus_present=lambda: True) is None
+    assert len(said) == 1 and said[0].startswith("warning: thermal guard off: NVML is not available"), said
+    said.clear()
+    assert open_source(GuardConfig(), warn=said.append, gpus_present=lambda: False) is None
+    assert said == []  # a CPU-only machine: nothing to watch, nothing to say
 
 
 @no_nvml

@@ -237,9 +237,10 @@ def test_a_run_trains_on_bos_prompts_in_mini_batches_over_two_ranks(workdir: Pat
     (workdir / "oddlen.py").write_text(reward)
     common = [*SMALL, "num_steps=1", "sft.num_steps=0", f"model.path={model}", "reward.fn=oddlen:reward"]
     common += ["train.global_batch_size=4", "train.ppo_epochs=2", "train.lr=3e-2"]  # batch 4 x 4 = 16: 8 steps
-    one = hpcrl("run", "qs.yaml", *common, "--run-dir", "one", cwd=workdir)
-    hpcrl("run", "qs.yaml", *common, "train.num_ranks=2", "--run-dir", "two", cwd=workdir)
+    one = hpcrl("run", "qs.yaml", *common, "--run-dir", "one", "--verbose", cwd=workdir)
+    two = hpcrl("run", "qs.yaml", *common, "train.num_ranks=2", "--run-dir", "two", cwd=workdir)
     assert "first prompt of this step as token ids (data.add_special_tokens=auto): [1, " in one.stdout
+    assert "token ids" not in two.stdout  # shown only under --verbose
     first = next(line for line in one.stdout.splitlines() if line.startswith("first prompt of this step"))
     assert "<|im_start|>" in first  # the BOS, by name
     a, b = load_metrics(workdir / "one" / "metrics.h5"), load_metrics(workdir / "two" / "metrics.h5")

@@ -102,23 +102,23 @@ def test_unreadable_checkpoints_are_kept_never_deleted(workdir: Path) -> None:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated, as by a full disk
     before = snapshot(workdir / "r")
     message = refused(run(workdir, "r"))
-    assert "2 unreadable checkpoint(s)" in message and "step_00000001.h5" in message
+    assert "2 unreadable checkpoint(s)" in message and "step_00000002.h5" in message
     assert snapshot(workdir / "r") == before
 
     # Only the newest is damaged: the run resumes from the older one and rewrites step 2 under a name
     # that would overwrite the damaged file; that file is kept aside instead.
     ok(run(workdir, "s"))
-    damaged = (workdir / "s" / "checkpoints" / "step_00000001.h5").read_bytes()[:1000]
-    (workdir / "s" / "checkpoints" / "step_00000001.h5").write_bytes(damaged)
+    damaged = (workdir / "s" / "checkpoints" / "step_00000002.h5").read_bytes()[:1000]
+    (workdir / "s" / "checkpoints" / "step_00000002.h5").write_bytes(damaged)
     out = ok(run(workdir, "s"))
-    assert "kept as step_00000001.h5.unreadable" in out.stdout
-    assert (workdir / "s" / "checkpoints" / "step_00000001.h5.unreadable").read_bytes() == damaged
+    assert "kept as step_00000002.h5.unreadable" in out.stdout
+    assert (workdir / "s" / "checkpoints" / "step_00000002.h5.unreadable").read_bytes() == damaged
     assert sorted(p.name for p in (workdir / "s" / "checkpoints").iterdir()) == [
-        "step_00000000.h5",
         "step_00000001.h5",
-        "step_00000001.h5.unreadable",
+        "step_00000002.h5",
+        "step_00000002.h5.unreadable",
     ]
-    assert load_checkpoint(workdir / "s" / "checkpoints" / "step_00000001.h5").step == 1
+    assert load_checkpoint(workdir / "s" / "checkpoints" / "step_00000002.h5").step == 1
 
 
 # ----- item 3: one writer per run dir -----

@@ -84,7 +84,7 @@ def test_summary_numbers_equal_the_hdf5_datasets(real_run: Path, report: ReportR
         i = int(np.argmax(np.abs(np.diff(reward))))
         assert summary.reward_change is not None
         assert (summary.reward_change.step, summary.reward_change.change) == (
-            int(steps[i + 1]),
+            int(steps[i + 1]) + 1,  # the report counts steps from 1, as the console
             reward[i + 1] - reward[i],
         )
         kinds = f["events/kind"].asstr()[:].tolist()
@@ -148,7 +148,7 @@ def test_report_while_the_writer_still_writes(real_run: Path, tmp_path: Path) ->
                 writer.event("engine_restarted", step=step, detail={"engine": 0}, time_s=2412.0)
             # The report reads while the writer holds the file open in SWMR mode; plots only at the end (time).
             result = build_report(run_dir, out, plots=step == NUM_STEPS + 7)
-            assert result.summary.num_rows == step + 1 and result.summary.last_step == step
+            assert result.summary.num_rows == step + 1 and result.summary.last_step == step + 1
         events = load_events(run_dir / "metrics.h5")
     summary = result.summary
     assert summary.status.startswith("not finished")
@@ -163,7 +163,7 @@ def test_report_while_the_writer_still_writes(real_run: Path, tmp_path: Path) ->
     assert summary.extras["memory/train_gb (max)"] == pytest.approx(1.5 + 0.01 * (NUM_STEPS + 7))
     # Rows of the original run lack the guard keys: they read as NaN and are skipped, not zeros.
     assert np.isnan(load_metrics(run_dir / "metrics.h5")["guard/paused_s"][:NUM_STEPS]).all()
-    assert pause_spans(load_run(run_dir)) == [(7.5, 9.5)]  # steps 8 and 9, shaded in thermal.png
+    assert pause_spans(load_run(run_dir)) == [(8.5, 10.5)]  # steps 9 and 10 (indexes 8, 9), shaded in thermal.png
     assert {p.name for p in result.plots} == RUN_PLOTS | OPTIONAL_PLOTS
     for path in result.plots:
         assert_png_has_content(path)
@@ -286,10 +286,10 @@ def test_compare_runs_side_by_side(real_run: Path, tmp_path: Path, capsys: pytes
             assert comparison.means[row][i] == pytest.approx(float(value), rel=1e-12), (path, row)
             cells = table_row(markdown, row[0], row[1])
             assert cells[2 + i] == fmt(comparison.means[row][i])
-        assert comparison.reward_changes[i] == largest_step_change(steps, reward)
+        assert comparison.reward_changes[i] == largest_step_change(steps + 1, reward)
     jump = comparison.reward_changes[1]
-    assert jump is not None and jump.step == NUM_STEPS and jump.change == pytest.approx(2.0)
-    assert table_row(markdown, "largest step-to-step reward change")[3] == f"{fmt(jump.change, signed=True)} at step 6"
+    assert jump is not None and jump.step == NUM_STEPS + 1 and jump.change == pytest.approx(2.0)
+    assert table_row(markdown, "largest step-to-step reward change")[3] == f"{fmt(jump.change, signed=True)} at step 7"
 
 
 def table_row(markdown: str, *first_cells: str) -> list[str]:

@@ -37,7 +37,7 @@ def test_run_writes_metrics_checkpoints_and_model(workdir: Path) -> None:
         assert key in m and np.isfinite(m[key]).all(), key
     # Engine and trainer share one model implementation; the decode-vs-forward gap is float noise.
     assert m["train/train_rollout_logprob_abs_diff"].max() < 1e-4
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003.h5", "step_00000005.h5"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004.h5", "step_00000006.h5"]
     kinds = [e["kind"] for e in load_events(run / "metrics.h5")]
     assert kinds[0] == "sft_done" and kinds[-1] == "finished"
     from transformers import AutoModelForCausalLM
@@ -76,14 +76,14 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(workdir: Path) -> None:
     hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
     first = load_metrics(workdir / "r" / "metrics.h5")
-    latest = workdir / "r" / "checkpoints" / "step_00000005.h5"
+    latest = workdir / "r" / "checkpoints" / "step_00000006.h5"
     data = bytearray(latest.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 64):
         data[i] ^= 0xFF
     latest.write_bytes(bytes(data))
     out = hpcrl("run", "qs.yaml", *[*SMALL[1:], "num_steps=7"], "--run-dir", "r", cwd=workdir)
-    assert "warning" in out.stdout and "step_00000005.h5" in out.stdout
-    assert "resumed from" in out.stdout and "step_00000003.h5" in out.stdout
+    assert "warning" in out.stdout and "step_00000006.h5" in out.stdout
+    assert "resumed from" in out.stdout and "step_00000004.h5" in out.stdout
     second = load_metrics(workdir / "r" / "metrics.h5")
     assert list(second["step"]) == list(range(7))
     assert_same_metrics(first, {k: v[:6] for k, v in second.items()})

@@ -100,14 +100,14 @@ def test_a_failed_background_write_surfaces_on_the_next_call_and_keeps_the_previ
         monkeypatch.setattr(os, "pwritev", disk_full)
         weights.w += 1
         state.save(1, {"train/loss": 0.4})  # fails in the background
-        with pytest.raises(StateError, match=r"could not write checkpoint .*step_00000001.h5 \(No space left"):
+        with pytest.raises(StateError, match=r"could not write checkpoint .*step_00000002.h5 \(No space left"):
             state.save(2, {"train/loss": 0.3})
         state.save(3, {"train/loss": 0.2})
-        with pytest.raises(StateError, match=r"step_00000003.h5 \(No space left on device\).*free space and rerun"):
+        with pytest.raises(StateError, match=r"step_00000004.h5 \(No space left on device\).*free space and rerun"):
             state.close()
         monkeypatch.undo()
-    assert [p.name for p in ckpt_dir.iterdir()] == ["step_00000000.h5"]  # no temporary file either
-    assert torch.equal(load_checkpoint(ckpt_dir / "step_00000000.h5").tensors["model/w"], torch.zeros(1000))
+    assert [p.name for p in ckpt_dir.iterdir()] == ["step_00000001.h5"]  # no temporary file either
+    assert torch.equal(load_checkpoint(ckpt_dir / "step_00000001.h5").tensors["model/w"], torch.zeros(1000))
 
 
 def test_a_corrupt_newest_checkpoint_is_kept_aside_and_the_previous_resumed(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_a_corrupt_newest_checkpoint_is_kept_aside_and_the_previous_resumed(tmp_
             weights.w += 1
             state.save(step, {"train/loss": 1.0 - step})
         state.close()
-    newest = ckpt_dir / "step_00000001.h5"
+    newest = ckpt_dir / "step_00000002.h5"
     with h5py.File(newest, "r") as f:
         w_offset = f["blob"].id.get_offset()  # model/w is the first tensor of the blob
     data = bytearray(newest.read_bytes())
@@ -129,8 +129,8 @@ def test_a_corrupt_newest_checkpoint_is_kept_aside_and_the_previous_resumed(tmp_
         state, weights = make_state(tmp_path, store, said)
         assert state.resume(find_resume_point(ckpt_dir)) == 0
     assert weights.loaded is not None and torch.equal(weights.loaded, torch.ones(1000))
-    assert "skipping checkpoint step_00000001.h5: tensor 'model/w'" in said[0] and "fails its checksum" in said[0]
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000000.h5", "step_00000001.h5.unreadable"]
+    assert "skipping checkpoint step_00000002.h5: tensor 'model/w'" in said[0] and "fails its checksum" in said[0]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000001.h5", "step_00000002.h5.unreadable"]
 
 
 def test_a_process_killed_during_a_background_write_loses_nothing(tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_a_process_killed_during_a_background_write_loses_nothing(tmp_path: Path
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     ckpt_dir = tmp_path / "checkpoints"
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == [".step_00000001.h5.tmp", "step_00000000.h5"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [".step_00000002.h5.tmp", "step_00000001.h5"]
     said: list[str] = []
     with (
         pytest.warns(RuntimeWarning, match="not closed by its last writer"),
@@ -172,9 +172,9 @@ def test_a_process_killed_during_a_background_write_loses_nothing(tmp_path: Path
     ):
         state, weights = make_state(tmp_path, store, said)
         assert state.resume(find_resume_point(ckpt_dir)) == 0
-    assert said[0] == "removed a partial checkpoint left by an interrupted write: .step_00000001.h5.tmp"
+    assert said[0] == "removed a partial checkpoint left by an interrupted write: .step_00000002.h5.tmp"
     assert weights.loaded is not None and torch.equal(weights.loaded, torch.zeros(1000))
-    assert [p.name for p in ckpt_dir.iterdir()] == ["step_00000000.h5"]
+    assert [p.name for p in ckpt_dir.iterdir()] == ["step_00000001.h5"]
 
 
 def test_the_torch_trainer_hands_over_copies_that_training_does_not_change(tiny_model_dir: Path) -> None:

@@ -72,7 +72,7 @@ def test_every_dtype_round_trips_bit_exact(tmp_path: Path) -> None:
     state = {"data_cursor": 17, "weight_version": 4, "lr": 1e-5, "name": "run ☃", "nested": [None, True, {"a": []}]}
     state["params"] = list(range(20_000))  # over HDF5's 64 KiB compact attribute limit
     path = save_checkpoint(tmp_path / "checkpoints", 7, tensors, state)
-    assert path == tmp_path / "checkpoints" / "step_00000007.h5"
+    assert path == tmp_path / "checkpoints" / "step_00000008.h5"  # named by the steps done: index 7 is step 8
     checkpoint = load_checkpoint(path)
     assert checkpoint.step == 7 and checkpoint.path == path and checkpoint.state == state
     assert set(checkpoint.tensors) == set(tensors)
@@ -249,11 +249,11 @@ def test_a_write_that_fails_part_way_through_the_blob_keeps_the_previous_checkpo
     save_checkpoint(tmp_path, 1, tensors, {"step": 1})
     with monkeypatch.context() as patch:
         log = WriteLog(patch, fail_direct_at=4)  # the disk fills up after three chunks
-        with pytest.raises(CheckpointError, match=r"step_00000002.h5 \(No space left on device\).*previous checkpoint"):
+        with pytest.raises(CheckpointError, match=r"step_00000003.h5 \(No space left on device\).*previous checkpoint"):
             save_checkpoint(tmp_path, 2, {k: v + 1 for k, v in tensors.items()}, {"step": 2})
     assert len(log.direct()) >= 3
-    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001.h5"]  # no temporary file either
-    checkpoint = load_checkpoint(tmp_path / "step_00000001.h5")
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000002.h5"]  # no temporary file either
+    checkpoint = load_checkpoint(tmp_path / "step_00000002.h5")
     assert checkpoint.state == {"step": 1}
     for name, tensor in tensors.items():
         assert_bit_equal(checkpoint.tensors[name], tensor)
@@ -392,7 +392,7 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 0, tensors | {"model/w": torch.ones(2)}, {"rng": state})
     draw_random_values()
 
-    checkpoint = load_checkpoint(tmp_path / "step_00000000.h5")
+    checkpoint = load_checkpoint(tmp_path / "step_00000001.h5")
     restore_rng_state(checkpoint.tensors, checkpoint.state["rng"])
     assert draw_random_values() == expected
 
@@ -401,7 +401,7 @@ def test_corrupt_latest_checkpoint_is_skipped_with_a_warning(tmp_path: Path) -> 
     weights = {"w": torch.arange(4096, dtype=torch.float32)}
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, weights, {"step": step}, keep_last=3)
-    flipped, truncated = tmp_path / "step_00000003.h5", tmp_path / "step_00000002.h5"
+    flipped, truncated = tmp_path / "step_00000004.h5", tmp_path / "step_00000003.h5"
     with h5py.File(flipped, "r") as f:
         data_offset_bytes = f["blob"].id.get_offset()
     with open(flipped, "r+b") as f:
@@ -422,8 +422,8 @@ def test_corrupt_latest_checkpoint_is_skipped_with_a_warning(tmp_path: Path) -> 
     assert torch.equal(checkpoint.tensors["w"], weights["w"])
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2
-    assert "step_00000003.h5" in messages[0] and "checksum" in messages[0]
-    assert "step_00000002.h5" in messages[1] and "truncated" in messages[1]
+    assert "step_00000004.h5" in messages[0] and "checksum" in messages[0]
+    assert "step_00000003.h5" in messages[1] and "truncated" in messages[1]
 
 
 def test_load_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
@@ -438,16 +438,16 @@ def test_load_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "metrics.h5")
     assert issubclass(CheckpointError, StoreError)
     path = save_checkpoint(tmp_path / "ckpt", 5, {}, {})
-    renamed = path.rename(path.with_name("step_00000006.h5"))
+    renamed = path.rename(path.with_name("step_00000009.h5"))  # neither 6 (steps done) nor 5 (index)
     with pytest.raises(CheckpointError, match="records step 5"):
         load_checkpoint(renamed)
 
 
 def test_temp_files_of_killed_writers_are_ignored_and_removed(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {})
-    leftover = tmp_path / ".step_00000002.h5.tmp"
+    leftover = tmp_path / ".step_00000003.h5.tmp"
     leftover.write_bytes(b"half a checkpoint")
-    assert list_checkpoints(tmp_path) == [tmp_path / "step_00000001.h5"]
+    assert list_checkpoints(tmp_path) == [tmp_path / "step_00000002.h5"]
     latest = load_latest_checkpoint(tmp_path)
     assert latest is not None and latest.step == 1
     assert remove_temp_files(tmp_path) == [leftover]
@@ -456,26 +456,26 @@ def test_temp_files_of_killed_writers_are_ignored_and_removed(tmp_path: Path) ->
     # A save that fails part way leaves neither a temporary nor a final file.
     with pytest.raises(TypeError, match="'bad' has layout"):
         save_checkpoint(tmp_path, 2, {"w": torch.ones(2), "bad": torch.eye(2).to_sparse()}, {})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.h5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002.h5"]
 
 
 def test_keep_last_and_abandoned_timeline(tmp_path: Path) -> None:
     for step in range(1, 6):
         save_checkpoint(tmp_path, step, {"w": torch.full((2,), float(step))}, {}, keep_last=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.h5", "step_00000005.h5"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000005.h5", "step_00000006.h5"]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         save_checkpoint(tmp_path, 6, {}, {}, keep_last=0)
     # Resumed from step 4 (say step 5 failed its checksum): the next save at step 5 replaces it, and a save
     # at an earlier step removes the later checkpoints of the abandoned timeline.
-    with pytest.warns(RuntimeWarning, match=r"\['step_00000004.h5', 'step_00000005.h5'\].*abandoned"):
+    with pytest.warns(RuntimeWarning, match=r"\['step_00000005.h5', 'step_00000006.h5'\].*abandoned"):
         save_checkpoint(tmp_path, 3, {"w": torch.zeros(2)}, {}, keep_last=1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003.h5"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.h5"]
     assert load_latest_checkpoint(tmp_path / "missing") is None
 
 
 def test_large_step_numbers_sort_numerically(tmp_path: Path) -> None:
-    for step in (99_999_999, 100_000_000):
+    for step in (99_999_998, 99_999_999):  # steps done 99,999,999 and 100,000,000
         save_checkpoint(tmp_path, step, {}, {}, keep_last=5)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_99999999.h5", "step_100000000.h5"]
     latest = load_latest_checkpoint(tmp_path)
-    assert latest is not None and latest.step == 100_000_000
+    assert latest is not None and latest.step == 99_999_999

@@ -131,7 +131,7 @@ def _edit_config(**changes: object) -> Callable[[Path], None]:
 def _nan_checkpoint(d: Path) -> None:
     from hpcrl.store.checkpoint import load_checkpoint, save_checkpoint
 
-    path = d / "r" / "checkpoints" / "step_00000001.h5"
+    path = d / "r" / "checkpoints" / "step_00000002.h5"
     ckpt = load_checkpoint(path)
     name = next(k for k in ckpt.tensors if k.startswith("model/") and k.endswith("down_proj.weight"))
     ckpt.tensors[name].view(-1)[0] = float("nan")
@@ -298,7 +298,7 @@ def cases() -> list[Case]:
             run("num_steps=3"),
             (0,),
             base_run=True,
-            setup=lambda d: _flip_bytes(d / "r" / "checkpoints" / "step_00000001.h5"),
+            setup=lambda d: _flip_bytes(d / "r" / "checkpoints" / "step_00000002.h5"),
             may_change=("r/",),
         )
     )
