@@ -1,7 +1,7 @@
 """ThermalGuard: watch the node's GPUs in a background thread, hold the run while one is too hot.
 
-Built by RunSession after the engines start; the driver calls `guard.wait_until_cool(step)` at the top of
-every step and merges `guard.metrics()` into the step's row.
+Built by the run (hpcrl/run/run.py `Run`) after the engines start; the driver calls `guard.wait_until_cool(step)` at
+the top of every step and merges `guard.metrics()` into the step's row.
 
 How a pause works
 1. The polling thread feeds every reading to ThermalPolicy. On `pause` it only records the pause: work

@@ -1,4 +1,4 @@
-"""RunSession: every part of a run built from its config, wired, and closed in order.
+"""Run: every part of a run built from its config, wired, and closed in order.
 
 It validates what the user gave before anything is written to the run dir, claims the dir (one writer),
 starts the trainer ranks and the engines where the placement says, and registers every stateful part with
@@ -68,10 +68,10 @@ RECOMPUTE_HIDDEN_KEYS = (
     "train/train_rollout_logprob_max_abs_diff",
     "train/train_rollout_kl",
 )
-"""NaN under engine.logprobs: recompute (see RunSession.train)."""
+"""NaN under engine.logprobs: recompute (see Run.train)."""
 
 
-class RunSession:
+class Run:
     trainer: RankGroup
     store: MetricsWriter
     state: RunState
@@ -98,7 +98,7 @@ class RunSession:
         preemption.watch()
 
     # ----- setup -----
-    def __enter__(self) -> RunSession:
+    def __enter__(self) -> Run:
         try:
             self._build()
         except BaseException:
@@ -300,7 +300,7 @@ class RunSession:
         shown = self.formatter.describe(ids)
         # The run's log (stdout; the job's output file under Slurm), not an event: it is shown again by every
         # resumed process, and the event log keeps the run's own history.
-        self.progress.detail(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
+        self.progress.say(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
 
     def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
         """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""
