@@ -15,10 +15,16 @@ from hpcrl.run.run import Run
 from hpcrl.run_config import RunConfig
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import StepTimer
+from hpcrl.store.run_dir import finished_run
 
 
 def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restart: bool = False) -> int:
     """Run (or resume) GRPO in run_dir (restart: move its old contents aside first); returns the exit code."""
+    # A finished local run stops here, before any engine or trainer starts. In a Slurm job the other tasks
+    # (engine nodes, trainer ranks) wait for this process's done marker and STOP, so it takes the usual way.
+    if slurm is None and not restart and finished_run(run_dir, cfg) is not None:
+        print(f"{run_dir} already finished all {cfg.num_steps} steps; use a new --run-dir for a new run", flush=True)
+        return 0
     with Run(cfg, run_dir, slurm=slurm, restart=restart) as r:
         start = r.resume()
         if start >= cfg.num_steps > 0:

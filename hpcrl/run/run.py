@@ -300,7 +300,7 @@ class Run:
         shown = self.formatter.describe(ids)
         # The run's log (stdout; the job's output file under Slurm), not an event: it is shown again by every
         # resumed process, and the event log keeps the run's own history.
-        self.progress.say(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
+        self.progress.detail(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
 
     def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
         """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""
