@@ -4,7 +4,7 @@ A key's doc is the string literal written under its field (an attribute docstrin
 `ast`, so the dataclasses stay the one place a key is described. `iter_keys(RunConfig)` walks the nested
 sections in declaration order; `render_markdown` writes docs/reference/config.md:
 
-    python -m hpcrl.config_doc > docs/reference/config.md
+    hpcrl config reference > docs/reference/config.md
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import ast
 import dataclasses
 import inspect
 import json
-import sys
 import textwrap
 import types
 import typing
@@ -23,7 +22,7 @@ from typing import Any, Literal, Union
 
 __all__ = ["REGENERATE", "KeyDoc", "format_type", "format_value", "iter_keys", "render_markdown"]
 
-REGENERATE = "python -m hpcrl.config_doc > docs/reference/config.md"
+REGENERATE = "hpcrl config reference > docs/reference/config.md"
 REQUIRED = "required"
 
 
@@ -178,12 +177,9 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def render_markdown(cls: type | None = None) -> str:
-    """docs/reference/config.md: one table per top-level section, the top-level keys first."""
-    if cls is None:
-        from hpcrl.run_config import RunConfig
-
-        cls = RunConfig
+def render_markdown(cls: type) -> str:
+    """docs/reference/config.md for the run config class `cls`: one table per top-level section, the top-level keys
+    first. (The class is passed in: this module sits below the configs it documents.)"""
     keys = list(iter_keys(cls))
     lines = [
         "# Configuration reference",
@@ -222,11 +218,3 @@ def _table(rows: list[KeyDoc]) -> list[str]:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
-
-
-def main() -> None:
-    sys.stdout.write(render_markdown())
-
-
-if __name__ == "__main__":
-    main()

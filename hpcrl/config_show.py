@@ -138,3 +138,18 @@ def add_config_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--diff", action="store_true", help="only the keys whose value differs from the default")
     p.add_argument("--no-docs", action="store_true", help="leave out the doc comments")
     p.set_defaults(func=_show)
+    ref = config.add_parser(
+        "reference",
+        help="print the configuration reference (every key's type, default and doc) as Markdown",
+        description="Print docs/reference/config.md as the code defines it: one table per section.",
+        epilog="example: hpcrl config reference > docs/reference/config.md",
+    )
+    ref.set_defaults(func=_reference)
+
+
+def _reference(args: argparse.Namespace) -> int:
+    from hpcrl.config_doc import render_markdown
+    from hpcrl.run_config import RunConfig
+
+    sys.stdout.write(render_markdown(RunConfig))
+    return 0

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hpcrl import preemption
-from hpcrl.config import dump_yaml
+from hpcrl.config import dump_yaml, to_dict
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
@@ -145,7 +145,9 @@ class Run:
                 "git_commit": git_commit(),
                 "hosts": json.dumps([socket.gethostname()]),
             },
-            sinks=open_sinks(cfg, self.run_dir, say=say),  # logging: TensorBoard, wandb, MLflow
+            sinks=open_sinks(  # logging: TensorBoard, wandb, MLflow
+                cfg.logging, self.run_dir, run_name=cfg.name, params=to_dict(cfg), draw_plots=_report_plots, say=say
+            ),
         )
         self._closers.append(self.store.close)
         self.trainer = self.placement.start_trainer(model_dir)
@@ -384,3 +386,10 @@ class Run:
             except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
                 self.progress.say(f"warning during shutdown: {err}")
         self._closers = []
+
+
+def _report_plots(run_dir: Path) -> list[Path]:
+    """The report's plots, drawn for the logging sinks at the end of the run."""
+    from hpcrl.report.build import build_report
+
+    return list(build_report(run_dir).plots)

@@ -63,7 +63,7 @@ def test_every_run_config_key_is_in_the_reference() -> None:
 
 
 def test_reference_is_current() -> None:
-    if REFERENCE.read_text() != render_markdown():
+    if REFERENCE.read_text() != render_markdown(RunConfig):
         raise AssertionError(
             "docs/reference/config.md differs from the config dataclasses (a key's type, default or docstring "
             f"changed); regenerate it from the repository root with `{REGENERATE}`"

@@ -165,12 +165,6 @@ def test_no_module_cycle() -> None:
     assert not cycles, f"modules that import each other at import time: {cycles}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two cycles remain: engine/embedded/serve_cli.py -> config_doc.py -> run_config.py (render_markdown's "
-    "default) -> engine/config.py, and store/sinks/base.py -> report/ and run_config.py; strict: once they are "
-    "broken this test passes and the marker must go",
-)
 def test_no_package_cycle() -> None:
     graph = package_graph()
     cycles = strongly_connected(graph)

@@ -260,7 +260,7 @@ def test_a_missing_client_is_named_with_the_pip_command_at_start_up(
     cfg = make_config({"logging.wandb": {"project": "p", "mode": "offline"}, "logging.tensorboard": True})
     assert missing_clients(cfg.logging) == {"wandb": "wandb"}
     said: list[str] = []
-    sinks = open_sinks(cfg, tmp_path, say=said.append)
+    sinks = open_sinks(cfg.logging, tmp_path, run_name=cfg.name, params={}, say=said.append)
     assert sinks is not None and sinks.names == ["tensorboard"]
     sinks.close()
     assert (

@@ -9,14 +9,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from hpcrl.store.sinks.config import LoggingConfig
 
-if TYPE_CHECKING:
-    from hpcrl.run_config import RunConfig
-
 Say = Callable[[str], None]
+DrawPlots = Callable[[Path], Sequence[Path]]
+"""Draws a run dir's report plots and returns their files (the caller passes hpcrl.report's: store sits below it)."""
 
 IDS_FILE = "sinks.json"
 """RUN_DIR/sinks.json: the wandb and MLflow run ids, so that a resumed run continues the same runs there."""
@@ -64,11 +63,17 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def open_sinks(cfg: RunConfig, run_dir: Path, *, say: Say = _stderr) -> SinkSet | None:
-    """The sinks of `cfg.logging` for the run in `run_dir`; None when none is configured (or none opened)."""
-    from hpcrl.config import to_dict
-
-    logging = cfg.logging
+def open_sinks(
+    logging: LoggingConfig,
+    run_dir: Path,
+    *,
+    run_name: str,
+    params: Mapping[str, Any],
+    draw_plots: DrawPlots | None = None,
+    say: Say = _stderr,
+) -> SinkSet | None:
+    """The sinks of the `logging` section for the run `run_name` in `run_dir`, with the resolved config `params` as
+    run parameters and, at the end, `draw_plots`' images; None when none is configured (or none opened)."""
     if not logging.enabled:
         return None
     missing = missing_clients(logging)
@@ -87,13 +92,13 @@ def open_sinks(cfg: RunConfig, run_dir: Path, *, say: Say = _stderr) -> SinkSet 
         module_path, class_name = target.split(":")
         try:
             sink_class = getattr(importlib.import_module(module_path), class_name)
-            sinks.append(sink_class(logging, run_dir=run_dir, run_name=cfg.name, params=to_dict(cfg), ids=ids))
+            sinks.append(sink_class(logging, run_dir=run_dir, run_name=run_name, params=dict(params), ids=ids))
         except Exception as err:  # noqa: BLE001 - a sink must never stop the run
             say(f"warning: logging.{name} could not start ({type(err).__name__}: {err}); this run goes on without it")
     if not sinks:
         return None
     _write_ids(run_dir, ids)
-    return SinkSet(sinks, run_dir=run_dir, say=say)
+    return SinkSet(sinks, run_dir=run_dir, draw_plots=draw_plots, say=say)
 
 
 def _read_ids(run_dir: Path) -> dict[str, str]:
@@ -116,9 +121,12 @@ def _write_ids(run_dir: Path, ids: Mapping[str, str]) -> None:
 class SinkSet:
     """Fans rows and events out to the sinks; a sink that raises is reported once and dropped."""
 
-    def __init__(self, sinks: Sequence[Sink], *, run_dir: Path, say: Say = _stderr) -> None:
+    def __init__(
+        self, sinks: Sequence[Sink], *, run_dir: Path, draw_plots: DrawPlots | None = None, say: Say = _stderr
+    ) -> None:
         self.sinks = list(sinks)
         self.run_dir = run_dir
+        self.draw_plots = draw_plots
         self.say = say
         self._last_step: int | None = None
 
@@ -153,15 +161,13 @@ class SinkSet:
 
     def _send_report(self, step: int | None) -> None:
         """The report's plots (RUN_DIR/report/*.png) as images, when hpcrl[report] is installed."""
-        if not self.sinks:
+        if not self.sinks or self.draw_plots is None:
             return
         if not has_module("matplotlib"):
             self.say(f"note: the report's plots are not sent to {', '.join(self.names)}: {pip_command(['report'])}")
             return
         try:
-            from hpcrl.report.build import build_report
-
-            plots = build_report(self.run_dir).plots
+            plots = self.draw_plots(self.run_dir)
         except Exception as err:  # noqa: BLE001 - the run is done; its record is metrics.h5
             self.say(f"warning: the report's plots could not be drawn for the sinks ({type(err).__name__}: {err})")
             return
