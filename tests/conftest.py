@@ -53,7 +53,10 @@ class EngineProcess:
 def start_engine(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float = 60.0) -> EngineProcess:
     port = free_port()
     log_path = log_dir / f"engine-{port}.log"
-    cmd = [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port), *extra]
+    # --no-deterministic: requests join a running batch, as a serving engine's do (a test may still pass
+    # --deterministic after it: the last flag wins); a run's engines keep engine.deterministic's default.
+    cmd = [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port),
+           "--no-deterministic", *extra]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
