@@ -25,7 +25,7 @@ from hpcrl.store.checkpoint import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters
-from hpcrl.trainer.loss import hidden_token_logprobs, support_token_logprobs, token_logprobs
+from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
 from hpcrl.trainer.parallel import apply_compile, parallelize
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard

@@ -1,4 +1,4 @@
-"""Unit tests for hpcrl.trainer.loss and hpcrl.trainer.advantage (CPU, hand-computed cases)."""
+"""Unit tests for hpcrl.trainer.loss, hpcrl.trainer.logprobs and hpcrl.trainer.advantage (CPU, hand-computed cases)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from hpcrl.trainer.advantage import group_advantages, zero_std_group_share
-from hpcrl.trainer.loss import (
-    PolicyLossConfig,
-    logprob_mismatch,
-    policy_loss,
-    sft_loss,
-    support_mask_from_ids,
-    token_logprobs,
-)
+from hpcrl.trainer.logprobs import support_mask_from_ids, token_logprobs
+from hpcrl.trainer.loss import PolicyLossConfig, logprob_mismatch, policy_loss, sft_loss
 
 # The CI box has two shared cores; intra-op threading only adds contention for tensors this small.
 torch.set_num_threads(1)

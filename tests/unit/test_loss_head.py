@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.trainer.loss import hidden_token_logprobs, token_logprobs
+from hpcrl.trainer.logprobs import hidden_token_logprobs, token_logprobs
 
 # fp32 on the CPU: the fused head sums the same products in other GEMM shapes, so agreement is to rounding.
 LP_ATOL = 1e-5

@@ -31,7 +31,7 @@ from hpcrl.store.checkpoint import load_latest_checkpoint
 from hpcrl.trainer.advantage import batch_from_groups
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.loss import support_mask_from_ids, support_token_logprobs, token_logprobs
+from hpcrl.trainer.logprobs import support_mask_from_ids, support_token_logprobs, token_logprobs
 from hpcrl.trainer.torch_backend import TorchTrainer
 from tests.support import SMALL, assert_same_metrics, final_weights, hpcrl, run_ranks, signal_at_step
 

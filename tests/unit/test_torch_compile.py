@@ -15,7 +15,7 @@ def test_a_grpo_step_compiled_trains_like_the_eager_one(tiny_model_dir: Path) ->
     import torch
     import torch._dynamo
 
-    from hpcrl.trainer import loss
+    from hpcrl.trainer import logprobs
     from hpcrl.trainer.batch import TrainBatch
     from hpcrl.trainer.config import TrainConfig
     from hpcrl.trainer.torch_backend import TorchTrainer
@@ -27,7 +27,7 @@ def test_a_grpo_step_compiled_trains_like_the_eager_one(tiny_model_dir: Path) ->
     batch = TrainBatch.from_sequences(prompts, responses, advantages=torch.randn(4, generator=gen).tolist())
     results = {}
     torch._dynamo.reset()
-    loss._compiled_chunk_fns.clear()
+    logprobs._compiled_chunk_fns.clear()
     for compiled in (False, True):
         cfg = TrainConfig(
             lr=1e-3, micro_batch_size=4, entropy_coef=0.01, logprob_chunk_tokens=16, torch_compile=compiled
@@ -40,7 +40,7 @@ def test_a_grpo_step_compiled_trains_like_the_eager_one(tiny_model_dir: Path) ->
         results[compiled] = (metrics, grads, list(trainer.model.state_dict()), graphs)
     (eager, eager_g, eager_names, eager_graphs), (comp, comp_g, comp_names, comp_graphs) = results[False], results[True]
     assert eager_graphs == 0 and comp_graphs >= 3  # a decoder layer, the chunk statistics, the chunk gradient
-    assert set(loss._compiled_chunk_fns) == {"stats", "grad"}
+    assert set(logprobs._compiled_chunk_fns) == {"stats", "grad"}
     assert comp_names == eager_names
     assert comp["loss"] == pytest.approx(eager["loss"], rel=1e-5, abs=1e-7)
     assert comp["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4) and eager["grad_norm"] > 0

@@ -71,7 +71,7 @@ def _measure(model_dir: Path, prompts: list[list[int]], ns: argparse.Namespace) 
     from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
     from hpcrl.model import invariant
     from hpcrl.model.hf import load_model, parse_dtype
-    from hpcrl.trainer.loss import token_logprobs
+    from hpcrl.trainer.logprobs import token_logprobs
 
     device, dtype = torch.device(ns.device), parse_dtype(ns.dtype)
 

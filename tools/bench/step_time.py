@@ -112,7 +112,8 @@ def baseline_step_times(model_dir: Path, ns: argparse.Namespace) -> dict[str, li
     from hpcrl.rollout.rewards import arithmetic_answer
     from hpcrl.trainer.advantage import group_advantages
     from hpcrl.trainer.batch import TrainBatch
-    from hpcrl.trainer.loss import PolicyLossConfig, policy_loss, token_logprobs
+    from hpcrl.trainer.logprobs import token_logprobs
+    from hpcrl.trainer.loss import PolicyLossConfig, policy_loss
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[ns.dtype]
     tok = AutoTokenizer.from_pretrained(model_dir)

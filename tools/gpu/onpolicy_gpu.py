@@ -115,7 +115,7 @@ def _trainer_logprobs(model, reqs: list, micro_batch: int, *, batch_invariant: b
     import torch
 
     from hpcrl.model import invariant
-    from hpcrl.trainer.loss import token_logprobs
+    from hpcrl.trainer.logprobs import token_logprobs
 
     device = next(model.parameters()).device
     out = []

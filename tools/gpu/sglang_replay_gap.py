@@ -47,7 +47,7 @@ def main() -> int:
     from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, TinyModelSpec, init_shaped_model, init_tiny_model
     from hpcrl.samples.support import TokenSupports
     from hpcrl.trainer.batch import TrainBatch
-    from hpcrl.trainer.loss import support_token_logprobs, token_logprobs
+    from hpcrl.trainer.logprobs import support_token_logprobs, token_logprobs
 
     ns.out.mkdir(parents=True, exist_ok=True)
     model_dir = ns.workdir / ("tiny" if ns.tiny else "qwen3-0.6b-shape")

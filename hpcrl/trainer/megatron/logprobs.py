@@ -1,6 +1,6 @@
 """Token log-probs and entropy from vocab-parallel logits: each TP rank holds logits for a slice of the vocabulary.
 
-The same chunked scheme as `hpcrl.trainer.loss.token_logprobs` (never a full fp32 copy of [B*T, V/tp],
+The same chunked scheme as `hpcrl.trainer.logprobs.token_logprobs` (never a full fp32 copy of [B*T, V/tp],
 backward recomputes the softmax block by block), with the row statistics completed across TP: one
 all-reduce of the max, one of (sum of exp, target logit, sum of exp x logit). The backward needs no
 communication: a rank's logits get `onehot - p` (and the entropy term) from the global log-sum-exp.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hpcrl.trainer.loss import _finite_or_zero, _row_blocks, check_head_args, hidden_token_logprobs
+from hpcrl.trainer.logprobs import _finite_or_zero, _row_blocks, check_head_args, hidden_token_logprobs
 
 
 def _block(rows: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
@@ -182,7 +182,7 @@ class _VocabParallelSupportLogprobs(torch.autograd.Function):
 def vocab_parallel_support_logprobs(
     logits: Tensor, targets: Tensor, support_ids: Tensor, support_valid: Tensor, *, vocab_start: int, group: Any
 ) -> tuple[Tensor, Tensor]:
-    """`hpcrl.trainer.loss.support_token_logprobs` (temperature 1) from this rank's logits [B, T, V/tp].
+    """`hpcrl.trainer.logprobs.support_token_logprobs` (temperature 1) from this rank's logits [B, T, V/tp].
 
     `support_ids` / `support_valid` [B, T, K] are the whole support (every rank gets the same); each rank
     scores the ids of its own slice. A position without a support gets log-prob 0 and entropy 0."""
@@ -202,7 +202,7 @@ def vocab_parallel_hidden_logprobs(
     `hidden` [N, h] @ W.T, W split by rows over the TP `group`: this rank holds `weight` = W[vocab_start :
     vocab_start + V/tp] (rows >= `vocab_size` are padding and never enter the softmax).
 
-    The fused head of `hpcrl.trainer.loss.hidden_token_logprobs`, vocab-parallel: per chunk of `chunk_tokens`
+    The fused head of `hpcrl.trainer.logprobs.hidden_token_logprobs`, vocab-parallel: per chunk of `chunk_tokens`
     rows, one GEMM gives this rank's [chunk, V/tp] logits, which are reduced at once to row statistics (max,
     sum of exp, sum of exp x logit, target logit); one all-reduce of the max and one of the rescaled sums
     complete them over TP. Backward recomputes each chunk's logits and sums `hidden`'s gradient over TP (the
