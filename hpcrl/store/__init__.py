@@ -13,16 +13,12 @@ if TYPE_CHECKING:
     from hpcrl.store.checkpoint import (
         Checkpoint,
         CheckpointError,
-        capture_rng_state,
         checkpoint_path,
-        flatten_state,
         list_checkpoints,
         load_checkpoint,
         load_latest_checkpoint,
         remove_temp_files,
-        restore_rng_state,
         save_checkpoint,
-        unflatten_state,
     )
     from hpcrl.store.metrics import (
         MetricsWriter,
@@ -33,6 +29,7 @@ if TYPE_CHECKING:
         load_root_attrs,
         metric_path,
     )
+    from hpcrl.store.state_tree import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 
 _MODULE_OF = {
     "MetricsWriter": "metrics",
@@ -44,16 +41,16 @@ _MODULE_OF = {
     "metric_path": "metrics",
     "Checkpoint": "checkpoint",
     "CheckpointError": "checkpoint",
-    "capture_rng_state": "checkpoint",
+    "capture_rng_state": "state_tree",
     "checkpoint_path": "checkpoint",
-    "flatten_state": "checkpoint",
+    "flatten_state": "state_tree",
     "list_checkpoints": "checkpoint",
     "load_checkpoint": "checkpoint",
     "load_latest_checkpoint": "checkpoint",
     "remove_temp_files": "checkpoint",
-    "restore_rng_state": "checkpoint",
+    "restore_rng_state": "state_tree",
     "save_checkpoint": "checkpoint",
-    "unflatten_state": "checkpoint",
+    "unflatten_state": "state_tree",
 }
 
 __all__ = [

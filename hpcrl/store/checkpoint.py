@@ -27,51 +27,35 @@ complete unless the storage damaged it afterwards, which the checksums catch on 
 
 from __future__ import annotations
 
-import errno
 import gc
 import hashlib
-import itertools
 import json
 import math
 import os
-import random
 import re
 import sys
-import threading
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import h5py
 import numpy as np
 import torch
 
+from hpcrl.store.direct_io import DIRECT_ALIGN, fsync_path, preadv_all, pwritev_all, read_direct, write_blob
 from hpcrl.store.metrics import FORMAT_ATTR, FORMAT_VERSION_ATTR, StoreError
 
 CHECKPOINT_FORMAT = "checkpoint"
 CHECKPOINT_FORMAT_VERSION = 2
 _V1_TENSORS_FORMAT_VERSION = 1
 _BLOB, _CRC32 = "blob", "crc32"
-# Linux accepts at most IOV_MAX (1024) buffers in one pwritev/preadv.
-_IOV_MAX = 1024
 # Tensors are read in runs of about this many bytes, so that each run's checksums overlap the next run's read.
 _RUN_BYTES = 64 << 20
-# The blob goes to the disk around the page cache (O_DIRECT) in chunks of this many bytes, copied through
-# staging buffers aligned to _DIRECT_ALIGN bytes (what O_DIRECT asks of addresses, offsets and lengths), with
-# this many writes in flight: one at a time, 16 MiB chunks wrote 0.43 GB in 0.19-0.38 s here; four of 8 MiB
-# in 0.20-0.22 s, the disk's speed (what fsync of the same bytes from the page cache takes).
-_DIRECT_CHUNK_BYTES = 8 << 20
-_DIRECT_WRITES_IN_FLIGHT = 4
-_DIRECT_ALIGN = 4096
-# One set of staging buffers kept between writes (32 MiB): fresh memory costs a page fault per 4 KiB, and on
-# this VM, whose idle memory goes back to the host, a fresh set doubled the write's time.
-_spare_buffers: list[list[memoryview]] = []
-_spare_buffers_lock = threading.Lock()
 # Two checksum threads: the machines this runs on have at least two cores, and more do not speed up a
 # write bound by the disk.
 _CHECKSUM_THREADS = 2
@@ -203,7 +187,7 @@ def save_checkpoint(
     try:
         _write_file(temp_path, step, host, state_json)
         os.replace(temp_path, final_path)
-        _fsync_path(ckpt_dir)
+        fsync_path(ckpt_dir)
     except (OSError, RuntimeError) as error:
         temp_path.unlink(missing_ok=True)
         failure = _first_line(error)
@@ -261,10 +245,10 @@ def _write_file(path: Path, step: int, tensors: Mapping[str, torch.Tensor], stat
         fd = os.open(path, os.O_WRONLY)
         try:
             if blob_offset is not None:
-                _write_blob(path, fd, views, blob_offset)
+                write_blob(path, fd, views, blob_offset)
             if crc_offset is not None:
                 table = np.array([future.result() for future in crcs], dtype="<u4")
-                _pwritev_all(fd, [table.view(np.uint8).data], crc_offset)
+                pwritev_all(fd, [table.view(np.uint8).data], crc_offset)
             # Without fsync a node crash after the rename can leave a complete-looking name with missing data.
             os.fsync(fd)
         finally:
@@ -279,7 +263,7 @@ def _write_layout(
     # v108 lets attributes exceed 64 KiB (an optimizer skeleton of a large model can).
     # The alignment puts the blob (and any other object of 4 KiB or more) at a multiple of 4 KiB, so that its
     # bytes can be written with O_DIRECT; readers need nothing of it.
-    f = h5py.File(path, "w", libver="v108", alignment_threshold=_DIRECT_ALIGN, alignment_interval=_DIRECT_ALIGN)
+    f = h5py.File(path, "w", libver="v108", alignment_threshold=DIRECT_ALIGN, alignment_interval=DIRECT_ALIGN)
     fd = f.id.get_vfd_handle()
     try:
         f.attrs[FORMAT_ATTR] = CHECKPOINT_FORMAT
@@ -304,7 +288,7 @@ def _write_layout(
 
 def _allocated_dataset(f: h5py.File, name: str, dtype: h5py.h5t.TypeID, length: int) -> h5py.h5d.DatasetID:
     # Contiguous and allocated at creation, so the dataset has a file offset; never filled, so HDF5 writes
-    # none of its bytes: they come from _pwritev_all.
+    # none of its bytes: they come from pwritev_all.
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_layout(h5py.h5d.CONTIGUOUS)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
@@ -322,144 +306,6 @@ def _runs(views: list[memoryview]) -> list[tuple[int, int]]:
             runs.append((first, index + 1))
             first, run_bytes = index + 1, 0
     return runs
-
-
-def _write_blob(path: Path, fd: int, views: list[memoryview], offset: int) -> None:
-    """Writes the tensor bytes at ``offset``: the whole 4 KiB blocks with O_DIRECT where the file system takes
-    it, the rest (a last partial block, or everything) through ``fd`` and the page cache.
-
-    Why O_DIRECT: a checkpoint is fsynced at once, so the page cache only adds a copy and the allocation of a
-    page per 4 KiB; on a VM whose idle memory went back to the host, that allocation made a buffered write
-    of 0.43 GB take 0.7-7 s against 0.5-0.9 s around the cache. fsync still follows:
-    O_DIRECT data may sit in the disk's volatile cache, and the file's extents are metadata.
-    """
-    nbytes = sum(view.nbytes for view in views)
-    direct_nbytes = nbytes // _DIRECT_ALIGN * _DIRECT_ALIGN if offset % _DIRECT_ALIGN == 0 else 0
-    written = _pwrite_direct(path, fd, views, offset, direct_nbytes) if direct_nbytes else 0
-    _pwritev_all(fd, _advance([view for view in views if view.nbytes], written), offset + written)
-
-
-def _open_direct(path: Path, flags: int) -> int | None:
-    """``path`` opened with O_DIRECT, or None where the file system refuses it (EINVAL at open)."""
-    try:
-        return os.open(path, flags | os.O_DIRECT)
-    except OSError as error:
-        if error.errno == errno.EINVAL:
-            return None
-        raise
-
-
-def _pwrite_direct(path: Path, fd: int, views: list[memoryview], offset: int, nbytes: int) -> int:
-    """Writes the first ``nbytes`` (a multiple of _DIRECT_ALIGN) of ``views`` with O_DIRECT, copying them into
-    staging buffers while threads write the others; returns the bytes written, 0 if the file system refuses
-    O_DIRECT (tmpfs before Linux 6.6, some network file systems: EINVAL)."""
-    direct_fd = _open_direct(path, os.O_WRONLY)
-    if direct_fd is None:
-        return 0
-    buffers: list[memoryview] = []
-    try:
-        chunk_nbytes = min(_DIRECT_CHUNK_BYTES, nbytes)
-        buffers = _take_buffers()
-        writes: list[Future[None] | None] = [None] * len(buffers)
-        pending = [view for view in views if view.nbytes]
-        with ThreadPoolExecutor(len(buffers), thread_name_prefix="hpcrl-write") as writer:
-            for index, start in enumerate(range(0, nbytes, chunk_nbytes)):
-                slot = index % len(buffers)
-                if (write := writes[slot]) is not None:
-                    write.result()  # its buffer is free again
-                buffer = buffers[slot][: min(chunk_nbytes, nbytes - start)]
-                pending = _gather(pending, buffer)
-                if index == 0:
-                    if not _first_direct_write(direct_fd, fd, buffer, offset):
-                        return 0
-                    continue
-                writes[slot] = writer.submit(_write_chunk, direct_fd, fd, buffer, offset + start)
-            for write in writes:
-                if write is not None:
-                    write.result()
-    finally:
-        os.close(direct_fd)
-        with _spare_buffers_lock:  # the writes using them are done: the executor waited for them
-            if buffers and not _spare_buffers:
-                _spare_buffers.append(buffers)
-    return nbytes
-
-
-def _take_buffers() -> list[memoryview]:
-    with _spare_buffers_lock:
-        buffers = _spare_buffers.pop() if _spare_buffers else []
-    if len(buffers) == _DIRECT_WRITES_IN_FLIGHT and buffers[0].nbytes >= _DIRECT_CHUNK_BYTES:
-        return buffers
-    return [_aligned_buffer(_DIRECT_CHUNK_BYTES) for _ in range(_DIRECT_WRITES_IN_FLIGHT)]
-
-
-def _first_direct_write(direct_fd: int, fd: int, buffer: memoryview, offset: int) -> bool:
-    # A file system may take O_DIRECT at open and refuse its first write (alignment stricter than 4 KiB).
-    try:
-        _write_chunk(direct_fd, fd, buffer, offset)
-    except OSError as error:
-        if error.errno == errno.EINVAL:
-            return False
-        raise
-    return True
-
-
-def _write_chunk(direct_fd: int, fd: int, buffer: memoryview, offset: int) -> None:
-    written = os.pwritev(direct_fd, [buffer], offset)
-    if written < buffer.nbytes:  # a short direct write (a size limit): the rest goes through the page cache
-        _pwritev_all(fd, [buffer[max(written, 0) :]], offset + max(written, 0))
-
-
-def _aligned_buffer(nbytes: int) -> memoryview:
-    raw = np.empty(nbytes + _DIRECT_ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _DIRECT_ALIGN
-    return raw[start : start + nbytes].data
-
-
-def _gather(views: list[memoryview], buffer: memoryview) -> list[memoryview]:
-    """Copies the first ``buffer.nbytes`` bytes of ``views`` into ``buffer``; returns the views left."""
-    filled = 0
-    for view in views:
-        size = min(view.nbytes, buffer.nbytes - filled)
-        buffer[filled : filled + size] = view[:size]
-        filled += size
-        if filled == buffer.nbytes:
-            break
-    return _advance(views, filled)
-
-
-def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    pending = [view for view in views if view.nbytes]
-    while pending:
-        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
-        if written <= 0:
-            raise OSError(f"pwritev wrote {written} bytes at offset {offset}")
-        offset += written
-        pending = _advance(pending, written)
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> bool:
-    """Fills ``views`` from ``offset`` on; False if the file ends first (a truncated checkpoint)."""
-    pending = [view for view in views if view.nbytes]
-    while pending:
-        read = os.preadv(fd, pending[:_IOV_MAX], offset)
-        if read <= 0:
-            return False
-        offset += read
-        pending = _advance(pending, read)
-    return True
-
-
-def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """The part of ``views`` left after the first ``nbytes`` bytes (a short pwritev/preadv)."""
-    index = 0
-    while index < len(views) and nbytes >= views[index].nbytes:
-        nbytes -= views[index].nbytes
-        index += 1
-    rest = views[index:]
-    if rest and nbytes:
-        rest[0] = rest[0][nbytes:]
-    return rest
 
 
 def _abandon(f: h5py.File, fd: int) -> None:
@@ -492,14 +338,6 @@ def _first_line(error: BaseException) -> str:
         return error.strerror
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(ckpt_dir: Path, step: int, keep_last: int) -> None:
@@ -636,12 +474,12 @@ def _read_blob(
             def check(run: int) -> None:
                 checks.append(pool.submit(verify, *runs[run]))
 
-            num_read = _read_direct(path, views, blob_offset, runs, check) if end and blob_offset is not None else 0
+            num_read = read_direct(path, views, blob_offset, runs, check) if end and blob_offset is not None else 0
             # The runs the direct reads did not finish (all of them where the file system refuses O_DIRECT).
             for run in range(num_read, len(runs)):
                 first, last = runs[run]
                 start = blob_offset + entries[first]["offset"] if blob_offset is not None else 0
-                if not _preadv_all(fd, views[first:last], start):
+                if not preadv_all(fd, views[first:last], start):
                     raise CheckpointError(
                         f"checkpoint {path} ends inside its tensor data; the file is truncated or corrupt"
                     )
@@ -652,78 +490,6 @@ def _read_blob(
     if failures:
         raise CheckpointError(failures[0])
     return tensors
-
-
-def _read_direct(
-    path: Path, views: list[memoryview], blob_offset: int, runs: list[tuple[int, int]], check: Callable[[int], None]
-) -> int:
-    """Fills ``views`` from the blob with O_DIRECT reads into staging buffers, four in flight, calling
-    ``check(run)`` as each run is complete; returns the number of runs filled: 0 where the file system refuses
-    O_DIRECT, fewer than all after a short read (the end of a truncated file), for the caller to read again
-    through the page cache.
-
-    Why: a read through the page cache allocates a page per 4 KiB, which on this VM cost as much as the disk
-    (benchmarks/checkpoint_cpu_2026-12.md), and the blob is not in the cache anyway: it was written around it.
-    """
-    direct_fd = _open_direct(path, os.O_RDONLY)
-    if direct_fd is None:
-        return 0
-    run_ends = list(itertools.accumulate(sum(view.nbytes for view in views[first:last]) for first, last in runs))
-    nbytes = run_ends[-1]
-    skip = blob_offset % _DIRECT_ALIGN  # files written before the blob was aligned
-    start = blob_offset - skip
-    positions = range(0, -(-(skip + nbytes) // _DIRECT_ALIGN) * _DIRECT_ALIGN, _DIRECT_CHUNK_BYTES)
-    end = positions.stop
-    buffers: list[memoryview] = []
-    num_checked = 0
-    try:
-        buffers = _take_buffers()
-        with ThreadPoolExecutor(len(buffers), thread_name_prefix="hpcrl-read") as reader:
-            reads: list[tuple[memoryview, Future[int]]] = []
-
-            def submit(index: int) -> None:
-                buffer = buffers[index % len(buffers)][: min(_DIRECT_CHUNK_BYTES, end - positions[index])]
-                reads.append((buffer, reader.submit(os.preadv, direct_fd, [buffer], start + positions[index])))
-
-            for index in range(min(len(buffers), len(positions))):
-                submit(index)
-            pending, filled = [view for view in views if view.nbytes], 0
-            for index in range(len(positions)):
-                buffer, read = reads[index]
-                try:
-                    num_bytes_read = read.result()
-                except OSError as error:
-                    if index == 0 and error.errno == errno.EINVAL:
-                        return 0
-                    raise
-                data = buffer[skip if index == 0 else 0 : max(num_bytes_read, 0)][: nbytes - filled]
-                pending = _scatter(data, pending)
-                filled += data.nbytes
-                while num_checked < len(runs) and run_ends[num_checked] <= filled:
-                    check(num_checked)
-                    num_checked += 1
-                if num_bytes_read < buffer.nbytes or filled == nbytes:
-                    break
-                if index + len(buffers) < len(positions):
-                    submit(index + len(buffers))  # into the buffer just emptied
-    finally:
-        os.close(direct_fd)
-        with _spare_buffers_lock:
-            if buffers and not _spare_buffers:
-                _spare_buffers.append(buffers)
-    return num_checked
-
-
-def _scatter(data: memoryview, views: list[memoryview]) -> list[memoryview]:
-    """Copies ``data`` into the head of ``views``; returns the views left to fill."""
-    copied = 0
-    for view in views:
-        if copied == data.nbytes:
-            break
-        size = min(view.nbytes, data.nbytes - copied)
-        view[:size] = data[copied : copied + size]
-        copied += size
-    return _advance(views, copied)
 
 
 def _v1_digest(dtype_name: str, array: np.ndarray) -> str:
@@ -765,122 +531,3 @@ def load_latest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> Checkpoint | Non
         except CheckpointError as error:
             warnings.warn(f"skipping checkpoint {path}: {error}", RuntimeWarning, stacklevel=2)
     return None
-
-
-# -- structured state without pickle ------------------------------------------------------------------
-
-
-def flatten_state(nested: object, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
-    """Splits a nested structure into tensors and a JSON skeleton that ``unflatten_state`` reverses.
-
-    Handles dicts (keys str, int, float, bool or None, kept with their type), lists, tuples, tensors, str,
-    int, float, bool and None: e.g. ``optimizer.state_dict()``, whose int keys must stay ints. Tensor names
-    are ``prefix`` followed by the path of the tensor: prefix ``"optimizer/"`` gives ``"optimizer/state/0/exp_avg"``.
-    NumPy scalars come back as Python numbers; a tensor reached twice comes back as two tensors.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-
-    def encode(value: object, path: list[str]) -> Any:
-        if isinstance(value, torch.Tensor):
-            name = prefix + "/".join(quote(part, safe="") for part in path) if path else prefix or "value"
-            base, counter = name, 1
-            while name in tensors:  # keys 0 and "0" share a path
-                name, counter = f"{base}~{counter}", counter + 1
-            tensors[name] = value
-            return {"tensor": name}
-        if value is None or isinstance(value, str | bool | int | float):
-            return value
-        if isinstance(value, np.generic):
-            return value.item()
-        if isinstance(value, Mapping):
-            items = []
-            for key, item in value.items():
-                if key is not None and not isinstance(key, str | int | float):
-                    raise TypeError(f"flatten_state: key {key!r} at /{'/'.join(path)} is not str, int, float or None")
-                items.append([key, encode(item, [*path, str(key)])])
-            return {"dict": items}
-        if isinstance(value, list | tuple):
-            encoded = [encode(item, [*path, str(index)]) for index, item in enumerate(value)]
-            return encoded if isinstance(value, list) else {"tuple": encoded}
-        raise TypeError(
-            f"flatten_state: {type(value).__name__} at /{'/'.join(path)} is not supported; use tensors, dicts, "
-            "lists, tuples, str, int, float, bool or None"
-        )
-
-    return tensors, encode(nested, [])
-
-
-def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
-    """Rebuilds the structure that ``flatten_state`` split into ``tensors`` and ``skeleton``."""
-
-    def decode(value: Any) -> Any:
-        if isinstance(value, list):
-            return [decode(item) for item in value]
-        if not isinstance(value, dict):
-            return value
-        if value.keys() == {"tensor"}:
-            name = value["tensor"]
-            if name not in tensors:
-                raise KeyError(f"unflatten_state: the skeleton names tensor {name!r}, which is not among the tensors")
-            return tensors[name]
-        if value.keys() == {"tuple"}:
-            return tuple(decode(item) for item in value["tuple"])
-        if value.keys() == {"dict"}:
-            return {key: decode(item) for key, item in value["dict"]}
-        raise ValueError(f"unflatten_state: malformed skeleton node {value!r}")
-
-    return decode(skeleton)
-
-
-def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Captures the python ``random``, NumPy global, torch CPU and CUDA generators as (tensors, JSON state)."""
-    py_version, py_internal, py_gauss_next = random.getstate()
-    np_state = np.random.get_state(legacy=True)
-    assert isinstance(np_state, tuple), "legacy=True returns a tuple"
-    np_algorithm, np_keys, np_pos, np_has_gauss, np_cached_gaussian = np_state
-    tensors = {
-        "rng/python": torch.tensor(py_internal, dtype=torch.int64),
-        "rng/numpy": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-        "rng/torch_cpu": torch.get_rng_state(),
-    }
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    for index, cuda_state in enumerate(cuda_states):
-        tensors[f"rng/cuda/{index}"] = cuda_state
-    state = {
-        "python_version": py_version,
-        "python_gauss_next": py_gauss_next,
-        "numpy_algorithm": np_algorithm,
-        "numpy_pos": int(np_pos),
-        "numpy_has_gauss": int(np_has_gauss),
-        "numpy_cached_gaussian": float(np_cached_gaussian),
-        "num_cuda_devices": len(cuda_states),
-    }
-    return tensors, state
-
-
-def restore_rng_state(tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -> None:
-    """Restores the generators captured by ``capture_rng_state`` (``tensors`` may hold other tensors too)."""
-    py_internal = tuple(int(v) for v in tensors["rng/python"].tolist())
-    random.setstate((state["python_version"], py_internal, state["python_gauss_next"]))
-    np_keys = tensors["rng/numpy"].numpy().astype(np.uint32)
-    np.random.set_state(
-        (
-            state["numpy_algorithm"],
-            np_keys,
-            state["numpy_pos"],
-            state["numpy_has_gauss"],
-            state["numpy_cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(tensors["rng/torch_cpu"])
-    num_saved = int(state["num_cuda_devices"])
-    num_here = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if num_saved != num_here:
-        warnings.warn(
-            f"the checkpoint has CUDA generator states for {num_saved} devices and this process sees {num_here}; "
-            f"restoring the first {min(num_saved, num_here)}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    for index in range(min(num_saved, num_here)):
-        torch.cuda.set_rng_state(tensors[f"rng/cuda/{index}"], device=index)

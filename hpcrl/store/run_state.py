@@ -23,16 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-from hpcrl.store.checkpoint import (
-    CheckpointError,
-    capture_rng_state,
-    list_checkpoints,
-    remove_temp_files,
-    restore_rng_state,
-    save_checkpoint,
-)
+from hpcrl.store.checkpoint import CheckpointError, list_checkpoints, remove_temp_files, save_checkpoint
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.run_dir import ResumePoint, keep_unreadable
+from hpcrl.store.state_tree import capture_rng_state, restore_rng_state
 
 ROW_KEY = "last_row"
 

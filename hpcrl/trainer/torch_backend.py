@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM
-from hpcrl.store.checkpoint import flatten_state, unflatten_state
+from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters

@@ -18,19 +18,17 @@ import pytest
 import torch
 
 import hpcrl.store.checkpoint as checkpoint_module
+import hpcrl.store.direct_io as direct_io_module
 from hpcrl.store.checkpoint import (
     CheckpointError,
-    capture_rng_state,
-    flatten_state,
     list_checkpoints,
     load_checkpoint,
     load_latest_checkpoint,
     remove_temp_files,
-    restore_rng_state,
     save_checkpoint,
-    unflatten_state,
 )
 from hpcrl.store.metrics import MetricsWriter, StoreError
+from hpcrl.store.state_tree import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -153,7 +151,7 @@ def odd_sized_tensors() -> dict[str, torch.Tensor]:
 def test_the_blob_goes_around_the_page_cache_and_short_direct_writes_finish_through_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(direct_io_module, "_DIRECT_CHUNK_BYTES", 8192)
     tensors = odd_sized_tensors()
     blob_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     log = WriteLog(monkeypatch, short_every=3)
@@ -177,7 +175,7 @@ def test_the_blob_goes_around_the_page_cache_and_short_direct_writes_finish_thro
 def test_reads_go_around_the_page_cache_and_a_short_direct_read_goes_on_through_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(direct_io_module, "_DIRECT_CHUNK_BYTES", 8192)
     monkeypatch.setattr(checkpoint_module, "_RUN_BYTES", 10_000)  # several runs, the first checked early
     tensors = odd_sized_tensors()
     path = save_checkpoint(tmp_path, 1, tensors, {})
@@ -244,7 +242,7 @@ def test_a_file_system_that_refuses_o_direct_gets_the_buffered_write(
 def test_a_write_that_fails_part_way_through_the_blob_keeps_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checkpoint_module, "_DIRECT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(direct_io_module, "_DIRECT_CHUNK_BYTES", 8192)
     tensors = odd_sized_tensors()
     save_checkpoint(tmp_path, 1, tensors, {"step": 1})
     with monkeypatch.context() as patch:
@@ -262,7 +260,7 @@ def test_a_write_that_fails_part_way_through_the_blob_keeps_the_previous_checkpo
 def test_reads_and_writes_split_into_many_calls_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A 0.6B model's state has more tensors than one pwritev/preadv takes (1,024) and is read in runs of
     # 64 MiB; shrink both limits so that a small state crosses them.
-    monkeypatch.setattr(checkpoint_module, "_IOV_MAX", 3)
+    monkeypatch.setattr(direct_io_module, "_IOV_MAX", 3)
     monkeypatch.setattr(checkpoint_module, "_RUN_BYTES", 100)
     real_pwritev, real_preadv = os.pwritev, os.preadv
 
