@@ -33,7 +33,7 @@ def _engine_serve(ns: argparse.Namespace) -> int:
         raise ValueError(
             "--onpolicy-logprobs was removed: it re-scored finished sequences, a relabel rather than on-policy; "
             "use --logprobs recompute for the re-score, or --batch-invariant (run config: engine.logprobs: recompute, "
-            "engine.batch_invariant: true with train.onpolicy: true)"
+            "engine.batch_invariant: true with train.logprobs: invariant)"
         )
     engine = engine_config(ns)
     kernels, overrides = with_env_overrides(engine.kernels, os.environ)

@@ -503,6 +503,10 @@ def _dict_value_type(tp: Any) -> Any | None:
 
 def _unknown_key_message(dotted: str, key: str, section: str, cls: type, hints: Mapping[str, Any]) -> str:
     valid = list(hints)
+    # A section lists the keys it renamed (`RENAMED_KEYS = {"old": "new: value"}`): an old config hears the new one.
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED_KEYS", {})
+    if key in renamed:
+        return f"{dotted} was renamed: use {_join(section, renamed[key])}"
     # A section lists the keys it dropped (`REMOVED_KEYS = {"key": "why"}`): an old config then hears why.
     removed: Mapping[str, str] = getattr(cls, "REMOVED_KEYS", {})
     if key in removed:

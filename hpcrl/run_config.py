@@ -96,18 +96,19 @@ class RunConfig:
                 f"rollout.n_samples_per_prompt = {self.data.prompts_per_step} x {self.rollout.n_samples_per_prompt} "
                 f"= {batch}; use one of {_divisors(batch, self.train.data_parallel_size)} (or null: the whole batch)"
             )
-        if self.train.onpolicy and not self.engine.batch_invariant:
+        if self.train.logprobs == "invariant" and not self.engine.batch_invariant:
             raise ValueError(
-                "train.onpolicy needs engine.batch_invariant: true: the trainer's batch-invariant log-probs equal "
-                "the engine's only when the engine samples from the same forward; set engine.batch_invariant=true "
-                "(CPU or CUDA, float32 or bfloat16), or train.onpolicy=false"
+                "train.logprobs=invariant needs engine.batch_invariant: true: the trainer's batch-invariant log-probs "
+                "equal the engine's only when the engine samples from the same forward; set "
+                "engine.batch_invariant=true (CPU or CUDA, float32 or bfloat16), or train.logprobs=plain"
             )
-        if self.train.onpolicy and (
+        if self.train.logprobs == "invariant" and (
             self.engine.device.split(":")[0] != self.train.device.split(":")[0] or self.engine.dtype != self.train.dtype
         ):
             raise ValueError(
-                f"train.onpolicy needs the engine and the trainer on the same kind of device with the same dtype "
-                f"(engine {self.engine.device} {self.engine.dtype}, train {self.train.device} {self.train.dtype}): "
+                "train.logprobs=invariant needs the engine and the trainer on the same kind of device with the same "
+                f"dtype (engine {self.engine.device} {self.engine.dtype}, train {self.train.device} "
+                f"{self.train.dtype}): "
                 "the batch-invariant forward gives the same bits only with the same GEMM library and dtype; set "
                 "engine.device/engine.dtype and train.device/train.dtype alike"
             )
@@ -234,8 +235,8 @@ def _check_replayable(cfg: RunConfig) -> None:
     if cfg.engine.logprobs == "recompute":
         raise ValueError(
             f"{filters} replays the sampling support, but engine.logprobs=recompute re-scores sequences over the "
-            f"full vocabulary; set engine.logprobs=sampled (train.onpolicy with engine.batch_invariant replays "
-            f"the support bit for bit), {off}"
+            f"full vocabulary; set engine.logprobs=sampled (train.logprobs=invariant with engine.batch_invariant "
+            f"replays the support bit for bit), {off}"
         )
     if cfg.train.logprob_chunk_tokens is not None:
         raise ValueError(

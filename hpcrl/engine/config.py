@@ -22,7 +22,7 @@ class EngineConfig:
         "onpolicy_logprobs": (
             "it re-scored finished sequences with the trainer's forward, which relabels the log-probs but leaves "
             "the tokens sampled from the engine's own distribution; re-scoring is now engine.logprobs: recompute, "
-            "and true on-policy is engine.batch_invariant: true with train.onpolicy: true"
+            "and true on-policy is engine.batch_invariant: true with train.logprobs: invariant"
         ),
     }
     kind: Literal["embedded", "sglang"] = "embedded"
@@ -58,8 +58,9 @@ class EngineConfig:
     trainer with a re-score, not with the sampler)."""
     batch_invariant: bool = False
     """embedded, CPU or CUDA, float32 or bfloat16: prefill, decode and sampling run hpcrl.model.invariant, whose
-    logits for a token do not depend on batch size, batch composition or prefill vs decode; with train.onpolicy the
-    trainer scores with the same forward and the train/rollout gap is exactly 0.0 (docs/numerics.md)."""
+    logits for a token do not depend on batch size, batch composition or prefill vs decode; with
+    train.logprobs: invariant the trainer scores with the same forward and the train/rollout gap is exactly 0.0
+    (docs/numerics.md)."""
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """K/V cache storage. `auto`: the model's dtype. `fp8_e4m3`: 8-bit floats (scale 1, saturating at +-448), half
     the bytes of bfloat16; at batch 256 a decode step is mostly the attention reading K/V, so this is the engine's

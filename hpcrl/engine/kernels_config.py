@@ -7,8 +7,9 @@ in its start-up line. The kernels read the resolved config (`kernels.configure`)
 is CUDA-only: the CPU engine runs no Triton kernel.
 
 The batch-invariant kernels' tiles (HPCRL_INVARIANT_MATMUL, HPCRL_INVARIANT_ATTENTION) are not engine knobs: the
-trainer's train.onpolicy forward must run the same tiles, so they belong to `hpcrl.model.invariant_kernels`, which
-both processes import; the engine reports them in its start-up line when they are set.
+trainer's `train.logprobs: invariant` forward must run the same tiles, so they belong to
+`hpcrl.model.invariant_kernels`, which both processes import; the engine reports them in its start-up line when they
+are set.
 """
 
 from __future__ import annotations

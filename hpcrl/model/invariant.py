@@ -3,7 +3,7 @@
 A token's logits come out of the same floating-point operations, in the same order, whether its row
 is decoded alone, decoded beside 255 others, prefilled with its prompt, re-prefilled after a retract,
 or scored by the trainer in a padded micro-batch. That is what makes `engine.batch_invariant: true`
-with `train.onpolicy: true` truly on-policy: the engine samples from the very log-prob row the
+with `train.logprobs: invariant` truly on-policy: the engine samples from the very log-prob row the
 trainer computes, bit for bit (docs/numerics.md says what is guaranteed where).
 
 How each operation gets there (CPU fp32 and bf16 are verified in CI; CUDA fp32 and bf16 by
@@ -592,7 +592,7 @@ class _TreeLogSoftmax(torch.autograd.Function):
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
     """Log-probs [B, T-1] of input_ids[:, 1:] given what precedes them, through the invariant forward.
 
-    The trainer's `train.onpolicy` scorer: `model` is the CausalLM or its DDP wrapper (called, so DDP
+    The trainer's `train.logprobs: invariant` scorer: `model` is the CausalLM or its DDP wrapper (called, so DDP
     prepares its gradient reduction). Right-padded rows are fine (attention is causal); differentiable,
     with a standard-kernel backward.
     """

@@ -5,7 +5,7 @@ embeddings). Parameter names equal the Hugging Face names, so a state dict loads
 HF directory unchanged, and the weight push sends exactly the names an SGLang server loads.
 
 The batch-invariant forward (`hpcrl.model.invariant`) runs on these same modules' parameters; with
-`engine.batch_invariant` and `train.onpolicy` the engine samples from it and the trainer scores with it.
+`engine.batch_invariant` and `train.logprobs: invariant` the engine samples from it and the trainer scores with it.
 """
 
 from __future__ import annotations

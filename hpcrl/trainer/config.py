@@ -18,8 +18,8 @@ BACKEND_LIMITS: dict[str, dict[str, str]] = {
     },
     "megatron": {
         "converters": "model converters change the torch backend's model; the megatron backend builds its own",
-        "onpolicy": (
-            "onpolicy needs the trainer to compute its log-probs with the engine's batch-invariant forward "
+        "logprobs": (
+            "logprobs: invariant needs the trainer to compute its log-probs with the engine's batch-invariant forward "
             "(hpcrl.model.invariant); the megatron backend runs megatron-core's own kernels, whose GEMMs, "
             "attention and tensor-parallel reductions differ from it"
         ),
@@ -32,6 +32,7 @@ class TrainConfig:
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "parallel": "it had one value (ddp) and nothing read it; the torch backend is always DDP",
     }
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"onpolicy": "logprobs: invariant (or plain)"}
     backend: Literal["torch", "megatron"] = "torch"
     """Trainer implementation: `torch` (hpcrl's model, DDP) runs anywhere; `megatron` (megatron-core GPTModel
     with tensor and pipeline parallelism) needs `pip install 'hpcrl[megatron]'`."""
@@ -85,11 +86,12 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     num_threads: int = 1
     """torch CPU threads per rank."""
-    onpolicy: bool = False
-    """Compute the log-probs of the loss and of the train/rollout gap with the batch-invariant forward
-    (hpcrl.model.invariant) that engines with engine.batch_invariant sample from, so the gap is exactly 0.0
-    in any micro-batch; needs engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA,
-    float32 or bfloat16; docs/numerics.md)."""
+    logprobs: Literal["plain", "invariant"] = "plain"
+    """The forward that computes the log-probs of the loss and of the train/rollout gap: `plain` is the model's
+    own forward; `invariant` is the batch-invariant forward (hpcrl.model.invariant) that engines with
+    engine.batch_invariant sample from, so the gap is exactly 0.0 in any micro-batch; it needs
+    engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA, float32 or bfloat16;
+    docs/numerics.md)."""
     logprob_chunk_tokens: int | None = None
     """Compute the log-probs straight from the final hidden states, the LM head and the log-softmax fused over
     chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab] logits and their gradient
@@ -145,11 +147,11 @@ class TrainConfig:
                 f"allocate their buffers on the GPU), but device is {self.device!r}; use device: cuda, "
                 "or megatron_optimizer: local (or auto) on CPU"
             )
-        if self.torch_compile and self.onpolicy:
+        if self.torch_compile and self.logprobs == "invariant":
             raise ValueError(
-                "torch_compile fuses the layers' kernels, but onpolicy needs the trainer's forward to be the engine's "
-                "batch-invariant op sequence bit for bit (docs/numerics.md); set torch_compile: false or "
-                "onpolicy: false"
+                "torch_compile fuses the layers' kernels, but logprobs: invariant needs the trainer's forward to be "
+                "the engine's batch-invariant op sequence bit for bit (docs/numerics.md); set torch_compile: false or "
+                "logprobs: plain"
             )
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 (null: the whole batch), got {self.global_batch_size}")
@@ -185,15 +187,15 @@ class TrainConfig:
                 raise ValueError(
                     f"logprob_chunk_tokens must be >= 1 (or null: the plain head), got {self.logprob_chunk_tokens}"
                 )
-            if self.onpolicy:
+            if self.logprobs == "invariant":
                 raise ValueError(
-                    "logprob_chunk_tokens would not be used with onpolicy: the batch-invariant forward has its own "
-                    "LM head on fixed row chunks; remove one of them"
+                    "logprob_chunk_tokens would not be used with logprobs: invariant: the batch-invariant forward has "
+                    "its own LM head on fixed row chunks; remove one of them"
                 )
-        if self.onpolicy and not self.device.startswith(("cpu", "cuda")):
+        if self.logprobs == "invariant" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(
-                f"onpolicy covers device cpu or cuda, not {self.device!r}; use one of those, or onpolicy: false "
-                "(docs/numerics.md)"
+                f"logprobs: invariant covers device cpu or cuda, not {self.device!r}; use one of those, or "
+                "logprobs: plain (docs/numerics.md)"
             )
 
     def _check_converters(self) -> None:

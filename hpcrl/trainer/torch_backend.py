@@ -49,10 +49,10 @@ class TorchTrainer:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
-        if cfg.onpolicy:
+        if cfg.logprobs == "invariant":
             reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)
             if reason is not None:
-                raise ValueError(f"train.onpolicy: {reason}")
+                raise ValueError(f"train.logprobs: invariant: {reason}")
             invariant.pin_backend_numerics(self.device)
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
@@ -129,7 +129,7 @@ class TorchTrainer:
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of every target position [b, T-1] (and entropy)."""
         supports = mb.padded_supports()
-        if self.cfg.onpolicy:
+        if self.cfg.logprobs == "invariant":
             # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
             # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
             # top-k/top-p replay, renormalised over each token's support as the engine did.

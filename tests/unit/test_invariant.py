@@ -80,7 +80,7 @@ def _generate(
 
 
 def _trainer_logprobs(model: CausalLM, reqs: list[SeqRequest], micro_batch: int) -> list[torch.Tensor]:
-    """What train.onpolicy computes: right-padded micro-batches through invariant.token_logprobs."""
+    """What train.logprobs: invariant computes: right-padded micro-batches through invariant.token_logprobs."""
     out = []
     for start in range(0, len(reqs), micro_batch):
         mb = reqs[start : start + micro_batch]
@@ -99,8 +99,8 @@ def test_top_k_top_p_support_logprobs_of_the_engine_equal_the_trainers(
     model: CausalLM, batch_size: int, micro_batch: int
 ) -> None:
     """Under sampling-support replay the engine reports each token's log-prob renormalised over its top-k/top-p
-    support; train.onpolicy scores the same renormalisation from its own forward, over the supports the engine
-    sent, in micro-batches whose width and support width differ from the engine's batches."""
+    support; train.logprobs: invariant scores the same renormalisation from its own forward, over the supports the
+    engine sent, in micro-batches whose width and support width differ from the engine's batches."""
     reqs = _requests(batch_size)
     for r in reqs:
         r.top_k, r.top_p, r.return_sampling_mask = 8, 0.9, True
@@ -259,7 +259,7 @@ def test_the_fixed_order_log_softmax_of_cuda_matches_the_standard_one() -> None:
 
 
 def test_the_gradient_flows_through_the_invariant_forward(tiny_model_dir: Path) -> None:
-    """train.onpolicy trains on these log-probs: their gradient is the standard forward's, to rounding."""
+    """train.logprobs: invariant trains on these log-probs: their gradient is the standard forward's, to rounding."""
     ids = torch.randint(3, 99, (3, 20), generator=torch.Generator().manual_seed(2))
     m = load_model(tiny_model_dir)
     invariant.token_logprobs(m, ids).sum().backward()
@@ -308,7 +308,7 @@ def test_recompute_mode_reports_the_rescore_and_keeps_the_sampled(tiny_model_dir
 
 def test_the_invariant_http_engine_alone_vs_full_batch(engine_factory, model: CausalLM) -> None:
     """The real server with --batch-invariant: one request alone and inside a batch of 64 give the same
-    tokens and log-probs, and they equal the trainer's onpolicy log-probs."""
+    tokens and log-probs, and they equal the trainer's invariant log-probs."""
     eng = engine_factory("--batch-invariant", "--max-running-requests", "64")
     prompt = [5, 17, 23, 40, 41]
     params = {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 11}
@@ -349,13 +349,13 @@ def test_the_old_onpolicy_logprobs_key_is_refused_with_the_new_settings() -> Non
     assert "engine.logprobs: recompute" in message and "engine.batch_invariant: true" in message
 
 
-def test_train_onpolicy_needs_the_invariant_engine_on_the_trainers_device_and_dtype() -> None:
+def test_invariant_train_logprobs_need_the_invariant_engine_on_the_trainers_device_and_dtype() -> None:
     from hpcrl.run_config import load_run_config
 
     with pytest.raises(
-        ValueError, match="train.onpolicy needs engine.batch_invariant: true.*engine.batch_invariant=true"
+        ValueError, match="train.logprobs=invariant needs engine.batch_invariant: true.*engine.batch_invariant=true"
     ):
-        load_run_config(QUICKSTART, ["train.onpolicy=true"])
+        load_run_config(QUICKSTART, ["train.logprobs=invariant"])
     with pytest.raises(ValueError, match="batch_invariant covers device cpu or cuda in float32 or bfloat16"):
         load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.dtype=float16"])
     with pytest.raises(ValueError, match="batch_invariant covers device cpu or cuda"):
@@ -363,17 +363,17 @@ def test_train_onpolicy_needs_the_invariant_engine_on_the_trainers_device_and_dt
     # The same forward on two GEMM libraries, or in two dtypes, is not the same bits.
     for mismatch in (["engine.device=cuda"], ["train.dtype=bfloat16"]):
         with pytest.raises(ValueError, match="the engine and the trainer on the same kind of device with the same"):
-            load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", *mismatch])
+            load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.logprobs=invariant", *mismatch])
     with pytest.raises(ValueError, match="would replace the sampled log-probs"):
         load_run_config(QUICKSTART, ["engine.batch_invariant=true", "engine.logprobs=recompute"])
     from hpcrl.trainer.config import TrainConfig
 
     with pytest.raises(ValueError, match="the megatron backend runs megatron-core's own kernels"):
-        TrainConfig(backend="megatron", onpolicy=True)
-    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true"])
-    assert cfg.engine.batch_invariant and cfg.train.onpolicy and cfg.engine.logprobs == "sampled"
+        TrainConfig(backend="megatron", logprobs="invariant")
+    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.logprobs=invariant"])
+    assert cfg.engine.batch_invariant and cfg.train.logprobs == "invariant" and cfg.engine.logprobs == "sampled"
     on_gpu = ["engine.device=cuda", "train.device=cuda", "engine.dtype=bfloat16", "train.dtype=bfloat16"]
-    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true", *on_gpu])
+    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.logprobs=invariant", *on_gpu])
     assert cfg.engine.device == cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
 
 
@@ -386,13 +386,13 @@ def test_the_devices_and_dtypes_the_guarantee_covers_are_named_everywhere() -> N
         for dtype in ("float32", "bfloat16"):
             assert invariant.supported_reason(device, getattr(torch, dtype)) is None
             EngineConfig(device=device, dtype=dtype, batch_invariant=True)  # type: ignore[arg-type]
-            TrainConfig(device=device, dtype=dtype, onpolicy=True)  # type: ignore[arg-type]
+            TrainConfig(device=device, dtype=dtype, logprobs="invariant")  # type: ignore[arg-type]
     assert "not float16" in str(invariant.supported_reason("cuda", torch.float16))
     assert "not meta" in str(invariant.supported_reason("meta", torch.float32))
     with pytest.raises(ValueError, match="batch_invariant covers device cpu or cuda in float32 or bfloat16"):
         EngineConfig(device="cuda", dtype="float16", batch_invariant=True)
-    with pytest.raises(ValueError, match="onpolicy covers device cpu or cuda, not 'mps'"):
-        TrainConfig(device="mps", onpolicy=True)
+    with pytest.raises(ValueError, match="logprobs: invariant covers device cpu or cuda, not 'mps'"):
+        TrainConfig(device="mps", logprobs="invariant")
 
 
 def test_the_old_engine_flag_is_refused_before_a_model_loads(tmp_path: Path) -> None:

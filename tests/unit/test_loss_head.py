@@ -101,8 +101,8 @@ def test_the_knob_is_validated_and_refused_where_it_would_do_nothing() -> None:
         TrainConfig(logprob_chunk_tokens=0)
     # The megatron backend has a vocab-parallel fused head of its own (tests/unit/test_megatron.py).
     assert TrainConfig(backend="megatron", logprob_chunk_tokens=4096).logprob_chunk_tokens == 4096
-    with pytest.raises(ValueError, match="would not be used with onpolicy"):
-        TrainConfig(onpolicy=True, logprob_chunk_tokens=4096)
+    with pytest.raises(ValueError, match="would not be used with logprobs: invariant"):
+        TrainConfig(logprobs="invariant", logprob_chunk_tokens=4096)
     quickstart = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
     with pytest.raises(ValueError, match="train.logprob_chunk_tokens .* would not be used"):
         load_run_config(quickstart, ["rollout.top_k=20", "train.logprob_chunk_tokens=4096"])

@@ -74,8 +74,8 @@ def test_split_sizes_that_do_not_fit_are_refused_with_the_reason() -> None:
         TrainConfig(tensor_parallel_size=2, num_ranks=2)
     with pytest.raises(ValueError, match="multiple of tensor_parallel_size x pipeline_parallel_size"):
         TrainConfig(backend="megatron", tensor_parallel_size=2, num_ranks=3)
-    with pytest.raises(ValueError, match="onpolicy"):
-        TrainConfig(backend="megatron", onpolicy=True)
+    with pytest.raises(ValueError, match="logprobs: invariant"):
+        TrainConfig(backend="megatron", logprobs="invariant")
 
 
 def test_distributed_optimizer_on_cpu_is_refused_before_anything_runs(workdir: Path) -> None:
@@ -180,8 +180,8 @@ def test_fused_head_and_compile_settings_on_the_megatron_backend() -> None:
     assert cfg.logprob_chunk_tokens == 4096 and cfg.torch_compile
     with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 1"):
         TrainConfig(backend="megatron", logprob_chunk_tokens=0)
-    with pytest.raises(ValueError, match="onpolicy"):
-        TrainConfig(backend="megatron", onpolicy=True, torch_compile=True)
+    with pytest.raises(ValueError, match="logprobs: invariant"):
+        TrainConfig(backend="megatron", logprobs="invariant", torch_compile=True)
     quickstart = REPO / "experiments" / "quickstart.yaml"
     megatron = ["train.backend=megatron", "train.logprob_chunk_tokens=4096", "train.torch_compile=true"]
     assert load_run_config(quickstart, megatron).train.backend == "megatron"

@@ -21,7 +21,7 @@ QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 KEYS = ("loss", "grad_norm", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl", "train_rollout_logprob_abs_diff")
 
 
-def test_megatron_takes_every_ppo_setting_and_refuses_onpolicy_naming_the_backend_that_has_it() -> None:
+def test_megatron_takes_every_ppo_setting_and_refuses_invariant_logprobs_naming_the_backend_that_has_it() -> None:
     megatron = ["train.backend=megatron", "train.num_ranks=4", "train.tensor_parallel_size=2"]
     ppo = ["train.global_batch_size=64", "train.ppo_epochs=2"]
     cfg = load_run_config(QUICKSTART, [*megatron, *ppo, "train.old_logprobs=rollout"]).train
@@ -32,8 +32,10 @@ def test_megatron_takes_every_ppo_setting_and_refuses_onpolicy_naming_the_backen
     assert load_run_config(QUICKSTART, [*megatron, "train.global_batch_size=2"]).train.global_batch_size == 2
     with pytest.raises(ValueError, match=r"global_batch_size \(3\) must be a multiple of the data-parallel size"):
         TrainConfig(backend="megatron", num_ranks=4, tensor_parallel_size=2, global_batch_size=3)
-    with pytest.raises(ValueError, match="onpolicy: true is not implemented by backend: megatron .* backend: torch"):
-        TrainConfig(backend="megatron", onpolicy=True)
+    with pytest.raises(
+        ValueError, match="logprobs: invariant is not implemented by backend: megatron .* backend: torch"
+    ):
+        TrainConfig(backend="megatron", logprobs="invariant")
 
 
 @pytest.fixture(scope="module")

@@ -90,11 +90,11 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(workdir: Path) -> 
     assert "checkpoint_skipped" in [e["kind"] for e in load_events(workdir / "r" / "metrics.h5")]
 
 
-def test_onpolicy_mode_makes_the_logprob_gap_exactly_zero(workdir: Path) -> None:
+def test_invariant_logprobs_make_the_logprob_gap_exactly_zero(workdir: Path) -> None:
     # 16 samples on an engine of 5 slots: batches of 5, shrinking and refilled as rows finish; the trainer
     # scores them in micro-batches of 3. The gap is the trainer's log-prob vs the one the engine sampled from.
     out = hpcrl(
-        "run", "qs.yaml", *SMALL, "num_steps=3", "engine.batch_invariant=true", "train.onpolicy=true",
+        "run", "qs.yaml", *SMALL, "num_steps=3", "engine.batch_invariant=true", "train.logprobs=invariant",
         "engine.max_running_requests=5", "engine.deterministic=false", "train.micro_batch_size=3",
         "--run-dir", "r", cwd=workdir,
     )  # fmt: skip

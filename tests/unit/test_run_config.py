@@ -28,6 +28,23 @@ def test_an_old_config_naming_train_parallel_is_told_to_delete_it(tmp_path: Path
         load_run_config(QUICKSTART, ["train.parallel=ddp"])
 
 
+def test_train_onpolicy_is_refused_naming_train_logprobs_and_logprobs_invariant_parses(tmp_path: Path) -> None:
+    renamed = "train.onpolicy was renamed: use train.logprobs: invariant (or plain)"
+    with pytest.raises(ConfigError) as error:
+        load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.onpolicy=true"])
+    assert str(error.value) == f"override 'train.onpolicy=true': {renamed}"
+    old = tmp_path / "old.yaml"
+    old.write_text(QUICKSTART.read_text().replace("train:\n", "train:\n  onpolicy: true\n"))
+    with pytest.raises(ConfigError) as error:
+        load_run_config(old)
+    assert str(error.value) == renamed
+    cfg = load_run_config(QUICKSTART, ["engine.batch_invariant=true", "train.logprobs=invariant"])
+    assert cfg.train.logprobs == "invariant"
+    assert load_run_config(QUICKSTART).train.logprobs == "plain"
+    with pytest.raises(ConfigError, match="train.logprobs: .*'plain', 'invariant'"):
+        load_run_config(QUICKSTART, ["train.logprobs=true"])
+
+
 RECORDER = """
 import os
 

@@ -316,10 +316,11 @@ def test_run_with_top_k_top_p_replays_on_every_trainer_rank(workdir: Path) -> No
 
 
 def test_true_on_policy_holds_through_top_k_top_p_replay(workdir: Path) -> None:
-    """engine.batch_invariant with train.onpolicy and top-k/top-p: the engine's support-renormalised log-probs and
-    the trainer's are the same bits (engine batches of 5 that shrink and refill, trainer micro-batches of 3)."""
+    """engine.batch_invariant with train.logprobs: invariant and top-k/top-p: the engine's support-renormalised
+    log-probs and the trainer's are the same bits (engine batches of 5 that shrink and refill, trainer micro-batches
+    of 3)."""
     out = hpcrl(
-        "run", "qs.yaml", *SMALL, "num_steps=2", *REPLAY, "engine.batch_invariant=true", "train.onpolicy=true",
+        "run", "qs.yaml", *SMALL, "num_steps=2", *REPLAY, "engine.batch_invariant=true", "train.logprobs=invariant",
         "engine.max_running_requests=5", "engine.deterministic=false", "train.micro_batch_size=3",
         "--run-dir", "r", cwd=workdir,
     )  # fmt: skip

@@ -52,7 +52,9 @@ def test_a_grpo_step_compiled_trains_like_the_eager_one(tiny_model_dir: Path) ->
 def test_torch_compile_is_refused_where_it_cannot_apply() -> None:
     from hpcrl.trainer.config import TrainConfig
 
-    with pytest.raises(ValueError, match="onpolicy needs the trainer's forward to be the engine's batch-invariant"):
-        TrainConfig(onpolicy=True, torch_compile=True)
+    with pytest.raises(
+        ValueError, match="logprobs: invariant needs the trainer's forward to be the engine's batch-invariant"
+    ):
+        TrainConfig(logprobs="invariant", torch_compile=True)
     # The megatron backend compiles megatron-core's layers (tests/unit/test_megatron.py).
     assert TrainConfig(backend="megatron", torch_compile=True).torch_compile

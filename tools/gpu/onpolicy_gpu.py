@@ -13,8 +13,8 @@ figure, starting with `onpolicy:`.
     7 and 64; one request alone against the same request in a full batch of 64; prefill against token-by-token
     decode at every position of 70 tokens (three key tiles); in `--dtype` and then fp32 (`--also-fp32`). For
     contrast, the plain engine (CUDA graphs, fused kernels) against the plain trainer forward on the same
-    requests: its gap is what train.onpolicy removes. Figures: how many tokens differ, the largest |diff|.
-(b) `run`: `hpcrl run experiments/quickstart.yaml engine.batch_invariant=true train.onpolicy=true` for
+    requests: its gap is what train.logprobs: invariant removes. Figures: how many tokens differ, the largest |diff|.
+(b) `run`: `hpcrl run experiments/quickstart.yaml engine.batch_invariant=true train.logprobs=invariant` for
     `--steps` colocated steps (engine and trainer on one GPU, sync.transport=tensor), the 0.6B layer shape with
     the character vocabulary (a random model's ids must decode to text for the reward); the gap per step.
 (c) `price`: tools/bench/invariant_price.py on this device: engine decode tok/s and trainer forward (and
@@ -240,7 +240,7 @@ def section_run(ns: argparse.Namespace) -> dict[str, object]:
         "data.prompts_per_step=16", "rollout.n_samples_per_prompt=8", f"rollout.max_new_tokens={ns.max_new_tokens}",
         f"engine.device={ns.device}", f"train.device={ns.device}", f"engine.dtype={ns.dtype}",
         f"train.dtype={ns.dtype}", "train.micro_batch_size=32", "checkpoint.every_steps=1000000",
-        "engine.batch_invariant=true", "train.onpolicy=true", "guard.mode=off",
+        "engine.batch_invariant=true", "train.logprobs=invariant", "guard.mode=off",
         *(["sync.transport=tensor"] if ns.device.startswith("cuda") else []),
         *ns.extra,
     ]  # fmt: skip

@@ -6,7 +6,7 @@
 # 240 s of it, the MFU part 260 s (one call may run 600 s; `PARTS="price mfu overhead"` takes 400 s at most):
 #   bits     (70 s)  engine-sampled vs trainer log-probs bitwise at batch 1, 7, 64; alone vs full batch;
 #                    prefill vs decode; bf16 then fp32; the plain engine's gap for contrast (onpolicy_gpu.py)
-#   run     (105 s)  10 colocated `hpcrl run` steps, engine.batch_invariant=true train.onpolicy=true: gap per step
+#   run     (105 s)  10 colocated `hpcrl run` steps, engine.batch_invariant=true train.logprobs=invariant: gap per step
 #   price    (65 s)  engine decode tok/s and trainer step time, invariant vs plain (invariant_price.py)
 #   mfu     (260 s)  trainer MFU at 8 x 2048 tokens: torch vs +head (fused log-prob head), +mb8, +compile
 #   overhead (75 s)  colocated GRPO step minus the sum of its phases (step_time.py)

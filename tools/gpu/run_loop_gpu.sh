@@ -22,7 +22,7 @@ if [[ $STEPS == *onpolicy* ]]; then
   rm -rf /tmp/hpcrl-onpolicy
   timeout 120 python3 -m hpcrl.cli run experiments/quickstart.yaml num_steps=4 sft.num_steps=20 \
     model.path=/tmp/hpcrl-onpolicy-model engine.device=cuda train.device=cuda engine.batch_invariant=true \
-    train.onpolicy=true guard.mode=off --run-dir /tmp/hpcrl-onpolicy 2>&1 | tail -6 | tee -a "$OUT/loop.log"
+    train.logprobs=invariant guard.mode=off --run-dir /tmp/hpcrl-onpolicy 2>&1 | tail -6 | tee -a "$OUT/loop.log"
   python3 -c "
 from hpcrl.store import load_metrics
 m = load_metrics('/tmp/hpcrl-onpolicy/metrics.h5')
