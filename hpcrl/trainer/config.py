@@ -107,9 +107,9 @@ class TrainConfig:
     without logprob_chunk_tokens stay eager). The first steps also compile (tens of seconds more train time).
     torch backend, one H200, Qwen3-0.6B shape, bf16, 8 x 2048 tokens: the layers alone ran 1.54x the eager
     tokens/s; with logprob_chunk_tokens (its chunks compiled too) and micro-batches of 8, 2.35x: 46.0% MFU against
-    19.5%. megatron backend, the same levers, one H100: 37.3% against 15.2% (docs/benchmarks.md, "Trainer MFU
-    levers"). Same numbers to rounding (tests/unit/test_torch_compile.py, tests/unit/test_megatron.py); on a CPU it
-    needs a C++ compiler."""
+    19.5%. megatron backend, the same levers, one H100: 37.3% against 15.2%
+    (benchmarks/grpo-step_h200_2026-12.md). Same numbers to rounding (tests/unit/test_torch_compile.py,
+    tests/unit/test_megatron.py); on a CPU it needs a C++ compiler."""
     converters: tuple[str, ...] = ()
     """Model converters applied, in this order, when the torch backend builds the model (hpcrl/trainer/converters):
     `freeze` stops the modules of freeze_modules from training. A converter decides which parameters the

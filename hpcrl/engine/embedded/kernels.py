@@ -151,7 +151,7 @@ if AVAILABLE:
     def _gumbel(u, FAST_LOG: tl.constexpr):
         # -log(-log(u)), u in [2**-24, 1): both logs of normal numbers, so the hardware's approximate log2 (a few
         # ulp, flushing denormals that cannot occur) does; tl.log is libdevice's exact logf, ~40 instructions
-        # inlined, and two of them a logit made the sampler's loop compute-bound (docs/benchmarks.md).
+        # inlined, and two of them a logit made the sampler's loop compute-bound (benchmarks/decode_h200_2026-12.md).
         if FAST_LOG:
             return -libdevice.fast_logf(-libdevice.fast_logf(u))
         else:
@@ -352,8 +352,8 @@ if AVAILABLE:
         if K_FIRST:
             # K is the first, row-major operand (s^T = K q^T): the MMA's rows are the tile's tokens and the
             # grouped heads (GROUP, padded to 16) are the narrow side. On an H200 with e4m3 K/V a kernel of this
-            # math took 59 us a layer against 65 us with q first (attention_kv8_variants.py `k_first`, Nsight
-            # Compute); in the engine the step's GPU time fell by 2.1-2.5 us a layer (docs/benchmarks.md).
+            # math took 59 us a layer against 65 us with q first (Nsight Compute); in the engine the step's GPU
+            # time fell by 2.1-2.5 us a layer.
             qt = tl.trans(q)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)

@@ -359,7 +359,7 @@ class DecodeRunner:
     def _fast_sample(self, logits: torch.Tensor, n: int, *, logprob_rows: bool = False) -> bool:
         # On CUDA the sampler writes its outputs straight into the next pinned host slot (pinned memory is mapped
         # into the device's address space): the two copies it replaces held the device 6.7 us a step between
-        # steps on an H200 (8.5 -> 1.7 us, docs/benchmarks.md).
+        # steps on an H200 (8.5 -> 1.7 us, benchmarks/decode_h200_2026-12.md).
         direct = self.is_cuda and self._direct_out
         out_tok = self._host_tok[self._ring_i, :n] if direct else self.out_tok[:n]
         out_lp = self._host_lp[self._ring_i, :n] if direct else self.out_lp[:n]
@@ -544,7 +544,7 @@ class DecodeRunner:
         if self._rope is None:
             a = self.model.args
             pos = torch.arange(self.cache.max_len, device=self.device)
-            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype)
+            self._rope = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype, a.rope_scaling)
         if self._fused is None:
             self._fuse_weights()
         assert self._fused is not None
@@ -614,7 +614,7 @@ class DecodeRunner:
             assert self.cache is not None
             a = self.model.args
             pos = torch.arange(self.cache.max_len, device=self.device)
-            cos, sin = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype)
+            cos, sin = rope_cos_sin(pos, a.head_dim, a.rope_theta, self.model_dtype, a.rope_scaling)
             half = a.head_dim // 2
             sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
             # rotate_half(x) = roll(x, D/2) * sign: the sign goes into the sin table.

@@ -803,7 +803,7 @@ def serve(cfg: ServerConfig) -> None:
     engine = EmbeddedEngine(cfg)
     # What start-up made (torch, the model, the tokenizer: ~500k tracked objects) lives as long as the server.
     # Frozen, it is never scanned again by the cyclic collector, which building one large answer otherwise
-    # sets off dozens of times (docs/benchmarks.md: 0.19 s -> 0.03 s for a 256 x 512 answer's lists).
+    # sets off dozens of times (0.19 s -> 0.03 s for a 256 x 512 answer's lists).
     gc.collect()
     gc.freeze()
     try:
