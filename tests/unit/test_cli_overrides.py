@@ -53,7 +53,7 @@ def test_an_override_after_options_is_applied_by_every_command(
     # A value the config refuses shows that the override reached the config (not "unrecognized arguments").
     code = main([command[0], QUICKSTART, "--run-dir", str(tmp_path / "r"), *command[1:], "num_steps=-1"])
     assert code == 2
-    assert "num_steps must be >= 0, got -1" in capsys.readouterr().err
+    assert "num_steps must be between 0 and 1,000,000,000, got -1" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 
