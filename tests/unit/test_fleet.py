@@ -89,7 +89,8 @@ def test_engine_that_cannot_restart_stops_the_run_with_a_clear_message(tmp_path:
     assert "engine_dead" in kinds and "engine_gave_up" in kinds
     # The last finished step was checkpointed on the way out: a rerun resumes there.
     assert "checkpointed step" in out
-    steps_done = int(load_metrics(tmp_path / "r" / "metrics.h5")["step"][-1])
+    # metrics.h5 stores the 0-based step index; a checkpoint file is named by the steps done.
+    steps_done = int(load_metrics(tmp_path / "r" / "metrics.h5")["step"][-1]) + 1
     assert (tmp_path / "r" / "checkpoints" / f"step_{steps_done:08d}.h5").exists()
     assert np.isfinite(load_metrics(tmp_path / "r" / "metrics.h5")["train/loss"]).all()
 
