@@ -265,7 +265,7 @@ def test_sigterm_during_a_slow_reward_checkpoints_the_last_finished_step(workdir
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, rest
     assert "received SIGTERM: checkpointed step 1; rerun the same command to resume" in rest
-    assert [p.name for p in (workdir / "r" / "checkpoints").iterdir()] == ["step_00000000.h5"]
+    assert [p.name for p in (workdir / "r" / "checkpoints").iterdir()] == ["step_00000001.h5"]
     (event,) = load_events(workdir / "r" / "metrics.h5")
     assert event["kind"] == "preempted" and event["step"] == 0
     assert list(load_metrics(workdir / "r" / "metrics.h5")["step"]) == [0]
@@ -295,9 +295,9 @@ def _file_size_limit() -> None:
 def test_a_checkpoint_write_error_ends_the_run_cleanly_and_keeps_the_previous(workdir: Path) -> None:
     ok(run(workdir, "r", "num_steps=1"))
     before = snapshot(workdir / "r" / "checkpoints")
-    assert (workdir / "r" / "checkpoints" / "step_00000000.h5").stat().st_size > 700 * 1024
+    assert (workdir / "r" / "checkpoints" / "step_00000001.h5").stat().st_size > 700 * 1024
     message = refused(run(workdir, "r", preexec_fn=_file_size_limit), code=1)
-    assert "could not write checkpoint r/checkpoints/step_00000001.h5 (File too large)" in message
+    assert "could not write checkpoint r/checkpoints/step_00000002.h5 (File too large)" in message
     assert "free space and rerun to resume" in message
     assert snapshot(workdir / "r" / "checkpoints") == before  # no partial file, the previous one intact
     ok(run(workdir, "r"))
