@@ -21,7 +21,7 @@ from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.local import EngineStartError, LocalEngine, LocalEngines, wait_started
 from hpcrl.store.run_dir import LOCK_NAME, RunDirError, RunDirLock
 from tests.conftest import free_port, start_engine
-from tests.support import REPO
+from tests.support import REPO, skip_or_fail
 
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
 
@@ -186,7 +186,7 @@ def read_only_dir(path: Path) -> Iterator[Path]:
             path.chmod(0o700)
         return
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)]).returncode != 0:
-        pytest.skip("root without a way to mount a read-only filesystem")
+        skip_or_fail("root without a way to mount a read-only filesystem", missing="no read-only tmpfs mount")
     try:
         yield path
     finally:

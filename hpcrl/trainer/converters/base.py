@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import importlib
 
 from torch import Tensor
@@ -11,7 +12,7 @@ from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters import CONVERTERS
 
 
-class ModelConverter:
+class ModelConverter(abc.ABC):
     """One named change to the model (`train.converters`); every hook but `convert` defaults to doing nothing.
 
     The trainer calls, in this order: `convert` once, after loading the weights (and taking the KL
@@ -25,12 +26,13 @@ class ModelConverter:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
 
+    @abc.abstractmethod
     def convert(self, model: CausalLM) -> None:
-        """Change `model` in place."""
-        raise NotImplementedError
+        """Change `model` in place (the one hook every converter writes)."""
 
     def post_optimizer_hook(self, model: CausalLM) -> None:
-        """After each optimizer step (e.g. re-derive quantization scales from the updated weights)."""
+        """After each optimizer step (e.g. re-derive quantization scales from the updated weights); default: nothing."""
+        return None
 
     def push_state(self, model: CausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """The tensors a weight push sends, given the previous converter's (the model's state at first).
