@@ -22,6 +22,8 @@ TRACE_KEYS = ("trace_wrong_operand_share", "trace_no_tool_share")
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
+    """The policy model: the Hugging Face directory the trainer and the engines load at the start."""
+
     path: str
     """Hugging Face model directory (relative paths are relative to the current directory)."""
     init_tiny: TinyModelSpec | None = None
@@ -30,9 +32,15 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
+    """Checkpoints in `<run dir>/checkpoints/`, named by the steps done (`step_00000025.h5` after 25 steps), from
+    which a preempted or stopped run resumes exactly."""
+
     every_steps: int = 10
     """Write a checkpoint after every N-th GRPO step (and after the last)."""
     keep_last: int = 2
+    """How many of the newest checkpoints stay on disk; older ones are deleted as each new one is written. Each
+    holds the model weights and the Adam moments (about 3x the weights; more with a KL reference copy): raise it
+    to keep earlier steps to go back to, if the disk allows."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 1:
@@ -47,7 +55,14 @@ MAX_STEPS = 1_000_000_000  # far beyond any run; a larger count is a typo (it ov
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
     name: str = "run"
+    """The run's name: without --run-dir, the run directory is `runs/<name>` (letters, digits, `.`, `_`, `-`), and
+    the logging sinks name their run (and an MLflow experiment without `logging.mlflow.experiment`) after it.
+    Give each experiment its own, or a second run resumes (or refuses) the first one's directory."""
     seed: int = 0
+    """The one seed of the run's draws: the prompt order, every sample's sampling seed (derived from the seed, the
+    step, the prompt and the sample index), the engines' seeds, the SFT batches and the generated held-out eval
+    prompts; the same config and seed regenerate the same run. The tiny model's initial weights have their own
+    (`model.init_tiny.seed`). Change it to repeat an experiment with other draws; >= 0."""
     num_steps: int = 20
     """GRPO steps, one rollout batch each (train.global_batch_size and train.ppo_epochs say how many optimizer
     steps a rollout batch makes; one by default)."""

@@ -18,6 +18,9 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
+    """The rollout engines the run starts and drives: hpcrl's embedded engine or SGLang servers, how many, where,
+    and how the fleet watches and restarts them."""
+
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "onpolicy_logprobs": (
             "it re-scored finished sequences with the trainer's forward, which relabels the log-probs but leaves "
@@ -36,6 +39,10 @@ class EngineConfig:
     """What one embedded engine process reads (`hpcrl engine serve` has a flag for each); the other keys are the
     fleet's, which the launcher reads."""
     num_engines: int = 1
+    """Engine processes (servers) in the fleet, each with its own copy of the weights; a step's prompt groups are
+    spread over the live ones, whole groups each. Under Slurm, the total over the engine nodes (it must
+    split evenly over them). On a CPU, several engines of fewer `num_threads` each can beat one engine of all
+    cores; on GPUs, one engine per GPU (or per `tp_size` GPUs with sglang)."""
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -82,6 +89,9 @@ class EngineConfig:
     health_interval_s: float = 1.0
     """How often the fleet probes every engine (/health) and checks its process."""
     health_timeout_s: float = 3.0
+    """Seconds one /health probe (and the abort sent to every engine on a failure) may take; a probe that runs out
+    only counts as a missed answer, and `hung_after_s` of those make the engine hung. At most `hung_after_s`;
+    raise it when a loaded engine answers slowly."""
     hung_after_s: float = 20.0
     """An engine that answers no probe for this long is hung (e.g. SIGSTOP): it is killed and restarted.
     One failed probe is never death: /health can be slow during a long prefill (sgl-project/sglang#22511)."""

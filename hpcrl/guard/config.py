@@ -9,6 +9,9 @@ from typing import Literal
 
 @dataclass(kw_only=True, frozen=True)
 class GuardConfig:
+    """The thermal guard: pauses training and generation while a GPU of the node is too hot, and stops the run
+    if it stays hot."""
+
     mode: Literal["auto", "on", "off"] = "auto"
     """`auto`: guard when NVML finds GPUs (or `trace` is set), else off with one warning line; `on`: a run
     without NVML (and without `trace`) stops with an error; `off`: no guard."""

@@ -14,6 +14,8 @@ EPISODE_KEYS = ("max_turns", "max_tokens_per_turn", "max_episode_tokens")
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
+    """The training prompts and their reference answers: where they come from and how many each step takes."""
+
     source: str = "addition"
     """`addition` (a generated multi-digit addition task); `product` (generated 3-digit x 2-digit products, the
     multi-turn quickstart's); a .jsonl file; a local dataset read through Hugging
@@ -79,6 +81,8 @@ def _check_template(template: str) -> None:
 
 @dataclass(kw_only=True, frozen=True)
 class RolloutConfig:
+    """How each step's samples are generated on the engines: groups per prompt, sampling, and sync or async."""
+
     kind: Literal["single_turn", "multi_turn"] = "single_turn"
     """`single_turn`: one completion per sample, scored by reward.fn. `multi_turn`: one episode per sample through
     the session server (hpcrl/sessions/): the model calls the environment's tools turn after turn, the environment
@@ -224,6 +228,8 @@ class BufferConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class RewardConfig:
+    """The function that scores every sample against its prompt's reference answer, and the limits on it."""
+
     fn: str = "arithmetic_answer"
     """A built-in (exact_match, arithmetic_answer, gsm8k, math_verify, reasoning_gym), a dotted path
     `package.module:function`, or a file path `file.py:function` (relative to the working directory)."""
@@ -241,6 +247,8 @@ class RewardConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class EvalConfig:
+    """Held-out evaluation during training: greedy accuracy, pass@k and mean@k on fixed prompts (off by default)."""
+
     every_steps: int = 0
     """Evaluate after every N-th GRPO step (and after the last); 0 turns evaluation off."""
     source: str | None = None

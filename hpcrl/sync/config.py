@@ -10,6 +10,8 @@ from hpcrl.sync.transport import TRANSPORTS
 
 @dataclass(kw_only=True, frozen=True)
 class SyncConfig:
+    """The weight push: how the trainer's new weights reach the engines after a step."""
+
     transport: str = "auto"
     """A name in hpcrl/sync/transport.py's TRANSPORTS, or `auto`. `distributed`: a torch.distributed group from
     trainer rank 0 to the engines (gloo on CPU, nccl on GPU); `tensor`: same-host handover of one flat buffer

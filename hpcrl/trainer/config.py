@@ -29,6 +29,8 @@ BACKEND_LIMITS: dict[str, dict[str, str]] = {
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
+    """The trainer: backend and parallelism, the optimizer (AdamW), the PPO/GRPO loss, batching and numerics."""
+
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "parallel": "it had one value (ddp) and nothing read it; the torch backend is always DDP",
     }
@@ -46,10 +48,19 @@ class TrainConfig:
     state sharded over data-parallel ranks; CUDA only); `local` is torch AdamW on each rank's shards with
     gradients all-reduced by hand (runs on CPU too); `auto` picks distributed on CUDA, local on CPU."""
     lr: float = 1e-5
+    """AdamW learning rate of the GRPO steps, constant (no schedule or warm-up); > 0. The warm start has its own
+    (`sft.lr`). The main knob of an RL run: too high and the reward collapses or the loss turns NaN
+    (`max_nan_steps`), too low and the reward does not move. The CPU quickstart's tiny model uses 5e-4,
+    experiments/cluster-example.yaml's 1.7B model 1e-6."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay (per optimizer step, scaled by lr), on every trained parameter; >= 0."""
     adam_beta1: float = 0.9
+    """AdamW's decay rate of the gradient's running mean, in [0, 1)."""
     adam_beta2: float = 0.999
+    """AdamW's decay rate of the squared gradient's running mean, in [0, 1); 0.98-0.99 adapts faster to the
+    changing gradient scale of RL."""
     adam_eps: float = 1e-8
+    """AdamW's term added to the root of the squared-gradient average, > 0; guards small denominators."""
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
     micro_batch_size: int = 16
@@ -74,16 +85,34 @@ class TrainConfig:
     is_clip: float = 2.0
     """Truncation (tis) or masking (mis) threshold of the importance ratio; > 1."""
     eps_clip: float = 0.2
+    """PPO clip below: a token's probability ratio r (new / old policy) counts no lower than 1 - eps_clip for a
+    negative advantage, so one update cannot push a token far down; in (0, 1)."""
     eps_clip_high: float = 0.28
+    """PPO clip above: the ratio counts no higher than 1 + eps_clip_high for a positive advantage. Wider than
+    eps_clip ("clip-higher", DAPO) lets unlikely tokens grow, slowing the collapse of entropy; > 0 (set it to
+    eps_clip for the symmetric PPO clip)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the initial (reference) policy; > 0 keeps a frozen reference copy."""
     entropy_coef: float = 0.0
+    """Weight of an entropy bonus subtracted from the loss (per token, the entropy of the policy's next-token
+    distribution), >= 0: raise it (e.g. 0.001) when the entropy metric collapses and samples stop differing."""
     aggregation: Literal["token", "sequence"] = "token"
+    """How per-token losses become the step's loss. `token`: the mean over all response tokens of the batch
+    (each token counts the same, so long answers weigh more). `sequence`: each sample's mean over its tokens,
+    then the mean over samples (each sample counts the same)."""
     normalize_advantage_std: bool = True
+    """true: a sample's advantage is (reward - group mean) / group std (GRPO); false: only centred,
+    reward - group mean (Dr. GRPO), so groups with nearly equal rewards do not get amplified. Groups whose
+    rewards are all equal get 0 either way."""
     num_ranks: int = 1
     """Trainer ranks (processes) on this node, joined by torch.distributed (gloo on CPU, nccl on GPU)."""
     device: str = "cpu"
+    """Where the trainer's model, gradients and optimizer state live: `cpu`, `cuda` or `cuda:N` (a torch device
+    string). On the same device as engine.device, weight pushes can use the same-host handover
+    (sync.transport)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """The trainer's weights and compute dtype (torch backend: the AdamW moments too). bfloat16 halves the memory
+    and is the GPU choice; float32 on a CPU. train.logprobs: invariant needs it equal to engine.dtype."""
     num_threads: int = 1
     """torch CPU threads per rank."""
     logprobs: Literal["plain", "invariant"] = "plain"
@@ -238,11 +267,19 @@ def _yaml(value: Any) -> str:
 
 @dataclass(kw_only=True, frozen=True)
 class SFTConfig:
+    """An optional supervised warm start on (prompt, answer) pairs before the first GRPO step, so the policy starts
+    with a non-zero reward."""
+
     num_steps: int = 0
     """Supervised steps on (prompt, answer) pairs before GRPO; 0 skips the warm start."""
     batch_size: int = 32
+    """(prompt, answer) pairs per SFT step, drawn from data.source in a shuffled order of their own (seed + 1);
+    rollout.kind=multi_turn: synthetic tool traces per step."""
     lr: float = 1e-3
+    """AdamW learning rate of the warm start (an optimizer of its own: GRPO starts with fresh Adam moments and
+    train.lr); the other AdamW settings are train's; > 0."""
     log_every_steps: int = 10
+    """Print an `sft N/M | loss ...` line every N SFT steps (and after the last); console only."""
     trace_wrong_operand_share: float = 0.0
     """rollout.kind=multi_turn: share of the synthetic tool traces whose calculator call has one operand digit
     wrong (the tool's answer and the final answer follow it), so GRPO has copying left to learn."""

@@ -62,6 +62,15 @@ def test_every_run_config_key_is_in_the_reference() -> None:
     assert not missing, f"docs/reference/config.md lacks {missing}; regenerate it with `{REGENERATE}`"
 
 
+def test_every_run_config_key_has_a_docstring() -> None:
+    # A section may be described by its field's docstring or by its class's; a key only by its field's.
+    undocumented = [k.path for k in iter_keys(RunConfig) if not k.doc.strip()]
+    assert not undocumented, (
+        f"config keys without a docstring: {undocumented}; write one under each field (what it does, its unit, "
+        f"when to change it), then regenerate the reference with `{REGENERATE}`"
+    )
+
+
 def test_reference_is_current() -> None:
     if REFERENCE.read_text() != render_markdown(RunConfig):
         raise AssertionError(
