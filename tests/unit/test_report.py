@@ -164,6 +164,10 @@ def test_report_while_the_writer_still_writes(real_run: Path, tmp_path: Path) ->
     # Rows of the original run lack the guard keys: they read as NaN and are skipped, not zeros.
     assert np.isnan(load_metrics(run_dir / "metrics.h5")["guard/paused_s"][:NUM_STEPS]).all()
     assert pause_spans(load_run(run_dir)) == [(8.5, 10.5)]  # steps 9 and 10 (indexes 8, 9), shaded in thermal.png
+    # Events are drawn at the step the console printed when they happened: index 10 is step 11.
+    assert [(e["kind"], e["step"]) for e in load_run(run_dir).events if e["step"] == 11] == [
+        ("preempted", 11), ("resumed", 11), ("engine_dead", 11), ("engine_restarted", 11),
+    ]  # fmt: skip
     assert {p.name for p in result.plots} == RUN_PLOTS | OPTIONAL_PLOTS
     for path in result.plots:
         assert_png_has_content(path)

@@ -36,8 +36,9 @@ REPORT_PLOTS = {"reward", "timing", "train"}  # drawn for every run (hpcrl/repor
 
 
 def expected_rows(metrics: dict[str, np.ndarray]) -> dict[str, dict[int, float]]:
-    """{key: {step: value}} of metrics.h5, the record every sink must match (NaN: not logged that step)."""
-    steps = [int(s) for s in metrics["step"]]
+    """{key: {step: value}} of metrics.h5, the record every sink must match (NaN: not logged that step), at the
+    step as the console counts it: metrics.h5 stores the 0-based index, a sink shows the steps done (index + 1)."""
+    steps = [int(s) + 1 for s in metrics["step"]]
     return {
         key: {step: float(v) for step, v in zip(steps, values, strict=True) if not math.isnan(v)}
         for key, values in metrics.items()
@@ -129,23 +130,32 @@ def test_a_run_copies_every_metric_of_every_step_to_tensorboard_wandb_and_mlflow
     assert "warning: logging" not in out.stdout + out.stderr
     run = workdir / "r"
     want = expected_rows(load_metrics(run / "metrics.h5"))
-    assert set(next(iter(want.values()))) == {0, 1, 2, 3} and "train/loss" in want
+    # Every metric at steps 1-4, as the console's "step 1/4" ... "step 4/4" and step_00000004.h5 say.
+    assert "train/loss" in want and all(set(by_step) == {1, 2, 3, 4} for by_step in want.values()), want
+    assert [line.split("|")[0].split()[1] for line in out.stdout.splitlines() if line.startswith("step ")] == [
+        "1/4", "2/4", "3/4", "4/4",
+    ]  # fmt: skip
     events = load_events(run / "metrics.h5")
-    assert events[-1]["kind"] == "finished"
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 3  # metrics.h5 keeps the 0-based index
+    shown = [None if e["step"] is None else e["step"] + 1 for e in events]  # what every sink shows
 
     tb_rows, acc = tensorboard_data(run / "tensorboard")
     assert_rows_match(tb_rows, want, "tensorboard")
     tensors = acc.Tags()["tensors"]
     assert "config/text_summary" in tensors
     assert {f"events/{e['kind']}/text_summary" for e in events} <= set(tensors)
+    assert [t.step for t in acc.Tensors("events/finished/text_summary")] == [4]
     assert REPORT_PLOTS <= {tag.removeprefix("report/") for tag in acc.Tags()["images"]}
+    assert {img.step for tag in acc.Tags()["images"] for img in acc.Images(tag)} == {4}
 
     wb_rows, wb_config = wandb_data(run)
     assert_rows_match({h5_key(k): v for k, v in wb_rows.items() if not k.startswith("_")}, want, "wandb")
     recorded = load_yaml(run / "config.yaml")
     assert wb_config["name"] == "quickstart" and wb_config["train"] == recorded["train"]
-    assert json.loads(wb_rows["events/finished"][3]) == events[-1]["detail"]
+    assert list(wb_rows["events/finished"]) == [4]
+    assert json.loads(wb_rows["events/finished"][4]) == events[-1]["detail"]
     assert REPORT_PLOTS <= {k.split("/")[1] for k in wb_rows if k.startswith("report/")}
+    assert all(list(by_step) == [4] for key, by_step in wb_rows.items() if key.startswith("report/"))
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
@@ -165,7 +175,9 @@ def test_a_run_copies_every_metric_of_every_step_to_tensorboard_wandb_and_mlflow
     artifacts = {a.path for a in client.list_artifacts(ml_run.info.run_id, "report")}
     assert {f"report/{name}.png" for name in REPORT_PLOTS} <= artifacts
     logged = client.download_artifacts(ml_run.info.run_id, "events.jsonl", str(workdir))
-    assert [json.loads(line)["kind"] for line in Path(logged).read_text().splitlines()] == [e["kind"] for e in events]
+    ml_events = [json.loads(line) for line in Path(logged).read_text().splitlines()]
+    assert [e["kind"] for e in ml_events] == [e["kind"] for e in events]
+    assert [e["step"] for e in ml_events] == shown
     assert json.loads((run / "sinks.json").read_text()) == {
         "mlflow_run_id": ml_run.info.run_id,
         "wandb_run_id": next(run.glob("wandb/offline-run-*")).name.rsplit("-", 1)[1],
@@ -228,7 +240,7 @@ def test_a_failing_sink_is_reported_once_and_the_run_completes(workdir: Path, mo
         server.shutdown()
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "logging.mlflow" in line]
     assert len(lines) == 1, lines
-    assert "failed to log step 0" in lines[0] and "goes on" in lines[0], lines[0]
+    assert "failed to log step 1" in lines[0] and "goes on" in lines[0], lines[0]
     assert QuotaExhaustedMlflow.metric_batches == 1  # dropped after its first failure: no call per step
     metrics = load_metrics(workdir / "r" / "metrics.h5")
     assert list(metrics["step"]) == [0, 1, 2, 3]

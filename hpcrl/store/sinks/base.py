@@ -7,9 +7,11 @@ import importlib.util
 import json
 import os
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from hpcrl.store.sinks.config import LoggingConfig
 
@@ -29,7 +31,10 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
 
 
 class Sink(Protocol):
-    """One destination of the run's metrics. Calls may raise: the SinkSet drops a sink that does."""
+    """One destination of the run's metrics. Calls may raise: the SinkSet drops a sink that does.
+
+    `step` is the step as the console counts it, 1 for the first (the steps done); None for an event outside
+    any step."""
 
     name: str
 
@@ -40,6 +45,59 @@ class Sink(Protocol):
     def images(self, step: int | None, paths: Sequence[Path]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkSetup:
+    """What every sink starts from: the `logging` section, the run, and the ids that continue its runs."""
+
+    cfg: LoggingConfig
+    run_dir: Path
+    run_name: str
+    params: dict[str, Any]
+    """The resolved run config, as the run's parameters."""
+    ids: dict[str, str]
+    """RUN_DIR/sinks.json's ids; a sink adds the id of the run it creates, so that a resumed run continues it."""
+
+
+class BaseSink(ABC):
+    """The part every sink shares: it opens from a SinkSetup and remembers the last row's step, where an event
+    or an image without a step of its own is shown."""
+
+    name: ClassVar[str]
+
+    def __init__(self, setup: SinkSetup) -> None:
+        self.last_step = 0
+        self.open(setup)
+
+    @abstractmethod
+    def open(self, setup: SinkSetup) -> None:
+        """Connect to the tool: create or continue the run there, with the config as its parameters."""
+
+    @abstractmethod
+    def write_row(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    @abstractmethod
+    def event(self, kind: str, step: int | None, detail: Mapping[str, Any]) -> None: ...
+
+    @abstractmethod
+    def images(self, step: int | None, paths: Sequence[Path]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.write_row(step, metrics)
+        self.last_step = step
+
+    def step_of(self, step: int | None) -> int:
+        """The step to show an event or image at: its own, else the last row's."""
+        return self.last_step if step is None else step
+
+
+def steps_done(step_index: int) -> int:
+    """The step a user reads (console, checkpoint names, report, sinks) for metrics.h5's 0-based step index."""
+    return step_index + 1
 
 
 def pip_command(extras: Sequence[str]) -> str:
@@ -92,7 +150,8 @@ def open_sinks(
         module_path, class_name = target.split(":")
         try:
             sink_class = getattr(importlib.import_module(module_path), class_name)
-            sinks.append(sink_class(logging, run_dir=run_dir, run_name=run_name, params=dict(params), ids=ids))
+            setup = SinkSetup(cfg=logging, run_dir=run_dir, run_name=run_name, params=dict(params), ids=ids)
+            sinks.append(sink_class(setup))
         except Exception as err:  # noqa: BLE001 - a sink must never stop the run
             say(f"warning: logging.{name} could not start ({type(err).__name__}: {err}); this run goes on without it")
     if not sinks:
@@ -119,7 +178,10 @@ def _write_ids(run_dir: Path, ids: Mapping[str, str]) -> None:
 
 
 class SinkSet:
-    """Fans rows and events out to the sinks; a sink that raises is reported once and dropped."""
+    """Fans rows and events out to the sinks; a sink that raises is reported once and dropped.
+
+    Steps come in as metrics.h5 stores them, the 0-based step index, and go out to the sinks as the console,
+    the checkpoint names and `hpcrl report` count them: the steps done, 1 for the first step."""
 
     def __init__(
         self, sinks: Sequence[Sink], *, run_dir: Path, draw_plots: DrawPlots | None = None, say: Say = _stderr
@@ -150,14 +212,18 @@ class SinkSet:
                     pass
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """`step`: metrics.h5's 0-based step index of the row."""
         row = {key: float(value) for key, value in metrics.items()}
-        self._last_step = step
-        self._each(f"log step {step}", lambda sink: sink.log(step, row))
+        done = steps_done(step)
+        self._last_step = done
+        self._each(f"log step {done}", lambda sink: sink.log(done, row))
 
     def event(self, kind: str, step: int | None, detail: Mapping[str, Any]) -> None:
-        self._each(f"log event {kind}", lambda sink: sink.event(kind, step, detail))
+        """`step`: metrics.h5's 0-based step index of the event, or None outside any step."""
+        done = None if step is None else steps_done(step)
+        self._each(f"log event {kind}", lambda sink: sink.event(kind, done, detail))
         if kind == "finished":
-            self._send_report(step)
+            self._send_report(done)
 
     def _send_report(self, step: int | None) -> None:
         """The report's plots (RUN_DIR/report/*.png) as images, when hpcrl[report] is installed."""

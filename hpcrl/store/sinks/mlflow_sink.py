@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcrl.store.sinks.config import LoggingConfig
+from hpcrl.store.sinks.base import BaseSink, SinkSetup
 
 # MLflow's log_batch limits (mlflow/utils/validation.py): 1000 metrics and 100 params per call, 6000 characters
 # per parameter value.
@@ -18,18 +18,11 @@ _PARAMS_PER_BATCH = 100
 _PARAM_VALUE_CHARS = 6000
 
 
-class MlflowSink:
+class MlflowSink(BaseSink):
     name = "mlflow"
 
-    def __init__(
-        self,
-        cfg: LoggingConfig,
-        *,
-        run_dir: Path,
-        run_name: str,
-        params: Mapping[str, Any],
-        ids: dict[str, str],
-    ) -> None:
+    def open(self, setup: SinkSetup) -> None:
+        cfg, run_dir, run_name, params, ids = setup.cfg, setup.run_dir, setup.run_name, setup.params, setup.ids
         assert cfg.mlflow is not None
         uri = cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or str(run_dir / "mlruns")
         if "://" not in uri or uri.startswith("file://"):
@@ -57,7 +50,7 @@ class MlflowSink:
         self._events: list[dict[str, Any]] = []
         self._finished = False
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def write_row(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)

@@ -8,47 +8,36 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcrl.store.sinks.config import LoggingConfig
+from hpcrl.store.sinks.base import BaseSink, SinkSetup
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-class TensorBoardSink:
+class TensorBoardSink(BaseSink):
     name = "tensorboard"
 
-    def __init__(
-        self,
-        cfg: LoggingConfig,
-        *,
-        run_dir: Path,
-        run_name: str,
-        params: Mapping[str, Any],
-        ids: dict[str, str],
-    ) -> None:
+    def open(self, setup: SinkSetup) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = run_dir / "tensorboard" if cfg.tensorboard is True else Path(str(cfg.tensorboard))
-        self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-        self._last_step = 0
-        config = json.dumps(params, indent=2, sort_keys=False)
+        tensorboard = setup.cfg.tensorboard
+        self.log_dir = setup.run_dir / "tensorboard" if tensorboard is True else Path(str(tensorboard))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        config = json.dumps(setup.params, indent=2, sort_keys=False)
         # Markdown: four spaces keep the JSON's indentation as a code block.
         self._writer.add_text("config", "\n".join("    " + line for line in config.splitlines()), 0)
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def write_row(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
             self._writer.add_scalar(key, value, step)
-        self._last_step = step
 
     def event(self, kind: str, step: int | None, detail: Mapping[str, Any]) -> None:
-        at = self._last_step if step is None else step
-        self._writer.add_text(f"events/{kind}", json.dumps(dict(detail), sort_keys=True), at)
+        self._writer.add_text(f"events/{kind}", json.dumps(dict(detail), sort_keys=True), self.step_of(step))
         self._writer.flush()  # events are rare, and often the last thing a job writes
 
     def images(self, step: int | None, paths: Sequence[Path]) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        at = self._last_step if step is None else step
+        at = self.step_of(step)
         file_writer = self._writer._get_file_writer()
         for path in paths:
             data = path.read_bytes()

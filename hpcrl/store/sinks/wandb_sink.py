@@ -8,54 +8,46 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcrl.store.sinks.config import LoggingConfig
+from hpcrl.store.sinks.base import BaseSink, SinkSetup
 
 
-class WandbSink:
+class WandbSink(BaseSink):
     name = "wandb"
 
-    def __init__(
-        self,
-        cfg: LoggingConfig,
-        *,
-        run_dir: Path,
-        run_name: str,
-        params: Mapping[str, Any],
-        ids: dict[str, str],
-    ) -> None:
+    def open(self, setup: SinkSetup) -> None:
         import wandb
 
-        assert cfg.wandb is not None
+        cfg = setup.cfg.wandb
+        assert cfg is not None
         # The same wandb run across preemptions: its id lives in the run dir (RUN_DIR/sinks.json).
-        run_id = ids.setdefault("wandb_run_id", uuid.uuid4().hex[:16])
+        run_id = setup.ids.setdefault("wandb_run_id", uuid.uuid4().hex[:16])
         self._run = wandb.init(
-            project=cfg.wandb.project,
-            entity=cfg.wandb.entity,
-            mode=cfg.wandb.mode,
-            dir=str(run_dir),
-            name=run_name,
+            project=cfg.project,
+            entity=cfg.entity,
+            mode=cfg.mode,
+            dir=str(setup.run_dir),
+            name=setup.run_name,
             id=run_id,
             resume="allow",
-            config=dict(params),
+            config=setup.params,
             # The job log stays hpcrl's own (no console capture), and no system-stats sampler takes the driver's CPU.
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
-        self._last_step = 0
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def write_row(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
-        self._last_step = step
+
+    def step_of(self, step: int | None) -> int:
+        # wandb's steps only grow: an event of an earlier step (or of none) joins the last row.
+        return max(super().step_of(step), self.last_step)
 
     def event(self, kind: str, step: int | None, detail: Mapping[str, Any]) -> None:
-        # wandb's steps only grow: an event of an earlier step (or of none) joins the last row.
-        at = self._last_step if step is None else max(step, self._last_step)
-        self._run.log({f"events/{kind}": json.dumps(dict(detail), sort_keys=True)}, step=at)
+        self._run.log({f"events/{kind}": json.dumps(dict(detail), sort_keys=True)}, step=self.step_of(step))
 
     def images(self, step: int | None, paths: Sequence[Path]) -> None:
         import wandb
 
-        at = self._last_step if step is None else max(step, self._last_step)
-        self._run.log({f"report/{path.stem}": wandb.Image(str(path)) for path in paths}, step=at)
+        self._run.log({f"report/{path.stem}": wandb.Image(str(path)) for path in paths}, step=self.step_of(step))
 
     def close(self) -> None:
         self._run.finish()
