@@ -89,9 +89,9 @@ class EngineConfig:
     health_interval_s: float = 1.0
     """How often the fleet probes every engine (/health) and checks its process."""
     health_timeout_s: float = 3.0
-    """Seconds one /health probe (and the abort sent to every engine on a failure) may take; a probe that runs out
-    only counts as a missed answer, and `hung_after_s` of those make the engine hung. At most `hung_after_s`;
-    raise it when a loaded engine answers slowly."""
+    """Seconds one /health probe of the fleet's monitor may take; a probe that runs out only counts as a missed
+    answer, and an engine with no answer for `hung_after_s` is hung. At most `hung_after_s`; raise it when a
+    loaded engine answers slowly."""
     hung_after_s: float = 20.0
     """An engine that answers no probe for this long is hung (e.g. SIGSTOP): it is killed and restarted.
     One failed probe is never death: /health can be slow during a long prefill (sgl-project/sglang#22511)."""

@@ -273,7 +273,7 @@ class SFTConfig:
     num_steps: int = 0
     """Supervised steps on (prompt, answer) pairs before GRPO; 0 skips the warm start."""
     batch_size: int = 32
-    """(prompt, answer) pairs per SFT step, drawn from data.source in a shuffled order of their own (seed + 1);
+    """(prompt, answer) pairs per SFT step, drawn from data.source in an order of their own (seed + 1);
     rollout.kind=multi_turn: synthetic tool traces per step."""
     lr: float = 1e-3
     """AdamW learning rate of the warm start (an optimizer of its own: GRPO starts with fresh Adam moments and
