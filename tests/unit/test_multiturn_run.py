@@ -210,7 +210,9 @@ def test_multi_turn_run_writes_episode_metrics_and_trains_only_sampled_tokens(
 
     # Top-k/top-p: the turns record their supports, the tool tokens carry singletons, and the trainer renormalises
     # over them, so the gap stays float noise (scored over the whole vocabulary it would not).
-    replay = ["num_steps=1", "rollout.top_k=8", "rollout.top_p=0.9"]
+    # It starts from the first run's policy, which already calls the tool, instead of repeating the warm start.
+    replay = ["num_steps=1", "rollout.top_k=8", "rollout.top_p=0.9", f"model.path={tmp_path / 'r' / 'model'}",
+              "sft.num_steps=0"]  # fmt: skip
     hpcrl("run", "tq.yaml", *TOOL_RUN, *replay, "--run-dir", "rep", cwd=tmp_path, timeout_s=600)
     m = load_metrics(tmp_path / "rep" / "metrics.h5")
     assert m["train/train_rollout_logprob_max_abs_diff"].max() <= 1e-4
