@@ -528,3 +528,49 @@ def test_with_no_engine_left_the_trainers_thread_restarts_them(
         lone.stop()
         for eng in fresh:
             eng.stop()
+
+
+FILTERS = """
+import torch
+
+
+def raising(group):
+    raise KeyError("no such field")
+
+
+def none(group):
+    return None
+
+
+def tensor(group):
+    return torch.tensor([True])
+
+
+def text(group):
+    return "yes"
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("raising", "raised KeyError: 'no such field'"),
+        ("none", "returned NoneType None, not a bool"),
+        ("tensor", "returned Tensor tensor([True]), not a bool"),
+        ("text", "returned str 'yes', not a bool"),
+    ],
+)
+def test_a_filter_that_raises_or_returns_no_bool_stops_the_run_naming_its_key(
+    parts: Parts, tmp_path: Path, name: str, expected: str
+) -> None:
+    (tmp_path / "my_filters.py").write_text(FILTERS)
+    spec = f"{tmp_path / 'my_filters.py'}:{name}"
+    rollout = parts.make(filter=spec)
+    rollout.start()
+    with pytest.raises(ValueError) as info:
+        rollout.collect(0, interrupted=never_interrupted)
+    rollout.stop()
+    message = str(info.value)
+    assert f"buffer.filter={spec}" in message and expected in message, message
+    assert rollout._counts["filtered"] == 0  # nothing was counted as kept or dropped by a verdict it never gave
+    assert len(rollout.buffer) == 0
