@@ -43,9 +43,9 @@ from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
-from hpcrl.sessions.messages import MessageError, parse_messages, parse_tools
+from hpcrl.sessions.messages import Message, MessageError, parse_messages, parse_tools
 from hpcrl.sessions.session import Session, SessionError, Turn
-from hpcrl.sessions.tokens import Renderer, TemplateError
+from hpcrl.sessions.tokens import Renderer, TemplateError, first_unencodable
 
 log = logging.getLogger("hpcrl.sessions")
 
@@ -174,6 +174,7 @@ class SessionService:
             tools = parse_tools(body.get("tools"))
         except MessageError as exc:
             raise SessionError(400, str(exc)) from None
+        self._check_encodable(messages, tools)
         stop = body.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
@@ -197,6 +198,24 @@ class SessionService:
             "max_tokens": max_tokens,
             "want_logprobs": bool(body.get("logprobs")),
         }
+
+    def _check_encodable(self, messages: list[Message], tools: tuple[dict[str, Any], ...]) -> None:
+        """A character the tokenizer cannot encode would reach the model as its unknown token: refused, as a run
+        refuses it in its data."""
+        fields: list[tuple[str, str]] = []
+        for i, m in enumerate(messages):
+            fields += [(f"messages[{i}].content", m.content), (f"messages[{i}].reasoning_content", m.reasoning or "")]
+            fields += [
+                (f"messages[{i}].tool_calls[{j}].function", f"{c.name} {c.arguments_json()}")
+                for j, c in enumerate(m.tool_calls)
+            ]
+        fields += [(f"tools[{k}]", json.dumps(t, ensure_ascii=False)) for k, t in enumerate(tools)]
+        bad = first_unencodable(self.renderer.tokenizer, [text for _, text in fields])
+        if bad is not None:
+            raise SessionError(
+                400, f"{fields[bad.index][0]} holds {bad.describe()}; remove or replace it, or serve a model whose "
+                "tokenizer covers it",
+            )  # fmt: skip
 
     def _turn(
         self,
