@@ -204,7 +204,7 @@ class Run:
             producer = AsyncRollout(
                 cfg.rollout, cfg.buffer, self.fleet, formatter, self.data, self.rewards, self.publisher,
                 seed=cfg.seed, prompts_per_step=cfg.data.prompts_per_step,
-                max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups,
+                max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups, num_steps=cfg.num_steps,
             )  # fmt: skip
             self._closers.append(producer.close)
             self.state.register("rollout_buffer", producer)
