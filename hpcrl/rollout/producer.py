@@ -1,5 +1,7 @@
 """The asynchronous rollout: a producer thread keeps whole groups generating on the live engines while the
-trainer trains, and the trainer collects each step's batch from the group buffer (docs/async.md).
+trainer trains, and the trainer collects each step's batch from the group buffer (docs/async.md). Two roles, two
+classes: `GroupProducer` is the producer thread (draw, submit, hold, arrive); `AsyncRollout` adds the trainer's
+side (collect, publish, checkpoint) and is what the driver holds.
 
 - Draw: prompts by global position of the data order (PromptSource.at); re-issued and retried ones first.
 - Submit: at most `max_inflight_groups` groups, one request batch per group, to the live engine with the
@@ -69,7 +71,11 @@ class _Call:
     prompt: list[int]
 
 
-class AsyncRollout:
+class GroupProducer:
+    """The producer thread's role: draw positions, submit their groups, hold for staleness, take arrivals into the
+    buffer (or drop them), re-issue a dead engine's groups. The state it keeps (positions pending, the buffer, the
+    ledger) is what the trainer's side (`AsyncRollout`) collects from and checkpoints."""
+
     def __init__(
         self,
         rollout: RolloutConfig,
@@ -313,6 +319,11 @@ class AsyncRollout:
             self._pending.pop(item.position, None)
             final = reason if item.attempt == 0 else f"{reason} after {item.attempt + 1} attempts"
             self.ledger.dropped(item.position, final)
+
+
+class AsyncRollout(GroupProducer):
+    """The asynchronous rollout as the driver sees it: the producer beside the trainer, and the trainer's side
+    (collect a step's groups, commit them, push weights, the step's buffer figures) and the checkpointed state."""
 
     # ----- the trainer's side -----
     def collect(self, step: int, *, interrupted: Callable[[], bool]) -> list[Group] | None:
