@@ -171,8 +171,9 @@ class Run:
         )  # fmt: skip
         if multi_turn:
             self.rollout = EpisodeRollout(
-                cfg.rollout, clients, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed
-            )
+                cfg.rollout, self.fleet, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed,
+                recover=self.publisher.restore_engines,
+            )  # fmt: skip
             self._closers.append(self.rollout.close)
         else:
             rollout = Rollout(cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines)
