@@ -19,10 +19,44 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
+
 from hpcrl.loader import LoadError, load_object
 from hpcrl.samples.sample import Group
 
 GroupFilter = Callable[[Group], bool]
+
+
+class FilterError(ValueError):
+    """The user's group filter (buffer.filter) raised, or returned something other than a bool."""
+
+
+class CheckedFilter:
+    """A user's filter that names its config key and path when it fails: it runs on the producer thread, far from
+    the config line that chose it, and a non-bool verdict (None, a tensor, a string) must not pass as "keep"."""
+
+    def __init__(self, fn: GroupFilter, spec: str) -> None:
+        self.fn, self.spec = fn, spec
+
+    def __call__(self, group: Group) -> bool:
+        try:
+            verdict = self.fn(group)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the key that names the function
+            raise FilterError(
+                f"buffer.filter={self.spec} raised {type(exc).__name__}: {exc} (on the group of prompt "
+                f"{group.example.prompt[:80]!r}); fix the function, or set buffer.filter=null"
+            ) from exc
+        if not isinstance(verdict, bool | np.bool_):
+            raise FilterError(
+                f"buffer.filter={self.spec} returned {type(verdict).__name__} {_short(verdict)}, not a bool; "
+                "return True to keep the group, False to drop it"
+            )
+        return bool(verdict)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def version_ordinal(version: str | None) -> int | None:
@@ -59,7 +93,7 @@ def load_filter(spec: str | None) -> GroupFilter | None:
     fn = load_object(spec, key="buffer.filter", builtins="zero_std")
     if not callable(fn):
         raise LoadError("buffer.filter", spec, f"it is a {type(fn).__name__}, not a function of a Group")
-    return cast(GroupFilter, fn)
+    return CheckedFilter(cast(GroupFilter, fn), spec)
 
 
 def arrival_verdict(group: Group, keep: GroupFilter | None) -> str | None:

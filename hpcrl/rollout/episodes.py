@@ -8,13 +8,13 @@ Sample per leaf, all with the episode's reward.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.fleet import FleetError
+from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.generate import support_stats
 from hpcrl.samples.sample import Example, Group, Sample, sample_seed
@@ -27,6 +27,9 @@ __all__ = ["EpisodeRollout", "group_from_episodes", "rollout_groups"]
 
 # Episodes in flight at once: enough to fill an engine's batch, few enough that the threads stay cheap.
 MAX_CONCURRENT_EPISODES = 64
+# Rounds of re-running the episodes a dead engine cut, each after the fleet restarts it (engine.max_restarts bounds
+# the restarts themselves); past them the step stops the run.
+MAX_EPISODE_RERUNS = 3
 
 
 def group_from_episodes(example: Example, results: Sequence[EpisodeResult]) -> Group:
@@ -97,9 +100,12 @@ def run_episodes(
     limits: dict[str, int] | None = None,
     max_concurrency: int = 16,
     api_key: str | None = None,
+    jobs: Sequence[tuple[int, int]] | None = None,
 ) -> list[EpisodeResult]:
-    """The episodes of a step in (example, sample) order, each seeded by (seed, step, example, sample)."""
-    jobs = [(p, s) for p in range(len(examples)) for s in range(num_samples)]
+    """The episodes of a step in (example, sample) order, each seeded by (seed, step, example, sample); `jobs`: only
+    these (example, sample) pairs, in their order (episodes run again after an engine failed them)."""
+    if jobs is None:
+        jobs = [(p, s) for p in range(len(examples)) for s in range(num_samples)]
 
     def one(job: tuple[int, int]) -> EpisodeResult:
         p, s = job
@@ -121,10 +127,20 @@ class EpisodeRollout:
     """
 
     def __init__(
-        self, cfg: RolloutConfig, engines: list[EngineClient], *, model_dir: Path, tokenizer: Any, seed: int
+        self,
+        cfg: RolloutConfig,
+        fleet: EngineFleet,
+        *,
+        model_dir: Path,
+        tokenizer: Any,
+        seed: int,
+        recover: Callable[[], None] | None = None,
     ) -> None:
+        """`recover`: restart the fleet's dead engines and give them the served weights (the publisher's
+        restore_engines); None: an episode that no engine could finish stops the run."""
         assert cfg.model_family is not None  # RolloutConfig refuses multi_turn without it
-        self.cfg, self.seed = cfg, seed
+        self.cfg, self.seed, self.fleet, self.recover = cfg, seed, fleet, recover
+        engines = [slot.client for slot in fleet.slots]
         self.env = load_environment(cfg.environment or "calculator")
         limits = cfg.episode_limits
         # The server drives the run's engines with their keys: only this rollout may open sessions on it.
@@ -135,22 +151,38 @@ class EpisodeRollout:
             max_tokens_per_turn=limits.max_tokens_per_turn, max_episode_tokens=limits.max_episode_tokens,
             api_key=self._key,
         )  # fmt: skip
-        self.server = SessionServer(server_cfg, tokenizer=tokenizer, engines=engines).start()
+        # The slots' clients as they are now: a restarted engine is a new process behind a new client.
+        self.server = SessionServer(server_cfg, tokenizer=tokenizer, engines=self._engines).start()
         self._metrics: dict[str, float] = {}
+
+    def _engines(self) -> list[EngineClient]:
+        return [slot.client for slot in self.fleet.slots]
 
     def generate(self, step: int, examples: Sequence[Example]) -> list[Group]:
         n = self.cfg.n_samples_per_prompt
-        results = run_episodes(
-            self.env, examples, self.server.url, num_samples=n, step=step, seed=self.seed,
-            sampling=self._sampling(), max_concurrency=MAX_CONCURRENT_EPISODES, api_key=self._key,
-        )  # fmt: skip
-        failed = [r for r in results if r.end_reason == "engine_failed"]
-        if failed:
-            # A Group must hold all n samples (GRPO compares siblings), and an episode cut by a dead engine is not
-            # the policy's doing: stop; the resume re-runs this step's episodes with the same seeds.
+        jobs = [(p, s) for p in range(len(examples)) for s in range(n)]
+        results = self._episodes(step, examples, jobs)
+        for _ in range(MAX_EPISODE_RERUNS):
+            failed = [k for k, r in enumerate(results) if r.end_reason == "engine_failed"]
+            if not failed or self.recover is None:
+                break
+            # An episode cut by a dead engine is not the policy's doing, and a Group must hold all n samples (GRPO
+            # compares siblings): once the fleet has restarted the dead engines (with the served weights), those
+            # episodes run again from their start, with the same seeds, as the sync rollout re-issues requests.
+            self.fleet.probe_all()  # who died; restore_engines restarts them
+            self.recover()
+            self.fleet.num_reissued += len(failed)
+            again = self._episodes(step, examples, [jobs[k] for k in failed])
+            for k, result in zip(failed, again, strict=True):
+                results[k] = result
+        cut = [r for r in results if r.end_reason == "engine_failed"]
+        if cut:
+            # The resume re-runs this step's episodes with the same seeds.
+            tries = f" in {MAX_EPISODE_RERUNS + 1} tries (the fleet restarting dead engines between them)"
+            tried = tries if self.recover is not None else ""
             raise FleetError(
-                f"{len(failed)} of {len(results)} episodes of step {step + 1} ended because every engine failed a "
-                "turn; fix the engines and rerun to resume the step"
+                f"{len(cut)} of {len(results)} episodes of step {step + 1} ended because every engine failed a "
+                f"turn{tried}; fix the engines and rerun to resume the step"
             )
         groups = groups_by_example(examples, results, n)
         short = [p for p, g in enumerate(groups) if len(g.samples) != n]
@@ -174,6 +206,12 @@ class EpisodeRollout:
             }
         )
         return groups
+
+    def _episodes(self, step: int, examples: Sequence[Example], jobs: Sequence[tuple[int, int]]) -> list[EpisodeResult]:
+        return run_episodes(
+            self.env, examples, self.server.url, num_samples=self.cfg.n_samples_per_prompt, step=step, seed=self.seed,
+            sampling=self._sampling(), max_concurrency=MAX_CONCURRENT_EPISODES, api_key=self._key, jobs=jobs,
+        )  # fmt: skip
 
     def _sampling(self) -> dict[str, Any]:
         """What each turn's request asks: the temperature, and top-k/top-p when they are set (replayed in training:

@@ -26,6 +26,7 @@ from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
 from hpcrl.samples.sample import DataError, Example, Group, Sample, sample_seed
 from hpcrl.samples.support import TokenSupports
+from hpcrl.sessions.tokens import first_unencodable, unknown_token
 from hpcrl.trainer.batch import TrainBatch
 
 
@@ -72,25 +73,21 @@ class PromptFormatter:
     def check_encodable(self, examples: Sequence[Example], *, source: str, answers: bool) -> None:
         """Raise DataError for a character the tokenizer can only map to its unknown token (which, for
         hpcrl's character tokenizer, is also the pad token): training on it would teach nothing true."""
-        unk = _unknown_token(self.tokenizer)
-        if unk is None:
-            return  # byte-level tokenizers (Qwen, Llama) encode every character
-        unk_id = self.tokenizer.convert_tokens_to_ids(unk)
+        if unknown_token(self.tokenizer) is None:
+            return  # every character encodes: skip rendering each prompt
         fields = [("prompt", i, self._model_text(e.prompt)) for i, e in enumerate(examples)]
         fields += [("answer", i, e.answer) for i, e in enumerate(examples)] if answers else []
-        enc = self.tokenizer([t for _, _, t in fields], add_special_tokens=False, return_offsets_mapping=True)
-        for (name, i, text), ids, offsets in zip(fields, enc["input_ids"], enc["offset_mapping"], strict=True):
-            for token_id, (start, end) in zip(ids, offsets, strict=True):
-                if token_id == unk_id and text[start:end] != unk:
-                    char = text[start:end] or "?"
-                    where = f"the {name} of example {i + 1} of {source}"
-                    if name == "prompt" and self.cfg.prompt_template != "{prompt}":
-                        where += " (after data.prompt_template)"
-                    raise DataError(
-                        f"{where} holds the character {char!r} (U+{ord(char[0]):04X}), which the model's tokenizer "
-                        f"cannot encode: it would become its unknown token {unk!r}; remove or replace it in the "
-                        "data, or use a model whose tokenizer covers it"
-                    )
+        bad = first_unencodable(self.tokenizer, [t for _, _, t in fields])
+        if bad is None:
+            return
+        name, i, _ = fields[bad.index]
+        where = f"the {name} of example {i + 1} of {source}"
+        if name == "prompt" and self.cfg.prompt_template != "{prompt}":
+            where += " (after data.prompt_template)"
+        raise DataError(
+            f"{where} holds {bad.describe()}; remove or replace it in the data, or use a model whose tokenizer "
+            "covers it"
+        )
 
     def _model_text(self, prompt: str) -> str:
         if self.cfg.prompt_template == "chat":
@@ -113,16 +110,6 @@ def answer_batches(formatter: PromptFormatter, data: PromptSource) -> Callable[[
         return TrainBatch.from_sequences(prompts, answers)
 
     return batch
-
-
-def _unknown_token(tokenizer: Any) -> str | None:
-    """The token that characters outside the vocabulary become, None when there is none. A fast
-    tokenizer's wrapper may not name it (hpcrl's character tokenizer does not) while its model does."""
-    if getattr(tokenizer, "unk_token", None):
-        return str(tokenizer.unk_token)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    token = getattr(getattr(backend, "model", None), "unk_token", None)
-    return str(token) if token else None
 
 
 class Rollout:

@@ -1,5 +1,7 @@
 """The asynchronous rollout: a producer thread keeps whole groups generating on the live engines while the
-trainer trains, and the trainer collects each step's batch from the group buffer (docs/async.md).
+trainer trains, and the trainer collects each step's batch from the group buffer (docs/async.md). Two roles, two
+classes: `GroupProducer` is the producer thread (draw, submit, hold, arrive); `AsyncRollout` adds the trainer's
+side (collect, publish, checkpoint) and is what the driver holds.
 
 - Draw: prompts by global position of the data order (PromptSource.at); re-issued and retried ones first.
 - Submit: at most `max_inflight_groups` groups, one request batch per group, to the live engine with the
@@ -69,7 +71,11 @@ class _Call:
     prompt: list[int]
 
 
-class AsyncRollout:
+class GroupProducer:
+    """The producer thread's role: draw positions, submit their groups, hold for staleness, take arrivals into the
+    buffer (or drop them), re-issue a dead engine's groups. The state it keeps (positions pending, the buffer, the
+    ledger) is what the trainer's side (`AsyncRollout`) collects from and checkpoints."""
+
     def __init__(
         self,
         rollout: RolloutConfig,
@@ -84,12 +90,14 @@ class AsyncRollout:
         prompts_per_step: int,
         max_inflight_groups: int,
         capacity_groups: int,
+        num_steps: int | None = None,
         poll_s: float = 0.05,
     ) -> None:
+        """`num_steps`: the steps of the run (None: no end); the producer draws no prompt those steps cannot train."""
         self.cfg, self.buffer_cfg = rollout, buffer
         self.fleet, self.formatter, self.data, self.scorer, self.publisher = fleet, formatter, data, scorer, publisher
         self.seed, self.prompts_per_step, self.max_inflight = seed, prompts_per_step, max_inflight_groups
-        self.poll_s = poll_s
+        self.poll_s, self.num_steps = poll_s, num_steps
         self.keep = load_filter(buffer.filter)
         self._lock = threading.RLock()
         self.buffer = GroupBuffer(capacity_groups, self._lock)
@@ -166,6 +174,8 @@ class AsyncRollout:
                     return
                 if self._queue:
                     position = self._queue.popleft()
+                elif not self._draws_more():
+                    return
                 else:
                     position = self.next_position
                     self.next_position += 1
@@ -206,6 +216,16 @@ class AsyncRollout:
             self._stale_wait_s += now - self._held_since
             self._held_since = None
         return held
+
+    def _draws_more(self) -> bool:
+        """Whether the steps left can train one more prompt (holding the lock). Every prompt drawn and not yet
+        trained or dropped (in flight, queued, buffered, taken) will fill a place of those steps: one drawn beyond
+        them would end the run untrained, however many groups `max_inflight_groups` allows in flight. A drop
+        frees its place, so a dropped prompt is replaced by a new one."""
+        if self.num_steps is None:
+            return True
+        places = (self.num_steps - self._next_step) * self.prompts_per_step
+        return len(self._pending) + len(self.buffer) + len(self._taken) < places
 
     def _nudge(self) -> None:
         """Wake the producer now rather than at its next poll: what held a submission may have changed."""
@@ -299,6 +319,11 @@ class AsyncRollout:
             self._pending.pop(item.position, None)
             final = reason if item.attempt == 0 else f"{reason} after {item.attempt + 1} attempts"
             self.ledger.dropped(item.position, final)
+
+
+class AsyncRollout(GroupProducer):
+    """The asynchronous rollout as the driver sees it: the producer beside the trainer, and the trainer's side
+    (collect a step's groups, commit them, push weights, the step's buffer figures) and the checkpointed state."""
 
     # ----- the trainer's side -----
     def collect(self, step: int, *, interrupted: Callable[[], bool]) -> list[Group] | None:

@@ -171,8 +171,9 @@ class Run:
         )  # fmt: skip
         if multi_turn:
             self.rollout = EpisodeRollout(
-                cfg.rollout, clients, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed
-            )
+                cfg.rollout, self.fleet, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed,
+                recover=self.publisher.restore_engines,
+            )  # fmt: skip
             self._closers.append(self.rollout.close)
         else:
             rollout = Rollout(cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines)
@@ -204,7 +205,7 @@ class Run:
             producer = AsyncRollout(
                 cfg.rollout, cfg.buffer, self.fleet, formatter, self.data, self.rewards, self.publisher,
                 seed=cfg.seed, prompts_per_step=cfg.data.prompts_per_step,
-                max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups,
+                max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups, num_steps=cfg.num_steps,
             )  # fmt: skip
             self._closers.append(producer.close)
             self.state.register("rollout_buffer", producer)

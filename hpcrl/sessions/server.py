@@ -27,6 +27,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -43,9 +44,9 @@ from hpcrl.engine.protocol import GenerateResult, SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
-from hpcrl.sessions.messages import MessageError, parse_messages, parse_tools
+from hpcrl.sessions.messages import Message, MessageError, parse_messages, parse_tools
 from hpcrl.sessions.session import Session, SessionError, Turn
-from hpcrl.sessions.tokens import Renderer, TemplateError
+from hpcrl.sessions.tokens import Renderer, TemplateError, first_unencodable
 
 log = logging.getLogger("hpcrl.sessions")
 
@@ -96,16 +97,26 @@ def _number(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     return kind(value)
 
 
+# The engines a server drives: fixed clients, or a function giving the current ones (one per engine, in order).
+Engines = list[EngineClient] | Callable[[], Sequence[EngineClient]]
+
+
 class SessionService:
     """The HTTP-agnostic core: sessions in memory, each pinned to one engine."""
 
-    def __init__(self, cfg: SessionServerConfig, tokenizer: Any, engines: list[EngineClient]) -> None:
+    def __init__(self, cfg: SessionServerConfig, tokenizer: Any, engines: Engines) -> None:
         self.cfg = cfg
         self.renderer = Renderer(get_family(cfg.model_family), tokenizer)
-        self.engines = engines
+        self._engines = engines
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._next_engine = 0
+
+    @property
+    def engines(self) -> list[EngineClient]:
+        """The engines now: a run's fleet gives a restarted engine's new client here (the same count, each at its
+        index)."""
+        return list(self._engines()) if callable(self._engines) else self._engines
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -174,6 +185,7 @@ class SessionService:
             tools = parse_tools(body.get("tools"))
         except MessageError as exc:
             raise SessionError(400, str(exc)) from None
+        self._check_encodable(messages, tools)
         stop = body.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
@@ -197,6 +209,24 @@ class SessionService:
             "max_tokens": max_tokens,
             "want_logprobs": bool(body.get("logprobs")),
         }
+
+    def _check_encodable(self, messages: list[Message], tools: tuple[dict[str, Any], ...]) -> None:
+        """A character the tokenizer cannot encode would reach the model as its unknown token: refused, as a run
+        refuses it in its data."""
+        fields: list[tuple[str, str]] = []
+        for i, m in enumerate(messages):
+            fields += [(f"messages[{i}].content", m.content), (f"messages[{i}].reasoning_content", m.reasoning or "")]
+            fields += [
+                (f"messages[{i}].tool_calls[{j}].function", f"{c.name} {c.arguments_json()}")
+                for j, c in enumerate(m.tool_calls)
+            ]
+        fields += [(f"tools[{k}]", json.dumps(t, ensure_ascii=False)) for k, t in enumerate(tools)]
+        bad = first_unencodable(self.renderer.tokenizer, [text for _, text in fields])
+        if bad is not None:
+            raise SessionError(
+                400, f"{fields[bad.index][0]} holds {bad.describe()}; remove or replace it, or serve a model whose "
+                "tokenizer covers it",
+            )  # fmt: skip
 
     def _turn(
         self,
@@ -301,10 +331,11 @@ class SessionService:
         A dropped connection to an engine that still answers /health is the connection's fault, not the engine's
         (seen twice on the H200 with SGLang mid-run): the turn is sent to it once more, under a fresh request id,
         and samples the same tokens (same ids, same seed); nothing of the lost answer was recorded."""
-        order = [session.engine_index, *(i for i in range(len(self.engines)) if i != session.engine_index)]
+        engines = self.engines
+        order = [session.engine_index, *(i for i in range(len(engines)) if i != session.engine_index)]
         failures = []
         for index in order:
-            engine = self.engines[index]
+            engine = engines[index]
             for attempt in range(2):
                 try:
                     result = engine.generate(
@@ -503,9 +534,10 @@ class SessionServer:
     """The HTTP server on a thread; `url` is where it listens (port 0 picks a free one)."""
 
     def __init__(
-        self, cfg: SessionServerConfig, *, tokenizer: Any | None = None, engines: list[EngineClient] | None = None
+        self, cfg: SessionServerConfig, *, tokenizer: Any | None = None, engines: Engines | None = None
     ) -> None:
-        """`engines`: clients the caller owns (a run's, with their keys) instead of ones made from cfg.engine_urls."""
+        """`engines`: clients the caller owns (a run's, with their keys) instead of ones made from cfg.engine_urls,
+        or a function giving them as they are at each turn (a run's fleet, which restarts dead engines)."""
         from hpcrl.sessions.cli import load_tokenizer
 
         check_port_free(cfg.host, cfg.port, what="the session server")  # before the tokenizer loads

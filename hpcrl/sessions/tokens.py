@@ -7,6 +7,8 @@ render, and it is checked to be a pure extension there and then.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hpcrl.sessions.families import ModelFamily
@@ -18,6 +20,48 @@ _BASE = [
     Message(role="user", content="U"),
     Message(role="assistant", content="A"),
 ]
+
+
+@dataclass(frozen=True)
+class Unencodable:
+    """A character of `texts[index]` at `offset` that the tokenizer can only map to its unknown token `unk`."""
+
+    index: int
+    offset: int
+    char: str
+    unk: str
+
+    def describe(self) -> str:
+        return (
+            f"the character {self.char!r} (U+{ord(self.char[0]):04X}) at character {self.offset}, which the model's "
+            f"tokenizer cannot encode: it would become its unknown token {self.unk!r}"
+        )
+
+
+def first_unencodable(tokenizer: Any, texts: Sequence[str]) -> Unencodable | None:
+    """The first character of `texts` the tokenizer can only map to its unknown token (which, for hpcrl's character
+    tokenizer, is also the pad token: training on it would teach nothing true); None when all encode. The run's data
+    check and the session server both ask this, so a character refused in a dataset is refused in a request too."""
+    unk = unknown_token(tokenizer)
+    if unk is None or not texts:
+        return None  # byte-level tokenizers (Qwen, Llama) encode every character
+    unk_id = tokenizer.convert_tokens_to_ids(unk)
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    for index, (text, ids, offsets) in enumerate(zip(texts, enc["input_ids"], enc["offset_mapping"], strict=True)):
+        for token_id, (start, end) in zip(ids, offsets, strict=True):
+            if token_id == unk_id and text[start:end] != unk:
+                return Unencodable(index, start, text[start:end] or "?", unk)
+    return None
+
+
+def unknown_token(tokenizer: Any) -> str | None:
+    """The token that characters outside the vocabulary become, None when there is none. A fast
+    tokenizer's wrapper may not name it (hpcrl's character tokenizer does not) while its model does."""
+    if getattr(tokenizer, "unk_token", None):
+        return str(tokenizer.unk_token)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    token = getattr(getattr(backend, "model", None), "unk_token", None)
+    return str(token) if token else None
 
 
 class TemplateError(RuntimeError):

@@ -65,7 +65,8 @@ class Parts:
 
     def make(
         self, *, n: int = 4, prompts_per_step: int = 2, inflight: int = 2, capacity: int = 4, max_new_tokens: int = 6,
-        reward: str = "arithmetic_answer", sampling: dict[str, Any] | None = None, **buffer: Any,
+        reward: str = "arithmetic_answer", sampling: dict[str, Any] | None = None, num_steps: int | None = None,
+        **buffer: Any,
     ) -> AsyncRollout:  # fmt: skip
         self.data.batch_size = prompts_per_step
         scorer = RewardScorer(RewardConfig(fn=reward), interrupted=lambda: False, on_stop=lambda s, d: None)
@@ -73,6 +74,7 @@ class Parts:
             RolloutConfig(mode="async", n_samples_per_prompt=n, max_new_tokens=max_new_tokens, **(sampling or {})),
             BufferConfig(**buffer), self.fleet, self.formatter, self.data, scorer, self.publisher,
             seed=0, prompts_per_step=prompts_per_step, max_inflight_groups=inflight, capacity_groups=capacity,
+            num_steps=num_steps,
         )  # fmt: skip
         self.made.append(rollout)
         return rollout
@@ -136,6 +138,27 @@ def test_a_full_buffer_stops_submission_and_drops_nothing(parts: Parts) -> None:
     counts = rollout.ledger.counts()
     assert counts["trained"] == 8 and counts["dropped"] == 0
     assert len(rollout.ledger.entries) == rollout.next_position  # every drawn position is accounted for
+
+
+def test_the_producer_draws_no_prompt_the_steps_left_cannot_train(parts: Parts) -> None:
+    """With room for 1000 groups in flight and 3 steps of 2 prompts, the producer draws the 6 prompts the run
+    trains and no more: at the end nothing drawn is left untrained."""
+    rollout = parts.make(inflight=1000, capacity=1000, num_steps=3)
+    rollout.start()
+    until(lambda: len(rollout.buffer) == 6, "the run's 6 groups")
+    time.sleep(0.5)  # what an unbounded producer would spend drawing hundreds more
+    assert rollout.next_position == 6, "it drew more than the 3 steps can train"
+    for step in range(3):
+        groups = rollout.collect(step, interrupted=never_interrupted)
+        assert groups is not None and len(groups) == 2
+        rollout.commit(step)
+    ledger = rollout.finish()
+    counts = rollout.ledger.counts()
+    assert counts["trained"] == 6 and counts["dropped"] == 0, counts
+    assert "run_ended" not in {e.reason for e in rollout.ledger.entries.values()}
+    # The data cursor is the number of prompts consumed: a run continued from here would miss none.
+    assert ledger["next_position"] == 6
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=2) == []
 
 
 def test_each_drop_reason_is_counted_and_retry_regenerates(parts: Parts) -> None:
@@ -499,6 +522,16 @@ def test_quickstart_in_async_mode_survives_sigterm_and_every_prompt_is_accounted
     assert trained_steps == list(range(6))
 
 
+def test_a_run_with_1000_groups_allowed_in_flight_ends_with_every_drawn_prompt_trained(workdir: Path) -> None:
+    args = [*SMALL, "num_steps=4", "sft.num_steps=0", "rollout.mode=async", "buffer.max_inflight_groups=1000"]
+    hpcrl("run", "qs.yaml", *args, "--run-dir", "r", cwd=workdir)
+    ledger = json.loads((workdir / "r" / "prompt_ledger.json").read_text())
+    assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
+    # 4 steps of 4 prompts: 16 drawn, 16 trained; none drawn only to be dropped when the run ended.
+    assert ledger["next_position"] == 16 and ledger["status"].count("trained") == 16, ledger
+    assert "run_ended" not in ledger["reason"]
+
+
 def test_with_no_engine_left_the_trainers_thread_restarts_them(
     parts: Parts, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -528,3 +561,49 @@ def test_with_no_engine_left_the_trainers_thread_restarts_them(
         lone.stop()
         for eng in fresh:
             eng.stop()
+
+
+FILTERS = """
+import torch
+
+
+def raising(group):
+    raise KeyError("no such field")
+
+
+def none(group):
+    return None
+
+
+def tensor(group):
+    return torch.tensor([True])
+
+
+def text(group):
+    return "yes"
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("raising", "raised KeyError: 'no such field'"),
+        ("none", "returned NoneType None, not a bool"),
+        ("tensor", "returned Tensor tensor([True]), not a bool"),
+        ("text", "returned str 'yes', not a bool"),
+    ],
+)
+def test_a_filter_that_raises_or_returns_no_bool_stops_the_run_naming_its_key(
+    parts: Parts, tmp_path: Path, name: str, expected: str
+) -> None:
+    (tmp_path / "my_filters.py").write_text(FILTERS)
+    spec = f"{tmp_path / 'my_filters.py'}:{name}"
+    rollout = parts.make(filter=spec)
+    rollout.start()
+    with pytest.raises(ValueError) as info:
+        rollout.collect(0, interrupted=never_interrupted)
+    rollout.stop()
+    message = str(info.value)
+    assert f"buffer.filter={spec}" in message and expected in message, message
+    assert rollout._counts["filtered"] == 0  # nothing was counted as kept or dropped by a verdict it never gave
+    assert len(rollout.buffer) == 0

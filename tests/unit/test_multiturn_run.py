@@ -138,14 +138,17 @@ def test_a_step_s_episodes_repeat_exactly_and_another_step_draws_new_ones(
     from transformers import AutoTokenizer
 
     from hpcrl.engine.client import EngineClient
+    from hpcrl.engine.config import EngineConfig
+    from hpcrl.engine.fleet import EngineFleet
     from hpcrl.rollout.config import RolloutConfig
     from hpcrl.rollout.episodes import EpisodeRollout
 
     cfg = RolloutConfig(kind="multi_turn", model_family="tiny", n_samples_per_prompt=2, max_tokens_per_turn=12)
     examples = [Example(prompt="123*45=", answer="5535"), Example(prompt="321*54=", answer="17334")]
     with EngineClient(shared_engine.url) as client:
+        fleet = EngineFleet(EngineConfig(), [client], launcher=None, on_event=lambda kind, detail: None)
         rollout = EpisodeRollout(
-            cfg, [client], model_dir=tiny_model_dir, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), seed=3
+            cfg, fleet, model_dir=tiny_model_dir, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), seed=3
         )
         try:
             # A resumed run re-runs an unfinished step: the same seeds give the same episodes, token for token.
@@ -157,6 +160,7 @@ def test_a_step_s_episodes_repeat_exactly_and_another_step_draws_new_ones(
             metrics = rollout.pop_metrics()
         finally:
             rollout.close()
+            fleet.close()
 
     def ids(groups: list[Any]) -> list[list[int]]:
         return [s.prompt_ids + s.output_ids for g in groups for s in g.samples]
@@ -218,3 +222,43 @@ def test_multi_turn_run_writes_episode_metrics_and_trains_only_sampled_tokens(
     assert m["train/train_rollout_logprob_max_abs_diff"].max() <= 1e-4
     assert m["train/train_rollout_logprob_abs_diff"].max() <= 1e-6
     assert (m["rollout/support_size_mean"] > 1).all() and (m["rollout/support_size_max"] <= 8).all()
+
+
+def test_a_multi_turn_run_restarts_a_killed_engine_and_reruns_its_episodes(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """As a synchronous single-turn run does: the fleet restarts the dead engine, and the episodes it cut run again
+    from their start with the same seeds, so every step trains its full groups."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hpcrl.store import load_events
+    from tests.support import REPO, read_until
+
+    cmd = [
+        sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "tool-quickstart.yaml"),
+        f"model.path={tiny_model_dir}", "num_steps=4", "sft.num_steps=0", "data.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=4", "rollout.max_tokens_per_turn=48", "engine.num_engines=1",
+        "checkpoint.every_steps=2", "--run-dir", "r",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        read_until(proc, "step    1/4", lines)  # step 2's episodes start now
+        pid = int(json.loads((tmp_path / "r" / "engines" / "engine-0.json").read_text())["pid"])
+        os.kill(pid, signal.SIGKILL)
+        out = "".join(lines) + proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    kinds = [e["kind"] for e in load_events(tmp_path / "r" / "metrics.h5")]
+    assert "engine_dead" in kinds and "engine_restarted" in kinds, kinds
+    m = load_metrics(tmp_path / "r" / "metrics.h5")
+    assert list(m["step"]) == [0, 1, 2, 3]
+    assert (m["rollout/num_samples"] == 8).all()  # every step trained its 2 groups of 4 episodes
+    assert m["fleet/reissued_requests"].sum() > 0  # the episodes the dead engine cut ran again

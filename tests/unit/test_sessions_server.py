@@ -167,6 +167,26 @@ def test_bad_requests_are_clear_errors_and_delete_ends_a_session(server: Session
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}])
 
 
+def test_a_character_the_tokenizer_cannot_encode_is_refused_with_400_naming_it(server: SessionServer) -> None:
+    """The run refuses such a character in its data (it would train as the unknown token); a request is no
+    different: HTTP 400 naming the field, the character and its position, and nothing recorded."""
+    sid, _ = new_session(server)
+    url = f"{server.url}/sessions/{sid}/v1/chat/completions"
+    messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12*34 café?"}]
+    r = httpx.post(url, json={"messages": messages, "max_tokens": 2}, trust_env=False)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "messages[1].content holds the character 'é' (U+00E9) at character 9" in message, message
+    assert "cannot encode" in message and read(server, sid)["num_turns"] == 0
+    tool = {"type": "function", "function": {"name": "calculator", "description": "naïve"}}
+    r = httpx.post(url, json={"messages": messages[:1] + [{"role": "user", "content": "1*2?"}], "tools": [tool]},
+                   trust_env=False)  # fmt: skip
+    assert r.status_code == 400 and "tools[0] holds the character 'ï' (U+00EF)" in r.json()["error"]["message"]
+    # The same session then serves a clean request.
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "12*34?"}], "max_tokens": 2}, trust_env=False)
+    assert r.status_code == 200, r.text
+
+
 def test_tool_errors_go_back_to_the_model_and_the_server_keeps_serving(server: SessionServer) -> None:
     from hpcrl.sessions.environment import CalculatorEnvironment
     from hpcrl.sessions.sandbox import SandboxLimits
