@@ -37,6 +37,7 @@ from hpcrl.engine.embedded.requests import PauseMode, SeqRequest
 from hpcrl.engine.embedded.runner import DecodeRunner
 from hpcrl.engine.embedded.scheduler_config import SchedulerConfig, resolve_decode_mode
 from hpcrl.engine.embedded.scheduler_state import Pending
+from hpcrl.model import invariant_kernels
 from hpcrl.model.qwen3 import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Scheduler(Control):
         self.text_decoder: TextDecoder | None = None
         self.cfg = cfg
         launch.configure(cfg.engine.kernels)  # process-wide, like the CUDA graphs that capture the kernels
+        invariant_kernels.configure(cfg.engine.kernels.invariant())  # the trainer's tiles (RunConfig checks)
         self.device = device
         self.dtype = dtype
         self.eos_ids = frozenset(model.args.eos_token_ids)
