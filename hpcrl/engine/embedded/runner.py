@@ -10,7 +10,7 @@ Four ways to run the step, picked once per engine (`mode`):
   the CPU, prompts are prefilled by `_torch_prefill` with the same fused weights and GEMMs;
 - "compile": the CPU step and its unit-temperature sampler compiled by torch.compile (`compiled.py`;
   opt-in: the first step compiles for several seconds); prefill as in "eager";
-- "triton": the fused kernels of `kernels.py`, launched one by one (CUDA);
+- "triton": the fused kernels of `kernels/`, launched one by one (CUDA);
 - "graph": the same kernels captured in one CUDA graph per batch-size bucket (CUDA, the default);
   "triton" and "graph" prefill with those kernels too (`fused_prefill.py`; engine.kernels.prefill: model: the model's);
 - "invariant": `hpcrl.model.invariant` for prefill and decode, sampling from its log-prob rows
