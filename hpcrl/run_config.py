@@ -117,6 +117,14 @@ class RunConfig:
                 "equal the engine's only when the engine samples from the same forward; set "
                 "engine.batch_invariant=true (CPU or CUDA, float32 or bfloat16), or train.logprobs=plain"
             )
+        if self.train.logprobs == "invariant" and self.train.invariant_kernels != self.engine.kernels.invariant():
+            tiles, kernels = self.train.invariant_kernels, self.engine.kernels
+            raise ValueError(
+                "train.logprobs=invariant needs the trainer to launch the engine's batch-invariant kernel tiles: "
+                f"train.invariant_kernels.matmul {tiles.matmul} and .attention {tiles.attention} against "
+                f"engine.kernels.invariant_matmul {kernels.invariant_matmul} and invariant_attention "
+                f"{kernels.invariant_attention}; set them alike (other tiles sum in another order: other bits)"
+            )
         if self.train.logprobs == "invariant" and (
             self.engine.device.split(":")[0] != self.train.device.split(":")[0] or self.engine.dtype != self.train.dtype
         ):

@@ -6,10 +6,10 @@ from `--config FILE` or `--kernels-<name>` flags, and an environment variable ma
 in its start-up line. The kernels read the resolved config (`kernels.configure`), never the environment. Every knob
 is CUDA-only: the CPU engine runs no Triton kernel.
 
-The batch-invariant kernels' tiles (HPCRL_INVARIANT_MATMUL, HPCRL_INVARIANT_ATTENTION) are not engine knobs: the
-trainer's `train.logprobs: invariant` forward must run the same tiles, so they belong to
-`hpcrl.model.invariant_kernels`, which both processes import; the engine reports them in its start-up line when they
-are set.
+The batch-invariant kernels' tiles (`invariant_matmul`, `invariant_attention`) are knobs here too, checked by
+`hpcrl.model.invariant_config`: the trainer's `train.logprobs: invariant` forward must launch the same tiles, so it
+reads them from `train.invariant_kernels`, and a run config whose two differ is refused. Their override variables
+are HPCRL_INVARIANT_MATMUL and HPCRL_INVARIANT_ATTENTION, which the trainer applies too.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from hpcrl.model.invariant_config import ATTENTION_DEFAULT, MATMUL_DEFAULT, InvariantKernelsConfig, tile_problems
 
 REMOVED_ENV = {
     "HPCRL_ENGINE_DECODE": "engine.decode_mode (hpcrl engine serve --decode-mode)",
@@ -76,6 +78,14 @@ class KernelsConfig:
     """How prompts are prefilled in the triton and graph decode modes: `fused` with the decode step's kernels
     (H200: a 256 x 128-token prefill 0.174 -> 0.064 s), `model` with the model's own forward, `auto` fused where
     the decode mode has the kernels (`fused` in another mode is warned about). CUDA only."""
+    invariant_matmul: tuple[int, int, int, int, int] = MATMUL_DEFAULT
+    """The batch-invariant GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) with engine.batch_invariant: the
+    blocks powers of two >= 16, num_warps a power of two <= 32, num_stages >= 1. With train.logprobs: invariant it
+    must equal train.invariant_kernels.matmul (the same tiles give the same bits). CUDA only."""
+    invariant_attention: tuple[int, int, int] = ATTENTION_DEFAULT
+    """The batch-invariant attention's (keys per tile, num_warps, num_stages) with engine.batch_invariant: the tile a
+    power of two >= 16, num_warps a power of two <= 32, num_stages >= 1. With train.logprobs: invariant it must
+    equal train.invariant_kernels.attention. CUDA only."""
 
     def __post_init__(self) -> None:
         for problem in self.problems():
@@ -119,7 +129,12 @@ class KernelsConfig:
                 f"cublas_split_k {_text(self.cublas_split_k)}: the parts of the o and the down GEMM must be >= 1, "
                 "like 2,2 (1 = no split), or null for the default"
             )
+        out += tile_problems(self.invariant_matmul, self.invariant_attention, prefix="invariant_")
         return out
+
+    def invariant(self) -> InvariantKernelsConfig:
+        """The batch-invariant kernels' tiles, as the trainer's train.invariant_kernels holds them."""
+        return InvariantKernelsConfig(matmul=self.invariant_matmul, attention=self.invariant_attention)
 
     def gemm_configs(self) -> dict[str, tuple[int, int, int, int, int, int]]:
         """The Triton GEMM tiles by stage, as the decode step names them."""
@@ -136,8 +151,9 @@ def _default(name: str) -> Any:
 
 
 def env_var(name: str) -> str:
-    """The environment variable that overrides knob `name`."""
-    return f"HPCRL_ENGINE_{name.upper()}"
+    """The environment variable that overrides knob `name` (HPCRL_INVARIANT_* for the batch-invariant tiles, the
+    variables the trainer reads too)."""
+    return f"HPCRL_{name.upper()}" if name.startswith("invariant_") else f"HPCRL_ENGINE_{name.upper()}"
 
 
 ENV_VARS = {env_var(f.name): f.name for f in dataclasses.fields(KernelsConfig)}
@@ -185,15 +201,17 @@ class Override:
 
 
 def with_env_overrides(cfg: KernelsConfig, environ: Mapping[str, str]) -> tuple[KernelsConfig, list[Override]]:
-    """`cfg` with every HPCRL_ENGINE_* knob of `environ` applied (blank ones count as unset), and the overrides
-    applied. A bad value or an unknown variable is a ValueError naming the variable and what it takes."""
+    """`cfg` with every HPCRL_ENGINE_* and HPCRL_INVARIANT_* knob of `environ` applied (blank ones count as unset),
+    and the overrides applied. A bad value or an unknown variable is a ValueError naming the variable and what it
+    takes."""
     for var, key in REMOVED_ENV.items():
         if environ.get(var, "").strip():
             raise ValueError(f"{var} is no longer read: set {key}, then unset {var}")
     overrides: list[Override] = []
     resolved = cfg
     for var, raw in sorted(environ.items()):
-        if not raw.strip() or not var.startswith("HPCRL_ENGINE_") or var == "HPCRL_ENGINE_API_KEY":
+        ours = var.startswith(("HPCRL_ENGINE_", "HPCRL_INVARIANT_"))
+        if not raw.strip() or not ours or var == "HPCRL_ENGINE_API_KEY":
             continue
         name = ENV_VARS.get(var)
         if name is None:

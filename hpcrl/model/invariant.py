@@ -44,8 +44,10 @@ gradient, the log-probs that the loss ratio and the gap compare come from this f
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,14 +55,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hpcrl.model import invariant_kernels as kernels
+from hpcrl.model.invariant_config import InvariantKernelsConfig, with_env_overrides
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
 from hpcrl.model.rope import RopeScaling
 from hpcrl.model.rope import inv_freq as rope_inv_freq
 
+log = logging.getLogger(__name__)
+
 CHUNK_ROWS = 16
 """Rows per GEMM: every matrix product of the invariant forward is [CHUNK_ROWS, K] x [K, N]."""
 KV_TILE = kernels.KV_TILE
-"""Keys per attention tile, walked from key 0 (the CUDA kernel's default tile too, `ATTENTION_CONFIG`)."""
+"""Keys per attention tile, walked from key 0 (the CUDA kernel's default tile too, `ATTENTION_DEFAULT`)."""
 Q_TILE = {"cpu": 16, "cuda": 64}
 """Query positions per attention step in a prefill, by device type (memory and launches only: rows are
 independent, and a row's tiles do not depend on the other rows of its query tile)."""
@@ -101,6 +106,17 @@ def pin_backend_numerics(device: torch.device | str) -> None:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+
+def use_kernel_tiles(tiles: InvariantKernelsConfig, environ: Mapping[str, str] | None = None) -> InvariantKernelsConfig:
+    """Launch this process's batch-invariant kernels with `tiles` (the trainer's train.invariant_kernels), with the
+    HPCRL_INVARIANT_* overrides of `environ` (os.environ by default) applied and checked, as the engine applies them
+    to its engine.kernels.invariant_*: a run's processes inherit one environment, so both launch the same tiles."""
+    resolved, applied = with_env_overrides(tiles, os.environ if environ is None else environ)
+    for var, raw, name in applied:
+        log.info("batch-invariant kernels: %s=%s (from %s)", name, raw, var)
+    kernels.configure(resolved)
+    return resolved
 
 
 # ----- building blocks -----
@@ -424,7 +440,7 @@ def _layer(
 def fusable(args: ModelArgs) -> bool:
     """True when the stacked q/k/v and gate/up GEMMs give the separate GEMMs' bits: every weight's rows start
     on an output-tile boundary of the CUDA kernel."""
-    tile = kernels.MATMUL_CONFIG[1]
+    tile = kernels.SETTINGS.matmul[1]
     widths = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.intermediate_size)
     return all(w % tile == 0 for w in widths)
 

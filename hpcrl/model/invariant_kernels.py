@@ -6,7 +6,7 @@ The plain-torch invariant forward (`hpcrl.model.invariant`) is launch-bound on a
 attention walks key tiles in Python with about thirty launches per tile and a host sync for the length. These
 kernels do each in one launch, and keep what makes the forward batch-invariant:
 
-- One program computes one fixed-size output tile (GEMM, `MATMUL_CONFIG`), one row (RMSNorm, log-softmax), one
+- One program computes one fixed-size output tile (GEMM, `SETTINGS.matmul`), one row (RMSNorm, log-softmax), one
   (row, head) pair (QK-norm + RoPE) or one (row, kv head) pair (attention). The GEMM walks K from 0 without
   split-K and its tile never depends on M, so a row's products are the same instructions in any batch. The
   others read only their own row and, for attention, the keys 0..its own position; nothing depends on the other
@@ -31,6 +31,8 @@ import os
 import torch
 from torch import Tensor
 
+from hpcrl.model.invariant_config import ATTENTION_DEFAULT, InvariantKernelsConfig
+
 try:
     import triton
     import triton.language as tl
@@ -41,8 +43,8 @@ except ImportError:  # CPU installs: the invariant forward runs its plain-torch 
     tl = None
     AVAILABLE = False
 
-KV_TILE = 32
-"""Keys per attention tile: the plain-torch path's, and the attention kernel's default (`ATTENTION_CONFIG`)."""
+KV_TILE = ATTENTION_DEFAULT[0]
+"""Keys per attention tile: the plain-torch path's, and the attention kernel's default (`SETTINGS.attention`)."""
 
 
 def usable(x: Tensor, head_dim: int | None = None) -> bool:
@@ -53,22 +55,22 @@ def usable(x: Tensor, head_dim: int | None = None) -> bool:
     return AVAILABLE and device_ok and head_ok
 
 
-def launch_config(var: str, default: tuple[int, ...], *, exact: bool = False) -> tuple[int, ...]:
-    """Kernel launch parameters from the environment variable `var` ("a,b,c": non-negative integers, at most as many
-    as `default` has, exactly as many with `exact`), else `default`. For benchmark sweeps."""
-    raw = os.environ.get(var, "")
-    if not raw:
-        return default
-    parts = raw.split(",")
-    values = tuple(int(p) for p in parts if p.strip().isdigit())
-    too_many = len(values) > len(default) or (exact and len(values) != len(default))
-    if len(values) != len(parts) or too_many:
-        count = f"{'exactly' if exact else 'at most'} {len(default)}"
-        raise ValueError(
-            f"{var}={raw!r}: expected {count} comma-separated non-negative integers, like "
-            f"{','.join(map(str, default))} (the default); unset it to use the default"
-        )
-    return values
+SETTINGS = InvariantKernelsConfig()
+"""The tiles this process launches with (`configure`): the engine's engine.kernels.invariant_*, the trainer's
+train.invariant_kernels, each with its HPCRL_INVARIANT_* overrides applied. Fixed for the process, never chosen
+from the batch, so a row's products run the same instructions at any batch size."""
+
+
+def configure(settings: InvariantKernelsConfig) -> None:
+    """Launch every batch-invariant kernel of this process with `settings` (process-wide, like the CUDA graphs that
+    capture the engine's invariant decode step)."""
+    global SETTINGS
+    SETTINGS = settings
+
+
+def launch_config() -> InvariantKernelsConfig:
+    """The tiles the next launch uses: `SETTINGS.matmul` for every GEMM, `SETTINGS.attention` for the attention."""
+    return SETTINGS
 
 
 def _next_pow2(n: int) -> int:
@@ -242,14 +244,6 @@ if AVAILABLE:
             tl.store(Out + row * V + v0 + offs, x - lse, mask=v0 + offs < V)
 
 
-MATMUL_CONFIG = launch_config("HPCRL_INVARIANT_MATMUL", (32, 16, 128, 2, 3), exact=True)
-"""(BM, BN, BK, num_warps, num_stages) of every invariant GEMM. Fixed for the process, never chosen from M, so a
-row's products run the same instructions at any batch size. HPCRL_INVARIANT_MATMUL="bm,bn,bk,w,s" overrides it
-for a benchmark sweep; the engine and the trainer must then share it (a run's processes inherit one environment)."""
-ATTENTION_CONFIG = launch_config("HPCRL_INVARIANT_ATTENTION", (KV_TILE, 4, 2), exact=True)
-"""(keys per tile, num_warps, num_stages) of the attention kernel; fixed for the process like MATMUL_CONFIG (a tile
-of another size is another order of the running max and sum, the same in the engine and the trainer).
-HPCRL_INVARIANT_ATTENTION="tile,w,s" overrides it for a sweep."""
 LOG_SOFTMAX_BLOCK = 2048
 
 
@@ -267,7 +261,7 @@ def matmul(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
         raise ValueError(f"matmul: a residual of shape {tuple(residual.shape)} for a [{m}, {n}] product")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = out if residual is None else residual
-    bm, bn, bk, warps, stages = MATMUL_CONFIG
+    bm, bn, bk, warps, stages = SETTINGS.matmul
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](
         x, w, out, res, m, n, k, x.stride(0), w.stride(0), out.stride(0), res.stride(0),
@@ -348,7 +342,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tenso
         return out
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    tile, warps, stages = ATTENTION_CONFIG
+    tile, warps, stages = SETTINGS.attention
     _attention_kernel[(rows, kv_heads)](
         q, k, v, out, row_batch, row_pos, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+from hpcrl.model.invariant_config import InvariantKernelsConfig
 from hpcrl.trainer.converters import CONVERTERS
 
 # What each trainer backend does not implement: settings that must keep their defaults under it, and why. Every
@@ -121,6 +122,9 @@ class TrainConfig:
     engine.batch_invariant sample from, so the gap is exactly 0.0 in any micro-batch; it needs
     engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA, float32 or bfloat16;
     docs/numerics.md)."""
+    invariant_kernels: InvariantKernelsConfig = field(default_factory=InvariantKernelsConfig)
+    """The batch-invariant Triton kernels' tiles with logprobs: invariant on CUDA; they must equal the engine's
+    engine.kernels.invariant_matmul / invariant_attention (HPCRL_INVARIANT_* overrides apply to both)."""
     logprob_chunk_tokens: int | None = None
     """Compute the log-probs straight from the final hidden states, the LM head and the log-softmax fused over
     chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab] logits and their gradient

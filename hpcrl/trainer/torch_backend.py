@@ -54,6 +54,7 @@ class TorchTrainer:
             if reason is not None:
                 raise ValueError(f"train.logprobs: invariant: {reason}")
             invariant.pin_backend_numerics(self.device)
+            invariant.use_kernel_tiles(cfg.invariant_kernels)
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)

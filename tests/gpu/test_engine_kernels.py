@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded.kernels import attention, gemm, launch, norms, sampler
 from hpcrl.engine.embedded.sampling import RowParams, counter_uniform, sample
 from hpcrl.engine.kernels_config import KernelsConfig
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs, rope_cos_sin
@@ -56,7 +56,7 @@ def test_uniform_kernel_has_the_reference_bits() -> None:
     seeds = torch.tensor([0, 1, 2**40 + 7, 12345678901], dtype=torch.int64, device=DEVICE)
     steps = torch.tensor([0, 5, 1000, 3], dtype=torch.int64, device=DEVICE)
     ref = counter_uniform(seeds.cpu(), steps.cpu(), 3000)  # the torch int64 implementation
-    got = kernels.counter_uniform(seeds, steps, 3000).cpu()
+    got = sampler.counter_uniform(seeds, steps, 3000).cpu()
     assert torch.equal(got, ref)
 
 
@@ -95,7 +95,7 @@ def test_sample_kernel_matches_torch_sampler(vocab: int, config: tuple[int, ...]
     tokens = torch.zeros(n, dtype=torch.int64, device=DEVICE)
     positions = torch.arange(n, dtype=torch.int64, device=DEVICE)
     steps_after = steps.clone()
-    kernels.sample_rows(
+    sampler.sample_rows(
         logits, temperature, seeds, steps_after, tok, lp, tokens=tokens, positions=positions, config=config
     )
     assert torch.equal(tok, ref.token_ids)
@@ -123,7 +123,7 @@ def test_sample_kernel_with_a_masked_vocabulary_matches_torch_sampler() -> None:
     ref = sample(logits, p, want_support=False)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)
-    kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp, config=(512, 4))
+    sampler.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp, config=(512, 4))
     assert torch.equal(tok, ref.token_ids) and int(tok[3]) == 0
     assert bool((tok < 10000).all())
     assert torch.isfinite(lp).all()
@@ -148,7 +148,7 @@ def test_sample_kernel_on_a_row_with_no_finite_logit_gives_id_0_as_torch(vocab: 
     ref = sample(logits, full_vocab_params(temperature, seeds, steps), want_support=False)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)
-    kernels.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp)
+    sampler.sample_rows(logits, temperature, seeds, steps.clone(), tok, lp)
     assert tok.tolist() == [0] * n == ref.token_ids.tolist()
     assert not bool((lp == 50.0).any())
 
@@ -166,12 +166,12 @@ def test_sample_kernel_on_log_prob_rows_reports_the_rows_own_entry() -> None:
     ref = sample(lp_rows, p, want_support=False, unit_temperature=True, logprobs=lp_rows)
     tok = torch.empty(n, dtype=torch.int64, device=DEVICE)
     lp = torch.empty(n, 2, device=DEVICE)
-    kernels.sample_rows(lp_rows, ones, seeds, steps.clone(), tok, lp, logprob_rows=True)
+    sampler.sample_rows(lp_rows, ones, seeds, steps.clone(), tok, lp, logprob_rows=True)
     assert torch.equal(tok, ref.token_ids)
     entries = lp_rows.gather(1, tok[:, None])[:, 0]
     assert torch.equal(lp[:, 0], entries) and torch.equal(lp[:, 1], entries)
     # Without the flag the kernel re-normalises, which is what would have moved the bits.
-    kernels.sample_rows(lp_rows, ones, seeds, steps.clone(), tok, lp)
+    sampler.sample_rows(lp_rows, ones, seeds, steps.clone(), tok, lp)
     assert torch.allclose(lp[:, 0], entries, atol=1e-5)
 
 
@@ -192,11 +192,11 @@ def test_linear_kernel_matches_f_linear(dtype: torch.dtype, bias: bool, split: i
     for m, k, n in ((5, 70, 40), (33, 130, 17)):
         x, w = torch.randn(m, k, device=DEVICE).to(dtype), torch.randn(n, k, device=DEVICE).to(dtype)
         b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
-        out = kernels.linear(x, w, b, config=(16, 16, 32, split, 4, 2))
+        out = gemm.linear(x, w, b, config=(16, 16, 32, split, 4, 2))
         assert out.shape == ((split, m, n) if split > 1 else (m, n))
         assert rel(out.sum(0) if split > 1 else out, torch.nn.functional.linear(x, w, b).float()) < tol
         gate_up = torch.randn(2 * n, k, device=DEVICE).to(dtype)
-        act = kernels.linear(x, gate_up, config=(16, 16, 32, 1, 4, 2), gated=True)
+        act = gemm.linear(x, gate_up, config=(16, 16, 32, 1, 4, 2), gated=True)
         g, u = torch.nn.functional.linear(x, gate_up).split(n, dim=1)
         assert act.shape == (m, n) and rel(act, torch.nn.functional.silu(g) * u) < tol
         # add_rmsnorm sums the partials into the residual as it adds a whole product.
@@ -204,8 +204,8 @@ def test_linear_kernel_matches_f_linear(dtype: torch.dtype, bias: bool, split: i
         r2 = r1.clone()
         weight = torch.rand(n, device=DEVICE).to(dtype) + 0.5
         h1, h2 = torch.empty_like(r1), torch.empty_like(r1)
-        kernels.add_rmsnorm(kernels.linear(x, w, config=(16, 16, 32, split, 4, 2)), r1, weight, 1e-6, h1)
-        kernels.add_rmsnorm(torch.nn.functional.linear(x, w), r2, weight, 1e-6, h2)
+        norms.add_rmsnorm(gemm.linear(x, w, config=(16, 16, 32, split, 4, 2)), r1, weight, 1e-6, h1)
+        norms.add_rmsnorm(torch.nn.functional.linear(x, w), r2, weight, 1e-6, h2)
         assert rel(r1, r2) < tol and rel(h1, h2) < tol
 
 
@@ -214,13 +214,13 @@ def test_split_k_linear_partials_sum_to_f_linear(dtype: torch.dtype) -> None:
     torch.manual_seed(7)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     x, w = torch.randn(9, 96, device=DEVICE).to(dtype), torch.randn(24, 96, device=DEVICE).to(dtype)
-    assert torch.equal(kernels.split_k_linear(x, w, 1), torch.nn.functional.linear(x, w))
+    assert torch.equal(gemm.split_k_linear(x, w, 1), torch.nn.functional.linear(x, w))
     for parts in (2, 3, 4):
-        partials = kernels.split_k_linear(x, w, parts)
+        partials = gemm.split_k_linear(x, w, parts)
         assert partials.shape == (parts, 9, 24) and partials.dtype == torch.float32
         assert rel(partials.sum(0), torch.nn.functional.linear(x, w).float()) < tol
     with pytest.raises(ValueError, match="K = 96 must split into 5 equal parts"):
-        kernels.split_k_linear(x, w, 5)
+        gemm.split_k_linear(x, w, 5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,34 +230,35 @@ def test_gated_linear_is_silu_mul_of_the_same_products_bit_for_bit(dtype: torch.
     x = torch.randn(37, 96, device=DEVICE).to(dtype)
     gate_up = (torch.randn(2 * 64, 96, device=DEVICE) / 10).to(dtype)
     config = (16, 32, 32, 1, 4, 2)
-    fused = kernels.linear(x, gate_up, config=config, gated=True)
+    fused = gemm.linear(x, gate_up, config=config, gated=True)
     separate = torch.empty_like(fused)
-    kernels.silu_mul(kernels.linear(x, gate_up, config=config), separate)
+    gemm.silu_mul(gemm.linear(x, gate_up, config=config), separate)
     assert torch.equal(fused, separate)
 
 
 def test_linear_kernel_refuses_a_bias_or_gate_on_partials() -> None:
     x, w = torch.randn(4, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE)
     with pytest.raises(ValueError, match="SPLIT_K 2 returns partial products"):
-        kernels.linear(x, w, torch.zeros(8, device=DEVICE), config=(16, 16, 32, 2, 4, 2))
+        gemm.linear(x, w, torch.zeros(8, device=DEVICE), config=(16, 16, 32, 2, 4, 2))
     with pytest.raises(ValueError, match="SPLIT_K 2 returns partial products"):
-        kernels.linear(x, w, config=(16, 16, 32, 2, 4, 2), gated=True)
+        gemm.linear(x, w, config=(16, 16, 32, 2, 4, 2), gated=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("llama", [False, True])
-@pytest.mark.parametrize("gemm", ["cublas", "cublas_split", "triton"])  # cublas_split: o and down split over K
+@pytest.mark.parametrize("gemm_path", ["cublas", "cublas_split", "triton"])  # cublas_split: o and down split over K
 def test_decode_step_matches_forward_cached(
-    dtype: torch.dtype, llama: bool, gemm: str, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, llama: bool, gemm_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.step_output import RowState
 
     knobs = KernelsConfig(
-        gemm="triton" if gemm == "triton" else "cublas",
-        cublas_split_k=(2, 4) if gemm == "cublas_split" else (1, 1),
+        gemm="triton" if gemm_path == "triton" else "cublas",
+        cublas_split_k=(2, 4) if gemm_path == "cublas_split" else (1, 1),
         **{f"gemm_config_{stage}": tiles for stage, tiles in SMALL_GEMM_CONFIGS.items()},  # type: ignore[arg-type]
     )
-    monkeypatch.setattr(kernels, "SETTINGS", knobs)
+    monkeypatch.setattr(launch, "SETTINGS", knobs)
     args = tiny_args(llama=llama)
     model = random_model(args, dtype)
     slots, max_len = 6, 40
@@ -283,16 +284,16 @@ def test_decode_step_matches_forward_cached(
         got = runner.fast_forward(n).float()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert rel(got, ref) < tol, rel(got, ref)
-    if gemm == "cublas_split":
+    if gemm_path == "cublas_split":
         # Split up to CUBLAS_SPLIT_K_MAX_ROWS rows a step (where the H200 sweep found it faster), whole above.
         asked: list[int] = []
-        split_k_linear = kernels.split_k_linear
+        split_k_linear = gemm.split_k_linear
         monkeypatch.setattr(
-            kernels, "split_k_linear", lambda x, w, parts: asked.append(parts) or split_k_linear(x, w, parts)
+            gemm, "split_k_linear", lambda x, w, parts: asked.append(parts) or split_k_linear(x, w, parts)
         )
         for cap, want in ((n, {2, 4}), (n - 1, {1})):
             asked.clear()
-            monkeypatch.setattr(kernels, "CUBLAS_SPLIT_K_MAX_ROWS", cap)
+            monkeypatch.setattr(gemm, "CUBLAS_SPLIT_K_MAX_ROWS", cap)
             with torch.no_grad():
                 assert rel(runner.fast_forward(n).float(), ref) < tol
             assert set(asked) == want and len(asked) == 2 * args.num_layers
@@ -305,7 +306,8 @@ def test_decode_step_matches_forward_cached(
 def test_a_row_past_the_cache_end_leaves_the_cache_and_the_other_rows_alone() -> None:
     """A finished row's look-ahead step sits at position max_len: its RoPE row is clamped to the table's last and
     its K/V write is dropped, while the rows beside it decode as they would alone."""
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.step_output import RowState
 
     dtype = DTYPES[0]
     args = tiny_args()
@@ -345,7 +347,7 @@ def test_fused_prefill_matches_forward_cached(dtype: torch.dtype, llama: bool, m
     n, width = len(lengths), max(lengths)
     ids = torch.randint(3, args.vocab_size, (n, width), device=DEVICE)
     last = torch.tensor(lengths, device=DEVICE) - 1
-    monkeypatch.setattr(kernels, "SETTINGS", KernelsConfig(prefill="fused"))
+    monkeypatch.setattr(launch, "SETTINGS", KernelsConfig(prefill="fused"))
     runner = DecodeRunner(model, cache, max_batch=slots, device=DEVICE, mode="triton")
     assert runner.prefill_fused
     with torch.no_grad():
@@ -376,7 +378,7 @@ def test_fused_prefill_into_an_fp8_cache_matches_forward_cached(monkeypatch: pyt
     lengths = [9, 33, 4]
     ids = torch.randint(3, args.vocab_size, (3, 33), device=DEVICE)
     last = torch.tensor(lengths, device=DEVICE) - 1
-    monkeypatch.setattr(kernels, "SETTINGS", KernelsConfig(prefill="fused"))
+    monkeypatch.setattr(launch, "SETTINGS", KernelsConfig(prefill="fused"))
     runner = DecodeRunner(model, cache, max_batch=6, device=DEVICE, mode="triton")
     with torch.no_grad():
         ref = model.forward_cached(ids, ref_cache, 1, torch.zeros(3, dtype=torch.int64, device=DEVICE), last,
@@ -401,7 +403,7 @@ def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tu
     q = torch.randn(n, h, d, device=DEVICE).to(dtype)
     pos = torch.tensor([0, 63, 64, 150, 199], device=DEVICE)
     out = torch.empty_like(q)
-    kernels.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d), config=config)
+    attention.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d), config=config)
     for b in range(n):
         L = int(pos[b]) + 1
         k = kc[b, :, :L].float().repeat_interleave(h // kv, 0)
@@ -413,7 +415,8 @@ def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_graph_replay_equals_eager_kernels() -> None:
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.step_output import RowState
 
     args = tiny_args()
     model = random_model(args, torch.bfloat16)
@@ -423,7 +426,7 @@ def test_graph_replay_equals_eager_kernels() -> None:
     with torch.no_grad():
         runner.write_rows(rows)
         eager = runner.fast_forward(5).float().clone()
-        graph, logits = runner._graph(runner._bucket(5))
+        graph, logits = runner._graph(runner.graphs.bucket(5))
         graph.replay()
         assert torch.equal(logits[:5].float(), eager)
 
@@ -437,14 +440,15 @@ def test_programmatic_dependent_launch_decodes_the_same_bits(kv8: bool, monkeypa
     # Each kernel waits on the device for the one before it; a wait missing or placed after a read would let a
     # kernel read its input before it is written, and the tokens, log-probs or cache of a 40-step generation
     # would differ from those of kernels launched one after the other.
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.step_output import RowState
 
     args = tiny_args()
     model = random_model(args, torch.bfloat16)
     rows = [RowState(5 + i, 3 + i, i, 0, 1.0, -1, 1.0, 0.0) for i in range(8)]
 
     def generate(pdl: bool) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
-        monkeypatch.setattr(kernels, "SETTINGS", KernelsConfig(pdl=pdl))
+        monkeypatch.setattr(launch, "SETTINGS", KernelsConfig(pdl=pdl))
         cache = KVCache.allocate(args, 8, 64, torch.float8_e4m3fn if kv8 else torch.bfloat16, DEVICE)
         runner = DecodeRunner(model, cache, max_batch=8, device=DEVICE, mode="graph")
         tokens, logprobs = [], []
@@ -457,7 +461,7 @@ def test_programmatic_dependent_launch_decodes_the_same_bits(kv8: bool, monkeypa
         # The runner falls back quietly (a failed capture to eager kernels, a failed sampler to torch's), and the
         # fallbacks give the same bits: without these the test could pass with the PDL path never run.
         assert runner.mode == "graph" and runner.fast_sampler and runner.stats["graph_captures"] >= 1
-        assert kernels.pdl_on(DEVICE) is pdl
+        assert launch.pdl_on(DEVICE) is pdl
         return tokens, logprobs, torch.stack([t.float() for t in cache.k + cache.v])
 
     plain, pdl = generate(False), generate(True)

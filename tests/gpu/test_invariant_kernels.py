@@ -163,12 +163,12 @@ def test_the_graphed_invariant_decode_step_equals_the_eager_one(fusable: bool) -
     with torch.no_grad():
         invariant.prefill(model, cache, ids[:, :11], 0, torch.full((5,), 10, device=DEVICE))
         runner = DecodeRunner(model, cache, max_batch=16, device=DEVICE, mode="invariant")
-        runner.tokens[:5] = ids[:, 11]
-        runner.positions[:5] = 11
+        runner.slots.tokens[:5] = ids[:, 11]
+        runner.slots.positions[:5] = 11
         eager = runner._invariant_forward(5).clone()
-        graph, lp = runner._invariant_graph(runner._bucket(5))
+        graph, lp = runner._invariant_graph(runner.graphs.bucket(5))
         graph.replay()
-        assert (runner._fused is not None) == fusable
+        assert (runner.paths.fused is not None) == fusable
         assert torch.equal(lp[:5], runner._invariant_forward(5))
         assert torch.equal(lp[:5], eager)
         whole = invariant.logprob_rows(invariant.logits(model, ids)[:, 11])

@@ -528,7 +528,8 @@ def random_small_model(*, num_layers: int, qk_norm: bool, attention_bias: bool) 
 @pytest.mark.parametrize("llama", [False, True])
 def test_cpu_decode_step_matches_forward_cached(llama: bool) -> None:
     """The runner's fused-op CPU decode step computes forward_cached's logits and cache writes."""
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.step_output import RowState
     from hpcrl.model.qwen3 import KVCache
 
     args, model = random_small_model(num_layers=2, qk_norm=not llama, attention_bias=llama)
@@ -690,8 +691,9 @@ def test_compiled_cpu_decode_matches_eager() -> None:
     """HPCRL_ENGINE_DECODE=compile: the compiled step samples the eager step's tokens (same seeds) with
     its log-probs and cache writes to float rounding, across batch sizes (batch 1 runs eager), attention
     lengths up to the cache's end, and rows that need the torch sampler (temperature != 1)."""
-    from hpcrl.engine.embedded.runner import DecodeRunner, RowState
-    from hpcrl.engine.embedded.scheduler import resolve_decode_mode
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.scheduler_config import resolve_decode_mode
+    from hpcrl.engine.embedded.step_output import RowState
     from hpcrl.model.qwen3 import KVCache
 
     args, model = random_small_model(num_layers=2, qk_norm=True, attention_bias=True)
@@ -768,7 +770,7 @@ def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buf
     """On CUDA the fused sampler writes each step's outputs into pinned host memory. Where a platform's kernels
     refuse the host pointer, the step is sampled again into the device buffers (copied as before), and later steps
     go there directly; the fused sampler itself stays on."""
-    from hpcrl.engine.embedded import kernels
+    from hpcrl.engine.embedded.kernels import sampler
     from hpcrl.engine.embedded.runner import DecodeRunner
     from hpcrl.model.qwen3 import KVCache
 
@@ -778,7 +780,7 @@ def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buf
     runner = DecodeRunner(model, cache, max_batch=4, device=cpu, mode="eager")
     # The CUDA path's state: the sampler below never launches anything.
     runner.is_cuda = runner.fast_sampler = True
-    host_slots = {t.data_ptr() for t in runner._host_tok}
+    host_slots = {t.data_ptr() for t in runner.host.tok}
     calls: list[bool] = []
 
     def sample_rows(logits: torch.Tensor, temp: Any, seeds: Any, steps: Any, out_tok: torch.Tensor, *a: Any,
@@ -789,9 +791,9 @@ def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buf
             raise RuntimeError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
         out_tok.fill_(7)
 
-    monkeypatch.setattr(kernels, "sample_rows", sample_rows)
+    monkeypatch.setattr(sampler, "sample_rows", sample_rows)
     logits = torch.zeros(3, args.vocab_size)
     assert runner._fast_sample(logits, 3) and runner._fast_sample(logits, 3)
     assert calls == [True, False, False]  # one refused write to the host slot, then device buffers only
     assert runner.fast_sampler and not runner._direct_out
-    assert runner.out_tok[:3].tolist() == [7, 7, 7]
+    assert runner.slots.out_tok[:3].tolist() == [7, 7, 7]

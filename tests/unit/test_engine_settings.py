@@ -16,7 +16,7 @@ import pytest
 from hpcrl.cli import build_parser
 from hpcrl.config import ConfigError, from_dict, load_yaml, to_dict
 from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
-from hpcrl.engine.embedded.runner import _split_k_for
+from hpcrl.engine.embedded.forward import split_k_for
 from hpcrl.engine.embedded.scheduler import SchedulerConfig
 from hpcrl.engine.embedded.serve_cli import engine_config
 from hpcrl.engine.embedded.server import ServerConfig
@@ -191,21 +191,21 @@ def test_an_environment_override_changes_the_resolved_config_and_is_reported(
 def test_split_k_must_divide_the_model_when_given_and_falls_back_when_defaulted() -> None:
     qwen = SimpleNamespace(num_heads=16, head_dim=128, intermediate_size=3072)
     odd = SimpleNamespace(num_heads=16, head_dim=128, intermediate_size=3073)
-    assert _split_k_for(qwen, None) == (2, 2)
-    assert _split_k_for(odd, None) == (2, 1), "the default that does not divide K falls back to the whole GEMM"
-    assert _split_k_for(odd, (4, 1)) == (4, 1)
+    assert split_k_for(qwen, None) == (2, 2)
+    assert split_k_for(odd, None) == (2, 1), "the default that does not divide K falls back to the whole GEMM"
+    assert split_k_for(odd, (4, 1)) == (4, 1)
     with pytest.raises(ValueError, match=r"cublas_split_k 2,2: 2 parts do not divide this model's down GEMM, K = 3073"):
-        _split_k_for(odd, (2, 2))
+        split_k_for(odd, (2, 2))
 
 
 def test_the_scheduler_launches_its_kernels_with_the_engine_sections_knobs(tiny_model_dir: Path) -> None:
     import torch
 
-    from hpcrl.engine.embedded import kernels
+    from hpcrl.engine.embedded.kernels import launch
     from hpcrl.engine.embedded.scheduler import Scheduler
     from hpcrl.model.hf import load_model
 
-    before = kernels.SETTINGS
+    before = launch.SETTINGS
     knobs = KernelsConfig(pdl=False, attn_config=(16, 2, 1, 0))
     try:
         Scheduler(
@@ -214,9 +214,9 @@ def test_the_scheduler_launches_its_kernels_with_the_engine_sections_knobs(tiny_
             device=torch.device("cpu"),
             dtype=torch.float32,
         )
-        assert kernels.SETTINGS == knobs
+        assert launch.SETTINGS == knobs
     finally:
-        kernels.configure(before)
+        launch.configure(before)
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -461,14 +461,90 @@ def test_the_progress_line_never_shows_a_recompute_gap_as_a_measurement() -> Non
     assert "| gap 0.00e+00 |" in out.getvalue()
 
 
-@pytest.mark.parametrize("value", ["64,64", "a,b,c,d,e", "64,64,64,4,3,1", "64,,64,4,3"])
-def test_a_bad_kernel_launch_override_names_the_variable_and_the_fix(
-    value: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("engine.kernels.invariant_matmul", "[64, 48, 128, 2, 3]", "invariant_matmul 64,48,128,2,3: expected 5"),
+        ("engine.kernels.invariant_matmul", "[8, 16, 128, 2, 3]", "the blocks powers of two >= 16"),
+        ("engine.kernels.invariant_attention", "[32, 64, 2]", "num_warps a power of two <= 32"),
+        ("engine.kernels.invariant_attention", "[32, 4, 0]", "num_stages >= 1, like 32,4,2 (the default)"),
+        ("engine.kernels.invariant_attention", "[32, 4]", "invariant_attention"),
+        ("train.invariant_kernels.matmul", "[32, 16, 128, 3, 3]", "matmul 32,16,128,3,3: expected 5 integers"),
+        ("train.invariant_kernels.attention", "[24, 4, 2]", "like 32,4,2 (the default)"),
+    ],
+)
+def test_a_bad_invariant_kernel_tile_is_refused_naming_the_key_and_the_valid_form(
+    where: str, value: str, message: str
 ) -> None:
-    from hpcrl.model.invariant_kernels import launch_config
+    from hpcrl.run_config import load_run_config
 
-    monkeypatch.setenv("HPCRL_INVARIANT_MATMUL", value)
-    with pytest.raises(ValueError, match="HPCRL_INVARIANT_MATMUL=.*exactly 5 .*64,64,64,4,3.*unset it"):
-        launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True)
-    monkeypatch.setenv("HPCRL_INVARIANT_MATMUL", "32,64,64,4,3")
-    assert launch_config("HPCRL_INVARIANT_MATMUL", (64, 64, 64, 4, 3), exact=True) == (32, 64, 64, 4, 3)
+    with pytest.raises(ValueError) as err:
+        load_run_config(QUICKSTART, [f"{where}={value}"])
+    assert message in str(err.value), str(err.value)
+    assert where.rpartition(".")[2] in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("value", ["64,64", "a,b,c,d,e", "64,64,64,4,3,1", "64,,64,4,3", "64,48,64,4,3"])
+def test_a_bad_invariant_tile_override_names_the_variable_and_the_fix(value: str) -> None:
+    from hpcrl.engine.kernels_config import KernelsConfig, with_env_overrides
+    from hpcrl.model.invariant_config import InvariantKernelsConfig
+    from hpcrl.model.invariant_config import with_env_overrides as trainer_overrides
+
+    env = {"HPCRL_INVARIANT_MATMUL": value}
+    # The engine (engine serve) and the trainer apply the variable with the same rules.
+    with pytest.raises(ValueError, match=r"HPCRL_INVARIANT_MATMUL=.*(exactly 5 .*32,16,128,2,3|powers of two).*unset"):
+        with_env_overrides(KernelsConfig(), env)
+    with pytest.raises(ValueError, match=r"HPCRL_INVARIANT_MATMUL=.*(exactly 5 .*32,16,128,2,3|powers of two).*unset"):
+        trainer_overrides(InvariantKernelsConfig(), env)
+    with pytest.raises(ValueError, match="HPCRL_INVARIANT_MATMULL: no batch-invariant kernel tile is called so"):
+        trainer_overrides(InvariantKernelsConfig(), {"HPCRL_INVARIANT_MATMULL": "1"})
+    resolved, overrides = with_env_overrides(KernelsConfig(), {"HPCRL_INVARIANT_MATMUL": "64,64,64,4,3"})
+    assert resolved.invariant_matmul == (64, 64, 64, 4, 3)
+    assert [str(o) for o in overrides] == ["invariant_matmul=64,64,64,4,3 (from HPCRL_INVARIANT_MATMUL)"]
+
+
+def test_a_run_config_whose_engine_and_trainer_tiles_differ_is_refused() -> None:
+    from hpcrl.run_config import load_run_config
+
+    both = ["engine.batch_invariant=true", "train.logprobs=invariant"]
+    with pytest.raises(ValueError, match=r"train.invariant_kernels.matmul \(32, 16, 128, 2, 3\).*engine.kernels"):
+        load_run_config(QUICKSTART, [*both, "engine.kernels.invariant_matmul=[64,64,64,4,3]"])
+    with pytest.raises(ValueError, match="set them alike"):
+        load_run_config(QUICKSTART, [*both, "train.invariant_kernels.attention=[64,4,2]"])
+    alike = ["engine.kernels.invariant_attention=[64,4,2]", "train.invariant_kernels.attention=[64,4,2]"]
+    cfg = load_run_config(QUICKSTART, [*both, *alike])
+    assert cfg.train.invariant_kernels == cfg.engine.kernels.invariant()
+    # Without invariant log-probs the trainer launches no invariant kernel: nothing to compare.
+    load_run_config(QUICKSTART, ["engine.kernels.invariant_matmul=[64,64,64,4,3]"])
+
+
+def test_the_configured_tiles_reach_the_kernel_launch(model: CausalLM) -> None:
+    from hpcrl.engine.kernels_config import KernelsConfig
+    from hpcrl.model import invariant_kernels
+    from hpcrl.model.invariant_config import InvariantKernelsConfig
+
+    before = invariant_kernels.launch_config()
+    assert before == InvariantKernelsConfig() and before.matmul == (32, 16, 128, 2, 3)
+    try:
+        # The engine: its engine.kernels section.
+        knobs = KernelsConfig(invariant_matmul=(64, 32, 64, 4, 2), invariant_attention=(64, 8, 3))
+        Scheduler(
+            model,
+            SchedulerConfig(engine=EngineConfig(max_running_requests=2, kernels=knobs), context_length=32),
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+        )
+        assert invariant_kernels.launch_config() == InvariantKernelsConfig(
+            matmul=(64, 32, 64, 4, 2), attention=(64, 8, 3)
+        )
+        # The trainer: train.invariant_kernels, with the environment's override applied on top.
+        tiles = InvariantKernelsConfig(attention=(16, 2, 1))
+        resolved = invariant.use_kernel_tiles(tiles, {"HPCRL_INVARIANT_MATMUL": "16,64,32,4,3", "HOME": "/"})
+        assert invariant_kernels.launch_config() == resolved
+        assert resolved == InvariantKernelsConfig(matmul=(16, 64, 32, 4, 3), attention=(16, 2, 1))
+        # What the launch reads follows: the stacked GEMMs are used only where every weight starts on a BLOCK_N row.
+        args = model.args
+        widths = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.intermediate_size)
+        assert invariant.fusable(args) == all(w % 64 == 0 for w in widths)
+    finally:
+        invariant_kernels.configure(before)

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hpcrl.engine.embedded import kernels  # noqa: E402
+from hpcrl.engine.embedded.kernels import gemm, norms  # noqa: E402
 
 HIDDEN, Q_OUT, QKV_OUT, INTER = 1024, 2048, 4096, 3072  # Qwen3-0.6B: 16 + 2 x 8 heads of 128, intermediate 3072
 # (stage, N rows of its weight, K); gate_up's weight is [gate; up], 2 x INTER rows.
@@ -84,25 +84,23 @@ class Stage:
     def cublas(self, rotate: bool = True) -> torch.Tensor:
         y = F.linear(self.x, self._w(rotate))
         if self.name == "gate_up":
-            kernels.silu_mul(y, self.act)
+            gemm.silu_mul(y, self.act)
             return self.act
         if self.name in ("o", "down"):
-            kernels.add_rmsnorm(y, self.resid, self.norm_w, 1e-6, self.h)
+            norms.add_rmsnorm(y, self.resid, self.norm_w, 1e-6, self.h)
             return self.h
         return y
 
     def cublas_split(self, parts: int, rotate: bool = True) -> torch.Tensor:
         """o or down as the engine's cuBLAS path runs it with engine.kernels.cublas_split_k: `kernels.split_k_linear`
         (one strided-batch GEMM of fp32 partials), then add_rmsnorm summing them."""
-        kernels.add_rmsnorm(
-            kernels.split_k_linear(self.x, self._w(rotate), parts), self.resid, self.norm_w, 1e-6, self.h
-        )
+        norms.add_rmsnorm(gemm.split_k_linear(self.x, self._w(rotate), parts), self.resid, self.norm_w, 1e-6, self.h)
         return self.h
 
     def triton(self, config: tuple[int, ...], rotate: bool = True) -> torch.Tensor:
-        y = kernels.linear(self.x, self._w(rotate), config=config, gated=self.name == "gate_up")
+        y = gemm.linear(self.x, self._w(rotate), config=config, gated=self.name == "gate_up")
         if self.name in ("o", "down"):
-            kernels.add_rmsnorm(y, self.resid, self.norm_w, 1e-6, self.h)
+            norms.add_rmsnorm(y, self.resid, self.norm_w, 1e-6, self.h)
             return self.h
         return y
 

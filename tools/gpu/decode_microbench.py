@@ -31,9 +31,12 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from hpcrl.engine.embedded import fused_prefill, kernels  # noqa: E402
-from hpcrl.engine.embedded.runner import DecodeRunner, RowState  # noqa: E402
+from hpcrl.engine.embedded import fused_prefill  # noqa: E402
+from hpcrl.engine.embedded.kernels import attention as attention_kernels  # noqa: E402
+from hpcrl.engine.embedded.kernels import launch, sampler  # noqa: E402
+from hpcrl.engine.embedded.runner import DecodeRunner  # noqa: E402
 from hpcrl.engine.embedded.sampling import RowParams, sample  # noqa: E402
+from hpcrl.engine.embedded.step_output import RowState  # noqa: E402
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs  # noqa: E402
 from hpcrl.model.tiny import QWEN3_0_6B_SHAPE  # noqa: E402
 
@@ -217,7 +220,7 @@ def main() -> int:
     zeros = torch.zeros(B, dtype=torch.int64, device=dev)
 
     def eager_forward() -> torch.Tensor:
-        return model.forward_cached(runner.tokens[:, None], cache, 0, runner.positions, zeros)
+        return model.forward_cached(runner.slots.tokens[:, None], cache, 0, runner.slots.positions, zeros)
 
     def correctness() -> dict[str, Any]:
         # Both bf16 paths against the same model in fp32 (first 32 rows; the fp32 cache is a copy).
@@ -229,7 +232,9 @@ def main() -> int:
         cache32 = KVCache.allocate(a, m, ns.context, torch.float32, dev)
         for src, dst in zip(cache.k + cache.v, cache32.k + cache32.v, strict=True):
             dst.copy_(src[:m])
-        ref = model32.forward_cached(runner.tokens[:m, None], cache32, 0, runner.positions[:m], zeros[:m]).float()
+        ref = model32.forward_cached(
+            runner.slots.tokens[:m, None], cache32, 0, runner.slots.positions[:m], zeros[:m]
+        ).float()
         del model32, cache32
         eager = eager_forward()[:m].float()
         fast = runner.fast_forward(B)[:m].float()
@@ -277,14 +282,14 @@ def main() -> int:
         for cfg in [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8), (512, 2), (1024, 2)]:
 
             def run(cfg: tuple[int, ...] = cfg) -> None:
-                kernels.sample_rows(logits, params.temperature, params.seeds, params.steps, out_tok, out_lp, config=cfg)
+                sampler.sample_rows(logits, params.temperature, params.seeds, params.steps, out_tok, out_lp, config=cfg)
 
             ms = graph_ms(run, launches=10)  # device time, as in the engine's loop (no host launch in it)
             res[f"fused_sample_ms_{'x'.join(map(str, cfg))}"] = ms
             if best is None or ms < best[0]:
                 best = (ms, cfg)
         ref = sample(logits, params, want_support=False)
-        kernels.sample_rows(logits, params.temperature, params.seeds, params.steps, out_tok, out_lp)
+        sampler.sample_rows(logits, params.temperature, params.seeds, params.steps, out_tok, out_lp)
         res["fused_sample_token_agree"] = (out_tok == ref.token_ids).float().mean().item()
         res["fused_sample_lp_maxdiff"] = (out_lp[:, 0] - ref.logprobs).abs().max().item()
         assert best is not None
@@ -307,7 +312,7 @@ def main() -> int:
         for cfg in configs:
 
             def run(cfg: tuple[int, ...] = cfg) -> None:
-                kernels.decode_attention(
+                attention_kernels.decode_attention(
                     q, cache.k[0], cache.v[0], pos, o, a.num_heads, a.num_kv_heads, a.head_dim, 0.088, config=cfg
                 )
 
@@ -453,7 +458,7 @@ def main() -> int:
             pos = torch.full((rows,), L - 1, device=dev)
 
             def run(rows: int = rows, pos: torch.Tensor = pos) -> None:
-                kernels.decode_attention(
+                attention_kernels.decode_attention(
                     q[:rows], cache.k[0], cache.v[0], pos, o[:rows], a.num_heads, a.num_kv_heads, a.head_dim, 0.088
                 )
 
@@ -479,11 +484,11 @@ def main() -> int:
         loop_times: dict[str, list[float]] = {k: [] for k in variants}
         out: dict[str, Any] = {}
         ref: torch.Tensor | None = None
-        default_knobs, default_blas = kernels.SETTINGS, torch.backends.cuda.preferred_blas_library()
+        default_knobs, default_blas = launch.SETTINGS, torch.backends.cuda.preferred_blas_library()
         try:
             for _ in range(3):
                 for name, (pdl, blas) in variants.items():
-                    kernels.configure(dataclasses.replace(default_knobs, pdl=pdl))
+                    launch.configure(dataclasses.replace(default_knobs, pdl=pdl))
                     torch.backends.cuda.preferred_blas_library(blas)
                     runner.reset_graphs()
                     runner.write_rows([RowState(toks[i], L - 1, i, 0, 1.0, -1, 1.0, 0.0) for i in range(B)])
@@ -496,7 +501,7 @@ def main() -> int:
                     out[f"step_logits_maxdiff_{name}"] = max(diff, out.get(f"step_logits_maxdiff_{name}", 0.0))
                     loop_times[name].append(loop_steps() * 1e3)
         finally:
-            kernels.configure(default_knobs)
+            launch.configure(default_knobs)
             torch.backends.cuda.preferred_blas_library(default_blas)
             runner.reset_graphs()
         for name in variants:
@@ -513,7 +518,9 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 logits = runner.fast_forward(B)
-                kernels.sample_rows(logits, runner.temperature, runner.seeds, runner.steps, out_tok, out_lp)
+                sampler.sample_rows(
+                    logits, runner.slots.temperature, runner.slots.seeds, runner.slots.steps, out_tok, out_lp
+                )
             torch.cuda.synchronize()
         events = prof.key_averages()
         key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"

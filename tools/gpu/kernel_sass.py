@@ -4,7 +4,7 @@
     python3 tools/gpu/kernel_sass.py --kernel sample_partial   # the sampler's pass over the logits
     python3 tools/gpu/kernel_sass.py --kernel attention --out /tmp/sass   # also keep the PTX and the SASS
 
-Triton compiles the kernel of this tree (`hpcrl/engine/embedded/kernels.py`) for `--arch` (default 90, the H200)
+Triton compiles the kernel of this tree (`hpcrl/engine/embedded/kernels/`) for `--arch` (default 90, the H200)
 with the launch the engine makes at batch 256 with the Qwen3-0.6B shape: the same constexprs, warps and stages, and
 the same 16-divisibility of pointers and strides that Triton's launcher would find (without it the loads are not
 vectorised and the count means nothing). Triton's bundled `nvdisasm` prints the SASS. Needs Triton with its NVIDIA
@@ -32,8 +32,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def _attention(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], tuple[int, ...], int, int]:
-    block_n, warps, stages, _ = kernels.SETTINGS.attn_config_kv8
+def _attention() -> tuple[Any, dict[str, str], dict[str, Any], tuple[int, ...], int, int]:
+    from hpcrl.engine.embedded.kernels import attention, launch
+
+    block_n, warps, stages, _ = launch.SETTINGS.attn_config_kv8
     signature = {
         "Q": "*bf16", "KC": "*fp8e4nv", "VC": "*fp8e4nv", "Out": "*bf16", "Pos": "*i64", "sm_scale": "fp32",
         "stride_qb": "i32", "stride_cb": "i32", "stride_ch": "i32", "stride_cn": "i32", "max_len": "i32",
@@ -43,18 +45,19 @@ def _attention(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], tuple
         "KV8": True, "K_FIRST": True, "PDL": True,
     }  # fmt: skip
     # Pointers and the cache's strides are multiples of 16 in the engine; max_len (prompt + new tokens) need not be.
-    return kernels._decode_attention_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6, 7, 8, 9), warps, stages
+    return attention._decode_attention_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6, 7, 8, 9), warps, stages
 
 
-def _sample_partial(kernels: Any) -> tuple[Any, dict[str, str], dict[str, Any], tuple[int, ...], int, int]:
+def _sample_partial() -> tuple[Any, dict[str, str], dict[str, Any], tuple[int, ...], int, int]:
+    from hpcrl.engine.embedded.kernels import launch, sampler
     from hpcrl.engine.embedded.sampling import SAMPLE_CHUNK_IDS
 
-    block, warps, _, _ = kernels.SETTINGS.sample_config
+    block, warps, _, _ = launch.SETTINGS.sample_config
     signature = {"Logits": "*bf16", "stride_row": "i32", "V": "i32", "Temp": "*fp32", "Part": "*fp32", "PartI": "*i32"}
     chunks = -(-151_936 // SAMPLE_CHUNK_IDS)
     constexprs = {"NSPLIT": chunks, "CHUNK": SAMPLE_CHUNK_IDS, "BLOCK": block, "FAST_EXP": True, "PDL": True}
     # 151,936 = 16 x 9,496: the row stride is a multiple of 16, the vocabulary too.
-    return kernels._sample_partial_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5), warps, 3
+    return sampler._sample_partial_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5), warps, 3
 
 
 KERNELS = {"attention": _attention, "sample_partial": _sample_partial}
@@ -62,9 +65,9 @@ KERNELS = {"attention": _attention, "sample_partial": _sample_partial}
 
 def compile_sass(name: str, arch: int, out_dir: Path) -> tuple[str, int]:
     """(SASS text, shared memory bytes) of kernel `name`, built for compute capability `arch`."""
-    from hpcrl.engine.embedded import kernels
+    from hpcrl.engine.embedded.kernels import launch
 
-    if not kernels.AVAILABLE:
+    if not launch.AVAILABLE:
         raise SystemExit("kernel_sass.py needs Triton (pip install triton)")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -73,7 +76,7 @@ def compile_sass(name: str, arch: int, out_dir: Path) -> tuple[str, int]:
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if not nvdisasm.is_file():
         raise SystemExit(f"Triton's nvdisasm is not at {nvdisasm}: this Triton has no NVIDIA backend")
-    fn, signature, constexprs, divisible, warps, stages = KERNELS[name](kernels)
+    fn, signature, constexprs, divisible, warps, stages = KERNELS[name]()
     missing = [arg for arg in fn.arg_names if arg not in signature and arg not in constexprs]
     if missing:
         raise SystemExit(f"{name}: this script does not know the kernel's arguments {missing}; add them to it")

@@ -1,6 +1,6 @@
 """The CPU decode step compiled by `torch.compile` (inductor's C++ backend): decode mode "compile".
 
-The eager CPU step (`DecodeRunner.torch_forward` + `sampling.sample`) is ~100 small torch ops whose
+The eager CPU step (`ForwardPaths.torch_forward` + `sampling.sample`) is ~100 small torch ops whose
 fixed costs dominate a small model's step. Compiled, everything between the GEMMs (RMSNorm, q/k norm,
 RoPE, attention over the cache, SiLU, residuals, the unit-temperature Gumbel-max sampler and its
 log-probs) becomes a handful of fused C++ loops; the GEMMs stay extern MKL calls.
@@ -138,8 +138,8 @@ class CompiledStep:
             self._dims = dims
         if self._key_pos is None or self._key_pos.shape[0] != cache.max_len:
             self._key_pos = torch.arange(cache.max_len, device=runner.device)
-        fused = runner._torch_weights()
-        cos, sin = runner._rope_tables()
+        fused = runner.paths.torch_weights()
+        cos, sin = runner.paths.rope_tables()
         layers = []
         for i, layer in enumerate(model.model.layers):
             at = layer.self_attn
@@ -157,11 +157,11 @@ class CompiledStep:
                     layer.mlp.down_proj.weight,
                 )
             )
-        pos = runner.positions[:n]
+        pos = runner.slots.positions[:n]
         # Keys before each row's position: at most max_len - 1, and never max_len, where the view of
         # the cache would become contiguous and inductor would have specialised the first graph on not.
         length = min(-(-max(int(pos.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET, cache.max_len - 1)
-        dynamic = (runner.tokens[:n], pos, self._key_pos[:length], runner.seeds[:n], runner.steps[:n])
+        dynamic = (runner.slots.tokens[:n], pos, self._key_pos[:length], runner.slots.seeds[:n], runner.slots.steps[:n])
         for t in dynamic:
             torch._dynamo.mark_dynamic(t, 0)
         first = self.compile_s == 0.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpcrl.engine.embedded import kernels
+from hpcrl.engine.embedded.kernels import gemm, norms
 from hpcrl.model.qwen3 import CausalLM, KVCache
 
 
@@ -53,12 +53,12 @@ def prefill_logits(
     resid = torch.empty(n, a.hidden_size, dtype=embed.dtype, device=dev)
     h = torch.empty_like(resid)
     first = layers[0].input_layernorm
-    kernels.embed_rmsnorm(ids.reshape(n), embed, resid, first.weight, first.eps, h)
+    norms.embed_rmsnorm(ids.reshape(n), embed, resid, first.weight, first.eps, h)
     for i, layer in enumerate(layers):
         at = layer.self_attn
         qkv_w, qkv_b, gate_up_w = fused[i]
         qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
-        kernels.layer_qk_norm_rope_store(
+        norms.layer_qk_norm_rope_store(
             at, a, qkv, rope, positions, cache.k[i], cache.v[i], first_slot=first_slot, rows_per_slot=t,
             store_k=True,
         )  # fmt: skip
@@ -73,10 +73,10 @@ def prefill_logits(
             h = torch.empty_like(resid)
         o = F.linear(o, at.o_proj.weight)
         post = layer.post_attention_layernorm
-        kernels.add_rmsnorm(o, resid, post.weight, post.eps, h)
+        norms.add_rmsnorm(o, resid, post.weight, post.eps, h)
         act = torch.empty(h.shape[0], a.intermediate_size, dtype=h.dtype, device=dev)
-        kernels.silu_mul(F.linear(h, gate_up_w), act)
+        gemm.silu_mul(F.linear(h, gate_up_w), act)
         d = F.linear(act, layer.mlp.down_proj.weight)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-        kernels.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
+        norms.add_rmsnorm(d, resid, nxt.weight, nxt.eps, h)
     return model.logits(h)

@@ -1,7 +1,7 @@
 """Batched sampling whose random choices depend only on (request seed, token index).
 
 This is the reference implementation and the path for top-k/top-p/min-p and sampling-support
-requests; plain temperature sampling on CUDA runs the equivalent fused kernel in `kernels.py`.
+requests; plain temperature sampling on CUDA runs the equivalent fused kernel in `kernels/sampler.py`.
 
 Each row's uniforms come from a counter-based hash of (seed, token index, vocab id) computed in
 tensors, so a request samples the same tokens whatever else shares its batch, on any device, and
@@ -82,10 +82,10 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     """
     device = seeds.device
     if device.type == "cuda":
-        from hpcrl.engine.embedded import kernels
+        from hpcrl.engine.embedded.kernels import launch, sampler
 
-        if kernels.AVAILABLE:
-            return kernels.counter_uniform(seeds.contiguous(), steps.contiguous(), vocab_size)
+        if launch.AVAILABLE:
+            return sampler.counter_uniform(seeds.contiguous(), steps.contiguous(), vocab_size)
     if device.type == "cpu":
         return torch.from_numpy(_np_uniform(seeds, steps, vocab_size))
     return uniform_at(row_keys(seeds, steps), torch.arange(vocab_size, device=device, dtype=torch.int64))

@@ -20,195 +20,37 @@ first, so every state change still happens between forward passes.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.embedded import kernels
-from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder
-from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
-from hpcrl.engine.protocol import GrowingPackedColumn
-from hpcrl.model import invariant
-from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
+from hpcrl.engine.embedded.control import Control
+from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, TextDecoder
+from hpcrl.engine.embedded.kernels import launch
+from hpcrl.engine.embedded.requests import PauseMode, SeqRequest
+from hpcrl.engine.embedded.runner import DecodeRunner
+from hpcrl.engine.embedded.scheduler_config import SchedulerConfig, resolve_decode_mode
+from hpcrl.engine.embedded.scheduler_state import Pending
+from hpcrl.model import invariant_kernels
+from hpcrl.model.qwen3 import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "retract", "in_place"]
 
-
-class EngineStateError(RuntimeError):
-    """A request that the engine's current state forbids (maps to HTTP 400)."""
-
-
-@dataclass
-class SeqRequest:
-    rid: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    stop_token_ids: frozenset[int]
-    ignore_eos: bool
-    return_logprob: bool
-    return_sampling_mask: bool
-    on_done: Callable[[SeqRequest], object]
-    logprob_scaled: bool = False  # report the temperature-scaled log-probs (return_scaled_logprob)
-    output_ids: list[int] = field(default_factory=list)
-    # Doubles stored inline, not float objects: a row's log-probs arrive one a step, between every other row's, so
-    # as list items they lie scattered over the heap and the answer that walks them waits on memory. H200 host,
-    # 256 x 512 answer: 125 ms of CPU a pass with lists, 57 ms with arrays.
-    logprobs: array[float] = field(default_factory=lambda: array("d"))
-    scaled_logprobs: array[float] = field(default_factory=lambda: array("d"))
-    support_logprobs: list[float] = field(default_factory=list)
-    support_ids: list[list[int]] = field(default_factory=list)
-    version_spans: list[list[Any]] = field(default_factory=list)  # [version, start, end)
-    finish_reason: dict[str, Any] | None = None
-    num_retractions: int = 0
-    created_s: float = field(default_factory=time.monotonic)
-    finished_s: float | None = None
-    answered_s: float | None = None  # handed to on_done: after any re-score, which finished_s precedes
-    cached_len: int = 0  # tokens of prompt+output whose K/V are in the cache
-    sampled_logprobs: list[float] | None = None  # the sampled log-probs, when `logprobs` holds a re-score
-    text: RowText = field(default_factory=RowText)  # the output's text so far (the scheduler's TextDecoder)
-    # The reported log-prob column packed so far, when the request asked for the packed wire (None: not asked).
-    packed_column: GrowingPackedColumn | None = None
-
-    @property
-    def reported_logprobs(self) -> array[float]:
-        """The log-prob column the answer reports: the temperature-scaled one for return_scaled_logprob."""
-        return self.scaled_logprobs if self.logprob_scaled else self.logprobs
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def filtered(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-    def row_state(self) -> RowState:
-        return RowState(
-            token=self.output_ids[-1] if self.output_ids else self.prompt_ids[-1],
-            position=self.cached_len,
-            seed=self.seed,
-            step=len(self.output_ids),
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """The scheduler's view of the engine section: its settings as `EngineConfig` declares, defaults and checks
-    them, plus the one thing only the loaded model decides, the context length."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    context_length: int
-    """engine.context_length, or the model's max_position_embeddings where that is null."""
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.engine.max_running_requests
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        return self.engine.max_prefill_tokens
-
-    @property
-    def deterministic(self) -> bool:
-        return self.engine.deterministic
-
-    @property
-    def logprobs(self) -> str:
-        """`sampled`, or `recompute`: re-score finished sequences (see _complete)."""
-        return self.engine.logprobs
-
-    @property
-    def batch_invariant(self) -> bool:
-        """The "invariant" decode mode (hpcrl.model.invariant)."""
-        return self.engine.batch_invariant
-
-    @property
-    def kv_cache_dtype(self) -> torch.dtype | None:
-        """None: the model's dtype."""
-        return torch.float8_e4m3fn if self.engine.kv_cache_dtype == "fp8_e4m3" else None
-
-    @property
-    def decode_mode(self) -> str:
-        return self.engine.decode_mode
-
-    @property
-    def overlap(self) -> bool | None:
-        """Launch step t+1 before reading step t (None: on for CUDA, where launches are asynchronous)."""
-        return {"auto": None, "on": True, "off": False}[self.engine.decode_overlap]
-
-    @property
-    def profile(self) -> bool:
-        return self.engine.decode_profile
-
-
-def resolve_decode_mode(
-    requested: str, model: CausalLM, device: torch.device, dtype: torch.dtype, *, batch_invariant: bool = False
-) -> str:
-    if batch_invariant:
-        reason = invariant.supported_reason(device, dtype) or invariant.unsupported_model(model.args)
-        if reason is not None:
-            raise ValueError(f"--batch-invariant: {reason}")
-        if requested not in ("auto", "eager"):
-            raise ValueError(f"--batch-invariant runs its own decode step; --decode-mode {requested} cannot apply")
-        invariant.pin_backend_numerics(device)
-        return "invariant"
-    if requested not in ("auto", "eager", "triton", "graph", "compile"):
-        raise ValueError(f"decode mode must be auto, eager, triton, graph or compile, got {requested!r}")
-    if requested == "compile":
-        if device.type == "cpu":
-            return "compile"  # torch.compile of the CPU step (opt-in: it compiles for seconds)
-        log.warning("decode mode compile is for the CPU; using the default mode for %s", device.type)
-        requested = "auto"
-    if device.type != "cuda":
-        return "eager"  # the fused kernels are Triton GPU code
-    reason = kernels.supported(model.args.head_dim, dtype)
-    if reason is not None:
-        if requested in ("triton", "graph"):
-            log.warning("decode mode %s is unavailable (%s); using the eager model", requested, reason)
-        return "eager"
-    return "graph" if requested == "auto" else requested
-
-
-@dataclass
-class _Pending:
-    """A launched decode step whose tokens the host has not read yet."""
-
-    rows: list[SeqRequest]
-    handle: StepHandle
-
-
-class Scheduler:
+class Scheduler(Control):
     def __init__(self, model: CausalLM, cfg: SchedulerConfig, *, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         # Set by the server once its tokenizer is loaded; None: no text is decoded on this thread.
         self.text_decoder: TextDecoder | None = None
         self.cfg = cfg
-        kernels.configure(cfg.engine.kernels)  # process-wide, like the CUDA graphs that capture the kernels
+        launch.configure(cfg.engine.kernels)  # process-wide, like the CUDA graphs that capture the kernels
+        invariant_kernels.configure(cfg.engine.kernels.invariant())  # the trainer's tiles (RunConfig checks)
         self.device = device
         self.dtype = dtype
         self.eos_ids = frozenset(model.args.eos_token_ids)
@@ -249,7 +91,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stop = False
-        self._inflight: _Pending | None = None
+        self._inflight: Pending | None = None
         self._rows_dirty = True  # the runner's slot buffers must be rewritten before the next step
         # Decode launches until every running row has reached its length limit (max_new_tokens or the context),
         # counted from the last time the rows changed; the step that would only run past it is not launched.
@@ -430,7 +272,7 @@ class Scheduler:
         )
         self.host_stats["launch_s"] += time.perf_counter() - t0
         self.num_decode_steps += 1
-        previous, self._inflight = self._inflight, _Pending(rows=list(self.running), handle=handle)
+        previous, self._inflight = self._inflight, Pending(rows=list(self.running), handle=handle)
         if previous is not None and self._process(previous, advance=True):
             self._drain()  # a row finished: settle the look-ahead step before the slots change
 
@@ -445,7 +287,7 @@ class Scheduler:
             self._process(pending, advance=True)
         self._compact()
 
-    def _process(self, pending: _Pending, *, advance: bool) -> bool:
+    def _process(self, pending: Pending, *, advance: bool) -> bool:
         """Append a step's tokens to its rows; True when a row finished."""
         t0 = time.perf_counter()
         out = pending.handle.result()
@@ -454,318 +296,3 @@ class Scheduler:
         self.host_stats["wait_s"] += t1 - t0
         self.host_stats["process_s"] += time.perf_counter() - t1
         return finished
-
-    def _can_admit(self) -> bool:
-        if not self.waiting or len(self.running) >= self.cfg.max_running_requests:
-            return False
-        # Deterministic mode forms batches only from an idle engine, so one /generate call on an
-        # idle engine always meets the same batch composition and gives bit-identical results.
-        return not (self.cfg.deterministic and self.running)
-
-    def _take_waiting(self) -> list[SeqRequest]:
-        free = self.cfg.max_running_requests - len(self.running)
-        if free <= 0:
-            return []
-        # Deterministic mode forms batches only from an idle engine, so one /generate call on an
-        # idle engine always meets the same batch composition and gives bit-identical results.
-        if self.cfg.deterministic and self.running:
-            return []
-        taken: list[SeqRequest] = []
-        budget = self.cfg.max_prefill_tokens
-        prompts: set[tuple[int, ...]] = set()
-        with self._lock:
-            while self.waiting and len(taken) < free:
-                # A sequence already taken (a group's other samples) is copied from its prefill, not recomputed:
-                # it costs no budget, and a group is not split over two forwards that would each run its prompt.
-                ids = tuple(self.waiting[0].all_ids)
-                need = 0 if ids in prompts else len(ids)
-                if taken and need > budget:
-                    break
-                budget -= need
-                prompts.add(ids)
-                taken.append(self.waiting.popleft())
-        return taken
-
-    def _admit(self) -> None:
-        new = self._take_waiting()
-        if not new:
-            return
-        ready = [r for r in new if not self._finish_if_done(r, before_first_token=True)]
-        if not ready:
-            return
-        t0 = time.perf_counter()
-        # The samples of one prompt (a group's n) share its prefill: the first of each distinct sequence
-        # runs it, the others get a copy of its K/V rows and its logits row. Slots: the prefilled rows
-        # first, then the copies.
-        owner: dict[tuple[int, ...], int] = {}
-        lead_of = [owner.setdefault(tuple(r.all_ids), k) for k, r in enumerate(ready)]
-        leads = [k for k, o in enumerate(lead_of) if o == k]
-        copies = [k for k, o in enumerate(lead_of) if o != k]
-        ready = [ready[k] for k in leads + copies]
-        first_slot = len(self.running)
-        self.running.extend(ready)
-        self._rows_dirty = True
-        heads = ready[: len(leads)]
-        lengths = [r.num_tokens for r in heads]
-        width = max(lengths)
-        # One flat array, not torch.tensor of nested lists: that walks every int in Python (4-6 ms for 256 x 128
-        # on a 2-core CPU, against ~1.4 ms).
-        flat = array("q")
-        for r, n in zip(heads, lengths, strict=True):
-            flat.extend(r.prompt_ids)
-            flat.extend(r.output_ids)
-            flat.frombytes(bytes(8 * (width - n)))  # zero padding: 8 bytes an id
-        ids = torch.frombuffer(flat, dtype=torch.int64).view(len(heads), width)
-        last = torch.tensor(lengths) - 1
-        logits = self.runner.prefill(ids.to(self.device), first_slot, last.to(self.device))
-        self.num_prefill_forwards += 1
-        if copies:
-            assert self.cache is not None
-            row_of_lead = {k: row for row, k in enumerate(leads)}
-            sources = [row_of_lead[lead_of[k]] for k in copies]
-            copy_slots = range(first_slot + len(leads), first_slot + len(ready))
-            self.cache.copy_prefix([first_slot + row for row in sources], list(copy_slots), width)
-            logits = logits[torch.tensor(list(range(len(leads))) + sources, device=logits.device)]
-        for r in ready:
-            r.cached_len = r.num_tokens
-        self._refresh_sampler_flags()
-        out = self.runner.sample_prefill(
-            logits,
-            [r.row_state() for r in ready],
-            torch_sampler=any(r.filtered or r.return_sampling_mask for r in ready),
-            want_support=any(r.return_sampling_mask for r in ready),
-        )
-        self._append_tokens(ready, out, advance=False)
-        self.host_stats["prefill_s"] += time.perf_counter() - t0
-
-    def _refresh_sampler_flags(self) -> None:
-        self._want_support = any(r.return_sampling_mask for r in self.running)
-        self._torch_sampler = self._want_support or any(r.filtered for r in self.running)
-
-    def _append_tokens(self, rows: list[SeqRequest], out: StepOutput, *, advance: bool) -> bool:
-        """Record one sampled token per row; `advance` moves cached_len past the step's input token.
-
-        This runs for every row of every step, so the version stamp and the finish test are inlined.
-        """
-        finished = False
-        mask = out.support_mask
-        version = self.weight_version
-        context_length = self.cfg.context_length
-        appended = 0
-        for i, r in enumerate(rows):
-            if r.finish_reason is not None:
-                continue  # finished (or aborted) before this look-ahead step: its token is dropped
-            tok = out.tokens[i]
-            outputs = r.output_ids
-            outputs.append(tok)
-            r.logprobs.append(out.logprobs[i])
-            r.scaled_logprobs.append(out.scaled_logprobs[i])
-            if advance:
-                r.cached_len += 1
-            if r.return_sampling_mask:
-                assert out.support_logprobs is not None
-                r.support_logprobs.append(out.support_logprobs[i])
-                # empty = the whole vocabulary (no filtering)
-                r.support_ids.append(mask[i].nonzero()[:, 0].tolist() if mask is not None else [])
-            n = len(outputs)
-            spans = r.version_spans
-            if spans and spans[-1][0] == version and spans[-1][2] == n - 1:
-                spans[-1][2] = n
-            else:
-                spans.append([version, n - 1, n])
-            appended += 1
-            if (
-                n >= r.max_new_tokens
-                or tok in r.stop_token_ids
-                or tok in self.eos_ids
-                or len(r.prompt_ids) + n >= context_length
-            ) and self._finish_if_done(r):
-                finished = True
-        self.num_generated_tokens += appended
-        return finished
-
-    def _finish_if_done(self, r: SeqRequest, *, before_first_token: bool = False) -> bool:
-        if before_first_token:
-            if r.max_new_tokens == 0 or len(r.output_ids) >= r.max_new_tokens:
-                r.finish_reason = {"type": "length", "length": r.max_new_tokens}
-                self._complete(r)
-                return True
-            return False
-        tok = r.output_ids[-1]
-        if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
-            r.finish_reason = {"type": "stop", "matched": tok}
-        elif len(r.output_ids) >= r.max_new_tokens or r.num_tokens >= self.cfg.context_length:
-            r.finish_reason = {"type": "length", "length": len(r.output_ids)}
-        else:
-            return False
-        return True
-
-    def _compact(self) -> None:
-        """Complete rows that have a finish reason and close the gaps they leave in slots 0..R-1."""
-        done = [r for r in self.running if r.finish_reason is not None]
-        if not done:
-            return
-        keep = len(self.running) - len(done)
-        holes = [i for i in range(keep) if self.running[i].finish_reason is not None]
-        movers = [i for i in range(keep, len(self.running)) if self.running[i].finish_reason is None]
-        for dst, src in zip(holes, movers, strict=True):
-            if self.cache is not None:
-                self.cache.move_slot(src, dst)
-            self.running[dst] = self.running[src]
-        del self.running[keep:]
-        self._rows_dirty = True
-        self._refresh_sampler_flags()
-        for r in done:
-            self._complete(r)
-
-    def _complete(self, r: SeqRequest) -> None:
-        r.finished_s = time.monotonic()
-        if self.cfg.logprobs == "recompute" and r.output_ids and r.return_logprob and not self.weights_released:
-            # A relabel, not on-policy: the tokens were drawn from the decode step's distribution, the reported
-            # log-probs are the standard forward's of the whole sequence. The sampled ones travel along, so
-            # the difference is measured (rollout/recompute_abs_diff), never hidden.
-            ids = torch.tensor(r.all_ids, device=self.device)
-            r.sampled_logprobs = r.logprobs.tolist()
-            r.logprobs = array("d", token_logprobs_of_sequence(self.model, ids, len(r.prompt_ids)).tolist())
-        r.answered_s = time.monotonic()
-        try:
-            r.on_done(r)
-        except Exception:  # noqa: BLE001 - a broken callback must not kill the scheduler
-            log.exception("completion callback failed for %s", r.rid)
-
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            victims = self.running + list(self.waiting)
-            self.running = []
-            self.waiting.clear()
-        self._inflight = None
-        self._rows_dirty = True
-        for r in victims:
-            r.finish_reason = {"type": "abort", "message": message, "status_code": 500}
-            self._complete(r)
-
-    # ----- control operations: run on the scheduler thread through `call` -----
-    def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """Abort requests whose id starts with rid (SGLang matches by prefix); returns how many."""
-
-        def match(r: SeqRequest) -> bool:
-            return abort_all or (rid != "" and r.rid.startswith(rid))
-
-        with self._lock:
-            waiting = [r for r in self.waiting if match(r)]
-            self.waiting = deque(r for r in self.waiting if not match(r))
-        running = [r for r in self.running if match(r)]
-        for r in waiting + running:
-            r.finish_reason = {"type": "abort", "message": "Abort request " + ("(all)" if abort_all else rid)}
-        for r in waiting:
-            self._complete(r)
-        self._compact()  # completes the running ones
-        return len(waiting) + len(running)
-
-    def pause(self, mode: PauseMode) -> None:
-        if mode == "abort":
-            self.abort(abort_all=True)
-        elif mode == "retract":
-            # Running requests go back to the front of the queue with what they generated so far;
-            # after continue they prefill prompt + partial output again (under the weights of then).
-            with self._lock:
-                for r in reversed(self.running):
-                    r.num_retractions += 1
-                    r.cached_len = 0
-                    self.waiting.appendleft(r)
-            self.running = []
-            self._rows_dirty = True
-        self.paused = mode
-
-    def resume_generation(self) -> None:
-        self.paused = None
-
-    def flush_cache(self) -> None:
-        if self.running or self.waiting:
-            raise EngineStateError(
-                f"cannot flush the cache while {len(self.running)} requests run and {len(self.waiting)} wait"
-            )
-
-    def set_weight_version(self, version: str, abort_all_requests: bool) -> None:
-        if abort_all_requests:
-            self.abort(abort_all=True)
-        self.weight_version = version
-
-    def named_parameters(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
-
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight's shape, also while the weights are released (their tensors are then empty)."""
-        if self.weights_released:
-            return {n: tuple(shape) for n, (shape, _) in self._weight_shapes.items()}
-        return {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-
-    def release_memory(self, tags: list[str], *, weights_cpu_backup: bool) -> dict[str, int]:
-        if self.running or self.waiting:
-            raise EngineStateError(
-                f"release_memory_occupation needs an idle engine, but {len(self.running)} requests run and "
-                f"{len(self.waiting)} wait: pause_generation(mode='abort') or wait for them first"
-            )
-        freed: dict[str, int] = {}
-        cuda = self.device.type == "cuda"
-        # Captured graphs hold raw addresses of the cache, the weights and their own memory pool:
-        # releasing any of them makes the graphs invalid, so they go first (re-captured on demand).
-        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
-        self.runner.reset_graphs()
-        if cuda:
-            gc.collect()
-            torch.cuda.empty_cache()
-        if "cuda_graph" in tags:
-            freed["cuda_graph"] = reserved - torch.cuda.memory_reserved(self.device) if cuda else 0
-        if "kv_cache" in tags and self.cache is not None:
-            freed["kv_cache"] = self.cache.nbytes()
-            self.cache = None
-            self.runner.set_cache(None)
-        if "weights" in tags and not self.weights_released:
-            total = 0
-            for name, p in self.model.named_parameters():
-                self._weight_shapes[name] = (p.shape, p.dtype)
-                if weights_cpu_backup:
-                    self._weight_backup[name] = p.detach().to("cpu", copy=True)
-                total += p.numel() * p.element_size()
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self.weights_released = True
-            freed["weights"] = total
-        if cuda:
-            # Dropped tensors go back to torch's caching allocator, not to the device: empty_cache
-            # returns them, so the trainer (another process) can use the memory.
-            gc.collect()
-            torch.cuda.empty_cache()
-        return freed
-
-    def resume_memory(self, tags: list[str]) -> dict[str, int]:
-        restored: dict[str, int] = {}
-        if "weights" in tags and self.weights_released:
-            total = 0
-            for name, p in self.model.named_parameters():
-                shape, dtype = self._weight_shapes[name]
-                backup = self._weight_backup.pop(name, None)
-                # Without a backup the contents are undefined, as with SGLang's memory saver: the
-                # trainer pushes weights next. Zeros keep that state deterministic.
-                p.data = (
-                    backup.to(self.device)
-                    if backup is not None
-                    else torch.zeros(shape, dtype=dtype, device=self.device)
-                )
-                total += p.numel() * p.element_size()
-            self.weights_released = False
-            self.runner.reset_graphs()  # new weight storage: graphs are re-captured against it
-            restored["weights"] = total
-        if "kv_cache" in tags and self.cache is None:
-            self.cache = KVCache.allocate(
-                self.model.args,
-                self.cfg.max_running_requests,
-                self.cfg.context_length,
-                self.cfg.kv_cache_dtype or self.dtype,
-                self.device,
-            )
-            self.runner.set_cache(self.cache)
-            restored["kv_cache"] = self.cache.nbytes()
-        if "cuda_graph" in tags:
-            restored["cuda_graph"] = 0
-        return restored

@@ -40,7 +40,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         if key == "kernels":
             continue
         _add_flag(group, key, key, hints[key], docs.get(key, ""), fields[key].default)
-    kernel_group = p.add_argument_group("engine.kernels (CUDA kernel launch knobs; HPCRL_ENGINE_<KNOB> overrides)")
+    kernel_group = p.add_argument_group(
+        "engine.kernels (CUDA kernel launch knobs; HPCRL_ENGINE_<KNOB> or HPCRL_<INVARIANT_KNOB> overrides)"
+    )
     kernel_hints = typing.get_type_hints(KernelsConfig)
     kernel_docs = field_docs(KernelsConfig)
     for f in dataclasses.fields(KernelsConfig):

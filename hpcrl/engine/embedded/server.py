@@ -37,9 +37,10 @@ from hpcrl.config import to_dict
 from hpcrl.engine import jsonwire
 from hpcrl.engine import protocol as P
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.detokenize import TextDecoder
-from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler, SchedulerConfig, SeqRequest
+from hpcrl.engine.embedded.kernels import launch
+from hpcrl.engine.embedded.requests import EngineStateError, SeqRequest
+from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig
 from hpcrl.engine.embedded.weights import WeightReceiver
 from hpcrl.engine.kernels_config import Override, describe
 from hpcrl.engine.portcheck import bind_error, check_port_free
@@ -457,11 +458,11 @@ class EmbeddedEngine:
                         "max_running_requests": self.scheduler.cfg.max_running_requests,
                         "max_prefill_tokens": self.scheduler.cfg.max_prefill_tokens,
                         "overlap": self.scheduler.overlap,
-                        "kernels": to_dict(kernels.SETTINGS),
+                        "kernels": to_dict(launch.SETTINGS),
                         # Whether the decode kernels use programmatic dependent launch (engine.kernels.pdl, and a GPU
                         # that has it): what a benchmark row with PDL "on" can be checked against.
                         "pdl": self.scheduler.runner.mode in ("triton", "graph")
-                        and kernels.pdl_on(self.scheduler.runner.device),
+                        and launch.pdl_on(self.scheduler.runner.device),
                         "profile": self.scheduler.profile_summary(),
                     }
                 ],

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.engine.embedded import apply
-from hpcrl.engine.embedded.scheduler import EngineStateError, Scheduler
+from hpcrl.engine.embedded.requests import EngineStateError
+from hpcrl.engine.embedded.scheduler import Scheduler
 from hpcrl.weightwire.buckets import parse_dtype
 from hpcrl.weightwire.finite import first_non_finite
 from hpcrl.weightwire.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group
