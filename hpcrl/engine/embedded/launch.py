@@ -14,7 +14,7 @@ from hpcrl.config import dump_yaml
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.launch import Launch, LaunchSlot
 
-API_KEY_ENV = "HPCRL_ENGINE_API_KEY"  # server.API_KEY_ENV; that module is slow to import
+API_KEY_ENV = "HPCRL_ENGINE_API_KEY"  # server_config.API_KEY_ENV; that package is slow to import
 
 
 def write_engine_config(path: Path, cfg: EngineConfig) -> Path:

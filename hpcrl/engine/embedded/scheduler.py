@@ -37,7 +37,7 @@ from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded import kernels
 from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder
 from hpcrl.engine.embedded.runner import DecodeRunner, RowState, StepHandle, StepOutput
-from hpcrl.engine.protocol import GrowingPackedColumn
+from hpcrl.engine.protocol.answers import GrowingPackedColumn
 from hpcrl.model import invariant
 from hpcrl.model.qwen3 import CausalLM, KVCache, token_logprobs_of_sequence
 
