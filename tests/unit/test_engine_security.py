@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.embedded.launch import embedded_launch
+from hpcrl.engine.launch import LaunchSlot
 from hpcrl.engine.local import LocalEngines
 from hpcrl.engine.sglang import sglang_command, write_sglang_config
 from hpcrl.model.hf import load_model
@@ -399,7 +401,12 @@ def test_api_key_file_and_environment_guard_the_engine(tiny_model_dir: Path, tmp
         log.close()
 
 
-def test_launcher_puts_no_key_on_any_command_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_launcher_puts_the_key_in_no_command_line_and_no_environment(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/<pid>/environ keeps a process's start-up environment for its life, whatever the process unsets: the
+    run's key reaches the engine in a 0600 file, and a key in the launcher's own environment is not passed on."""
+    monkeypatch.setenv("HPCRL_ENGINE_API_KEY", "launchers-own-key")
     cfg = EngineConfig(num_engines=1, startup_timeout_s=90)
     engines = LocalEngines(cfg, tiny_model_dir, tmp_path / "run", seed=0)
     clients = engines.start()
@@ -408,14 +415,48 @@ def test_launcher_puts_no_key_on_any_command_line(tiny_model_dir: Path, tmp_path
         cmdline = Path(f"/proc/{eng.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert b"hpcrl.cli" in cmdline and b"serve" in cmdline
         assert eng.token.encode() not in b" ".join(cmdline) and b"--api-key" not in cmdline
+        environ = Path(f"/proc/{eng.proc.pid}/environ").read_bytes()
+        assert eng.token.encode() not in environ
+        assert b"HPCRL_ENGINE_API_KEY" not in environ and b"launchers-own-key" not in environ
+        key_file = Path(cmdline[cmdline.index(b"--api-key-file") + 1].decode())
+        assert key_file == tmp_path / "run" / "engines" / "engine-0.key"
+        assert key_file.stat().st_mode & 0o777 == 0o600 and key_file.read_text() == eng.token + "\n"
         # The key still guards the engine: the launcher's client has it, a bare request does not.
         assert clients[0].health()
         assert httpx.get(eng.url + "/model_info", timeout=10).status_code == 401
+        assert post(eng.url, "/generate", GOOD).status_code == 401
+        assert (
+            post(eng.url, "/generate", GOOD, headers={"Authorization": "Bearer launchers-own-key"}).status_code == 401
+        )
         still_serves(eng.url, headers={"Authorization": f"Bearer {eng.token}"})
     finally:
         engines.stop()
         for c in clients:
             c.close()
+
+
+def test_launch_files_are_written_through_no_planted_link(tmp_path: Path) -> None:
+    """A link planted at a launch file's name, or at its temporary name, is replaced, never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    engines = tmp_path / "run" / "engines"
+    engines.mkdir(parents=True)
+    (engines / "engine-0.key").symlink_to(victim)
+    (engines / "engine-0.yaml.tmp").symlink_to(victim)
+    (engines / "engine-1.sglang.yaml.tmp").symlink_to(victim)
+    slot = LaunchSlot(
+        index=0, position=0, model_dir="/m", host="127.0.0.1", port=30000, api_key="k3y", seed=0,
+        run_dir=tmp_path / "run",
+    )  # fmt: skip
+    cmd = embedded_launch(EngineConfig(), slot).cmd
+    write_sglang_config(engines / "engine-1.sglang.yaml", api_key="k3y")
+    assert victim.read_text() == "precious\n"
+    for name in ("engine-0.key", "engine-0.yaml", "engine-1.sglang.yaml"):
+        path = engines / name
+        assert not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600, name
+    assert (engines / "engine-0.key").read_text() == "k3y\n"
+    assert str(engines / "engine-0.key") in cmd and "k3y" not in " ".join(cmd)
+    assert sorted(p.name for p in engines.iterdir()) == ["engine-0.key", "engine-0.yaml", "engine-1.sglang.yaml"]
 
 
 def test_sglang_gets_its_key_from_a_private_config_file_not_its_command_line(tmp_path: Path) -> None:
