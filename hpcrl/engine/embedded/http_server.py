@@ -54,12 +54,22 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
 
 
+# How long a connection may wait before its request's line and headers have all arrived, counted from the connection
+# (or from the previous answer on it): a client that connects and sends nothing, or sends the head a byte at a time,
+# is dropped then, instead of holding a socket for aiohttp's default of an hour. aiohttp has no timeout of its own
+# for the head; its keep-alive timer is armed when a connection opens and closes one whose next head is incomplete,
+# so this is that timer. It also closes a connection idle between requests: hpcrl's client reuses an idle one only
+# for KEEPALIVE_EXPIRY_S (2 s) and SGLang's server (uvicorn) closes one after 5 s, so 10 s cuts off no client that
+# works with either, and a request head on loopback or a cluster network arrives in milliseconds.
+HEADER_TIMEOUT_S = 10.0
+
+
 class _HttpThread:
     """The aiohttp server on an event loop of its own thread, so that the main thread is the scheduler's."""
 
     def __init__(self, app: web.Application, host: str, port: int) -> None:
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S)
         self.thread = threading.Thread(target=self.loop.run_forever, name="hpcrl-http", daemon=True)
         self.thread.start()
         # Binding errors (port in use) surface here, on the caller's thread.
