@@ -38,7 +38,8 @@ def _engine_serve(ns: argparse.Namespace) -> int:
     engine = engine_config(ns)
     kernels, overrides = with_env_overrides(engine.kernels, os.environ)
     # Checked before the heavy imports and the model load: a bad setting must not cost either.
-    from hpcrl.engine.embedded.server import ServerConfig, resolve_api_key, serve
+    from hpcrl.engine.embedded.server import serve
+    from hpcrl.engine.embedded.server_config import ServerConfig, resolve_api_key
 
     cfg = ServerConfig(
         model=ns.model,

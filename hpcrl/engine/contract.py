@@ -2,7 +2,7 @@
 and the names SGLang versions give the same response field.
 
 `EngineClient.call(endpoint, body)` reads everything it needs from an `Endpoint`; the request types in
-`protocol.py` name their endpoint (`UpdateWeightVersion.endpoint`). A new endpoint is one entry here, one
+`protocol/` name their endpoint (`UpdateWeightVersion.endpoint`). A new endpoint is one entry here, one
 request type if it has a body, and a thin typed helper on the client.
 
 Retry rules (the client's failure model):

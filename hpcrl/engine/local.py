@@ -25,7 +25,7 @@ import httpx
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.launch import LaunchSlot, launch_for
+from hpcrl.engine.launch import API_KEY_ENV, LaunchSlot, launch_for
 from hpcrl.engine.portcheck import PortHolder, port_holder, port_in_use
 from hpcrl.store.run_dir import RunDirError, make_subdir, open_no_follow
 
@@ -180,7 +180,8 @@ class LocalEngines:
         )  # fmt: skip
         launch = launch_for(self.cfg, slot)
         cmd = launch.cmd
-        env = {**os.environ, **launch.env, **self.extra_env}
+        inherited = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # see API_KEY_ENV
+        env = {**inherited, **launch.env, **self.extra_env}
         try:
             log_fd = open_no_follow(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         except RunDirError as exc:

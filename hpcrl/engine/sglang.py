@@ -12,12 +12,11 @@ key goes in a 0600 YAML file named by `--config`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.launch import Launch, LaunchSlot
+from hpcrl.engine.launch import Launch, LaunchSlot, write_private
 
 
 def sglang_env() -> dict[str, str]:
@@ -36,14 +35,8 @@ def write_sglang_config(path: Path, *, api_key: str) -> Path:
     """The 0600 YAML file that gives SGLang its key; written whole or not at all (the suffix must be .yaml)."""
     if path.suffix not in (".yaml", ".yml"):
         raise ValueError(f"{path}: SGLang reads --config only from a .yaml or .yml file")
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        # A JSON string is a YAML string: a key of digits must not load as a number.
-        f.write(f"api-key: {json.dumps(api_key)}\n")
-    os.replace(tmp, path)
-    return path
+    # A JSON string is a YAML string: a key of digits must not load as a number.
+    return write_private(path, f"api-key: {json.dumps(api_key)}\n")
 
 
 def sglang_command(

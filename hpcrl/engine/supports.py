@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hpcrl.engine.client import EngineRequestError
-from hpcrl.engine.protocol import GenerateResult
+from hpcrl.engine.errors import EngineRequestError
+from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.samples.support import TokenSupports
 
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.engine.client import EngineRequestError
+from hpcrl.engine.errors import EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot, FleetError
-from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.engine.protocol.answers import GenerateResult
+from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource

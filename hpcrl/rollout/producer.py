@@ -35,9 +35,11 @@ from typing import Any, Protocol
 
 import torch
 
-from hpcrl.engine.client import EngineClient, EngineRequestError
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.errors import EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot
-from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.engine.protocol.answers import GenerateResult
+from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter, version_ordinal
 from hpcrl.rollout.config import BufferConfig, RolloutConfig

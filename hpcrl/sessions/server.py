@@ -32,15 +32,11 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hpcrl.engine.client import (
-    EngineBusyError,
-    EngineClient,
-    EngineError,
-    EngineRequestError,
-    EngineUnreachableError,
-)
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.errors import EngineBusyError, EngineError, EngineRequestError, EngineUnreachableError
 from hpcrl.engine.portcheck import bind_error, check_port_free
-from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.engine.protocol.answers import GenerateResult
+from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from hpcrl.engine.protocol.control import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 from hpcrl.sync.errors import WeightSyncError
 from hpcrl.sync.transport import Transport, TransportContext
 from hpcrl.weightwire.buckets import Bucket

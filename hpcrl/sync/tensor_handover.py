@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hpcrl.engine.protocol import UpdateWeightsFromTensor
+from hpcrl.engine.protocol.control import UpdateWeightsFromTensor
 from hpcrl.sync.transport import Transport, TransportContext
 from hpcrl.weightwire.buckets import Bucket
 from hpcrl.weightwire.handover import create_handover

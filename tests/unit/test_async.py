@@ -21,7 +21,7 @@ from hpcrl.config import ConfigError
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
-from hpcrl.engine.protocol import FinishReason, GenerateResult, WeightVersionSpan
+from hpcrl.engine.protocol.answers import FinishReason, GenerateResult, WeightVersionSpan
 from hpcrl.rollout.buffer import BufferedGroup, version_ordinal
 from hpcrl.rollout.config import BufferConfig, DataConfig, RewardConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource, make_addition_task

@@ -20,31 +20,32 @@ from typing import Any
 import pytest
 
 from hpcrl.engine import jsonwire
-from hpcrl.engine.client import (
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.errors import (
     EngineBusyError,
-    EngineClient,
     EngineError,
     EngineRequestError,
     EngineTimeoutError,
     EngineUnreachableError,
 )
-from hpcrl.engine.protocol import (
-    AbortRequest,
+from hpcrl.engine.protocol.answers import (
     FinishReason,
-    GenerateRequest,
     GenerateResult,
     GrowingPackedColumn,
-    InitWeightsUpdateGroup,
-    MemoryOccupation,
-    PauseGeneration,
-    SamplingParams,
-    UpdateWeightsFromDistributed,
-    UpdateWeightsFromTensor,
-    UpdateWeightVersion,
     WeightVersionSpan,
     pack_logprobs,
     parse_generate_response,
 )
+from hpcrl.engine.protocol.control import (
+    AbortRequest,
+    InitWeightsUpdateGroup,
+    MemoryOccupation,
+    PauseGeneration,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    UpdateWeightVersion,
+)
+from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
 
 # ----------------------------------------------------------------------------------------------------------------
 # A fake engine: canned contract-shaped answers, plus a per-path script of misbehaviours consumed first.
@@ -827,7 +828,7 @@ def test_an_idle_connection_past_the_servers_keep_alive_is_never_reused():
     timer firing as the request arrives: a request on a connection idle for more than 2.2 s is read and the
     connection closed unanswered. The client must not send on a connection that idle (httpx's default expiry, 5 s,
     would), so the second /generate, 2.5 s after the first, must be answered."""
-    from hpcrl.engine.client import KEEPALIVE_EXPIRY_S
+    from hpcrl.engine.client_transport import KEEPALIVE_EXPIRY_S
     from tests.support import tcp_server
 
     server_idle_limit_s = 2.2
@@ -875,7 +876,7 @@ def test_many_threads_sharing_a_client_never_lose_a_request_to_a_connection_clos
     its read timeout (one such /generate hung a 128-episode multi-turn run for 600 s). A keep-alive of 0.5 ms puts
     every reuse at that edge: 64 threads x 40 calls through 16 connections lost 14 to 65 calls per run with the
     shared pool on this machine. Every call must be answered, and no more connections opened than allowed."""
-    import hpcrl.engine.client as client_module
+    import hpcrl.engine.client_transport as client_module
 
     class Quick(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

@@ -15,7 +15,7 @@ import torch
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.embedded.detokenize import CHUNK_TOKENS, RowText, TextDecoder, decode_ids
 from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig, SeqRequest
-from hpcrl.engine.protocol import GrowingPackedColumn, pack_logprobs
+from hpcrl.engine.protocol.answers import GrowingPackedColumn, pack_logprobs
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import build_tokenizer
 

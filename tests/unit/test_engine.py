@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol import GenerateResult, SamplingParams
+from hpcrl.engine.protocol.answers import GenerateResult
+from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
 from hpcrl.weightwire.group import broadcast, destroy_weight_group

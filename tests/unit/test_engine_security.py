@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -24,6 +25,9 @@ import pytest
 import torch
 
 from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.embedded.http_server import HEADER_TIMEOUT_S
+from hpcrl.engine.embedded.launch import embedded_launch
+from hpcrl.engine.launch import LaunchSlot
 from hpcrl.engine.local import LocalEngines
 from hpcrl.engine.sglang import sglang_command, write_sglang_config
 from hpcrl.model.hf import load_model
@@ -222,6 +226,48 @@ def test_non_utf8_body_gets_400_and_the_engine_serves_on(engine: EngineProcess) 
     still_serves(engine.url)
 
 
+def test_a_connection_that_never_finishes_its_request_head_is_dropped(engine: EngineProcess) -> None:
+    """A client that connects and sends nothing, and one that sends its request head a byte every 0.2 s, each hold a
+    socket only until the header timeout; /health answers other clients all along."""
+    silent = socket.create_connection(("127.0.0.1", engine.port), timeout=5)
+    dribble = socket.create_connection(("127.0.0.1", engine.port), timeout=5)
+    start = time.monotonic()
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 1000
+    closed_after: dict[str, float] = {}
+    health_answers = 0
+    try:
+        sent = 0
+        while len(closed_after) < 2 and time.monotonic() - start < HEADER_TIMEOUT_S + 10:
+            if "dribble" not in closed_after:
+                try:
+                    dribble.send(head[sent : sent + 1])
+                    sent += 1
+                except OSError:  # reset by the server
+                    closed_after["dribble"] = time.monotonic() - start
+            readable, _, _ = select.select([s for s in (silent, dribble) if s.fileno() >= 0], [], [], 0.2)
+            for sock in readable:
+                name = "silent" if sock is silent else "dribble"
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                assert data == b"", f"the server answered the {name} client's unfinished request: {data!r}"
+                closed_after.setdefault(name, time.monotonic() - start)
+                sock.close()
+            if int((time.monotonic() - start) / 2) > health_answers:
+                assert httpx.get(engine.url + "/health", timeout=5).status_code == 200
+                health_answers += 1
+    finally:
+        silent.close()
+        dribble.close()
+    assert sent < len(head), "the whole head was sent: make it longer"
+    assert set(closed_after) == {"silent", "dribble"}, f"still open after {HEADER_TIMEOUT_S + 10} s: {closed_after}"
+    for name, seconds in closed_after.items():
+        assert HEADER_TIMEOUT_S - 1 <= seconds <= HEADER_TIMEOUT_S + 3, (name, seconds)
+    assert health_answers >= HEADER_TIMEOUT_S // 2 - 1
+    still_serves(engine.url)
+
+
 def test_non_finite_weights_by_handover_are_refused(engine: EngineProcess, tiny_model_dir: Path) -> None:
     before = weights_of(engine.url)
     state = load_model(tiny_model_dir).state_dict()
@@ -399,7 +445,12 @@ def test_api_key_file_and_environment_guard_the_engine(tiny_model_dir: Path, tmp
         log.close()
 
 
-def test_launcher_puts_no_key_on_any_command_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_launcher_puts_the_key_in_no_command_line_and_no_environment(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/<pid>/environ keeps a process's start-up environment for its life, whatever the process unsets: the
+    run's key reaches the engine in a 0600 file, and a key in the launcher's own environment is not passed on."""
+    monkeypatch.setenv("HPCRL_ENGINE_API_KEY", "launchers-own-key")
     cfg = EngineConfig(num_engines=1, startup_timeout_s=90)
     engines = LocalEngines(cfg, tiny_model_dir, tmp_path / "run", seed=0)
     clients = engines.start()
@@ -408,14 +459,48 @@ def test_launcher_puts_no_key_on_any_command_line(tiny_model_dir: Path, tmp_path
         cmdline = Path(f"/proc/{eng.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert b"hpcrl.cli" in cmdline and b"serve" in cmdline
         assert eng.token.encode() not in b" ".join(cmdline) and b"--api-key" not in cmdline
+        environ = Path(f"/proc/{eng.proc.pid}/environ").read_bytes()
+        assert eng.token.encode() not in environ
+        assert b"HPCRL_ENGINE_API_KEY" not in environ and b"launchers-own-key" not in environ
+        key_file = Path(cmdline[cmdline.index(b"--api-key-file") + 1].decode())
+        assert key_file == tmp_path / "run" / "engines" / "engine-0.key"
+        assert key_file.stat().st_mode & 0o777 == 0o600 and key_file.read_text() == eng.token + "\n"
         # The key still guards the engine: the launcher's client has it, a bare request does not.
         assert clients[0].health()
         assert httpx.get(eng.url + "/model_info", timeout=10).status_code == 401
+        assert post(eng.url, "/generate", GOOD).status_code == 401
+        assert (
+            post(eng.url, "/generate", GOOD, headers={"Authorization": "Bearer launchers-own-key"}).status_code == 401
+        )
         still_serves(eng.url, headers={"Authorization": f"Bearer {eng.token}"})
     finally:
         engines.stop()
         for c in clients:
             c.close()
+
+
+def test_launch_files_are_written_through_no_planted_link(tmp_path: Path) -> None:
+    """A link planted at a launch file's name, or at its temporary name, is replaced, never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    engines = tmp_path / "run" / "engines"
+    engines.mkdir(parents=True)
+    (engines / "engine-0.key").symlink_to(victim)
+    (engines / "engine-0.yaml.tmp").symlink_to(victim)
+    (engines / "engine-1.sglang.yaml.tmp").symlink_to(victim)
+    slot = LaunchSlot(
+        index=0, position=0, model_dir="/m", host="127.0.0.1", port=30000, api_key="k3y", seed=0,
+        run_dir=tmp_path / "run",
+    )  # fmt: skip
+    cmd = embedded_launch(EngineConfig(), slot).cmd
+    write_sglang_config(engines / "engine-1.sglang.yaml", api_key="k3y")
+    assert victim.read_text() == "precious\n"
+    for name in ("engine-0.key", "engine-0.yaml", "engine-1.sglang.yaml"):
+        path = engines / name
+        assert not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600, name
+    assert (engines / "engine-0.key").read_text() == "k3y\n"
+    assert str(engines / "engine-0.key") in cmd and "k3y" not in " ".join(cmd)
+    assert sorted(p.name for p in engines.iterdir()) == ["engine-0.key", "engine-0.yaml", "engine-1.sglang.yaml"]
 
 
 def test_sglang_gets_its_key_from_a_private_config_file_not_its_command_line(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from hpcrl.engine.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
 from hpcrl.engine.embedded.forward import split_k_for
 from hpcrl.engine.embedded.scheduler import SchedulerConfig
 from hpcrl.engine.embedded.serve_cli import engine_config
-from hpcrl.engine.embedded.server import ServerConfig
+from hpcrl.engine.embedded.server_config import ServerConfig
 from hpcrl.engine.kernels_config import KernelsConfig, with_env_overrides
 from hpcrl.engine.local import LocalEngines
 from tests.conftest import start_engine

@@ -140,7 +140,7 @@ def test_abort_all_reaches_every_engine_directly(engine_factory) -> None:
     clients = [EngineClient(e.url) for e in engines]
     fleet = EngineFleet(EngineConfig(), clients, launcher=None, on_event=lambda k, d: None)
     results: list = []
-    from hpcrl.engine.protocol import SamplingParams
+    from hpcrl.engine.protocol.requests import SamplingParams
 
     threads = [
         threading.Thread(
@@ -170,8 +170,9 @@ def test_sigkill_during_a_weight_push_restarts_the_engine_and_pushes_all_weights
 
 
 def test_a_late_failure_from_before_a_restart_leaves_the_restarted_engine_live() -> None:
-    from hpcrl.engine.client import EngineClient, EngineUnreachableError
+    from hpcrl.engine.client import EngineClient
     from hpcrl.engine.config import EngineConfig
+    from hpcrl.engine.errors import EngineUnreachableError
     from hpcrl.engine.fleet import EngineFleet
 
     events: list[str] = []

@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl.config import ConfigError
-from hpcrl.engine.client import EngineClient, EngineRequestError
+from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
+from hpcrl.engine.errors import EngineRequestError
 from hpcrl.engine.fleet import EngineFleet
 from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.generate import PromptFormatter, Rollout, rollout_stats

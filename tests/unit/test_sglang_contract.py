@@ -17,11 +17,8 @@ import pytest
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.protocol import (
-    InitWeightsUpdateGroup,
-    SamplingParams,
-    UpdateWeightsFromDistributed,
-)
+from hpcrl.engine.protocol.control import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.sglang import sglang_command
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "sglang_launch.txt"

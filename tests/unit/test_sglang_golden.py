@@ -28,8 +28,10 @@ import httpx
 import pytest
 
 from hpcrl.engine import contract as C
-from hpcrl.engine.client import EngineClient, EngineRequestError
-from hpcrl.engine.protocol import GenerateRequest, GenerateResult
+from hpcrl.engine.client import EngineClient
+from hpcrl.engine.errors import EngineRequestError
+from hpcrl.engine.protocol.answers import GenerateResult
+from hpcrl.engine.protocol.requests import GenerateRequest
 from tests.conftest import EngineProcess
 
 ROOT = Path(__file__).resolve().parents[2]

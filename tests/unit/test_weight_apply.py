@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from hpcrl.engine.protocol import UpdateWeightsFromDistributed, UpdateWeightsFromTensor
+from hpcrl.engine.protocol.control import UpdateWeightsFromDistributed, UpdateWeightsFromTensor
 from hpcrl.model.hf import load_model
 from hpcrl.weightwire.group import broadcast_many, destroy_weight_group
 from hpcrl.weightwire.handover import create_handover

@@ -42,8 +42,8 @@ import torch  # noqa: E402, F401 - a process as large as the engine's and the cl
 import transformers  # noqa: E402
 
 from hpcrl.engine import jsonwire  # noqa: E402
-from hpcrl.engine import protocol as P  # noqa: E402
 from hpcrl.engine.embedded.detokenize import _decode_is_transformers_own, decode_ids  # noqa: E402
+from hpcrl.engine.protocol import answers as P  # noqa: E402
 from hpcrl.model.tiny import build_tokenizer  # noqa: E402
 
 

@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hpcrl.engine import jsonwire  # noqa: E402 - after the path that finds hpcrl
-from hpcrl.engine.protocol import PACKED_LOGPROBS_KEY, parse_generate_response  # noqa: E402
+from hpcrl.engine.protocol.answers import PACKED_LOGPROBS_KEY, parse_generate_response  # noqa: E402
 
 JSON_HEADERS = {"content-type": "application/json"}
 

@@ -39,15 +39,14 @@ from typing import Any
 
 import httpx
 
-from hpcrl.engine.protocol import (
+from hpcrl.engine.protocol.control import (
     AbortRequest,
     ContinueGeneration,
-    GenerateRequest,
     MemoryOccupation,
     PauseGeneration,
-    SamplingParams,
     UpdateWeightVersion,
 )
+from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
 
 FORMAT_VERSION = 1
 # "12+34=" in the tiny model's character tokenizer; any ids below its vocabulary (99) would do.

@@ -42,7 +42,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="hpcrl's tiny model instead of the 0.6B shape (dry run)")
     ns = p.parse_args()
     from hpcrl.engine.client import EngineClient
-    from hpcrl.engine.protocol import SamplingParams
+    from hpcrl.engine.protocol.requests import SamplingParams
     from hpcrl.model.hf import load_model
     from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, TinyModelSpec, init_shaped_model, init_tiny_model
     from hpcrl.samples.support import TokenSupports

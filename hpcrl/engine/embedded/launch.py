@@ -1,7 +1,9 @@
 """The command line of hpcrl's embedded engine for one slot (`hpcrl engine serve`).
 
 The engine section travels whole, as a 0600 YAML file in the run directory that `hpcrl engine serve --config`
-reads; only what differs between slots (model, address, seed) goes on the command line.
+reads; only what differs between slots (model, address, seed) goes on the command line. The slot's API key goes in
+a 0600 file beside it (`--api-key-file`): on the command line `ps` would show it to every user of the node, and in
+the environment `/proc/<engine pid>/environ` would keep it for the engine's life, whatever the engine unsets.
 """
 
 from __future__ import annotations
@@ -12,28 +14,26 @@ from pathlib import Path
 
 from hpcrl.config import dump_yaml
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.launch import Launch, LaunchSlot
-
-API_KEY_ENV = "HPCRL_ENGINE_API_KEY"  # server.API_KEY_ENV; that module is slow to import
+from hpcrl.engine.launch import Launch, LaunchSlot, write_private
 
 
 def write_engine_config(path: Path, cfg: EngineConfig) -> Path:
     """The engine section as YAML at `path` (mode 0600, like every file of the run's engines), written whole or not
     at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(dump_yaml(cfg))
-    os.replace(tmp, path)
-    return path
+    return write_private(path, dump_yaml(cfg))
+
+
+def write_key_file(path: Path, api_key: str) -> Path:
+    """The slot's API key alone on one line at `path` (mode 0600), what `hpcrl engine serve --api-key-file` reads."""
+    return write_private(path, api_key + "\n")
 
 
 def embedded_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
     config_file = write_engine_config(slot.run_dir / "engines" / f"engine-{slot.index}.yaml", cfg)
+    key_file = write_key_file(slot.run_dir / "engines" / f"engine-{slot.index}.key", slot.api_key)
     cmd = [
         sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--config", str(config_file),
+        "--api-key-file", str(key_file),
         "--model", slot.model_dir, "--host", slot.host, "--port", str(slot.port),
         "--random-seed", str(slot.seed), "--parent-pid", str(os.getpid()),
         # Engines load the run's initial weights: version "0", what the driver calls them before a push.
@@ -41,4 +41,4 @@ def embedded_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
     ]  # fmt: skip
     if slot.ignore_sigterm:
         cmd.append("--ignore-sigterm")
-    return Launch(cmd, {API_KEY_ENV: slot.api_key, "OMP_NUM_THREADS": str(cfg.num_threads)})
+    return Launch(cmd, {"OMP_NUM_THREADS": str(cfg.num_threads)})

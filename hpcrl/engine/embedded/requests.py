@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from hpcrl.engine.embedded.detokenize import RowText
 from hpcrl.engine.embedded.step_output import RowState
-from hpcrl.engine.protocol import GrowingPackedColumn
+from hpcrl.engine.protocol.answers import GrowingPackedColumn
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
