@@ -60,6 +60,7 @@ from hpcrl.engine.protocol import (
     UpdateWeightVersion,
     parse_generate_response,
 )
+from hpcrl.engine.versions import format_weight_version, parse_weight_version
 
 __all__ = [
     "EngineBusyError",
@@ -672,11 +673,11 @@ class EngineClient:
             self._packed_logprobs = None
             self._wire_retry_at = 0.0
 
-    def weight_version(self, *, timeout_s: float | None = None) -> str:
+    def weight_version(self, *, timeout_s: float | None = None) -> int:
         """The engine's current weight version (model_info; older servers: /get_weight_version)."""
         info = self.model_info(timeout_s=timeout_s)
         if info.get("weight_version") is not None:
-            return str(info["weight_version"])
+            return self._version(info["weight_version"], "/model_info weight_version")
         try:
             body = self.call(C.GET_WEIGHT_VERSION, timeout_s=timeout_s)
         except EngineRequestError as exc:
@@ -684,7 +685,7 @@ class EngineClient:
                 raise
             body = None
         if isinstance(body, dict) and body.get("weight_version") is not None:
-            return str(body["weight_version"])
+            return self._version(body["weight_version"], "/get_weight_version weight_version")
         raise EngineError(
             "the engine reports no weight_version in /model_info or /get_weight_version; it is too old for hpcrl",
             url=self.url,
@@ -840,16 +841,24 @@ class EngineClient:
         return cast(dict[str, Any], self.call(request.endpoint, request, timeout_s=timeout_s))
 
     def update_weight_version(
-        self, version: str, *, abort_all_requests: bool = False, timeout_s: float | None = None
-    ) -> str:
+        self, version: int, *, abort_all_requests: bool = False, timeout_s: float | None = None
+    ) -> int:
         """POST /update_weight_version; returns the version the engine now reports.
 
         `abort_all_requests` is always sent: SGLang's default is true and aborts all in-flight generation
         (radixark/miles#2372).
         """
-        body = UpdateWeightVersion(new_version=version, abort_all_requests=abort_all_requests)
+        body = UpdateWeightVersion(new_version=format_weight_version(version), abort_all_requests=abort_all_requests)
         result = self.call(body.endpoint, body, timeout_s=timeout_s)
-        return str(result.get("new_version", version))
+        if result.get("new_version") is None:
+            return version
+        return self._version(result["new_version"], "/update_weight_version new_version")
+
+    def _version(self, text: object, field: str) -> int:
+        try:
+            return parse_weight_version(text, url=self.url, field=field)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc), url=self.url) from None
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100, *, timeout_s: float | None = None) -> Any:
         """POST /get_weights_by_name: the first `truncate_size` values of a parameter (nested lists), for tests."""
