@@ -855,6 +855,7 @@ class EngineClient:
         return self._version(result["new_version"], "/update_weight_version new_version")
 
     def _version(self, text: object, field: str) -> int:
+        """A weight version this engine answered in `field`; one that is not a version is the engine's error."""
         try:
             return parse_weight_version(text, url=self.url, field=field)
         except ValueError as exc:
