@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hpcrl.run.run import Run
 from hpcrl.run_config import RunConfig
+from hpcrl.samples.versions import INITIAL_VERSION
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import StepTimer
 from hpcrl.store.run_dir import finished_run
@@ -31,7 +32,7 @@ def run(cfg: RunConfig, run_dir: Path, *, slurm: LaunchEnv | None = None, restar
             r.progress.say(f"{run_dir} already finished all {cfg.num_steps} steps; use a new --run-dir for a new run")
             return 0
         if r.warm_start.run():
-            r.publisher.publish("sft")
+            r.publisher.publish(INITIAL_VERSION)  # no GRPO step is behind the warm start's weights
         if r.preempt_signal is not None:  # it came during the warm start
             return r.on_preempt()
         r.groups.start()

@@ -26,6 +26,7 @@ from hpcrl.engine.protocol.control import (
     UpdateWeightsFromTensor,
     UpdateWeightVersion,
 )
+from hpcrl.engine.versions import format_weight_version
 
 
 class ControlCalls(ClientTransport):
@@ -119,16 +120,18 @@ class ControlCalls(ClientTransport):
         return cast(dict[str, Any], self.call(request.endpoint, request, timeout_s=timeout_s))
 
     def update_weight_version(
-        self, version: str, *, abort_all_requests: bool = False, timeout_s: float | None = None
-    ) -> str:
+        self, version: int, *, abort_all_requests: bool = False, timeout_s: float | None = None
+    ) -> int:
         """POST /update_weight_version; returns the version the engine now reports.
 
         `abort_all_requests` is always sent: SGLang's default is true and aborts all in-flight generation
         (radixark/miles#2372).
         """
-        body = UpdateWeightVersion(new_version=version, abort_all_requests=abort_all_requests)
+        body = UpdateWeightVersion(new_version=format_weight_version(version), abort_all_requests=abort_all_requests)
         result = self.call(body.endpoint, body, timeout_s=timeout_s)
-        return str(result.get("new_version", version))
+        if result.get("new_version") is None:
+            return version
+        return self._version(result["new_version"], "/update_weight_version new_version")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100, *, timeout_s: float | None = None) -> Any:
         """POST /get_weights_by_name: the first `truncate_size` values of a parameter (nested lists), for tests."""

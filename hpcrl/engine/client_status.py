@@ -54,11 +54,11 @@ class StatusCalls(ClientTransport):
         """GET /server_info (older servers: /get_server_info): server args, scheduler info, version."""
         return cast(dict[str, Any], self.call(C.SERVER_INFO, timeout_s=timeout_s))
 
-    def weight_version(self, *, timeout_s: float | None = None) -> str:
+    def weight_version(self, *, timeout_s: float | None = None) -> int:
         """The engine's current weight version (model_info; older servers: /get_weight_version)."""
         info = self.model_info(timeout_s=timeout_s)
         if info.get("weight_version") is not None:
-            return str(info["weight_version"])
+            return self._version(info["weight_version"], "/model_info weight_version")
         try:
             body = self.call(C.GET_WEIGHT_VERSION, timeout_s=timeout_s)
         except EngineRequestError as exc:
@@ -66,7 +66,7 @@ class StatusCalls(ClientTransport):
                 raise
             body = None
         if isinstance(body, dict) and body.get("weight_version") is not None:
-            return str(body["weight_version"])
+            return self._version(body["weight_version"], "/get_weight_version weight_version")
         raise EngineError(
             "the engine reports no weight_version in /model_info or /get_weight_version; it is too old for hpcrl",
             url=self.url,

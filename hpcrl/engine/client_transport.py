@@ -25,6 +25,7 @@ from hpcrl.engine.errors import (
 )
 from hpcrl.engine.protocol.answers import parse_generate_response
 from hpcrl.engine.protocol.fields import Message
+from hpcrl.engine.versions import parse_weight_version
 
 logger = logging.getLogger("hpcrl.engine.client")
 _Client = TypeVar("_Client", bound="ClientTransport")
@@ -400,6 +401,13 @@ class ClientTransport:
         if not isinstance(parsed, dict):
             raise EngineError(f"{what}: expected a JSON object, got {parsed!r}", url=self.url)
         return self._checked(parsed, what, response.status_code) if reply is Reply.SUCCESS else parsed
+
+    def _version(self, text: object, field: str) -> int:
+        """A weight version this engine answered in `field`; one that is not a version is the engine's error."""
+        try:
+            return parse_weight_version(text, url=self.url, field=field)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc), url=self.url) from None
 
     def _checked(self, body: dict[str, Any], what: str, status_code: int) -> dict[str, Any]:
         """A {"success": bool, "message": str} body; success false is an error."""

@@ -5,9 +5,9 @@ Finished groups wait here until the trainer collects them. `put` blocks while th
 Verdicts: on arrival, a group with an aborted sample or one whose reward failed (`aborted`), and one the
 filter rejects (`filtered`); on collection, one whose staleness exceeds `buffer.max_staleness` (`stale`).
 
-Versions are ordered by `version_ordinal`: "0", "1", ... are the number of optimizer steps behind them, and
-"sft" (the warm-started weights, served before GRPO step 0) counts as 0. Staleness of a group consumed by
-step s (which trains the policy of version s) is s minus the oldest version of any of its tokens.
+Versions are ints, the number of optimizer steps behind the weights (hpcrl/samples/versions.py: 0 is the weights
+before any GRPO step, the warm start's too). Staleness of a group consumed by step s (which trains the policy of
+version s) is s minus the oldest version of any of its tokens.
 """
 
 from __future__ import annotations
@@ -59,21 +59,12 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def version_ordinal(version: str | None) -> int | None:
-    """The position of a weight version in the run's order; None for a label outside it (e.g. "default")."""
-    if version is None:
-        return None
-    if version.isdigit():
-        return int(version)
-    return 0 if version == "sft" else None
-
-
 @dataclass
 class BufferedGroup:
     position: int  # in the data order
     attempt: int  # 0 first; a retried prompt is regenerated with fresh seeds
     group: Group
-    oldest_version: int | None  # the oldest version of any of its tokens (version_ordinal)
+    oldest_version: int | None  # the oldest version of any of its tokens
 
     def staleness(self, trainer_version: int) -> int | None:
         return None if self.oldest_version is None else trainer_version - self.oldest_version

@@ -23,6 +23,7 @@ from hpcrl.engine.fleet import EngineFleet, EngineSlot, FleetError
 from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
+from hpcrl.engine.versions import token_weight_versions
 from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
 from hpcrl.samples.sample import DataError, Example, Group, Sample, sample_seed
@@ -169,7 +170,7 @@ class Rollout:
         draw = draw or Draw()
         n = draw.n_samples or self.cfg.n_samples_per_prompt
         prompts = [self.formatter.encode(e.prompt) for e in examples]
-        results: dict[tuple[int, int], tuple[GenerateResult, TokenSupports | None]] = {}
+        results: dict[tuple[int, int], tuple[GenerateResult, TokenSupports | None, str]] = {}  # ..., engine URL
         pending = [(p, s) for p in range(len(examples)) for s in range(n)]
         while pending:
             live = self.fleet.live()
@@ -189,7 +190,8 @@ class Rollout:
                 for fut in done:
                     slot, items = calls.pop(fut)
                     try:
-                        results.update(zip(items, fut.result(), strict=True))
+                        answers = zip(items, fut.result(), strict=True)
+                        results.update((item, (r, supports, slot.client.url)) for item, (r, supports) in answers)
                     except EngineRequestError:
                         raise  # the engine refused the request itself: re-sending would not help
                     except Exception as exc:  # noqa: BLE001 - a dead or unreachable engine
@@ -206,8 +208,8 @@ class Rollout:
         groups = [Group(example=e) for e in examples]
         for p in range(len(examples)):
             for s in range(n):
-                r, supports = results[(p, s)]
-                groups[p].samples.append(sample_of(r, prompts[p], self.formatter, supports))
+                r, supports, url = results[(p, s)]
+                groups[p].samples.append(sample_of(r, prompts[p], self.formatter, supports, url))
         return groups
 
     def pop_metrics(self) -> dict[str, float]:
@@ -219,9 +221,10 @@ class Rollout:
 
 
 def sample_of(
-    r: GenerateResult, prompt: list[int], formatter: PromptFormatter, supports: TokenSupports | None
+    r: GenerateResult, prompt: list[int], formatter: PromptFormatter, supports: TokenSupports | None, url: str
 ) -> Sample:
-    """The training sample of one engine result (the synchronous rollout's and the async producer's)."""
+    """The training sample of one result of the engine at `url` (the synchronous rollout's and the async
+    producer's)."""
     return Sample(
         prompt_ids=prompt,
         output_ids=list(r.output_ids),
@@ -229,7 +232,7 @@ def sample_of(
         logprobs=list((r.support_logprobs if supports is not None else r.output_token_logprobs) or []),
         text=formatter.decode(r.output_ids),
         finish=r.finish_reason.type if r.finish_reason else "abort",
-        weight_versions=r.token_weight_versions(),
+        weight_versions=token_weight_versions(r, url),
         supports=supports,
         sampled_logprobs=_sampled_logprobs(r),
     )
@@ -276,7 +279,7 @@ def recompute_abs_diff(samples: Sequence[Sample]) -> float | None:
     return total / count if count else None
 
 
-def rollout_stats(groups: Sequence[Group], seconds: float, *, version: str | None = None) -> dict[str, float]:
+def rollout_stats(groups: Sequence[Group], seconds: float, *, version: int | None = None) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
     recompute = recompute_abs_diff(samples)
     # Tokens the model did not sample (a multi-turn episode's tool results) carry no version and are not counted.

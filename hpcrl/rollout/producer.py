@@ -41,7 +41,8 @@ from hpcrl.engine.fleet import EngineFleet, EngineSlot
 from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
-from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter, version_ordinal
+from hpcrl.engine.versions import token_weight_versions
+from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter
 from hpcrl.rollout.config import BufferConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
 from hpcrl.rollout.generate import PromptFormatter, sample_of
@@ -49,6 +50,7 @@ from hpcrl.rollout.ledger import PromptLedger
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.samples.sample import Group, Sample, sample_seed
 from hpcrl.samples.support import TokenSupports
+from hpcrl.samples.versions import stored_version
 
 MAX_ATTEMPTS = 3  # buffer.on_drop=retry: a prompt is generated at most this often, then dropped
 _STATE_VERSION = 1
@@ -56,9 +58,9 @@ _DROP_COUNTERS = {"aborted": "aborted", "reward_failed": "aborted", "filtered": 
 
 
 class Publisher(Protocol):
-    version: str
+    version: int
 
-    def publish(self, version: int | str) -> dict[str, float]: ...
+    def publish(self, version: int) -> dict[str, float]: ...
 
     def restore_engines(self) -> None: ...
 
@@ -69,7 +71,7 @@ class _Call:
     client: EngineClient  # the slot's engine when the call was sent: a restart gives the slot a new one
     position: int
     attempt: int
-    submit_version: str
+    submit_version: int
     prompt: list[int]
 
 
@@ -203,9 +205,9 @@ class GroupProducer:
         are taken, so only groups in flight can push the bound past max_staleness, and each of them arrives or
         is re-issued (leaving the count) until one is admitted (docs/async.md, "Staleness-aware submission")."""
         max_staleness = self.buffer_cfg.max_staleness
-        served = version_ordinal(self.publisher.version)
+        served = self.publisher.version
         held = False
-        if max_staleness is not None and served is not None:
+        if max_staleness is not None:
             step = earliest_step(
                 self._next_step, len(self._taken), (g.oldest_version for g in self.buffer), len(self._calls),
                 prompts_per_step=self.prompts_per_step, max_staleness=max_staleness,
@@ -289,13 +291,13 @@ class GroupProducer:
         url = call.client.url
         for r in results:
             supports = checked_supports(r, url) if self.cfg.replays_support else None
-            group.samples.append(sample_of(r, prompt, self.formatter, supports))
+            group.samples.append(sample_of(r, prompt, self.formatter, supports, url))
         if self.scorer.score(self.trainer_step, [group]) is None:  # a preemption signal: leave it pending
             with self._lock:
                 self._queue.appendleft(call.position)
             self._stop.set()
             return
-        item = BufferedGroup(call.position, call.attempt, group, oldest_version(results, call.submit_version))
+        item = BufferedGroup(call.position, call.attempt, group, oldest_version(results, call.submit_version, url))
         reason = arrival_verdict(group, self.keep)
         if reason is not None:
             with self._lock:
@@ -504,7 +506,7 @@ class AsyncRollout(GroupProducer):
         return self._saved_ledger
 
 
-def oldest_version(results: Sequence[GenerateResult], submit_version: str) -> int | None:
+def oldest_version(results: Sequence[GenerateResult], submit_version: int, url: str) -> int | None:
     """The oldest weight version of any token of a group.
 
     With per-token spans (the embedded engine) each token's own version counts. An engine that reports one
@@ -512,12 +514,12 @@ def oldest_version(results: Sequence[GenerateResult], submit_version: str) -> in
     so after a mid-request update it names the newest weights only) is read as the version served when the
     request was submitted: versions only grow, so no token of it is older (staleness is never under-counted).
     """
-    known = []
+    known: list[int | None] = []
     for r in results:
         if r.weight_versions:
-            known += [version_ordinal(span.version) for span in r.weight_versions]
+            known += token_weight_versions(r, url)
         else:
-            known.append(version_ordinal(submit_version))
+            known.append(submit_version)
     values = [v for v in known if v is not None]
     return min(values) if values else None
 
@@ -566,7 +568,7 @@ def _flat_ints(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.tensor([x for row in rows for x in row], dtype=torch.int64)
 
 
-def _spans(versions: Sequence[str | None]) -> list[list[Any]]:
+def _spans(versions: Sequence[int | None]) -> list[list[Any]]:
     """Per-token versions as [version, count] runs."""
     out: list[list[Any]] = []
     for v in versions:
@@ -577,5 +579,7 @@ def _spans(versions: Sequence[str | None]) -> list[list[Any]]:
     return out
 
 
-def _unspan(spans: Sequence[Sequence[Any]]) -> list[str | None]:
-    return [v for v, count in spans for _ in range(count)]
+def _unspan(spans: Sequence[Sequence[Any]]) -> list[int | None]:
+    """Per-token versions from [version, count] runs (strings in checkpoints written before versions were ints)."""
+    runs = [(stored_version(v), count) for v, count in spans]
+    return [v for v, count in runs for _ in range(count)]

@@ -267,7 +267,7 @@ class Run:
             return 0
         # With sync.every_steps > 1 the engines served an older version than the trainer's weights: label the
         # weights pushed now with their own version (the number of optimizer steps behind them).
-        self.publisher.publish(self.publisher.version if self.cfg.sync.every_steps == 1 else str(step + 1))
+        self.publisher.publish(self.publisher.version if self.cfg.sync.every_steps == 1 else step + 1)
         return step + 1
 
     def train(self, groups: list[Group]) -> dict[str, float]:
@@ -305,7 +305,7 @@ class Run:
         # resumed process, and the event log keeps the run's own history.
         self.progress.detail(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
 
-    def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: str) -> dict[str, float]:
+    def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: int) -> dict[str, float]:
         """The rollout's and the fleet's figures of this step (reading the fleet's counters resets them)."""
         stats = rollout_stats(groups, rollout_s, version=rollout_version)
         return stats | self.rollout.pop_metrics() | self.fleet.pop_metrics()

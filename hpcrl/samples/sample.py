@@ -43,7 +43,7 @@ class Sample:
     logprobs: list[float]
     text: str
     finish: str  # stop | length | abort
-    weight_versions: list[str | None]
+    weight_versions: list[int | None]  # per output token (hpcrl/samples/versions.py); None: not sampled, or unknown
     reward: float = 0.0
     reward_error: str | None = None
     supports: TokenSupports | None = None

@@ -38,6 +38,7 @@ from hpcrl.engine.portcheck import bind_error, check_port_free
 from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
+from hpcrl.engine.versions import token_weight_versions
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import Message, MessageError, parse_messages, parse_tools
@@ -295,6 +296,10 @@ class SessionService:
             supports = [list(ids) for ids in result.sampling_mask or []]
             # The behaviour policy's log-prob is the one renormalised over the support, as in single-turn replay.
             logprobs = list(result.support_logprobs or [])
+        try:
+            versions = token_weight_versions(result, self.engines[session.engine_index].url)
+        except ValueError as exc:
+            raise SessionError(502, f"{exc}; nothing was recorded") from None
         finish = result.finish_reason.type if result.finish_reason is not None else "length"
         parsed = family.parse_assistant(self.renderer.assistant_text(result.output_ids))
         turn = Turn(
@@ -305,7 +310,7 @@ class SessionService:
             output_ids=list(result.output_ids),
             logprobs=logprobs,
             supports=supports,
-            weight_versions=result.token_weight_versions(),
+            weight_versions=versions,
             finish_reason=finish,
             message=parsed.message,
             call_ids=[f"call_{seq}_{i}" for i in range(len(parsed.message.tool_calls))],

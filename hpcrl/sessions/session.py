@@ -38,7 +38,7 @@ class Turn:
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
-    weight_versions: list[str | None]
+    weight_versions: list[int | None]
     finish_reason: str
     message: Message
     call_ids: list[str]
@@ -89,7 +89,7 @@ class TrainingSequence:
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
-    weight_versions: list[str | None]
+    weight_versions: list[int | None]
     turns: list[int]
     finish_reason: str
     supports: list[list[int]] | None = None
@@ -192,7 +192,7 @@ class Session:
             ids: list[int] = []
             mask: list[int] = []
             logprobs: list[float] = []
-            versions: list[str | None] = []
+            versions: list[int | None] = []
             path = leaf.path()
             replayed = all(turn.supports is not None for turn in path)
             supports: list[list[int]] = []

@@ -16,7 +16,8 @@ Per training step (colocated engines with `engine.offload_during_train`):
                    A push that an engine's death breaks is redone once, whole, over the engines then alive
                    (a fresh engine has no weights); one that died while its memory was lent is restarted whole.
   restore_engines(): between phases (the rollout lost an engine): steps 2-3 with the version already served.
-`version` is what the engines serve now; read it before publish() to know what a rollout was generated with.
+`version` is what the engines serve now (an int: hpcrl/samples/versions.py); read it before publish() to know
+what a rollout was generated with.
 Weights with NaN or inf are never pushed (NonFiniteWeightsError, naming the parameter).
 """
 
@@ -30,6 +31,7 @@ import torch
 
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
+from hpcrl.samples.versions import INITIAL_VERSION, stored_version
 from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.weightwire.finite import NonFiniteWeightsError, first_non_finite
 
@@ -56,7 +58,7 @@ class WeightPublisher:
         self.sync = sync
         self.weights = weights
         self.on_event = on_event
-        self.version = "0"  # engines start on the run's initial weights, which the driver calls "0"
+        self.version = INITIAL_VERSION  # engines start on the run's initial weights (launched --weight-version 0)
         self._lend_metrics: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
@@ -71,13 +73,8 @@ class WeightPublisher:
         freed = self.fleet.release_memory(list(LENT_TAGS))
         self._lend_metrics = freed | {"fleet/release_s": time.perf_counter() - t0}
 
-    def publish(self, version: int | str) -> dict[str, float]:
-        """Give every live engine the trainer's current weights as `version` (the order in the docstring).
-
-        A string is the engines' label: its digits are the number, and "sft" (the warm start's weights) is 0.
-        """
-        number = version if isinstance(version, int) else _ordinal(version)
-        label = str(version)
+    def publish(self, version: int) -> dict[str, float]:
+        """Give every live engine the trainer's current weights as `version` (the order in the docstring)."""
         weights = self.weights()
         self.check_finite(weights, f"weight version {version}")
         t0 = time.perf_counter()
@@ -87,19 +84,18 @@ class WeightPublisher:
             if self.fleet.restart_dead() or attempt:
                 self.sync.reconnect([s.client for s in self.fleet.live()])
             try:
-                pushed = self.sync.push(weights, number, label=label)
+                pushed = self.sync.push(weights, version)
                 break
             except WeightSyncError:
                 if attempt:
                     raise
                 self.fleet.probe_all()  # find out who died; the next attempt restarts them and pushes all
         self.fleet.resume_memory(["kv_cache"])
-        self.version = label
+        self.version = version
         out = pushed | self._lend_metrics
         if self._lend_metrics:
             out["fleet/resume_s"] = time.perf_counter() - t0 - pushed["sync/seconds"]
-        if label.isdigit():
-            out["sync/weight_version"] = float(number)
+        out["sync/weight_version"] = float(version)
         self._lend_metrics = {}
         return out
 
@@ -123,12 +119,10 @@ class WeightPublisher:
         return {}, {"version": self.version}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], *, step: int) -> None:
-        self.version = str(state["version"])
-
-
-def _ordinal(label: str) -> int:
-    if label.isdigit():
-        return int(label)
-    if label == "sft":
-        return 0
-    raise ValueError(f"weight version {label!r} is neither a number nor 'sft'")
+        version = stored_version(state["version"])
+        if version is None:
+            raise ValueError(
+                f"the checkpoint's weights state holds version {state['version']!r}, which is not a weight version "
+                "(an int, or a string of digits or 'sft' in older checkpoints); resume with the hpcrl that wrote it"
+            )
+        self.version = version

@@ -74,12 +74,8 @@ class WeightSync:
         self.engines = list(engines)
         self.transport.reconnect(self.engines)
 
-    def push(
-        self, named: Sequence[tuple[str, torch.Tensor]], version: int, *, label: str | None = None
-    ) -> dict[str, float]:
-        """Every weight in `named` to every engine as weight version `version`, which the engines then report as
-        `label` (default: the number; the warm start's weights are labelled "sft")."""
-        stamp = str(version) if label is None else label
+    def push(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Every weight in `named` to every engine as weight version `version`, which the engines then report."""
         t0 = time.perf_counter()
         self._each(lambda e: e.pause_generation(self.cfg.pause_mode), what="pause_generation")
         t_paused = time.perf_counter()
@@ -92,12 +88,12 @@ class WeightSync:
             self.transport.send(bucket)
         self.transport.finish(version)
         t_sent = time.perf_counter()
-        self._each(lambda e: e.update_weight_version(stamp, abort_all_requests=False), what="update_weight_version")
+        self._each(lambda e: e.update_weight_version(version, abort_all_requests=False), what="update_weight_version")
         self._each(lambda e: e.continue_generation(), what="continue_generation")
         versions = self._each(lambda e: e.weight_version(), what="model_info")
-        stale = [e.url for e, v in zip(self.engines, versions, strict=True) if v != stamp]
+        stale = [e.url for e, v in zip(self.engines, versions, strict=True) if v != version]
         if stale:
-            raise WeightSyncError(f"engines {stale} do not report weight version {stamp} after the push")
+            raise WeightSyncError(f"engines {stale} do not report weight version {version} after the push")
         t_end = time.perf_counter()
         # The phases show whether a slow push is the session's control calls or the bytes.
         self.last_metrics = {

@@ -22,7 +22,7 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
 from hpcrl.engine.protocol.answers import FinishReason, GenerateResult, WeightVersionSpan
-from hpcrl.rollout.buffer import BufferedGroup, version_ordinal
+from hpcrl.rollout.buffer import BufferedGroup
 from hpcrl.rollout.config import BufferConfig, DataConfig, RewardConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource, make_addition_task
 from hpcrl.rollout.generate import PromptFormatter
@@ -31,6 +31,7 @@ from hpcrl.rollout.producer import AsyncRollout, earliest_step, oldest_version
 from hpcrl.rollout.scoring import RewardScorer
 from hpcrl.run_config import load_run_config, run_config_yaml
 from hpcrl.samples.sample import Group
+from hpcrl.samples.versions import stored_version
 from hpcrl.store import load_metrics
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.publisher import WeightPublisher
@@ -96,7 +97,7 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture
 def parts(tiny_model_dir: Path, engine: EngineProcess) -> Iterator[Parts]:
     p = Parts(tiny_model_dir, [engine.url])
-    p.publisher.publish("0")  # a test before may have pushed other versions (always the same weights)
+    p.publisher.publish(0)  # a test before may have pushed other versions (always the same weights)
     yield p
     p.close()
 
@@ -192,14 +193,14 @@ def test_each_drop_reason_is_counted_and_retry_regenerates(parts: Parts) -> None
     rollout = parts.make(max_staleness=0, on_drop="retry", capacity=4)
     rollout.start()
     until(lambda: len(rollout.buffer) == 2, "step 0's version-0 groups")
-    rollout.publish("1")
+    rollout.publish(1)
     groups = rollout.collect(1, interrupted=never_interrupted)
     assert groups is not None
     metrics = rollout.pop_metrics()
     assert metrics["buffer/dropped_stale"] >= 2 and metrics["buffer/staleness_max"] == 0
-    assert all(v == "1" for g in groups for s in g.samples for v in s.weight_versions)
+    assert all(v == 1 for g in groups for s in g.samples for v in s.weight_versions)
     rollout.commit(1)
-    rollout.publish("2")  # (without it, step 2 could train no group the producer submits)
+    rollout.publish(2)  # (without it, step 2 could train no group the producer submits)
     # The stale prompts go again, from scratch, under the new weights (step 1 may already have trained them).
     until(lambda: any(e.drops == ["stale"] and e.status in ("buffered", "trained")
                       for e in rollout.ledger.entries.values()), "a stale prompt regenerated")  # fmt: skip
@@ -218,7 +219,7 @@ def train_slowly(rollout: AsyncRollout, steps: int, train_s: float, limit_s: flo
         assert groups is not None, f"step {step} was never collected: deadlock"
         time.sleep(train_s)
         rollout.commit(step)
-        rollout.publish(str(step + 1))
+        rollout.publish(step + 1)
         for key, value in rollout.pop_metrics().items():
             totals[key] = (
                 max(totals.get(key, 0.0), value) if key == "buffer/staleness_max" else totals.get(key, 0.0) + value
@@ -267,7 +268,7 @@ def test_max_staleness_0_with_a_one_step_buffer_never_deadlocks(parts: Parts) ->
 def test_the_submission_bound_at_its_edge(parts: Parts) -> None:
     # prompts_per_step 2, max_staleness 1, the engines serving version 0, the trainer about to collect step 0.
     rollout = parts.make(prompts_per_step=2, capacity=8, max_staleness=1)
-    assert parts.publisher.version == "0"
+    assert parts.publisher.version == 0
 
     def held_with(buffered: int) -> bool:
         rollout.buffer._items.clear()
@@ -300,17 +301,23 @@ def _result(n: int, spans: list[tuple[str, int, int]] | None, version: str = "9"
 
 
 def test_staleness_is_the_oldest_token_version_of_the_group() -> None:
-    assert [version_ordinal(v) for v in ("0", "7", "sft", "default", None)] == [0, 7, 0, None, None]
+    # Checkpoints written while versions were strings: digits, the warm start's "sft" and SGLang's "default" (the
+    # weights an engine loaded) read as ints; another label is outside the run's order.
+    assert [stored_version(v) for v in (0, 7, "0", "7", "sft", "default", "w1", None)] == [0, 7, 0, 7, 0, 0, None, None]
     # Per-token spans: one sample straddles a push from 3 to 4, the other is all 4; submitted under 3.
+    url = "http://127.0.0.1:1"
     spans = [_result(5, [("3", 0, 2), ("4", 2, 5)]), _result(4, [("4", 0, 4)])]
-    assert oldest_version(spans, submit_version="3") == 3
+    assert oldest_version(spans, 3, url) == 3
     # Queued through a push before its first token: its tokens are all 4, whatever was served at submit.
-    assert oldest_version([_result(4, [("4", 0, 4)])], submit_version="3") == 4
+    assert oldest_version([_result(4, [("4", 0, 4)])], 3, url) == 4
     # One version per request (SGLang reports the server's version when the response is built): read as the
     # version served at submit, which no token of the request predates.
-    assert oldest_version([_result(5, None, version="5")], submit_version="3") == 3
-    group = BufferedGroup(0, 0, Group(example=None), oldest_version(spans, submit_version="3"))  # type: ignore[arg-type]
+    assert oldest_version([_result(5, None, version="5")], 3, url) == 3
+    group = BufferedGroup(0, 0, Group(example=None), oldest_version(spans, 3, url))  # type: ignore[arg-type]
     assert group.staleness(5) == 2
+    # An answer whose version is not one: refused, naming the engine and the field.
+    with pytest.raises(ValueError, match=rf"engine {url} answered meta_info.weight_versions\[1\].version='w2'"):
+        oldest_version([_result(3, [("4", 0, 1), ("w2", 1, 3)])], 3, url)
 
 
 @pytest.mark.parametrize(
@@ -441,12 +448,12 @@ def test_pause_and_push_50_times_with_hundreds_of_requests_in_flight(parts: Part
         done = threading.Event()
 
         def push(v: int = version, done: threading.Event = done) -> None:
-            rollout.publish(str(v))
+            rollout.publish(v)
             done.set()
 
         threading.Thread(target=push, daemon=True).start()
         assert done.wait(60), f"push {version} did not return: deadlock"
-        assert parts.clients[0].weight_version() == str(version)
+        assert parts.clients[0].weight_version() == version
     assert seen_in_flight >= 240
     groups = rollout.collect(50, interrupted=never_interrupted)
     rollout.stop()
@@ -504,15 +511,51 @@ BUFFER_METRICS = [
 ]  # fmt: skip
 
 
+def checkpoint_versions(state: dict[str, Any]) -> list[Any]:
+    """Every weight version a checkpoint's state holds: the engines' and each buffered token's."""
+    tokens = [v for g in state["rollout_buffer"]["groups"] for s in g["samples"] for v, _ in s["versions"]]
+    return [state["weights"]["version"], *tokens]
+
+
+def write_versions_as_strings(path: Path) -> None:
+    """Rewrite a checkpoint's weight versions as hpcrl wrote them before they were ints: digits, and "sft" for the
+    warm start's weights (version 0)."""
+    import h5py
+
+    def label(v: int | None) -> str | None:
+        return None if v is None else "sft" if v == 0 else str(v)
+
+    with h5py.File(path, "r+") as f:
+        state = json.loads(f.attrs["state_json"])
+        state["weights"]["version"] = label(state["weights"]["version"])
+        for s in (s for g in state["rollout_buffer"]["groups"] for s in g["samples"]):
+            s["versions"] = [[label(v), n] for v, n in s["versions"]]
+        f.attrs["state_json"] = json.dumps(state)
+
+
 def test_quickstart_in_async_mode_survives_sigterm_and_every_prompt_is_accounted_for(workdir: Path) -> None:
+    from hpcrl.store.checkpoint import list_checkpoints, load_checkpoint
+
     args = [*SMALL, "rollout.mode=async", "buffer.max_staleness=2"]
     proc = signal_at_step(workdir, args, "r", 3, signal.SIGTERM)
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, rest
+    # Weight versions are ints in the checkpoint (the engines' and every buffered token's) ...
+    (preempted,) = list_checkpoints(workdir / "r" / "checkpoints")[-1:]
+    versions = checkpoint_versions(load_checkpoint(preempted).state)
+    assert len(versions) > 1 and all(isinstance(v, int) for v in versions), versions
+    # ... and a checkpoint written while they were strings resumes all the same.
+    write_versions_as_strings(preempted)
+    assert any(isinstance(v, str) for v in checkpoint_versions(load_checkpoint(preempted).state))
     out = hpcrl("run", "qs.yaml", *args, "--run-dir", "r", cwd=workdir)
     assert "resumed from" in out.stdout and "step    6/6" in out.stdout
     metrics = load_metrics(workdir / "r" / "metrics.h5")
     assert list(metrics["step"]) == list(range(6))
+    # The push after step s is version s + 1 (0: the weights before any GRPO step, the warm start's too).
+    assert list(metrics["sync/weight_version"]) == [s + 1 for s in range(6)]
+    state = load_checkpoint(list_checkpoints(workdir / "r" / "checkpoints")[-1]).state
+    assert state["weights"]["version"] == 6
+    assert all(isinstance(v, int) for v in checkpoint_versions(state))
     for key in BUFFER_METRICS:
         assert key in metrics and not np.isnan(metrics[key]).any(), key
     assert metrics["buffer/staleness_max"].max() <= 2

@@ -389,7 +389,7 @@ def test_safe_call_is_retried_after_a_dropped_connection(client: EngineClient, e
 def test_model_info_falls_back_to_the_old_path(client: EngineClient, engine: EngineState):
     engine.missing_paths.add("/model_info")
     assert client.model_info()["model_path"] == "tiny-old"
-    assert client.weight_version() == "default"
+    assert client.weight_version() == 0  # SGLang's "default": the weights the engine loaded, version 0
     # The working path is remembered: the new one is not asked again.
     assert engine.count("/model_info") == 1
 
@@ -445,17 +445,31 @@ def test_wait_until_ready_times_out_when_never_ready(client: EngineClient, engin
 
 
 def test_update_weight_version_always_sends_abort_false(client: EngineClient, engine: EngineState):
-    assert client.update_weight_version("3") == "3"
+    # An int inside hpcrl, a string on the wire (SGLang's new_version and model_info.weight_version).
+    assert client.update_weight_version(3) == 3
     assert engine.bodies("/update_weight_version") == [{"new_version": "3", "abort_all_requests": False}]
-    assert client.weight_version() == "3"
-    client.update_weight_version("4", abort_all_requests=True)
+    assert client.weight_version() == 3
+    client.update_weight_version(4, abort_all_requests=True)
     assert engine.bodies("/update_weight_version")[-1] == {"new_version": "4", "abort_all_requests": True}
+    with pytest.raises(ValueError, match="a weight version is an int >= 0"):
+        client.update_weight_version("5")  # type: ignore[arg-type]
+    assert len(engine.bodies("/update_weight_version")) == 2, "nothing was sent"
+
+
+def test_an_engine_answering_a_version_that_is_not_a_number_is_named(client: EngineClient, engine: EngineState):
+    engine.weight_version = "golden-v3"
+    with pytest.raises(EngineRequestError, match="/model_info weight_version='golden-v3', which is not a weight") as e:
+        client.weight_version()
+    assert e.value.url == client.url and f"engine {client.url} answered" in str(e.value)
+    engine.script("/update_weight_version", (200, {"success": True, "new_version": "v7"}))
+    with pytest.raises(EngineRequestError, match="/update_weight_version new_version='v7'"):
+        client.update_weight_version(7)
 
 
 def test_success_false_is_a_request_error(client: EngineClient, engine: EngineState):
     engine.script("/update_weight_version", (200, {"success": False, "message": "version must be new"}))
     with pytest.raises(EngineRequestError, match="version must be new"):
-        client.update_weight_version("5")
+        client.update_weight_version(5)
 
 
 def test_weight_update_calls_are_never_retried(client: EngineClient, engine: EngineState):

@@ -67,7 +67,7 @@ def test_a_reasoning_gym_task_is_the_same_for_the_same_seed_and_scored_by_its_ow
     scorer = RewardScorer(RewardConfig(fn="reasoning_gym"), interrupted=lambda: False, on_stop=lambda *_: None)
     e = examples[0]
     texts = [e.answer, str(int(e.answer) + 1), f"I think <answer>{e.answer}</answer>"]
-    groups = [Group(example=e, samples=[Sample([1], [2], [0.0], t, "stop", ["0"]) for t in texts])]
+    groups = [Group(example=e, samples=[Sample([1], [2], [0.0], t, "stop", [0]) for t in texts])]
     scorer.score(0, groups)
     assert [s.reward for s in groups[0].samples] == [1.0, 0.0, 1.0]
     # The gym examples batch like any other (their meta is not part of the data order).

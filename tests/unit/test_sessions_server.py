@@ -67,7 +67,8 @@ def test_two_turns_record_sampled_tokens_and_mask_everything_else(server: Sessio
     for turn in (t1, t2):
         n = len(turn["output_ids"])
         assert 1 <= n <= 6 and len(turn["logprobs"]) == n and all(lp <= 0 for lp in turn["logprobs"])
-        assert turn["weight_versions"] == ["default"] * n and turn["finish_reason"] in ("stop", "length")
+        # An int per token: the engine, started without --weight-version, reports SGLang's "default" (version 0).
+        assert turn["weight_versions"] == [0] * n and turn["finish_reason"] in ("stop", "length")
     # The client saw exactly the recorded log-probs of turn 2.
     assert [c.logprob for c in r2.choices[0].logprobs.content] == pytest.approx(t2["logprobs"])
     # Token ids: turn-1 prompt, sampled turn 1, splice + appended user message, sampled turn 2; only sampled train.

@@ -16,7 +16,7 @@ def episode(reward: float) -> EpisodeResult:
         "token_ids": [1, 2, 3, 10, 11, 20, 21, 22, 12, 13],
         "loss_mask": [0, 0, 0, 1, 1, 0, 0, 0, 1, 1],
         "logprobs": [0.0, 0.0, 0.0, -0.5, -0.6, 0.0, 0.0, 0.0, -0.7, -0.8],
-        "weight_versions": [None, None, None, "1", "1", None, None, None, "2", "2"],
+        "weight_versions": [None, None, None, 1, 1, None, None, None, 2, 2],
         "turns": [0, 1],
         "finish_reason": "stop",
     }
@@ -59,4 +59,4 @@ def test_stale_share_counts_sampled_tokens_only() -> None:
 
     group = group_from_episodes(Example(prompt="2*3?", answer="6"), [episode(1.0)])
     # Turn 1 was sampled with version 1, turn 2 with version 2; the tool tokens between them have none.
-    assert rollout_stats([group], 1.0, version="2")["rollout/stale_token_share"] == 0.5
+    assert rollout_stats([group], 1.0, version=2)["rollout/stale_token_share"] == 0.5

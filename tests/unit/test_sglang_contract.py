@@ -105,7 +105,7 @@ def test_request_bodies_follow_the_contract(recorder: str) -> None:
     client.update_weights_from_distributed(
         UpdateWeightsFromDistributed(names=["a"], dtypes=["bfloat16"], shapes=[[2]], group_name="g", flush_cache=False)
     )
-    client.update_weight_version("3")
+    client.update_weight_version(3)
     client.continue_generation()
     bodies = dict(_Recorder.bodies)
     gen = bodies["/generate"]

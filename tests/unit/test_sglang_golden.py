@@ -32,6 +32,7 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.errors import EngineRequestError
 from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.engine.protocol.requests import GenerateRequest
+from hpcrl.engine.versions import token_weight_versions
 from tests.conftest import EngineProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,6 +209,12 @@ def client(replay: _Replay) -> Iterator[EngineClient]:
         yield c
 
 
+def hpcrl_version(recorded: str) -> int | None:
+    """The int hpcrl reads for a version SGLang answered: its digits, 0 for "default" (the weights it loaded);
+    None for the labels the recorder stamped ("golden-v1"), which hpcrl refuses (it stamps ints)."""
+    return 0 if recorded == "default" else int(recorded) if recorded.isdigit() else None
+
+
 def check_result(result: GenerateResult, raw: dict[str, Any], request: dict[str, Any]) -> None:
     """What a trainer reads from one /generate result, against the recorded JSON."""
     meta = raw["meta_info"]
@@ -226,6 +233,12 @@ def check_result(result: GenerateResult, raw: dict[str, Any], request: dict[str,
         assert result.finish_reason.length == reason["length"] == len(result.output_ids)
     assert result.weight_version == meta["weight_version"]
     assert result.token_weight_versions() == [meta["weight_version"]] * len(result.output_ids)
+    version = hpcrl_version(meta["weight_version"])
+    if version is not None:
+        assert token_weight_versions(result, "http://sglang") == [version] * len(result.output_ids)
+    else:
+        with pytest.raises(ValueError, match="engine http://sglang answered meta_info.weight_version='golden-v"):
+            token_weight_versions(result, "http://sglang")
     assert result.completion_tokens == len(result.output_ids)
     assert result.num_retractions == (C.read_meta(meta, "num_retractions") or 0)
     assert result.rid == meta["id"]
@@ -297,8 +310,11 @@ def replay_one(client: EngineClient, replay: _Replay, exchange: dict[str, Any]) 
         "/abort_request": lambda: client.abort_request(body["rid"], body["abort_all"]),
         "/pause_generation": lambda: client.pause_generation(body["mode"]),
         "/continue_generation": lambda: client.continue_generation(body["torch_empty_cache"]),
-        "/update_weight_version": lambda: client.update_weight_version(
-            body["new_version"], abort_all_requests=body["abort_all_requests"]
+        # The recorder stamped labels hpcrl cannot send (it stamps ints): those go as recorded.
+        "/update_weight_version": lambda: (
+            client.update_weight_version(int(body["new_version"]), abort_all_requests=body["abort_all_requests"])
+            if body["new_version"].isdigit()
+            else client.call(endpoint, body)
         ),
         "/release_memory_occupation": lambda: client.release_memory_occupation(body["tags"]),
         "/resume_memory_occupation": lambda: client.resume_memory_occupation(body["tags"]),
@@ -319,9 +335,14 @@ def replay_one(client: EngineClient, replay: _Replay, exchange: dict[str, Any]) 
     if path in ("/model_info", "/server_info"):
         assert value == response["body"]
     if path == "/model_info":
-        assert client.weight_version() == response["body"]["weight_version"]
-    if path == "/update_weight_version":
-        assert value == response["body"].get("new_version", body["new_version"])
+        recorded = response["body"]["weight_version"]
+        if (version := hpcrl_version(recorded)) is not None:
+            assert client.weight_version() == version
+        else:
+            with pytest.raises(EngineRequestError, match=f"answered /model_info weight_version={recorded!r}"):
+                client.weight_version()
+    if path == "/update_weight_version" and isinstance(value, int):
+        assert value == int(response["body"].get("new_version", body["new_version"]))
     return value
 
 

@@ -73,7 +73,7 @@ def test_a_registered_transport_sees_begin_every_bucket_then_finish(
     sent = [names for hook, names in CALLS[1:-1] if hook == "send"]
     assert len(sent) == len(CALLS) - 2 == metrics["sync/num_buckets"] > 1
     assert [n for names in sent for n in names] == [n for n, _ in named]  # every tensor once, in order
-    assert EngineClient(shared_engine.url).weight_version() == "5"
+    assert EngineClient(shared_engine.url).weight_version() == 5
 
 
 def _hpcrl_imports(package: str) -> dict[str, set[str]]:

@@ -111,7 +111,7 @@ def main() -> int:
                 for i in range(ns.repeats + 1):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    m = sync.push(named, version=i + 1, label=f"b{bucket_mb}-{flattened}-{i}")
+                    m = sync.push(named, version=i + 1)
                     torch.cuda.synchronize()  # the sends have left this GPU
                     if i:  # the first push pays NCCL's connection setup
                         times.append(time.perf_counter() - t0)

@@ -161,7 +161,7 @@ def main() -> int:
         with tensor_update_request(named, engine_kind="sglang") as request:
             reply = client.update_weights_from_tensor(request)
         cycle["push_s"] = time.perf_counter() - t0
-        client.update_weight_version("w1", abort_all_requests=False)
+        client.update_weight_version(1, abort_all_requests=False)
         t0 = time.perf_counter()
         client.resume_memory_occupation(["kv_cache"])
         cycle["resume_kv_cache_s"] = time.perf_counter() - t0
@@ -196,7 +196,7 @@ def main() -> int:
         t0 = time.perf_counter()
         sync.connect()
         connect_s = time.perf_counter() - t0
-        dist_metrics = sync.push(original, 3, label="w-dist")
+        dist_metrics = sync.push(original, 3)
         again = generate(url_a, greedy=True)
         same = tokens(again) == tokens(before)
         diff = max(
@@ -229,7 +229,7 @@ def main() -> int:
         th.start()
         time.sleep(0.05)
         client.pause_generation("retract")
-        client.update_weight_version("w2", abort_all_requests=False)
+        client.update_weight_version(4, abort_all_requests=False)
         client.continue_generation()
         th.join()
         report["lives_through_update_raw"] = {k: v for k, v in result["answer"].items() if k != "output_ids"}
