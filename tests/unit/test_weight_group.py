@@ -11,13 +11,16 @@ earlier group (a TCPStore keyed "group/gloo/") waited 120 s for a real server th
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
-from hpcrl.weightwire.group import broadcast, destroy_weight_group, init_weight_group
+from hpcrl.engine.portcheck import listeners
+from hpcrl.weightwire.group import WeightGroupError, broadcast, destroy_weight_group, init_weight_group, listen
 from hpcrl.weightwire.sglang_payload import flatten_bucket
 from tests.conftest import free_port
 
@@ -77,3 +80,42 @@ def test_a_peer_joining_like_sglang_forms_the_group_and_receives_the_flattened_b
         lines = out.splitlines()
         assert [ln.split()[0] for ln in lines] == names
         assert all(f"[0.0, 1.0, 2.0] {int(flat.sum())}" in ln for ln in lines), out
+
+
+def test_the_store_of_a_local_weight_group_listens_on_loopback_only() -> None:
+    # A local run's engines reach the trainer through 127.0.0.1: nothing of the group may listen on every interface,
+    # where another host could join in an engine's place.
+    flat, _ = flatten_bucket([("a", torch.arange(3, dtype=torch.float32))])
+    listener = listen("127.0.0.1")  # how the distributed transport learns its port before telling the engines
+    port = int(listener.getsockname()[1])
+    peer = subprocess.Popen(
+        [sys.executable, "-c", SGLANG_PEER, str(port), "hpcrl_weights_lo", str(flat.numel())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pg = None
+    try:
+        pg = init_weight_group(
+            master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="hpcrl_weights_lo",
+            backend="gloo", timeout_s=30, listener=listener,
+        )  # fmt: skip
+        bound = listeners(port)
+        broadcast(pg, flat)
+        out, err = peer.communicate(timeout=60)
+    finally:
+        peer.kill()
+        if pg is not None:
+            destroy_weight_group(pg)
+    assert peer.returncode == 0, err
+    assert bound is not None and [b.describe() for b in bound] == [f"127.0.0.1:{port}"]
+
+
+def test_a_store_port_in_use_is_refused_naming_the_key_to_change() -> None:
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(WeightGroupError, match=rf"cannot listen on 127.0.0.1:{port}: the port is in use; set sync"):
+            init_weight_group(
+                master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="hpcrl_weights_busy",
+                backend="gloo", timeout_s=5,
+            )  # fmt: skip
