@@ -157,6 +157,9 @@ class MetricsWriter:
     # -- opening -------------------------------------------------------------------------------------
 
     def _open_or_create(self) -> h5py.File:
+        from hpcrl.store.run_dir import refuse_link
+
+        refuse_link(self.path)
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # locking=False: HDF5's lock would make the writer fail whenever a reader has the file open.
@@ -206,11 +209,17 @@ class MetricsWriter:
             RuntimeWarning,
             stacklevel=4,
         )
+        from hpcrl.store.run_dir import open_no_follow, refuse_link
+
         temp_path = self.path.with_name(f".{self.path.name}.recover.tmp")
+        refuse_link(temp_path)
+        temp_path.unlink(missing_ok=True)
+        # A file of our own (never through a link planted at its name), written by HDF5 through its descriptor.
+        fd = open_no_follow(temp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             with (
                 h5py.File(self.path, "r", swmr=True, locking=False) as src,
-                h5py.File(temp_path, "w", libver="latest", locking=False) as dst,
+                h5py.File(f"/proc/self/fd/{fd}", "w", libver="latest", locking=False) as dst,
             ):
                 for name in src:
                     src.copy(src[name], dst, name=name)
@@ -223,6 +232,8 @@ class MetricsWriter:
                 f"{self.path} was left open by a killed writer and cannot be recovered ({error}); "
                 "move it aside to start a new metrics file"
             ) from error
+        finally:
+            os.close(fd)
 
     def _bind(self) -> None:
         """Looks up the dataset handles again, as every reopen invalidates them."""

@@ -137,13 +137,31 @@ def refuse_link(path: Path) -> None:
 
 
 # What a run writes into its directory by name (checked before its first write there).
-RUN_DIR_ENTRIES = ("config.yaml", "metrics.h5", "checkpoints", "logs", "engines", "model", "prompt_ledger.json")
+RUN_DIR_ENTRIES = (
+    "config.yaml",
+    "metrics.h5",
+    "checkpoints",
+    "logs",
+    "engines",
+    "model",
+    "model.tmp",
+    "prompt_ledger.json",
+    "sinks.json",
+    "tensorboard",
+    "mlruns",
+    "wandb",
+)
 
 
 def refuse_planted_links(run_dir: Path) -> None:
     """Raise RunDirError when one of the names a run writes in `run_dir` is a symbolic link."""
     for name in RUN_DIR_ENTRIES:
         refuse_link(run_dir / name)
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        # A checkpoint's name planted as a link: a save of that step would replace it, a resume would read it.
+        for entry in sorted(checkpoints.iterdir()):
+            refuse_link(entry)
 
 
 def make_subdir(path: Path) -> Path:

@@ -16,9 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.local import EngineStartError, LocalEngine, LocalEngines, wait_started
+from hpcrl.model.hf import save_state_dict
+from hpcrl.store.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from hpcrl.store.run_dir import LOCK_NAME, RunDirError, RunDirLock
 from tests.conftest import free_port, start_engine
 from tests.support import REPO, skip_or_fail
@@ -156,10 +159,10 @@ def test_a_planted_engine_log_link_is_refused_and_its_target_untouched(tmp_path:
     assert victim.read_text() == "precious\n"
 
 
-@pytest.mark.parametrize("name", [LOCK_NAME, "config.yaml.tmp", "metrics.h5", "logs"])
+@pytest.mark.parametrize("name", [LOCK_NAME, "config.yaml.tmp", "metrics.h5", "logs", "checkpoints/step_00000001.h5"])
 def test_hpcrl_run_refuses_a_planted_link(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
     run_dir = tmp_path / "r"
-    run_dir.mkdir()
+    (run_dir / name).parent.mkdir(parents=True)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     (run_dir / name).symlink_to(victim)
@@ -172,6 +175,42 @@ def test_hpcrl_run_refuses_a_planted_link(tmp_path: Path, tiny_model_dir: Path, 
     assert f"hpcrl: error: r/{name} is a symbolic link (to {victim})" in out.stderr
     assert "Traceback" not in out.stderr
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["step_00000003.h5", ".step_00000003.h5.tmp"])
+def test_a_checkpoint_is_never_written_through_a_planted_link(tmp_path: Path, name: str) -> None:
+    ckpt_dir = tmp_path / "r" / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (ckpt_dir / name).symlink_to(victim)
+    with pytest.raises(RunDirError, match=rf"{name} is a symbolic link \(to {victim}\); hpcrl never writes through"):
+        save_checkpoint(ckpt_dir, 2, {"w": torch.ones(4)}, {"step": 2})
+    assert victim.read_text() == "precious\n"
+    assert (ckpt_dir / name).is_symlink() and list_checkpoints(ckpt_dir) in ([], [ckpt_dir / name])
+
+
+@pytest.mark.parametrize("name", ["model", "model.tmp"])
+def test_an_export_is_never_written_through_a_planted_link(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious\n")
+    (run_dir / name).symlink_to(victim)
+    state = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match=rf"r/{name} is a symbolic link \(to {victim}\); hpcrl never writes through"):
+        save_state_dict(state, run_dir / "model", source_dir=tiny_model_dir)
+    assert [p.name for p in victim.iterdir()] == ["keep.txt"] and (victim / "keep.txt").read_text() == "precious\n"
+
+
+def test_a_checkpoint_is_written_whole_through_its_own_temporary_file(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir.mkdir()
+    (ckpt_dir / ".step_00000001.h5.tmp").write_bytes(b"left by a killed writer")
+    path = save_checkpoint(ckpt_dir, 0, {"w": torch.arange(5000.0)}, {"step": 0})
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000001.h5"]
+    assert torch.equal(load_checkpoint(path).tensors["w"], torch.arange(5000.0))
 
 
 @contextlib.contextmanager
