@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import errno
 import fcntl
@@ -25,6 +26,7 @@ import re
 import socket
 import stat
 import time
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,6 +199,35 @@ def _describe_owner(owner: Mapping[str, Any]) -> str:
     job = owner.get("job_id")
     job_text = f", Slurm job {job}" if job and job != "local" else ""
     return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}{job_text}, since {since}"
+
+
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x1b": "an escape character"}
+
+
+def checked_path_text(text: str) -> str:
+    """`text` when it can name a file or folder hpcrl writes (argparse's type= for an output path or a run dir);
+    otherwise ValueError (argparse.ArgumentTypeError from the type= wrappers) naming the character.
+
+    A control character (a newline, a tab, an escape) is legal in a Linux file name, but the name is printed
+    into logs, progress lines and generated scripts, where it would split a line or forge one."""
+    for char in text:
+        if unicodedata.category(char) == "Cc":
+            what = _CONTROL_NAMES.get(char, "a control character")
+            raise ValueError(
+                f"{text!r} contains {what} (U+{ord(char):04X}); hpcrl does not write to a path with a control "
+                "character: choose a path of printable characters"
+            )
+    if not text:
+        raise ValueError("an empty path; name a file or folder")
+    return text
+
+
+def path_arg(text: str) -> str:
+    """argparse's type= for a path hpcrl writes (-o, --run-dir)."""
+    try:
+        return checked_path_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------
