@@ -213,6 +213,25 @@ def test_a_checkpoint_is_written_whole_through_its_own_temporary_file(tmp_path: 
     assert torch.equal(load_checkpoint(path).tensors["w"], torch.arange(5000.0))
 
 
+def test_a_bad_environment_path_is_refused_before_any_engine_starts(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "tool-quickstart.yaml"),
+         f"model.path={tiny_model_dir}", "rollout.environment=no_such_pkg_hpcrl.envs:Env", "sft.num_steps=0",
+         "num_steps=1", "--run-dir", "r"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    print(out.stdout[-800:], out.stderr[-800:])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "hpcrl: error: rollout.environment: cannot import 'no_such_pkg_hpcrl.envs:Env': no module named "
+        "'no_such_pkg_hpcrl' (check the spelling, and that it is on PYTHONPATH); give a built-in (calculator), a "
+        "dotted path module:Class or a file path file.py:Class"
+    ]
+    assert "engine" not in out.stdout + out.stderr  # none was started
+    assert not (tmp_path / "r").exists()
+
+
 @contextlib.contextmanager
 def read_only_dir(path: Path) -> Iterator[Path]:
     """An empty folder the run cannot write: mode 0500, or for root (whom modes do not stop) a read-only mount."""
