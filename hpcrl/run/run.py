@@ -47,6 +47,7 @@ from hpcrl.store.run_dir import (
     RunDirLock,
     check_can_continue,
     find_resume_point,
+    forget_failed_start,
     inspect_run_dir,
     refuse_planted_links,
     set_aside,
@@ -95,14 +96,15 @@ class Run:
         self._last_logged: tuple[int, dict[str, float]] | None = None
         self._trained_past_last_logged = False
         self._prompt_ids_shown = False
+        self._failed = False
         preemption.watch()
 
     # ----- setup -----
     def __enter__(self) -> Run:
         try:
             self._build()
-        except BaseException:
-            self.__exit__(None, None, None)  # shut down what was started; a refused run touched nothing
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)  # shut down what was started; a refused run touched nothing
             raise
         return self
 
@@ -244,6 +246,7 @@ class Run:
 
     def _claim_run_dir(self) -> ResumePoint:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
+        created = not self.run_dir.exists()
         lock = RunDirLock.acquire(self.run_dir, job_id=self.placement.incarnation.job_id)
         self._closers.insert(0, lock.release)  # last to close: nothing writes run_dir after it
         refuse_planted_links(self.run_dir)
@@ -252,6 +255,8 @@ class Run:
         point = find_resume_point(self.run_dir / "checkpoints")
         step = point.checkpoint.step if point.checkpoint is not None else None
         check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=point.unreadable)
+        before = {p.name for p in self.run_dir.iterdir()}
+        self._closers.insert(1, lambda: self._forget_failed_start(before, created))  # with the lock still held
         lock.record_owner()
         write_file_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg).encode())
         return point
@@ -368,7 +373,14 @@ class Run:
     def _record_stop(self, step: int, detail: dict[str, Any]) -> None:
         self.store.event("stopped", step=step, detail=detail)
 
+    def _forget_failed_start(self, before: set[str], created: bool) -> None:
+        """A start that failed before its first step leaves the run dir as it found it (never a result)."""
+        if self._failed and self._last_logged is None:
+            if removed := forget_failed_start(self.run_dir, before, created=created):
+                self.progress.say(f"no step was recorded: removed what this start wrote ({', '.join(removed)})")
+
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self._failed = exc is not None
         if isinstance(exc, FleetError) and self._last_logged and not self._trained_past_last_logged:
             # An engine failure stops the run; keep the last finished step.
             try:

@@ -448,6 +448,53 @@ def set_aside(run_dir: Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# A start that failed before its first step
+
+
+# What a start writes before its first step and that labels nothing once no step is recorded.
+_START_FILES = ("config.yaml", "metrics.h5", "sinks.json")
+_START_FOLDERS = ("engines", "checkpoints", "logs", "tensorboard")
+
+
+def forget_failed_start(run_dir: Path, before: set[str], *, created: bool) -> list[str]:
+    """Remove what a start that failed before its first step wrote into `run_dir`, so that the next start
+    meets the directory as it was (`before`: its entries then; `created`: the start made the directory).
+
+    Nothing is removed when the directory holds a metric row, a checkpoint or a model: those are results.
+    Entries that were there before stay; a log that is not empty stays (it says why the start failed).
+    Called with the run-dir lock held. Returns the names removed."""
+    try:
+        if inspect_run_dir(run_dir).holds_results():
+            return []
+    except (RunDirError, OSError):
+        return []  # an unreadable config or folder: leave everything as it is
+    removed = []
+    for name in _START_FILES:
+        path = run_dir / name
+        if name not in before and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(name)
+    for name in _START_FOLDERS:
+        path = run_dir / name
+        if name not in before and path.is_dir() and not path.is_symlink():
+            for child in path.iterdir():  # an engine's rendezvous file, an empty log
+                if not child.is_symlink() and child.is_file() and (name == "engines" or child.stat().st_size == 0):
+                    child.unlink()
+            try:
+                path.rmdir()
+                removed.append(name + "/")
+            except OSError:
+                pass  # a log that says why the start failed
+    if created and [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+        (run_dir / LOCK_NAME).unlink()
+        try:
+            run_dir.rmdir()
+        except OSError:
+            pass
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------
 # Where to resume
 
 

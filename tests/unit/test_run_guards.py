@@ -213,6 +213,42 @@ def test_a_checkpoint_is_written_whole_through_its_own_temporary_file(tmp_path: 
     assert torch.equal(load_checkpoint(path).tensors["w"], torch.arange(5000.0))
 
 
+def test_failed_starts_leave_no_run_dir_that_a_later_start_would_take_for_a_run(
+    tmp_path: Path, tiny_model_dir: Path, squatter: Squatter
+) -> None:
+    # The engine cannot start (its port is held): twice in a row, as a user retrying would.
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine\n")
+    port = squatter.server.server_address[1]
+    for run_dir in ("r", "r", "kept"):
+        out = subprocess.run(
+            [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, f"model.path={tiny_model_dir}", "num_steps=1",
+             f"engine.base_port={port}", "--run-dir", run_dir],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        print(out.stdout[-600:], out.stderr[-600:])
+        assert out.returncode == 1 and "hpcrl: error: EngineStartError: engine-0 cannot listen on" in out.stderr
+        assert "no step was recorded: removed what this start wrote (config.yaml, metrics.h5" in out.stdout
+        assert not (tmp_path / "r").exists()
+    # A folder that was there keeps what it held before; only what the failed start wrote is gone.
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [LOCK_NAME, "notes.txt"]
+    assert squatter.seen == []
+
+
+def test_a_failed_start_never_removes_what_a_run_recorded(tmp_path: Path) -> None:
+    from hpcrl.store.metrics import MetricsWriter
+    from hpcrl.store.run_dir import forget_failed_start
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    writer = MetricsWriter(run_dir / "metrics.h5", root_attrs={"config": ""})
+    writer.log(0, {"train/loss": 0.5})
+    writer.close()
+    (run_dir / "config.yaml").write_text("name: x\n")
+    assert forget_failed_start(run_dir, set(), created=True) == []
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.h5"]
+
+
 def test_a_bad_environment_path_is_refused_before_any_engine_starts(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "tool-quickstart.yaml"),
