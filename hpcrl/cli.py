@@ -292,6 +292,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # RunError, EngineStartError, WeightSyncError, NonFiniteStepError: the run cannot go on.
         print(f"hpcrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        from hpcrl.store.metrics_file import StoreError
+
+        if not isinstance(exc, StoreError):
+            raise
+        # A damaged, foreign or unwritable metrics.h5 or checkpoint: the message names the file.
+        print(f"hpcrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from hpcrl.store.direct_io import DIRECT_ALIGN, fsync_path, preadv_all, pwritev_all, read_direct, write_blob
-from hpcrl.store.metrics import FORMAT_ATTR, FORMAT_VERSION_ATTR, StoreError
+from hpcrl.store.metrics_file import FORMAT_ATTR, FORMAT_VERSION_ATTR, StoreError
 from hpcrl.store.run_dir import RunDirError, make_subdir, open_no_follow, refuse_link
 
 CHECKPOINT_FORMAT = "checkpoint"

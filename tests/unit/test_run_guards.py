@@ -357,3 +357,28 @@ def test_a_damaged_metrics_file_is_an_error_line_naming_the_file(tmp_path: Path,
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "error: cannot" in out.stderr and "r/metrics.h5" in out.stderr and "truncated or corrupt" in out.stderr
     assert (tmp_path / "r" / "metrics.h5").read_bytes() == before  # nothing rewritten
+
+
+@pytest.mark.parametrize("how", ["bit-flipped", "truncated"])
+def test_a_resume_over_a_damaged_metrics_file_is_an_error_line_naming_the_file(
+    tmp_path: Path, tiny_model_dir: Path, how: str
+) -> None:
+    from hpcrl.config import dump_yaml
+    from hpcrl.run_config import load_run_config
+
+    overrides = [f"model.path={tiny_model_dir}", "num_steps=2"]
+    _damaged_metrics(tmp_path / "r", how)
+    # A checkpoint to resume from and the config it was written under: the run gets as far as opening metrics.h5.
+    (tmp_path / "r" / "config.yaml").write_text(dump_yaml(load_run_config(QUICKSTART, overrides)))
+    save_checkpoint(tmp_path / "r" / "checkpoints", 0, {"w": torch.ones(2)}, {})
+    before = (tmp_path / "r" / "metrics.h5").read_bytes()
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, *overrides, "--run-dir", "r"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    print(out.stderr[-600:])
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "hpcrl: error: StoreError: cannot " in out.stderr and "r/metrics.h5 " in out.stderr
+    assert "the file is truncated or corrupt: move it aside to start a new metrics file" in out.stderr
+    assert (tmp_path / "r" / "metrics.h5").read_bytes() == before
+    assert (tmp_path / "r" / "checkpoints" / "step_00000001.h5").exists()
