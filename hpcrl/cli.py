@@ -19,6 +19,7 @@ from hpcrl.guard.cli import add_guard_commands
 from hpcrl.report.cli import add_report_commands
 from hpcrl.sessions.cli import add_session_commands
 from hpcrl.slurm.cli import add_slurm_commands
+from hpcrl.store.run_dir import path_arg
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -122,7 +123,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="YAML run config (see experiments/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 num_steps=10")
-    p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<the config's name:>)")
+    p.add_argument(
+        "--run-dir", type=path_arg, default=None, help="where the run lives (default: runs/<the config's name:>)"
+    )
     p.add_argument(
         "--verbose", action="store_true", help="also print details for debugging (the first prompt's token ids)"
     )
@@ -161,7 +164,7 @@ def _add_role(sub: argparse._SubParsersAction) -> None:
         "Reads RUN_DIR/config.yaml.",
     )
     p.add_argument("role", choices=["engines", "trainer", "mpi-agent"])
-    p.add_argument("--run-dir", required=True)
+    p.add_argument("--run-dir", type=path_arg, required=True)
     p.set_defaults(func=_role)
 
 
@@ -288,6 +291,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except RuntimeError as exc:
         # RunError, EngineStartError, WeightSyncError, NonFiniteStepError: the run cannot go on.
+        print(f"hpcrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from hpcrl.store.metrics_file import StoreError
+
+        if not isinstance(exc, StoreError):
+            raise
+        # A damaged, foreign or unwritable metrics.h5 or checkpoint: the message names the file.
         print(f"hpcrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

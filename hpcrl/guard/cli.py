@@ -21,6 +21,7 @@ from hpcrl.guard.source import (
     TraceSource,
     TraceWriter,
 )
+from hpcrl.store.run_dir import path_arg
 
 
 def add_guard_commands(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +47,7 @@ def add_guard_commands(sub: argparse._SubParsersAction) -> None:
         "(format: docs/thermal-guard.md). Each line is flushed, so an interrupted recording stays usable.",
         epilog="example: hpcrl guard record -o runs/traces/gpu.jsonl --duration-s 600",
     )
-    p.add_argument("-o", "--output", required=True, help="trace file to write (JSON lines)")
+    p.add_argument("-o", "--output", type=path_arg, required=True, help="trace file to write (JSON lines)")
     p.add_argument("--duration-s", type=float, default=60.0, help="how long to record (default 60)")
     p.add_argument("--interval-s", type=float, default=1.0, help="seconds between readings (default 1)")
     p.set_defaults(func=_record)

@@ -139,10 +139,26 @@ def _unexpected_weight(model_dir: Path, name: str, args: ModelArgs) -> str:
     )
 
 
+class ExportLinkError(ValueError):
+    """An export would write through a symbolic link planted where the model folder goes."""
+
+
+def _refuse_link(path: Path) -> None:
+    # Whoever can write the run directory could plant `model` (or `model.tmp`) as a link to another of the
+    # user's folders, which the export would then delete and fill.
+    if path.is_symlink():
+        raise ExportLinkError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); hpcrl never writes through a link in a run "
+            "directory. Remove the link (nothing was written to its target), or use another --run-dir"
+        )
+
+
 def save_state_dict(state: Mapping[str, torch.Tensor], out_dir: str | Path, *, source_dir: str | Path) -> Path:
     """Write HF-named tensors as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    for path in (out_dir, tmp):
+        _refuse_link(path)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 # hpcrl.report itself imports nothing, so that building hpcrl's parser imports neither numpy nor h5py.
 from hpcrl.report import DEFAULT_MAX_POINTS, DEFAULT_WINDOW
+from hpcrl.store.run_dir import path_arg
 
 _WINDOW_HELP = (
     "N of the 'first N / last N steps' means (default %(default)s); capped at half the recorded steps so that "
@@ -122,8 +123,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _output_dir(text: str) -> Path:
+    return Path(path_arg(text))
+
+
 def _add_common(p: argparse.ArgumentParser, output_default: Path | None, output_help: str) -> None:
-    p.add_argument("-o", "--output", type=Path, default=output_default, metavar="DIR", help=output_help)
+    p.add_argument("-o", "--output", type=_output_dir, default=output_default, metavar="DIR", help=output_help)
     p.add_argument("--window", type=_positive_int, default=DEFAULT_WINDOW, metavar="N", help=_WINDOW_HELP)
     p.add_argument("--no-plots", action="store_true", help="write the markdown only (no matplotlib needed)")
     p.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS, metavar="N", help=_MAX_POINTS_HELP)

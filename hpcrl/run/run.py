@@ -13,7 +13,6 @@ import platform
 import signal
 import socket
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,41 +27,29 @@ from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.rollout.buffer import load_filter
 from hpcrl.rollout.data import PromptSource, build_examples, source_options
 from hpcrl.rollout.episodes import EpisodeRollout
-from hpcrl.rollout.evaluate import Evaluator, held_out_examples
-from hpcrl.rollout.generate import PromptFormatter, Rollout, answer_batches, rollout_stats
+from hpcrl.rollout.evaluate import Evaluator
+from hpcrl.rollout.generate import PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
+from hpcrl.run.claim import RunDirClaim
 from hpcrl.run.groups import AsyncGroups, StepGroups, SyncGroups
 from hpcrl.run.placement import Placement
-from hpcrl.run.prepare import check_devices, git_commit
+from hpcrl.run.prepare import check_devices, git_commit, held_out, sft_batches
 from hpcrl.run_config import RunConfig
-from hpcrl.samples.sample import Example, Group
+from hpcrl.samples.sample import Group
 from hpcrl.sessions.environment import environment_class
-from hpcrl.sessions.traces import ToolTraces
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.metrics import MetricsWriter
 from hpcrl.store.progress import Progress
-from hpcrl.store.run_dir import (
-    ResumePoint,
-    RunDirLock,
-    check_can_continue,
-    find_resume_point,
-    inspect_run_dir,
-    refuse_planted_links,
-    set_aside,
-    write_file_atomically,
-)
+from hpcrl.store.run_dir import ResumePoint
 from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.store.sinks import open_sinks
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
 from hpcrl.trainer.advantage import batch_from_groups
-from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.ranks import RankGroup
 from hpcrl.trainer.warm_start import WarmStart
 
-# Evaluation's generated prompts come from the training generator under this seed offset.
-EVAL_SEED_OFFSET = 1_000_003
 RECOMPUTE_HIDDEN_KEYS = (
     "train/train_rollout_logprob_abs_diff",
     "train/train_rollout_logprob_max_abs_diff",
@@ -95,14 +82,15 @@ class Run:
         self._last_logged: tuple[int, dict[str, float]] | None = None
         self._trained_past_last_logged = False
         self._prompt_ids_shown = False
+        self.claim: RunDirClaim | None = None
         preemption.watch()
 
     # ----- setup -----
     def __enter__(self) -> Run:
         try:
             self._build()
-        except BaseException:
-            self.__exit__(None, None, None)  # shut down what was started; a refused run touched nothing
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)  # shut down what was started; a refused run touched nothing
             raise
         return self
 
@@ -121,7 +109,7 @@ class Run:
                 prompt_key=d.prompt_key, answer_key=d.answer_key,
             ),
         )  # fmt: skip
-        eval_examples = self._eval_examples(examples)
+        eval_examples = held_out(cfg, examples)
         multi_turn = cfg.rollout.kind == "multi_turn"
         self.rewards = RewardScorer(
             cfg.reward, interrupted=self._preempted, on_stop=self._record_stop, by_environment=multi_turn
@@ -188,8 +176,8 @@ class Run:
             pids = self.placement.local_engine_pids() + self.trainer.pids
             self.guard = guard.start(engines=clients, pids=pids, on_event=self.store.event)
         self.warm_start = WarmStart(
-            cfg.sft, self.trainer, self._sft_batches(examples), guard=self.guard, say=say, on_event=self._event,
-            interrupted=self._preempted,
+            cfg.sft, self.trainer, sft_batches(cfg, formatter, examples), guard=self.guard, say=say,
+            on_event=self._event, interrupted=self._preempted,
         )  # fmt: skip
         self.state = RunState(
             self.run_dir, self.store, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
@@ -214,48 +202,11 @@ class Run:
             self.groups = SyncGroups(self.rollout, self.rewards, self.data, self.publisher)
         self._resume_point = resume_point
 
-    def _sft_batches(self, examples: list[Example]) -> Callable[[int], TrainBatch]:
-        cfg = self.cfg
-        if cfg.rollout.kind == "multi_turn":
-            assert cfg.rollout.model_family is not None
-            traces = ToolTraces(
-                examples, family=cfg.rollout.model_family, tokenizer=self.formatter.tokenizer,
-                batch_size=cfg.sft.batch_size, seed=cfg.seed + 1,
-                wrong_operand_share=cfg.sft.trace_wrong_operand_share, no_tool_share=cfg.sft.trace_no_tool_share,
-            )  # fmt: skip
-            return traces.batch
-        sft_data = PromptSource(examples, batch_size=cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle)
-        return answer_batches(self.formatter, sft_data)
-
-    def _eval_examples(self, training: list[Example]) -> list[Example]:
-        """The held-out prompts of evaluation (none when it is off): from eval.source, or from the training
-        generator under another seed; training prompts are taken out either way."""
-        cfg, e = self.cfg, self.cfg.eval
-        if not e.every_steps:
-            return []
-        source = e.source or cfg.data.source
-        seed = cfg.seed + EVAL_SEED_OFFSET if e.source is None else cfg.seed
-        d = cfg.data
-        built = build_examples(
-            source,
-            **source_options(source, num_examples=max(d.num_examples, e.num_prompts), digits=d.digits, seed=seed,
-                             prompt_key=d.prompt_key, answer_key=d.answer_key),
-        )  # fmt: skip
-        return held_out_examples(e, training, built)
-
     def _claim_run_dir(self) -> ResumePoint:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
-        lock = RunDirLock.acquire(self.run_dir, job_id=self.placement.incarnation.job_id)
-        self._closers.insert(0, lock.release)  # last to close: nothing writes run_dir after it
-        refuse_planted_links(self.run_dir)
-        if self.restart and (moved := set_aside(self.run_dir)) is not None:
-            self.progress.say(f"--restart: moved the previous contents of {self.run_dir} to {moved}")
-        point = find_resume_point(self.run_dir / "checkpoints")
-        step = point.checkpoint.step if point.checkpoint is not None else None
-        check_can_continue(inspect_run_dir(self.run_dir), self.cfg, resume_step=step, unreadable=point.unreadable)
-        lock.record_owner()
-        write_file_atomically(self.run_dir / "config.yaml", dump_yaml(self.cfg).encode())
-        return point
+        self.claim = RunDirClaim(self.run_dir, job_id=self.placement.incarnation.job_id, say=self.progress.say)
+        self._closers.insert(0, self.claim.close)  # last to close: nothing writes run_dir after it
+        return self.claim.check(self.cfg, restart=self.restart)
 
     # ----- the run's own decisions -----
     def resume(self) -> int:
@@ -370,6 +321,8 @@ class Run:
         self.store.event("stopped", step=step, detail=detail)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self.claim is not None and exc is not None and self._last_logged is None:
+            self.claim.failed_start = True  # its close leaves the run dir as this start found it
         if isinstance(exc, FleetError) and self._last_logged and not self._trained_past_last_logged:
             # An engine failure stops the run; keep the last finished step.
             try:

@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpcrl.store.run_dir import path_arg
+
 
 def default_run_dir(name: str) -> str:
     # The same default as `hpcrl run` (runs/<name:>), so that a run moves between local and Slurm unchanged.
@@ -163,7 +165,7 @@ def add_slurm_commands(sub: argparse._SubParsersAction) -> None:
         "sbatch sbatch/quickstart.sbatch",
     )
     _add_config_args(p)
-    p.add_argument("-o", "--output", default=None, help="script to write (default: print it)")
+    p.add_argument("-o", "--output", type=path_arg, default=None, help="script to write (default: print it)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the script; write nothing")
     p.add_argument(
         "--base-dir",
@@ -184,11 +186,11 @@ def add_slurm_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", nargs="?", default=None, help="YAML run config whose features to check (optional)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. logging.tensorboard=true")
-    p.add_argument("--run-dir", default="runs", help="directory runs will be written to (default: runs)")
+    p.add_argument("--run-dir", type=path_arg, default="runs", help="directory runs will be written to (default: runs)")
     p.set_defaults(func=_doctor)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML run config (see experiments/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. slurm.trainer.nodes=2 num_steps=10")
-    p.add_argument("--run-dir", default=None, help="where the run lives (default: runs/<config name>)")
+    p.add_argument("--run-dir", type=path_arg, default=None, help="where the run lives (default: runs/<config name>)")

@@ -48,7 +48,8 @@ import numpy as np
 import torch
 
 from hpcrl.store.direct_io import DIRECT_ALIGN, fsync_path, preadv_all, pwritev_all, read_direct, write_blob
-from hpcrl.store.metrics import FORMAT_ATTR, FORMAT_VERSION_ATTR, StoreError
+from hpcrl.store.metrics_file import FORMAT_ATTR, FORMAT_VERSION_ATTR, StoreError
+from hpcrl.store.run_dir import RunDirError, make_subdir, open_no_follow, refuse_link
 
 CHECKPOINT_FORMAT = "checkpoint"
 CHECKPOINT_FORMAT_VERSION = 2
@@ -179,13 +180,15 @@ def save_checkpoint(
     _check_json(state, "state")
     state_json = json.dumps(state)
     host = {name: _host_tensor(name, tensor) for name, tensor in tensors.items()}
-    ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = make_subdir(Path(ckpt_dir))
     final_path = checkpoint_path(ckpt_dir, step)
+    refuse_link(final_path)
     temp_path = ckpt_dir / f".{final_path.name}.tmp"
+    fd = _create_temp(temp_path)
     failure: str | None = None
     try:
-        _write_file(temp_path, step, host, state_json)
+        _write_file(temp_path, fd, step, host, state_json)
+        _check_same_file(temp_path, fd)
         os.replace(temp_path, final_path)
         fsync_path(ckpt_dir)
     except (OSError, RuntimeError) as error:
@@ -194,6 +197,8 @@ def save_checkpoint(
     except BaseException:
         temp_path.unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
     if failure is not None:
         raise CheckpointError(
             f"could not write checkpoint {final_path} ({failure}); the disk may be full or over quota: free "
@@ -225,7 +230,30 @@ def _crc32(name: str, dtype_name: str, shape: list[int], data: memoryview) -> in
     return zlib.crc32(data, zlib.crc32(f"{name}\0{dtype_name}\0{shape}".encode()))
 
 
-def _write_file(path: Path, step: int, tensors: Mapping[str, torch.Tensor], state_json: str) -> None:
+def _create_temp(temp_path: Path) -> int:
+    """A new, empty temporary file of our own (O_EXCL, never through a link planted at its name)."""
+    refuse_link(temp_path)
+    temp_path.unlink(missing_ok=True)  # a killed writer's leftover
+    return open_no_follow(temp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _by_descriptor(path: Path, fd: int) -> Path:
+    """A name that opens the very file `fd` is (Linux's /proc/self/fd), whatever is put at `path` meanwhile:
+    HDF5 and the O_DIRECT writes open files by name."""
+    proc = Path(f"/proc/self/fd/{fd}")
+    return proc if proc.exists() else path
+
+
+def _check_same_file(path: Path, fd: int) -> None:
+    held, named = os.fstat(fd), os.lstat(path)
+    if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+        raise RunDirError(
+            f"{path} was replaced while the checkpoint was written (it is no longer the file hpcrl created); "
+            "something else writes this run directory: stop it, or use another --run-dir"
+        )
+
+
+def _write_file(path: Path, fd: int, step: int, tensors: Mapping[str, torch.Tensor], state_json: str) -> None:
     if sys.byteorder != "little":
         raise RuntimeError("hpcrl checkpoints are little-endian; this machine is big-endian")
     entries: list[dict[str, Any]] = []
@@ -241,18 +269,15 @@ def _write_file(path: Path, step: int, tensors: Mapping[str, torch.Tensor], stat
         crcs = [
             pool.submit(_crc32, e["name"], e["dtype"], e["shape"], view) for e, view in zip(entries, views, strict=True)
         ]
-        blob_offset, crc_offset = _write_layout(path, step, entries, offset, state_json)
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            if blob_offset is not None:
-                write_blob(path, fd, views, blob_offset)
-            if crc_offset is not None:
-                table = np.array([future.result() for future in crcs], dtype="<u4")
-                pwritev_all(fd, [table.view(np.uint8).data], crc_offset)
-            # Without fsync a node crash after the rename can leave a complete-looking name with missing data.
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        by_fd = _by_descriptor(path, fd)
+        blob_offset, crc_offset = _write_layout(by_fd, step, entries, offset, state_json)
+        if blob_offset is not None:
+            write_blob(by_fd, fd, views, blob_offset)
+        if crc_offset is not None:
+            table = np.array([future.result() for future in crcs], dtype="<u4")
+            pwritev_all(fd, [table.view(np.uint8).data], crc_offset)
+        # Without fsync a node crash after the rename can leave a complete-looking name with missing data.
+        os.fsync(fd)
 
 
 def _write_layout(

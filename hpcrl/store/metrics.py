@@ -19,7 +19,6 @@ import numbers
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,33 +28,34 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import h5py
 import numpy as np
 
+from hpcrl.store.metrics_file import (
+    CHUNK_ROWS,
+    EVENT_FIELDS,
+    FORMAT_ATTR,
+    FORMAT_VERSION_ATTR,
+    H5_ERRORS,
+    METRICS_FORMAT,
+    SUPERBLOCK_OPEN_FOR_WRITE,
+    StoreError,
+    damaged,
+    is_open_for_write,
+    open_append,
+    open_for_writer,
+)
+
 if TYPE_CHECKING:
     import pandas as pd
 
     from hpcrl.store.sinks import SinkSet
 
-FORMAT_ATTR = "hpcrl_format"
-FORMAT_VERSION_ATTR = "hpcrl_format_version"
-METRICS_FORMAT = "metrics"
-METRICS_FORMAT_VERSION = 1
 _RESERVED_ATTRS = frozenset({FORMAT_ATTR, FORMAT_VERSION_ATTR})
-
 DEFAULT_GROUP = "misc"
-_EVENT_FIELDS = ("time_s", "step", "kind", "detail")
-_REQUIRED_DATASETS = ("metrics/step", *(f"events/{name}" for name in _EVENT_FIELDS))
-# 512 float64 rows = 4 KiB per chunk: a run of a few hundred steps stays small, long runs need few chunks.
-_CHUNK_ROWS = 512
 _KEY_PART = re.compile(r"[A-Za-z0-9_.\-]+")
 _T = TypeVar("_T")
 # A writer outside SWMR (adding a key or an event) holds the file for milliseconds, and an append under SWMR is
 # readable whole a moment later; readers wait this long.
 _READ_RETRY_S = 2.0
 _READ_RETRY_SLEEP_S = 0.02
-_SUPERBLOCK_OPEN_FOR_WRITE = 0x01
-
-
-class StoreError(Exception):
-    """A store file is missing, foreign, damaged or used in a way it cannot support."""
 
 
 def metric_path(key: str) -> str:
@@ -102,10 +102,6 @@ def _as_step(step: object, what: str) -> int:
     return int(step)
 
 
-def _is_open_for_write(error: OSError) -> bool:
-    return "already open for write" in str(error)
-
-
 class MetricsWriter:
     """Appends one row of metrics per step, and events, to ``metrics.h5`` (created or appended).
 
@@ -142,87 +138,22 @@ class MetricsWriter:
         self._key_paths: dict[str, str] = {}
         self._columns: dict[str, h5py.Dataset] = {}
         self._last_flush_s = time.monotonic()
-        self._file = self._open_or_create()
+        self._file = open_for_writer(self.path)
         try:
-            self._bind()
-            self._num_rows, self._num_events = self._repair_lengths()
-            self._last_step: int | None = int(self._step_ds[self._num_rows - 1]) if self._num_rows else None
-            self._file.swmr_mode = True
+            try:
+                self._bind()
+                self._num_rows, self._num_events = self._repair_lengths()
+                self._last_step: int | None = int(self._step_ds[self._num_rows - 1]) if self._num_rows else None
+                self._file.swmr_mode = True
+            except H5_ERRORS as error:
+                raise damaged(self.path, error) from error
             if root_attrs:
                 self.set_root_attrs(root_attrs)
         except BaseException:
             self._file.close()
             raise
 
-    # -- opening -------------------------------------------------------------------------------------
-
-    def _open_or_create(self) -> h5py.File:
-        if not self.path.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # locking=False: HDF5's lock would make the writer fail whenever a reader has the file open.
-            f = h5py.File(self.path, "w-", libver="latest", locking=False)
-            f.attrs[FORMAT_ATTR] = METRICS_FORMAT
-            f.attrs[FORMAT_VERSION_ATTR] = METRICS_FORMAT_VERSION
-            f.create_dataset("metrics/step", shape=(0,), maxshape=(None,), chunks=(_CHUNK_ROWS,), dtype="i8")
-            event_dtypes = {"time_s": "f8", "step": "i8", "kind": h5py.string_dtype(), "detail": h5py.string_dtype()}
-            for name, dtype in event_dtypes.items():
-                f.create_dataset(f"events/{name}", shape=(0,), maxshape=(None,), chunks=(64,), dtype=dtype)
-            return f
-        if not h5py.is_hdf5(self.path):
-            raise StoreError(
-                f"{self.path} exists but is not an HDF5 file; move it aside so that a new metrics file can be created"
-            )
-        try:
-            f = self._open_append()
-        except OSError as error:
-            if not _is_open_for_write(error):
-                raise StoreError(
-                    f"cannot open {self.path} for appending ({error}); the file is truncated or corrupt: "
-                    "move it aside to start a new metrics file"
-                ) from error
-            self._recover_from_killed_writer()
-            f = self._open_append()
-        if f.attrs.get(FORMAT_ATTR) != METRICS_FORMAT:
-            f.close()
-            raise StoreError(
-                f"{self.path} is an HDF5 file but not an hpcrl metrics file (no root attribute "
-                f"{FORMAT_ATTR}={METRICS_FORMAT!r}); refusing to append to it: choose another run directory"
-            )
-        missing = [name for name in _REQUIRED_DATASETS if not isinstance(f.get(name), h5py.Dataset)]
-        if missing:
-            f.close()
-            raise StoreError(f"{self.path} lacks the datasets {missing}; it is damaged: move it aside")
-        return f
-
-    def _open_append(self) -> h5py.File:
-        return h5py.File(self.path, "a", libver="latest", locking=False)
-
-    def _recover_from_killed_writer(self) -> None:
-        # A killed writer leaves the file flagged "open for write", which HDF5 only clears with the
-        # h5clear tool. Everything it flushed is readable through SWMR, so rewrite that into a fresh file.
-        warnings.warn(
-            f"{self.path} was not closed by its last writer (killed or preempted); rewriting its flushed rows "
-            "into a fresh file",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        temp_path = self.path.with_name(f".{self.path.name}.recover.tmp")
-        try:
-            with (
-                h5py.File(self.path, "r", swmr=True, locking=False) as src,
-                h5py.File(temp_path, "w", libver="latest", locking=False) as dst,
-            ):
-                for name in src:
-                    src.copy(src[name], dst, name=name)
-                for name, value in src.attrs.items():
-                    dst.attrs[name] = value
-            os.replace(temp_path, self.path)
-        except OSError as error:
-            temp_path.unlink(missing_ok=True)
-            raise StoreError(
-                f"{self.path} was left open by a killed writer and cannot be recovered ({error}); "
-                "move it aside to start a new metrics file"
-            ) from error
+    # -- opening (hpcrl/store/metrics_file.py opens the file) ----------------------------------------
 
     def _bind(self) -> None:
         """Looks up the dataset handles again, as every reopen invalidates them."""
@@ -235,7 +166,7 @@ class MetricsWriter:
         metrics = self._file["metrics"]
         metrics.visititems(visit)
         self._step_ds = metrics["step"]
-        self._events = {name: self._file[f"events/{name}"] for name in _EVENT_FIELDS}
+        self._events = {name: self._file[f"events/{name}"] for name in EVENT_FIELDS}
 
     def _repair_lengths(self) -> tuple[int, int]:
         # The step index is written after the values and event times after the rest, so a writer killed
@@ -255,7 +186,7 @@ class MetricsWriter:
         """Reopens the file outside SWMR for the changes SWMR forbids, then returns to SWMR."""
         self._check_open()
         self._file.close()
-        self._file = self._open_append()
+        self._file = open_append(self.path)
         self._bind()
         try:
             yield self._file
@@ -320,7 +251,7 @@ class MetricsWriter:
                         f"metrics/{path}",
                         shape=(self._num_rows,),
                         maxshape=(None,),
-                        chunks=(_CHUNK_ROWS,),
+                        chunks=(CHUNK_ROWS,),
                         dtype="f8",
                         fillvalue=np.nan,
                     )
@@ -491,7 +422,7 @@ def _read(path: str | os.PathLike[str], read: Callable[[h5py.File], _T]) -> _T:
             try:
                 return read(f)
             except _READ_ERRORS:
-                live = _superblock_write_flags(Path(path)) & _SUPERBLOCK_OPEN_FOR_WRITE
+                live = _superblock_write_flags(Path(path)) & SUPERBLOCK_OPEN_FOR_WRITE
                 if not live or time.monotonic() > deadline_s:
                     raise  # _open_for_read names the file and the problem
         time.sleep(_READ_RETRY_SLEEP_S)
@@ -517,16 +448,16 @@ def _open_hdf5_for_read(path: Path) -> h5py.File:
             # reads as truncated. The flags tell them apart; SWMR must not open a closed file that is truncated,
             # because it skips that check and reads the missing bytes as zeros.
             truncated = "truncated file" in str(error)
-            if truncated and not _superblock_write_flags(path) & _SUPERBLOCK_OPEN_FOR_WRITE:
+            if truncated and not _superblock_write_flags(path) & SUPERBLOCK_OPEN_FOR_WRITE:
                 raise StoreError(f"cannot open {path} ({error}); the file is truncated or corrupt") from error
-            if not truncated and not _is_open_for_write(error):
+            if not truncated and not is_open_for_write(error):
                 raise StoreError(f"cannot open {path} ({error}); the file is truncated or corrupt") from error
         try:
             return h5py.File(path, "r", swmr=True, locking=False)
         except OSError as error:
             # The writer is briefly outside SWMR (adding a metric key or an event): wait for it. HDF5 says
             # "already open for write", or "not already open for SWMR writing" when it caught the switch.
-            outside_swmr = _is_open_for_write(error) or "not already open for SWMR writing" in str(error)
+            outside_swmr = is_open_for_write(error) or "not already open for SWMR writing" in str(error)
             if not outside_swmr or time.monotonic() > deadline_s:
                 raise StoreError(
                     f"cannot open {path} while it is being written ({error}); the writer has held it outside "
@@ -561,7 +492,7 @@ def load_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Returns the events in order as ``{"time_s", "step" (None if none), "kind", "detail" (dict)}``."""
 
     def read(f: h5py.File) -> tuple[Any, ...]:
-        datasets = {name: f[f"events/{name}"] for name in _EVENT_FIELDS}
+        datasets = {name: f[f"events/{name}"] for name in EVENT_FIELDS}
         num_events = min(ds.shape[0] for ds in datasets.values())
         return (
             datasets["time_s"][:num_events],

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import errno
 import fcntl
@@ -25,6 +26,7 @@ import re
 import socket
 import stat
 import time
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,13 +139,31 @@ def refuse_link(path: Path) -> None:
 
 
 # What a run writes into its directory by name (checked before its first write there).
-RUN_DIR_ENTRIES = ("config.yaml", "metrics.h5", "checkpoints", "logs", "engines", "model", "prompt_ledger.json")
+RUN_DIR_ENTRIES = (
+    "config.yaml",
+    "metrics.h5",
+    "checkpoints",
+    "logs",
+    "engines",
+    "model",
+    "model.tmp",
+    "prompt_ledger.json",
+    "sinks.json",
+    "tensorboard",
+    "mlruns",
+    "wandb",
+)
 
 
 def refuse_planted_links(run_dir: Path) -> None:
     """Raise RunDirError when one of the names a run writes in `run_dir` is a symbolic link."""
     for name in RUN_DIR_ENTRIES:
         refuse_link(run_dir / name)
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        # A checkpoint's name planted as a link: a save of that step would replace it, a resume would read it.
+        for entry in sorted(checkpoints.iterdir()):
+            refuse_link(entry)
 
 
 def make_subdir(path: Path) -> Path:
@@ -179,6 +199,35 @@ def _describe_owner(owner: Mapping[str, Any]) -> str:
     job = owner.get("job_id")
     job_text = f", Slurm job {job}" if job and job != "local" else ""
     return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}{job_text}, since {since}"
+
+
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x1b": "an escape character"}
+
+
+def checked_path_text(text: str) -> str:
+    """`text` when it can name a file or folder hpcrl writes (argparse's type= for an output path or a run dir);
+    otherwise ValueError (argparse.ArgumentTypeError from the type= wrappers) naming the character.
+
+    A control character (a newline, a tab, an escape) is legal in a Linux file name, but the name is printed
+    into logs, progress lines and generated scripts, where it would split a line or forge one."""
+    for char in text:
+        if unicodedata.category(char) == "Cc":
+            what = _CONTROL_NAMES.get(char, "a control character")
+            raise ValueError(
+                f"{text!r} contains {what} (U+{ord(char):04X}); hpcrl does not write to a path with a control "
+                "character: choose a path of printable characters"
+            )
+    if not text:
+        raise ValueError("an empty path; name a file or folder")
+    return text
+
+
+def path_arg(text: str) -> str:
+    """argparse's type= for a path hpcrl writes (-o, --run-dir)."""
+    try:
+        return checked_path_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,6 +445,53 @@ def set_aside(run_dir: Path) -> Path | None:
     for entry in entries:
         os.replace(entry, target / entry.name)
     return target
+
+
+# ---------------------------------------------------------------------------------------------------
+# A start that failed before its first step
+
+
+# What a start writes before its first step and that labels nothing once no step is recorded.
+_START_FILES = ("config.yaml", "metrics.h5", "sinks.json")
+_START_FOLDERS = ("engines", "checkpoints", "logs", "tensorboard")
+
+
+def forget_failed_start(run_dir: Path, before: set[str], *, created: bool) -> list[str]:
+    """Remove what a start that failed before its first step wrote into `run_dir`, so that the next start
+    meets the directory as it was (`before`: its entries then; `created`: the start made the directory).
+
+    Nothing is removed when the directory holds a metric row, a checkpoint or a model: those are results.
+    Entries that were there before stay; a log that is not empty stays (it says why the start failed).
+    Called with the run-dir lock held. Returns the names removed."""
+    try:
+        if inspect_run_dir(run_dir).holds_results():
+            return []
+    except (RunDirError, OSError):
+        return []  # an unreadable config or folder: leave everything as it is
+    removed = []
+    for name in _START_FILES:
+        path = run_dir / name
+        if name not in before and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(name)
+    for name in _START_FOLDERS:
+        path = run_dir / name
+        if name not in before and path.is_dir() and not path.is_symlink():
+            for child in path.iterdir():  # an engine's rendezvous file, an empty log
+                if not child.is_symlink() and child.is_file() and (name == "engines" or child.stat().st_size == 0):
+                    child.unlink()
+            try:
+                path.rmdir()
+                removed.append(name + "/")
+            except OSError:
+                pass  # a log that says why the start failed
+    if created and [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+        (run_dir / LOCK_NAME).unlink()
+        try:
+            run_dir.rmdir()
+        except OSError:
+            pass
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------------

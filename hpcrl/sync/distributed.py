@@ -18,7 +18,7 @@ from hpcrl.engine.protocol.control import InitWeightsUpdateGroup, UpdateWeightsF
 from hpcrl.sync.errors import WeightSyncError
 from hpcrl.sync.transport import Transport, TransportContext
 from hpcrl.weightwire.buckets import Bucket
-from hpcrl.weightwire.group import broadcast, broadcast_many, destroy_weight_group, free_port, init_weight_group
+from hpcrl.weightwire.group import broadcast, broadcast_many, destroy_weight_group, init_weight_group, listen
 from hpcrl.weightwire.sglang_payload import flatten_bucket
 
 GROUP_NAME = "hpcrl_weights"
@@ -35,12 +35,16 @@ class DistributedTransport(Transport):
         self.num_groups = 0
         self._name_token = secrets.token_hex(3)
         self.group_name = GROUP_NAME
+        self.port = 0  # the store's port of the current group
 
     def connect(self) -> None:
         """Form the weight group: trainer rank 0 hosts it, engine i joins as rank 1 + i."""
         if self.group is not None:
             return
-        port = self.cfg.master_port or free_port()
+        # Listen before the engines learn the port (no other process can take it in between), and only on
+        # master_address: 127.0.0.1 in a local run, the node's own address under Slurm.
+        listener = listen(self.cfg.master_address, self.cfg.master_port)
+        port = self.port = int(listener.getsockname()[1])
         self.num_groups += 1
         # A name of this driver's own: an engine that outlived a crashed driver may still hold its groups.
         self.group_name = f"{GROUP_NAME}_{self._name_token}_{self.num_groups}"
@@ -69,6 +73,7 @@ class DistributedTransport(Transport):
             group_name=self.group_name,
             backend=backend,
             timeout_s=self.cfg.group_timeout_s,
+            listener=listener,
         )
         for engine, fut in zip(self.engines, futures, strict=True):
             try:

@@ -174,8 +174,10 @@ class RankGroup:
 
 def spawn_followers(run_dir: Path, world_size: int, master_port: int, *, entry: str) -> list[subprocess.Popen[bytes]]:
     """Ranks 1..N-1 as `python -m ENTRY RUN_DIR` (the caller's module, which calls `follow`)."""
+    from hpcrl.store.run_dir import make_subdir, open_no_follow
+
     procs = []
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = make_subdir(run_dir / "logs")
     for rank in range(1, world_size):
         env = {
             **os.environ,
@@ -184,7 +186,10 @@ def spawn_followers(run_dir: Path, world_size: int, master_port: int, *, entry: 
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
         }
-        log = open(run_dir / "logs" / f"trainer-rank{rank}.log", "ab")  # noqa: SIM115 - the child owns it
+        # Never through a link planted at the log's name; the child owns the file.
+        log = os.fdopen(
+            open_no_follow(logs / f"trainer-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), "ab"
+        )
         procs.append(subprocess.Popen([sys.executable, "-m", entry, str(run_dir)], env=env, stdout=log, stderr=log))
     return procs
 

@@ -16,9 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.local import EngineStartError, LocalEngine, LocalEngines, wait_started
+from hpcrl.model.hf import save_state_dict
+from hpcrl.store.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from hpcrl.store.run_dir import LOCK_NAME, RunDirError, RunDirLock
 from tests.conftest import free_port, start_engine
 from tests.support import REPO, skip_or_fail
@@ -156,10 +159,10 @@ def test_a_planted_engine_log_link_is_refused_and_its_target_untouched(tmp_path:
     assert victim.read_text() == "precious\n"
 
 
-@pytest.mark.parametrize("name", [LOCK_NAME, "config.yaml.tmp", "metrics.h5", "logs"])
+@pytest.mark.parametrize("name", [LOCK_NAME, "config.yaml.tmp", "metrics.h5", "logs", "checkpoints/step_00000001.h5"])
 def test_hpcrl_run_refuses_a_planted_link(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
     run_dir = tmp_path / "r"
-    run_dir.mkdir()
+    (run_dir / name).parent.mkdir(parents=True)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     (run_dir / name).symlink_to(victim)
@@ -172,6 +175,97 @@ def test_hpcrl_run_refuses_a_planted_link(tmp_path: Path, tiny_model_dir: Path, 
     assert f"hpcrl: error: r/{name} is a symbolic link (to {victim})" in out.stderr
     assert "Traceback" not in out.stderr
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["step_00000003.h5", ".step_00000003.h5.tmp"])
+def test_a_checkpoint_is_never_written_through_a_planted_link(tmp_path: Path, name: str) -> None:
+    ckpt_dir = tmp_path / "r" / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (ckpt_dir / name).symlink_to(victim)
+    with pytest.raises(RunDirError, match=rf"{name} is a symbolic link \(to {victim}\); hpcrl never writes through"):
+        save_checkpoint(ckpt_dir, 2, {"w": torch.ones(4)}, {"step": 2})
+    assert victim.read_text() == "precious\n"
+    assert (ckpt_dir / name).is_symlink() and list_checkpoints(ckpt_dir) in ([], [ckpt_dir / name])
+
+
+@pytest.mark.parametrize("name", ["model", "model.tmp"])
+def test_an_export_is_never_written_through_a_planted_link(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious\n")
+    (run_dir / name).symlink_to(victim)
+    state = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match=rf"r/{name} is a symbolic link \(to {victim}\); hpcrl never writes through"):
+        save_state_dict(state, run_dir / "model", source_dir=tiny_model_dir)
+    assert [p.name for p in victim.iterdir()] == ["keep.txt"] and (victim / "keep.txt").read_text() == "precious\n"
+
+
+def test_a_checkpoint_is_written_whole_through_its_own_temporary_file(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir.mkdir()
+    (ckpt_dir / ".step_00000001.h5.tmp").write_bytes(b"left by a killed writer")
+    path = save_checkpoint(ckpt_dir, 0, {"w": torch.arange(5000.0)}, {"step": 0})
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000001.h5"]
+    assert torch.equal(load_checkpoint(path).tensors["w"], torch.arange(5000.0))
+
+
+def test_failed_starts_leave_no_run_dir_that_a_later_start_would_take_for_a_run(
+    tmp_path: Path, tiny_model_dir: Path, squatter: Squatter
+) -> None:
+    # The engine cannot start (its port is held): twice in a row, as a user retrying would.
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine\n")
+    port = squatter.server.server_address[1]
+    for run_dir in ("r", "r", "kept"):
+        out = subprocess.run(
+            [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, f"model.path={tiny_model_dir}", "num_steps=1",
+             f"engine.base_port={port}", "--run-dir", run_dir],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        print(out.stdout[-600:], out.stderr[-600:])
+        assert out.returncode == 1 and "hpcrl: error: EngineStartError: engine-0 cannot listen on" in out.stderr
+        assert "no step was recorded: removed what this start wrote (config.yaml, metrics.h5" in out.stdout
+        assert not (tmp_path / "r").exists()
+    # A folder that was there keeps what it held before; only what the failed start wrote is gone.
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [LOCK_NAME, "notes.txt"]
+    assert squatter.seen == []
+
+
+def test_a_failed_start_never_removes_what_a_run_recorded(tmp_path: Path) -> None:
+    from hpcrl.store.metrics import MetricsWriter
+    from hpcrl.store.run_dir import forget_failed_start
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    writer = MetricsWriter(run_dir / "metrics.h5", root_attrs={"config": ""})
+    writer.log(0, {"train/loss": 0.5})
+    writer.close()
+    (run_dir / "config.yaml").write_text("name: x\n")
+    assert forget_failed_start(run_dir, set(), created=True) == []
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.h5"]
+
+
+def test_a_bad_environment_path_is_refused_before_any_engine_starts(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "tool-quickstart.yaml"),
+         f"model.path={tiny_model_dir}", "rollout.environment=no_such_pkg_hpcrl.envs:Env", "sft.num_steps=0",
+         "num_steps=1", "--run-dir", "r"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    print(out.stdout[-800:], out.stderr[-800:])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "hpcrl: error: rollout.environment: cannot import 'no_such_pkg_hpcrl.envs:Env': no module named "
+        "'no_such_pkg_hpcrl' (check the spelling, and that it is on PYTHONPATH); give a built-in (calculator), a "
+        "dotted path module:Class or a file path file.py:Class"
+    ]
+    assert "engine" not in out.stdout + out.stderr  # none was started
+    assert not (tmp_path / "r").exists()
 
 
 @contextlib.contextmanager
@@ -263,3 +357,28 @@ def test_a_damaged_metrics_file_is_an_error_line_naming_the_file(tmp_path: Path,
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "error: cannot" in out.stderr and "r/metrics.h5" in out.stderr and "truncated or corrupt" in out.stderr
     assert (tmp_path / "r" / "metrics.h5").read_bytes() == before  # nothing rewritten
+
+
+@pytest.mark.parametrize("how", ["bit-flipped", "truncated"])
+def test_a_resume_over_a_damaged_metrics_file_is_an_error_line_naming_the_file(
+    tmp_path: Path, tiny_model_dir: Path, how: str
+) -> None:
+    from hpcrl.config import dump_yaml
+    from hpcrl.run_config import load_run_config
+
+    overrides = [f"model.path={tiny_model_dir}", "num_steps=2"]
+    _damaged_metrics(tmp_path / "r", how)
+    # A checkpoint to resume from and the config it was written under: the run gets as far as opening metrics.h5.
+    (tmp_path / "r" / "config.yaml").write_text(dump_yaml(load_run_config(QUICKSTART, overrides)))
+    save_checkpoint(tmp_path / "r" / "checkpoints", 0, {"w": torch.ones(2)}, {})
+    before = (tmp_path / "r" / "metrics.h5").read_bytes()
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", QUICKSTART, *overrides, "--run-dir", "r"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    print(out.stderr[-600:])
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "hpcrl: error: StoreError: cannot " in out.stderr and "r/metrics.h5 " in out.stderr
+    assert "the file is truncated or corrupt: move it aside to start a new metrics file" in out.stderr
+    assert (tmp_path / "r" / "metrics.h5").read_bytes() == before
+    assert (tmp_path / "r" / "checkpoints" / "step_00000001.h5").exists()

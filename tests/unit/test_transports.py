@@ -12,6 +12,7 @@ import torch
 
 from hpcrl.config import ConfigError
 from hpcrl.engine.client import EngineClient
+from hpcrl.engine.portcheck import listeners
 from hpcrl.model.hf import load_model
 from hpcrl.run_config import load_run_config
 from hpcrl.sync import transport
@@ -74,6 +75,24 @@ def test_a_registered_transport_sees_begin_every_bucket_then_finish(
     assert len(sent) == len(CALLS) - 2 == metrics["sync/num_buckets"] > 1
     assert [n for names in sent for n in names] == [n for n, _ in named]  # every tensor once, in order
     assert EngineClient(shared_engine.url).weight_version() == 5
+
+
+def test_a_local_run_pushes_over_a_weight_group_whose_store_listens_on_loopback_only(
+    shared_engine: EngineProcess, tiny_model_dir: Path
+) -> None:
+    named = list(load_model(tiny_model_dir).state_dict().items())
+    engines = [EngineClient(shared_engine.url)]
+    sync = WeightSync(SyncConfig(transport="distributed"), engines, device=torch.device("cpu"))
+    try:
+        sync.connect()
+        metrics = sync.push(named, 3)
+        port = sync.transport.port  # type: ignore[attr-defined]
+        bound = listeners(port)
+    finally:
+        sync.close()
+    assert metrics["sync/num_buckets"] >= 1
+    # Not 0.0.0.0 or [::]: no other host reaches the rendezvous of a run whose engines are all on this one.
+    assert bound is not None and [b.describe() for b in bound] == [f"127.0.0.1:{port}"]
 
 
 def _hpcrl_imports(package: str) -> dict[str, set[str]]:

@@ -11,24 +11,29 @@ earlier group (a TCPStore keyed "group/gloo/") waited 120 s for a real server th
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
-from hpcrl.weightwire.group import broadcast, destroy_weight_group, init_weight_group
+from hpcrl.engine.portcheck import listeners
+from hpcrl.weightwire.group import WeightGroupError, broadcast, destroy_weight_group, init_weight_group, listen
 from hpcrl.weightwire.sglang_payload import flatten_bucket
 from tests.conftest import free_port
+from tests.support import skip_or_fail
 
 SGLANG_PEER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
     port, names, nbytes = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3])
+    host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
     for group_name in names:
         # sglang/srt/utils/common.py: init_custom_process_group
-        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=dist.default_pg_timeout))
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", 1, 2, timeout=dist.default_pg_timeout))
         store.set_timeout(dist.default_pg_timeout)
         store = PrefixStore(group_name, store)
         pg, _ = _new_process_group_helper(2, rank, [], Backend("gloo"), store, group_name=group_name,
@@ -77,3 +82,58 @@ def test_a_peer_joining_like_sglang_forms_the_group_and_receives_the_flattened_b
         lines = out.splitlines()
         assert [ln.split()[0] for ln in lines] == names
         assert all(f"[0.0, 1.0, 2.0] {int(flat.sum())}" in ln for ln in lines), out
+
+
+def _node_address() -> str:
+    """This host's address on its default route (what a Slurm node's name resolves to), or a skip."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+            address = str(s.getsockname()[0])
+        except OSError:
+            address = "127.0.0.1"
+    if address.startswith("127."):
+        skip_or_fail("this host has no address besides loopback", missing="a network interface")
+    return address
+
+
+@pytest.mark.parametrize("where", ["local", "node"])
+def test_the_store_of_a_weight_group_listens_on_its_master_address_only(where: str) -> None:
+    # A local run's engines reach the trainer through 127.0.0.1, a Slurm run's through the node's address: the store
+    # never listens on every interface, where another host (or, locally, a network) could join in an engine's place.
+    address = "127.0.0.1" if where == "local" else _node_address()
+    flat, _ = flatten_bucket([("a", torch.arange(3, dtype=torch.float32))])
+    listener = listen(address)  # how the distributed transport learns its port before telling the engines
+    port = int(listener.getsockname()[1])
+    name = f"hpcrl_weights_{where}"
+    peer = subprocess.Popen(
+        [sys.executable, "-c", SGLANG_PEER, str(port), name, str(flat.numel()), address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pg = None
+    try:
+        pg = init_weight_group(
+            master_address=address, master_port=port, rank=0, world_size=2, group_name=name, backend="gloo",
+            timeout_s=30, listener=listener,
+        )  # fmt: skip
+        bound = listeners(port)
+        broadcast(pg, flat)
+        out, err = peer.communicate(timeout=60)
+    finally:
+        peer.kill()
+        if pg is not None:
+            destroy_weight_group(pg)
+    assert peer.returncode == 0, err
+    assert bound is not None and [b.describe() for b in bound] == [f"{address}:{port}"]
+
+
+def test_a_store_port_in_use_is_refused_naming_the_key_to_change() -> None:
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(WeightGroupError, match=rf"cannot listen on 127.0.0.1:{port}: the port is in use; set sync"):
+            init_weight_group(
+                master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name="hpcrl_weights_busy",
+                backend="gloo", timeout_s=5,
+            )  # fmt: skip

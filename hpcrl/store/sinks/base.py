@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from hpcrl.store.run_dir import write_file_atomically
 from hpcrl.store.sinks.config import LoggingConfig
 
 Say = Callable[[str], None]
@@ -171,10 +171,7 @@ def _read_ids(run_dir: Path) -> dict[str, str]:
 def _write_ids(run_dir: Path, ids: Mapping[str, str]) -> None:
     if not ids:
         return
-    path = run_dir / IDS_FILE
-    tmp = path.with_name(f".{IDS_FILE}.tmp")
-    tmp.write_text(json.dumps(dict(ids), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_file_atomically(run_dir / IDS_FILE, (json.dumps(dict(ids), indent=1, sort_keys=True) + "\n").encode())
 
 
 class SinkSet:
