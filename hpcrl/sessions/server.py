@@ -210,14 +210,7 @@ class SessionService:
     def _check_encodable(self, messages: list[Message], tools: tuple[dict[str, Any], ...]) -> None:
         """A character the tokenizer cannot encode would reach the model as its unknown token: refused, as a run
         refuses it in its data."""
-        fields: list[tuple[str, str]] = []
-        for i, m in enumerate(messages):
-            fields += [(f"messages[{i}].content", m.content), (f"messages[{i}].reasoning_content", m.reasoning or "")]
-            fields += [
-                (f"messages[{i}].tool_calls[{j}].function", f"{c.name} {c.arguments_json()}")
-                for j, c in enumerate(m.tool_calls)
-            ]
-        fields += [(f"tools[{k}]", json.dumps(t, ensure_ascii=False)) for k, t in enumerate(tools)]
+        fields = _chat_fields(messages, tools)
         bad = first_unencodable(self.renderer.tokenizer, [text for _, text in fields])
         if bad is not None:
             raise SessionError(
@@ -412,6 +405,19 @@ _ROUTES = [
 
 # A JSON escape of a surrogate; only then can the parsed body hold a lone one, which no tokenizer can encode.
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _chat_fields(messages: list[Message], tools: tuple[dict[str, Any], ...]) -> list[tuple[str, str]]:
+    """Every text of a chat request that reaches the tokenizer, with the JSON path a 400 names it by."""
+    fields: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
+        fields += [(f"messages[{i}].content", m.content), (f"messages[{i}].reasoning_content", m.reasoning or "")]
+        fields += [
+            (f"messages[{i}].tool_calls[{j}].function", f"{c.name} {c.arguments_json()}")
+            for j, c in enumerate(m.tool_calls)
+        ]
+    fields += [(f"tools[{k}]", json.dumps(t, ensure_ascii=False)) for k, t in enumerate(tools)]
+    return fields
 
 
 def _holds_lone_surrogate(body: Any) -> bool:
