@@ -24,7 +24,7 @@ from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.progress import Progress
 from hpcrl.sync.config import SyncConfig
 from hpcrl.trainer.ranks import RankGroup, build_trainer, init_trainer_group, spawn_followers
-from hpcrl.weightwire.group import free_port
+from hpcrl.weightwire.group import listen
 
 
 class Placement:
@@ -66,11 +66,16 @@ class Placement:
                 "make the trainer het group's nodes x tasks per node equal train.num_ranks"
             )
         if world > 1:
+            listener = None
             if not self.slurm:
-                port = free_port("127.0.0.1")
+                # Taken before the followers learn the port: no other process can take it in between.
+                listener = listen("127.0.0.1")
+                port = int(listener.getsockname()[1])
                 os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
                 followers = spawn_followers(self.run_dir, world, port, entry="hpcrl.run.follower")
-            init_trainer_group(rank=0, world_size=world, device=device, timeout_s=self.cfg.sync.group_timeout_s)
+            init_trainer_group(
+                rank=0, world_size=world, device=device, timeout_s=self.cfg.sync.group_timeout_s, listener=listener
+            )
         trainer = build_trainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
         return RankGroup(trainer, followers)
 

@@ -9,6 +9,7 @@ derived from Slurm's variables), bounded by a timeout.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -35,11 +36,29 @@ _KINDS = {
 }
 
 
-def init_trainer_group(*, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+def init_trainer_group(
+    *, rank: int, world_size: int, device: torch.device, timeout_s: float, listener: socket.socket | None = None
+) -> None:
+    """Join the trainer's default process group. `listener`: rank 0's socket for the group's store, taken by a local
+    run on loopback before the other ranks learn its port, so the store listens there only (torch's own store
+    listens on every interface, where another host could join in a rank's place). Without it the store comes from
+    MASTER_ADDR/MASTER_PORT, as under Slurm, where the other nodes must reach it."""
     # The command channel broadcasts small CPU tensors; the trainer's collectives run on the GPU.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        # Every rank builds the store the same way (env:// would prefix its keys, an explicit store does not).
+        if listener is not None:
+            address, port = listener.getsockname()[:2]
+            listen_fd: int | None = listener.fileno()
+        else:
+            address, port, listen_fd = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
+        store = dist.TCPStore(
+            address, port, world_size, rank == 0, timeout, multi_tenant=True, master_listen_fd=listen_fd
+        )
+        if listener is not None:
+            listener.detach()  # the store's server owns the descriptor now
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except Exception as exc:
         raise RuntimeError(
             f"trainer rank {rank}/{world_size} could not join the trainer group at "
