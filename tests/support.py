@@ -70,6 +70,52 @@ SMALL = [
 ]
 
 
+def assert_unfinished_heads_are_dropped(url: str, timeout_s: float) -> None:
+    """A client that connects and sends nothing, and one that sends its request head a byte every 0.2 s, each hold a
+    socket of the server at `url` only until its head timeout (`timeout_s`); /health answers other clients all along."""
+    import select
+    import urllib.parse
+
+    import httpx
+
+    address = urllib.parse.urlsplit(url)
+    silent = socket.create_connection((address.hostname, address.port), timeout=5)
+    dribble = socket.create_connection((address.hostname, address.port), timeout=5)
+    start = time.monotonic()
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 1000
+    closed_after: dict[str, float] = {}
+    health_answers = sent = 0
+    try:
+        while len(closed_after) < 2 and time.monotonic() - start < timeout_s + 10:
+            if "dribble" not in closed_after:
+                try:
+                    dribble.send(head[sent : sent + 1])
+                    sent += 1
+                except OSError:  # reset by the server
+                    closed_after["dribble"] = time.monotonic() - start
+            readable, _, _ = select.select([s for s in (silent, dribble) if s.fileno() >= 0], [], [], 0.2)
+            for sock in readable:
+                name = "silent" if sock is silent else "dribble"
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                assert data == b"", f"the server answered the {name} client's unfinished request: {data!r}"
+                closed_after.setdefault(name, time.monotonic() - start)
+                sock.close()
+            if int((time.monotonic() - start) / 2) > health_answers:
+                assert httpx.get(url + "/health", timeout=5).status_code == 200
+                health_answers += 1
+    finally:
+        silent.close()
+        dribble.close()
+    assert sent < len(head), "the whole head was sent: make it longer"
+    assert set(closed_after) == {"silent", "dribble"}, f"still open after {timeout_s + 10} s: {closed_after}"
+    for name, seconds in closed_after.items():
+        assert timeout_s - 1 <= seconds <= timeout_s + 3, (name, seconds)
+    assert health_answers >= timeout_s // 2 - 1
+
+
 def hpcrl(*args: str, cwd: Path, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(

@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -428,15 +429,40 @@ def _holds_lone_surrogate(body: Any) -> bool:
     return False
 
 
+HEAD_TIMEOUT_S = 10.0
+"""A connection whose request line and headers have not arrived this long after it opened (or after its last
+answer) is closed: each connection holds a server thread, so a client that never finishes its head would hold one
+for ever. hpcrl's episode client reuses an idle connection for at most 5 s (httpx's keep-alive expiry)."""
+
+
 class _Handler(BaseHTTPRequestHandler):
     service: SessionService  # set on the subclass made per server
     _raw = b""
     protocol_version = "HTTP/1.1"
+    _head_timer: threading.Timer | None = None
+
+    def handle_one_request(self) -> None:
+        self._head_timer = threading.Timer(HEAD_TIMEOUT_S, self._drop_connection)
+        self._head_timer.daemon = True
+        self._head_timer.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._head_timer.cancel()
+
+    def _drop_connection(self) -> None:
+        # The handler's thread is blocked reading the head: shutting the socket down ends that read with EOF.
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
     def _dispatch(self, method: str) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()  # the head is in: the request may take as long as a turn takes
         path = self.path.split("?", 1)[0]
         try:
             # Read the body before routing: one left unread on a kept-alive connection would be parsed as the next

@@ -15,7 +15,8 @@ from hpcrl.sessions.cli import load_tokenizer
 from hpcrl.sessions.config import SessionServerConfig
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import parse_messages, parse_tools
-from hpcrl.sessions.server import SessionServer
+from hpcrl.sessions.server import HEAD_TIMEOUT_S, SessionServer
+from tests.support import assert_unfinished_heads_are_dropped
 
 CALC = {
     "type": "function",
@@ -351,3 +352,9 @@ def test_a_dropped_connection_to_a_live_engine_resends_the_turn_with_the_same_to
         listener.close()
     assert dropped == [b"POST /generate HTTP/1.1"]
     assert len(outputs[1]) == 1 and outputs[1] == outputs[0]
+
+
+def test_a_connection_that_never_finishes_its_request_head_is_dropped(server: SessionServer) -> None:
+    # Each connection holds one of the server's threads: a silent or dribbling client must not hold it for ever.
+    assert_unfinished_heads_are_dropped(server.url, HEAD_TIMEOUT_S)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
