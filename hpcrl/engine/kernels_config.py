@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hpcrl.model.invariant_config import ATTENTION_DEFAULT, MATMUL_DEFAULT, InvariantKernelsConfig, tile_problems
+from hpcrl.model.invariant_config import (
+    ATTENTION_DEFAULT,
+    MATMUL_DEFAULT,
+    InvariantKernelsConfig,
+    is_pow2,
+    tile_problems,
+    tiles_text,
+)
 
 REMOVED_ENV = {
     "HPCRL_ENGINE_DECODE": "engine.decode_mode (hpcrl engine serve --decode-mode)",
@@ -28,14 +35,6 @@ REMOVED_ENV = {
     "HPCRL_ENGINE_PROFILE": "engine.decode_profile (hpcrl engine serve --decode-profile)",
 }
 """Switches of settings that have a typed key: set that key instead (the variable would be a second way in)."""
-
-
-def _pow2(v: int) -> bool:
-    return v >= 1 and v & (v - 1) == 0
-
-
-def _text(values: tuple[int, ...]) -> str:
-    return ",".join(map(str, values))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,37 +95,37 @@ class KernelsConfig:
         out: list[str] = []
         for name in ("attn_config", "attn_config_kv8"):
             block, warps, stages, use_dot = getattr(self, name)
-            if not (_pow2(block) and _pow2(warps) and stages >= 1) or use_dot not in (0, 1, 2):
+            if not (is_pow2(block) and is_pow2(warps) and stages >= 1) or use_dot not in (0, 1, 2):
                 out.append(
-                    f"{name} {_text(getattr(self, name))}: BLOCK_N and num_warps must be powers of two, num_stages "
-                    "at least 1, and the 4th value, use_dot, must be 0 (CUDA-core dots), 1 (q the first dot "
-                    f"operand) or 2 (K first), like {_text(_default(name))} (the default)"
+                    f"{name} {tiles_text(getattr(self, name))}: BLOCK_N and num_warps must be powers of two, "
+                    "num_stages at least 1, and the 4th value, use_dot, must be 0 (CUDA-core dots), 1 (q the first dot "
+                    f"operand) or 2 (K first), like {tiles_text(_default(name))} (the default)"
                 )
         sample = self.sample_config
-        if not all(_pow2(v) for v in sample) or max(sample[1], sample[3]) > 32:
+        if not all(is_pow2(v) for v in sample) or max(sample[1], sample[3]) > 32:
             out.append(
-                f"sample_config {_text(sample)}: expected BLOCK,num_warps of the pass over the logits, then "
+                f"sample_config {tiles_text(sample)}: expected BLOCK,num_warps of the pass over the logits, then "
                 "BLOCK,num_warps of the draw, each a power of two, warps at most 32 (a BLOCK past the sampler's chunk "
-                f"of 4096 ids scans the chunk), like {_text(_default('sample_config'))} (the default)"
+                f"of 4096 ids scans the chunk), like {tiles_text(_default('sample_config'))} (the default)"
             )
         for part in ("qkv", "o", "gate_up", "down"):
             name = f"gemm_config_{part}"
             tiles = getattr(self, name)
             whole = part in ("qkv", "gate_up")
             if (
-                not all(b >= 16 and _pow2(b) for b in tiles[:3])
+                not all(b >= 16 and is_pow2(b) for b in tiles[:3])
                 or tiles[3] < 1
                 or (whole and tiles[3] != 1)
                 or (tiles[4] < 1 or tiles[5] < 1)
             ):
                 out.append(
-                    f"{name} {_text(tiles)}: the blocks must be powers of two >= 16, SPLIT_K, the warps and the "
+                    f"{name} {tiles_text(tiles)}: the blocks must be powers of two >= 16, SPLIT_K, the warps and the "
                     "stages >= 1 (SPLIT_K 1 for qkv and gate_up, whose outputs must be whole sums), like "
-                    f"{_text(_default(name))} (the default)"
+                    f"{tiles_text(_default(name))} (the default)"
                 )
         if self.cublas_split_k is not None and min(self.cublas_split_k) < 1:
             out.append(
-                f"cublas_split_k {_text(self.cublas_split_k)}: the parts of the o and the down GEMM must be >= 1, "
+                f"cublas_split_k {tiles_text(self.cublas_split_k)}: the parts of the o and the down GEMM must be >= 1, "
                 "like 2,2 (1 = no split), or null for the default"
             )
         out += tile_problems(self.invariant_matmul, self.invariant_attention, prefix="invariant_")
@@ -183,7 +182,7 @@ def parse_value(name: str, raw: str) -> Any:
     if name == "sample_config" and len(parts) == 2:
         parts += [str(v) for v in _default(name)[2:]]  # the pass only: the default draw
     if len(parts) != size or not all(p.strip().isdigit() for p in parts):
-        example = _text(_default(name)) if _default(name) is not None else ",".join(["2"] * size)
+        example = tiles_text(_default(name)) if _default(name) is not None else ",".join(["2"] * size)
         raise ValueError(f"expected exactly {size} comma-separated non-negative integers, like {example}")
     return tuple(int(p) for p in parts)
 
@@ -241,7 +240,7 @@ def describe(cfg: KernelsConfig, overrides: list[Override]) -> str:
 
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
-        return _text(value)
+        return tiles_text(value)
     if isinstance(value, bool):
         return "1" if value else "0"
     return str(value)

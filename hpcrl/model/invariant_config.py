@@ -23,11 +23,13 @@ ENV_VARS = {"HPCRL_INVARIANT_MATMUL": "matmul", "HPCRL_INVARIANT_ATTENTION": "at
 """The override variables, to the field each sets."""
 
 
-def _pow2(v: int) -> bool:
+def is_pow2(v: int) -> bool:
+    """Whether `v` is a power of two (Triton block sizes must be)."""
     return v >= 1 and v & (v - 1) == 0
 
 
-def _text(values: tuple[int, ...]) -> str:
+def tiles_text(values: tuple[int, ...]) -> str:
+    """Tiles as their environment variables write them: "32,16,128"."""
     return ",".join(map(str, values))
 
 
@@ -62,17 +64,17 @@ def tile_problems(matmul: tuple[int, ...], attention: tuple[int, ...], prefix: s
             isinstance(tiles, tuple)
             and len(tiles) == size
             and all(isinstance(v, int) and not isinstance(v, bool) for v in tiles)
-            and all(b >= 16 and _pow2(b) for b in tiles[:blocks])
-            and _pow2(tiles[blocks])
+            and all(b >= 16 and is_pow2(b) for b in tiles[:blocks])
+            and is_pow2(tiles[blocks])
             and tiles[blocks] <= 32
             and tiles[blocks + 1] >= 1
         )
         if not ok:
-            shown = _text(tiles) if isinstance(tiles, tuple) else repr(tiles)
+            shown = tiles_text(tiles) if isinstance(tiles, tuple) else repr(tiles)
             out.append(
                 f"{prefix}{name} {shown}: expected {size} integers {form}, the "
                 f"{'blocks powers' if blocks > 1 else 'tile a power'} of two >= 16, num_warps a power of two <= 32 "
-                f"and num_stages >= 1, like {_text(default)} (the default)"
+                f"and num_stages >= 1, like {tiles_text(default)} (the default)"
             )
     return out
 
@@ -83,7 +85,7 @@ def parse_tiles(name: str, raw: str) -> Any:
     parts = raw.strip().split(",")
     if len(parts) != len(default) or not all(p.strip().isdigit() for p in parts):
         raise ValueError(
-            f"expected exactly {len(default)} comma-separated non-negative integers, like {_text(default)} (the "
+            f"expected exactly {len(default)} comma-separated non-negative integers, like {tiles_text(default)} (the "
             "default)"
         )
     return tuple(int(p) for p in parts)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +32,11 @@ def _family_check(ns: argparse.Namespace) -> int:
 
 def _engine_key(path: str | None) -> str | None:
     """The engines' key from --engine-api-key-file (mode 0600), else HPCRL_ENGINE_API_KEY, else none."""
+    from hpcrl.engine.embedded.server_config import read_key_file
+
     if path is None:
         return os.environ.pop("HPCRL_ENGINE_API_KEY", None) or None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ValueError(f"--engine-api-key-file {path}: cannot open it ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
-            raise ValueError(
-                f"--engine-api-key-file {path} must be a regular file only you can read; run `chmod 600 {path}`"
-            )
-        key = f.read(4097).decode(errors="replace").strip()
-    if not key or len(key) > 4096 or any(c.isspace() for c in key):
-        raise ValueError(f"--engine-api-key-file {path} must hold one key (no spaces) on one line")
-    return key
+    return read_key_file(path, "--engine-api-key-file")
 
 
 def _sessions_serve(ns: argparse.Namespace) -> int:

@@ -79,31 +79,31 @@ def resolve_api_key(*, api_key: str | None, api_key_file: str | None) -> str | N
     if api_key is not None:
         return api_key
     if api_key_file is not None:
-        return _read_key_file(api_key_file)
+        return read_key_file(api_key_file)
     return from_env if from_env else None
 
 
-def _read_key_file(path: str) -> str:
+def read_key_file(path: str, flag: str = "--api-key-file") -> str:
+    """The one key in the file `path` (given as `flag`), which must be a regular file only its owner can read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise ValueError(f"--api-key-file {path}: cannot open it ({exc.strerror})") from exc
+        raise ValueError(f"{flag} {path}: cannot open it ({exc.strerror})") from exc
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"--api-key-file {path} is not a regular file")
+            raise ValueError(f"{flag} {path} is not a regular file")
         if st.st_mode & 0o077:
             raise ValueError(
-                f"--api-key-file {path} has mode {stat.S_IMODE(st.st_mode):o}: others can read the key; "
-                f"run `chmod 600 {path}`"
+                f"{flag} {path} has mode {stat.S_IMODE(st.st_mode):o}: others can read the key; run `chmod 600 {path}`"
             )
         raw = f.read(4097)
     if len(raw) > 4096:
-        raise ValueError(f"--api-key-file {path} is over 4 KiB; it holds one key on one line")
+        raise ValueError(f"{flag} {path} is over 4 KiB; it holds one key on one line")
     try:
         key = raw.decode().strip()
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--api-key-file {path} is not UTF-8 text") from exc
+        raise ValueError(f"{flag} {path} is not UTF-8 text") from exc
     if not key or any(c.isspace() for c in key):
-        raise ValueError(f"--api-key-file {path} must hold one key (no spaces) on one line")
+        raise ValueError(f"{flag} {path} must hold one key (no spaces) on one line")
     return key
