@@ -14,10 +14,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("mode", ["graph", "triton", "eager"])
+@pytest.mark.parametrize("mode", ["graph", "triton", "eager", "invariant"])
 def test_cuda_engine_logprobs_equal_transformers_past_the_window(config: str, mode: str, tmp_path: Path) -> None:
     kind, overrides = CONFIGS[config]
-    gap, log = engine_vs_transformers(kind, overrides, tmp_path, "--device", "cuda", "--decode-mode", mode)
+    flags = ("--batch-invariant",) if mode == "invariant" else ("--decode-mode", mode)
+    gap, log = engine_vs_transformers(kind, overrides, tmp_path, "--device", "cuda", *flags)
     print(f"{config} {mode}: max |engine - transformers| log-prob = {gap:.2e}")
     assert "from now on" not in log, log  # the fused kernels and graphs ran: no fallback to a slower path
     assert gap <= 1e-4, f"{config} ({mode}): the CUDA engine's log-probs differ from transformers' by {gap}"

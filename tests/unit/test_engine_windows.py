@@ -69,7 +69,7 @@ def _logprobs(model: Any, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "compile", "invariant"])
 def test_engine_logprobs_equal_transformers_past_the_window(
     config: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,7 +78,8 @@ def test_engine_logprobs_equal_transformers_past_the_window(
         # The compile mode's step function as written, without minutes of inductor on a shared CPU: the window is
         # in its math, which torch.compile keeps.
         monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    gap, log = engine_vs_transformers(kind, overrides, tmp_path, "--decode-mode", mode)
+    flags = ("--batch-invariant",) if mode == "invariant" else ("--decode-mode", mode)
+    gap, log = engine_vs_transformers(kind, overrides, tmp_path, *flags)
     if mode == "compile":
         assert "compiled the CPU decode step" in log and "step failed" not in log, log  # no fallback to eager
     print(f"{config} {mode}: max |engine - transformers| log-prob = {gap:.2e}")

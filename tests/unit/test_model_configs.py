@@ -139,3 +139,25 @@ def test_the_batch_invariant_forward_scales_rope_as_the_trainer_does(tmp_path: P
     with torch.no_grad():
         gap = (invariant.logits(model, ids) - model(ids)).abs().max()
     assert float(gap) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_the_batch_invariant_forward_windows_as_the_trainer_does(kind: str, tmp_path: Path) -> None:
+    """The invariant forward (the trainer's and the engine's prefill) within the window equals the trainer's forward;
+    the engine's invariant decode past the window gives the prefill's bits at every position."""
+    from hpcrl.model import invariant
+    from hpcrl.model.qwen3 import KVCache
+
+    overrides = {"sliding_window": 8} if kind == "mistral" else {"use_sliding_window": True, "sliding_window": 8}
+    _, path = _hf_model(kind, tmp_path, **overrides)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu")).eval()
+    assert invariant.unsupported_model(model.args) is None
+    ids = torch.randint(0, DIMS["vocab_size"], (3, SEQ_LEN), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = invariant.logits(model, ids)
+        assert float((whole - model(ids)).abs().max()) <= 1e-6
+        cache = KVCache.allocate(model.args, 3, SEQ_LEN, torch.float32, torch.device("cpu"))
+        first = invariant.prefill(model, cache, ids[:, :12], 0, torch.full((3,), 11))
+        assert torch.equal(first, whole[:, 11])
+        for pos in range(12, SEQ_LEN):
+            assert torch.equal(invariant.decode(model, cache, ids[:, pos], torch.full((3,), pos)), whole[:, pos]), pos
