@@ -56,7 +56,7 @@ from torch import Tensor
 
 from hpcrl.model import invariant_kernels as kernels
 from hpcrl.model.invariant_config import InvariantKernelsConfig, with_env_overrides
-from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs
+from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs, window_band
 from hpcrl.model.rope import RopeScaling
 from hpcrl.model.rope import inv_freq as rope_inv_freq
 
@@ -291,9 +291,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, scale: float) -> Tensor:
+def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, scale: float, window: int | None = None) -> Tensor:
     """q [B, KVH, R, D] (R query rows per kv head) at positions qpos [B, R]; k, v [B, KVH, L, D], key j at
-    position j. Each row sees keys 0..qpos; returns [B, KVH, R, D]."""
+    position j. Each row sees keys 0..qpos (qpos - window + 1..qpos in a sliding window); returns [B, KVH, R, D]."""
     dtype = q.dtype
     # fp32 throughout (a no-op for fp32 models): bf16 adds in the tree would lose the scores' low bits.
     q, k, v = q.float(), k.float(), v.float()
@@ -310,7 +310,10 @@ def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, scale: float
         kt = k[:, :, t * KV_TILE : (t + 1) * KV_TILE]
         s = tree_sum(q[:, :, :, None, :] * kt[:, :, None, :, :]) * scale  # [B, KVH, R, KV_TILE]
         key_pos = torch.arange(t * KV_TILE, (t + 1) * KV_TILE, device=q.device)
-        scores.append(torch.where(key_pos <= visible_pos, s, float("-inf")))
+        seen = key_pos <= visible_pos
+        if window is not None:
+            seen = seen & (key_pos > visible_pos - window)
+        scores.append(torch.where(seen, s, float("-inf")))
     m = scores[0].amax(-1)
     for s in scores[1:]:
         m = torch.maximum(m, s.amax(-1))
@@ -328,32 +331,38 @@ class _InvariantCausalAttention(torch.autograd.Function):
     """Causal self-attention of full sequences: the tiled forward, the gradient of standard SDPA."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None) -> Tensor:
         ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
-        return _prefill_attention(q, k, v, scale)
+        ctx.scale, ctx.window = scale, window
+        return _prefill_attention(q, k, v, scale, window)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
-            out = _grouped_sdpa(q_, k_, v_, ctx.scale)
+            out = _grouped_sdpa(q_, k_, v_, ctx.scale, ctx.window)
             gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad)
-        return gq, gk, gv, None
+        return gq, gk, gv, None, None
 
 
-def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None) -> Tensor:
     """The standard kernel on _prefill_attention's layout: q [B, KVH, T, G, D], k, v [B, KVH, T, D]."""
     b, kvh, t, g, d = q.shape
     qh = q.permute(0, 1, 3, 2, 4).reshape(b, kvh * g, t, d)
+    band = None if window is None else window_band(torch.arange(t, device=q.device), t, window)
     out = F.scaled_dot_product_attention(
-        qh, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal=True, scale=scale
+        qh,
+        k.repeat_interleave(g, dim=1),
+        v.repeat_interleave(g, dim=1),
+        attn_mask=band,
+        is_causal=band is None,
+        scale=scale,
     )
     return out.reshape(b, kvh, g, t, d).permute(0, 1, 3, 2, 4)
 
 
-def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None) -> Tensor:
     """q [B, KVH, T, G, D] (G query heads per kv head), k, v [B, KVH, T, D]: causal, Q_TILE positions at a time."""
     b, kvh, t, g, d = q.shape
     q_tile = Q_TILE.get(q.device.type, Q_TILE["cpu"])
@@ -362,7 +371,7 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         stop = min(start + q_tile, t)
         qt = q[:, :, start:stop].reshape(b, kvh, (stop - start) * g, d)
         qpos = torch.arange(start, stop, device=q.device).repeat_interleave(g)[None].expand(b, -1)
-        out.append(_tiled_attention(qt, k, v, qpos, scale).reshape(b, kvh, stop - start, g, d))
+        out.append(_tiled_attention(qt, k, v, qpos, scale, window).reshape(b, kvh, stop - start, g, d))
     return torch.cat(out, dim=2)
 
 
@@ -454,10 +463,12 @@ class _KernelCausalAttention(torch.autograd.Function):
     """Causal self-attention of full sequences through the CUDA kernel; the gradient of standard SDPA."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float, window: int | None
+    ) -> Tensor:
         ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
-        return kernels.attention(q, k, v, row_batch, row_pos, scale)
+        ctx.scale, ctx.window = scale, window
+        return kernels.attention(q, k, v, row_batch, row_pos, scale, window)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -467,9 +478,9 @@ class _KernelCausalAttention(torch.autograd.Function):
         with torch.enable_grad():
             q_, k_, v_ = (x.detach().requires_grad_(True) for x in (q, k, v))
             q5 = q_.view(b, t, kvh, g, d).permute(0, 2, 1, 3, 4)
-            out = _grouped_sdpa(q5, k_, v_, ctx.scale).permute(0, 2, 1, 3, 4).reshape(b * t, kvh * g, d)
+            out = _grouped_sdpa(q5, k_, v_, ctx.scale, ctx.window).permute(0, 2, 1, 3, 4).reshape(b * t, kvh * g, d)
             gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad)
-        return gq, gk, gv, None, None, None
+        return gq, gk, gv, None, None, None, None
 
 
 def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
@@ -485,6 +496,7 @@ def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Ten
     positions = torch.arange(t, device=device).repeat(b)
     on_kernels = kernels.usable(input_ids, a.head_dim)
     row_batch = torch.arange(b, device=device).repeat_interleave(t)
+    window: int | None = None  # the layer's, set before each layer
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # K and V contiguous as [B, KVH, T, D], the cache's layout: the kernel then sees the same contiguity
@@ -495,20 +507,21 @@ def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Ten
             kv_out.append((k4, v4))
         if on_kernels:
             if torch.is_grad_enabled():
-                o = _KernelCausalAttention.apply(q, k4, v4, row_batch, positions, scale)
+                o = _KernelCausalAttention.apply(q, k4, v4, row_batch, positions, scale, window)
             else:
-                o = kernels.attention(q, k4, v4, row_batch, positions, scale)
+                o = kernels.attention(q, k4, v4, row_batch, positions, scale, window)
             return o.reshape(b * t, a.num_heads * a.head_dim)
         q5 = q.view(b, t, a.num_kv_heads, g, a.head_dim).permute(0, 2, 1, 3, 4)
         if torch.is_grad_enabled():
-            o = _InvariantCausalAttention.apply(q5, k4, v4, scale)
+            o = _InvariantCausalAttention.apply(q5, k4, v4, scale, window)
         else:
-            o = _prefill_attention(q5, k4, v4, scale)
+            o = _prefill_attention(q5, k4, v4, scale, window)
         return o.permute(0, 2, 1, 3, 4).reshape(b * t, a.num_heads * a.head_dim)
 
     cos, sin = _rope_rows(model, positions, t)
     x = pad_rows(F.embedding(input_ids.reshape(-1), model.model.embed_tokens.weight))
     for i in range(a.num_layers):
+        window = a.window(i)
         x = _layer(model, i, x, cos, sin, attend, rows=b * t)
     return _head(model, x[: b * t])[: b * t].view(b, t, -1)
 
@@ -545,13 +558,14 @@ def decode(
         kc, vc = cache.k[layer_i], cache.v[layer_i]
         if on_kernels:
             kernels.store_kv(k, v, kc, vc, positions)
-            return kernels.attention(q, kc, vc, rows, positions, scale).reshape(n, a.num_heads * a.head_dim)
+            o = kernels.attention(q, kc, vc, rows, positions, scale, a.window(layer_i))
+            return o.reshape(n, a.num_heads * a.head_dim)
         kc[rows, :, positions] = k
         vc[rows, :, positions] = v
         length = int(positions.max()) + 1
         qg = q.view(n, a.num_kv_heads, g, a.head_dim)
         qpos = positions[:, None].expand(n, g)
-        o = _tiled_attention(qg, kc[:n, :, :length], vc[:n, :, :length], qpos, scale)
+        o = _tiled_attention(qg, kc[:n, :, :length], vc[:n, :, :length], qpos, scale, a.window(layer_i))
         return o.reshape(n, a.num_heads * a.head_dim)
 
     # The tables cover the whole cache, so no step needs the positions on the host.
@@ -670,6 +684,4 @@ def unsupported_model(args: ModelArgs) -> str | None:
         return f"the batch-invariant forward needs even layer widths, this model has {', '.join(odd)}"
     if args.num_heads % args.num_kv_heads:
         return f"num_heads {args.num_heads} is not a multiple of num_kv_heads {args.num_kv_heads}"
-    if args.min_window is not None:
-        return f"the batch-invariant attention has no sliding window (this model's: {args.min_window} tokens)"
     return None

@@ -114,7 +114,7 @@ if AVAILABLE:
 
     @triton.jit
     def _attention_kernel(
-        Q, K, V, Out, RowBatch, RowPos, scale,
+        Q, K, V, Out, RowBatch, RowPos, scale, window,
         stride_qr, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         G: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -136,11 +136,13 @@ if AVAILABLE:
         m = tl.full([QP], float("-inf"), tl.float32)
         total = tl.zeros([QP], tl.float32)
         acc = tl.zeros([QP, D], tl.float32)
-        # Tiles up to the row's own position only; the tail of the last one is masked. Every visited tile holds
-        # a visible key (its first), so the running max is finite from the first tile on.
-        for t in range(0, pos // TILE + 1):
+        # Tiles from the one holding the row's oldest key in its window (key 0 without one) up to its own position;
+        # keys outside are masked. The first visited tile holds a visible key, so the running max is finite from it
+        # on. Which tiles a row visits depends on its position alone, never on the batch.
+        oldest = tl.maximum(pos - window + 1, 0)
+        for t in range(oldest // TILE, pos // TILE + 1):
             keys = t * TILE + n
-            seen = keys <= pos
+            seen = (keys <= pos) & (keys >= oldest)
             k = tl.load(kb + keys[:, None] * stride_kn + d[None, :], mask=seen[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -326,10 +328,13 @@ def qk_norm_rope(x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin:
     return out
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tensor, scale: float, window: int | None = None
+) -> Tensor:
     """Causal attention of query rows q [R, H, D] against k, v [B, KVH, L, D] (last dim contiguous).
 
-    Row r belongs to sequence row_batch[r] and sits at position row_pos[r]; it sees keys 0..row_pos[r].
+    Row r belongs to sequence row_batch[r] and sits at position row_pos[r]; it sees keys 0..row_pos[r], or within
+    a sliding window only the keys row_pos[r] - window + 1..row_pos[r].
     Returns [R, H, D] in q's dtype.
     """
     rows, heads, d = q.shape
@@ -344,7 +349,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, row_batch: Tensor, row_pos: Tenso
     group = heads // kv_heads
     tile, warps, stages = SETTINGS.attention
     _attention_kernel[(rows, kv_heads)](
-        q, k, v, out, row_batch, row_pos, scale,
+        q, k, v, out, row_batch, row_pos, scale, min(window or k.shape[2], k.shape[2]),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         G=group, QP=max(16, _next_pow2(group)), D=d, TILE=tile, IEEE=q.dtype == torch.float32, num_warps=warps,
         num_stages=stages,

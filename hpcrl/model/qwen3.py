@@ -284,6 +284,14 @@ class KVCache:
             t[dst].copy_(t[src])
 
 
+def window_band(query_pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """Which of the keys at positions 0..length-1 the queries at `query_pos` [..., T] see within a sliding window,
+    [..., T, length]: as transformers' sliding-window mask, a query at q sees the keys k with q - window < k <= q."""
+    key_pos = torch.arange(length, device=query_pos.device)
+    q = query_pos[..., None]
+    return (key_pos <= q) & (key_pos > q - window)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, window: int | None = None) -> None:
         super().__init__()
@@ -313,15 +321,16 @@ class Attention(nn.Module):
         """Causal attention over right-padded sequences (padding never leaks into real tokens), within the
         layer's sliding window if it has one."""
         q, k, v = self._qkv(x, cos, sin)
-        t = x.shape[1]
-        if self.window is not None and t > self.window:
-            pos = torch.arange(t, device=x.device)
-            # As transformers' sliding-window mask: a query sees the keys at most window - 1 positions back.
-            band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=self._gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+        out = self._self_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk that starts at position 0 to itself, within the layer's window."""
+        t = q.shape[2]
+        if self.window is not None and t > self.window:
+            band = window_band(torch.arange(t, device=q.device), t, self.window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=self._gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
 
     def forward_cached(
         self,
@@ -345,9 +354,11 @@ class Attention(nn.Module):
         if mask is None:
             k_rows[:, :, :t] = to_cache_dtype(k, k_rows.dtype)
             v_rows[:, :, :t] = to_cache_dtype(v, v_rows.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+            out = self._self_attention(q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         pos = start_pos[:, None] + torch.arange(t, device=x.device)[None, :]  # [B, T]
+        if self.window is not None and attn_len > self.window:
+            mask = mask & window_band(pos, attn_len, self.window)[:, None]
         rows = torch.arange(b, device=x.device)[:, None].expand(b, t)
         # Advanced indices around a slice put their dims first: the target is [B, T, kv, D]. Through a
         # same-width view: index_put is not implemented for every dtype a cache may have (float8).
@@ -486,11 +497,6 @@ class CausalLM(nn.Module):
             attn_len, mask = t, None
         else:
             attn_len = int((start_pos + t).max().item())
-        window = self.args.min_window
-        if window is not None and attn_len > window:
-            raise ValueError(
-                f"cached attention has no sliding window: {attn_len} positions exceed this model's {window}"
-            )
         if not from_start:
             key_pos = torch.arange(attn_len, device=device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]

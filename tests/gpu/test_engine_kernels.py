@@ -6,6 +6,7 @@ only), and is skipped otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -392,10 +393,41 @@ def test_fused_prefill_into_an_fp8_cache_matches_forward_cached(monkeypatch: pyt
             assert rel(k, k_ref) < 5e-2 and rel(v, v_ref) < 5e-2
 
 
+def test_fused_step_and_prefill_window_as_forward_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose first layer attends within 8 tokens: the fused prefill and decode step past the window."""
+    from hpcrl.engine.embedded.runner import DecodeRunner
+    from hpcrl.engine.embedded.step_output import RowState
+
+    monkeypatch.setattr(launch, "SETTINGS", KernelsConfig(prefill="fused"))
+    args = dataclasses.replace(tiny_args(), layer_windows=(8, None))
+    model = random_model(args, torch.float32)
+    cache = KVCache.allocate(args, 4, 40, torch.float32, DEVICE)
+    ref_cache = KVCache.allocate(args, 4, 40, torch.float32, DEVICE)
+    torch.manual_seed(9)
+    lengths = [20, 5, 12]
+    ids = torch.randint(3, args.vocab_size, (3, 20), device=DEVICE)
+    zeros = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    last = torch.tensor(lengths, device=DEVICE) - 1
+    runner = DecodeRunner(model, cache, max_batch=4, device=DEVICE, mode="triton")
+    with torch.no_grad():
+        ref = model.forward_cached(ids, ref_cache, 0, zeros, last, from_start=True)
+        assert rel(runner.prefill(ids, 0, last), ref) < 1e-4
+        for step in range(12):  # the short prompt's decode crosses its window
+            nxt = torch.randint(3, args.vocab_size, (3,), device=DEVICE)
+            start = torch.tensor(lengths, device=DEVICE) + step
+            ref = model.forward_cached(nxt[:, None], ref_cache, 0, start, zeros)
+            rows = [RowState(int(t), int(p), 0, 0, 1.0, -1, 1.0, 0.0) for t, p in zip(nxt, start, strict=True)]
+            runner.write_rows(rows)
+            assert rel(runner.fast_forward(3), ref) < 1e-4, step
+
+
 # 8-bit K/V only under a bfloat16 q: the engine refuses them with float32 models (and the interpreter runs fp32 only).
 @pytest.mark.parametrize(("dtype", "kv8"), [(d, False) for d in DTYPES] + [(torch.bfloat16, True)] * (len(DTYPES) > 1))
 @pytest.mark.parametrize("config", [(64, 4, 2, 1), (32, 4, 2, 0), (32, 2, 4, 1), (32, 1, 3, 2), (64, 4, 2, 2)])
-def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("window", [None, 37], ids=["full", "window-37"])
+def test_decode_attention_against_sdpa(
+    dtype: torch.dtype, kv8: bool, config: tuple[int, ...], window: int | None
+) -> None:
     torch.manual_seed(3)
     n, h, kv, d, max_len = 5, 16, 8, 64, 200
     kc = torch.randn(n, kv, max_len, d, device=DEVICE).to(torch.float8_e4m3fn if kv8 else dtype)
@@ -403,11 +435,12 @@ def test_decode_attention_against_sdpa(dtype: torch.dtype, kv8: bool, config: tu
     q = torch.randn(n, h, d, device=DEVICE).to(dtype)
     pos = torch.tensor([0, 63, 64, 150, 199], device=DEVICE)
     out = torch.empty_like(q)
-    attention.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d), config=config)
+    attention.decode_attention(q, kc, vc, pos, out, h, kv, d, 1 / math.sqrt(d), config=config, window=window)
     for b in range(n):
         L = int(pos[b]) + 1
-        k = kc[b, :, :L].float().repeat_interleave(h // kv, 0)
-        v = vc[b, :, :L].float().repeat_interleave(h // kv, 0)
+        first = max(L - window, 0) if window else 0  # a sliding window: the last `window` keys
+        k = kc[b, :, first:L].float().repeat_interleave(h // kv, 0)
+        v = vc[b, :, first:L].float().repeat_interleave(h // kv, 0)
         w = torch.softmax(q[b].float()[:, None] @ k.transpose(1, 2) / math.sqrt(d), -1)
         ref = (w @ v)[:, 0]
         assert rel(out[b].float(), ref) < (1e-4 if dtype == torch.float32 else 2e-2)

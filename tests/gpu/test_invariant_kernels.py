@@ -24,15 +24,15 @@ needs_cuda_gemm = pytest.mark.skipif(
 )
 
 
-def _model(dtype: torch.dtype, *, fusable: bool = False) -> CausalLM:
+def _model(dtype: torch.dtype, *, fusable: bool = False, windows: tuple[int | None, ...] = ()) -> CausalLM:
     """A small Qwen3. Its MLP width (88) is off the GEMM's 16-column tiles, so the engine does not stack gate/up;
-    `fusable` gives widths on them (the engine stacks q/k/v and gate/up)."""
+    `fusable` gives widths on them (the engine stacks q/k/v and gate/up); `windows`: each layer's sliding window."""
     widths = dict(intermediate_size=128, num_heads=4, head_dim=32) if fusable else {}
     args = ModelArgs(
         **{
             **dict(
                 vocab_size=200, hidden_size=64, intermediate_size=88, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=16, eos_token_ids=(2,),
+                head_dim=16, eos_token_ids=(2,), layer_windows=windows,
             ),
             **widths,
         }
@@ -87,6 +87,24 @@ def test_attention_handles_any_query_group_size(heads: int, kv_heads: int) -> No
     torch.testing.assert_close(out, sdpa.transpose(1, 2).reshape(b * t, heads, d), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 8, 21, 40])
+def test_attention_kernel_sees_only_the_keys_in_the_window(window: int) -> None:
+    """A sliding window: each row sees the keys q - window < k <= q (the band transformers masks), across tiles."""
+    torch.manual_seed(5)
+    b, t, h, kvh, d = 2, 45, 4, 2, 16
+    q = torch.randn(b * t, h, d, device=DEVICE)
+    k = torch.randn(b, kvh, t, d, device=DEVICE)
+    v = torch.randn(b, kvh, t, d, device=DEVICE)
+    rows_b = torch.arange(b, device=DEVICE).repeat_interleave(t)
+    rows_p = torch.arange(t, device=DEVICE).repeat(b)
+    out = invariant_kernels.attention(q, k, v, rows_b, rows_p, 1 / math.sqrt(d), window)
+    pos = torch.arange(t, device=DEVICE)
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    qh = q.view(b, t, h, d).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(qh, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=band)
+    torch.testing.assert_close(out, sdpa.transpose(1, 2).reshape(b * t, h, d), rtol=1e-5, atol=1e-5)
+
+
 def test_store_kv_writes_each_rows_k_and_v_at_its_own_position() -> None:
     torch.manual_seed(4)
     cache = KVCache.allocate(_model(torch.float32).args, 6, 20, torch.float32, DEVICE)
@@ -118,8 +136,11 @@ def test_the_qk_norm_rope_kernel_is_the_torch_ops_in_one_launch(dtype: torch.dty
 
 @needs_cuda_gemm
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_equals_decode_at_every_position_on_the_kernels(dtype: torch.dtype) -> None:
-    model = _model(dtype)
+@pytest.mark.parametrize("windows", [(), (8, None)], ids=["full", "window-8"])
+def test_prefill_equals_decode_at_every_position_on_the_kernels(
+    dtype: torch.dtype, windows: tuple[int | None, ...]
+) -> None:
+    model = _model(dtype, windows=windows)
     t = 40  # two key tiles, the second one's tail masked
     ids = torch.randint(3, 199, (3, t), device=DEVICE)
     with torch.no_grad():
@@ -135,14 +156,18 @@ def test_prefill_equals_decode_at_every_position_on_the_kernels(dtype: torch.dty
     assert torch.equal(alone[0], whole[1])
 
 
-def test_the_kernel_forward_has_the_plain_gradient() -> None:
-    """Training through the kernels: the gradient is standard attention's and RMSNorm's."""
-    model = _model(torch.float32).train()
+@pytest.mark.parametrize("windows", [(), (8, None)], ids=["full", "window-8"])
+def test_the_kernel_forward_has_the_plain_gradient(windows: tuple[int | None, ...]) -> None:
+    """Training through the kernels: the gradient (and the log-probs) are standard attention's and RMSNorm's, within
+    a sliding window too."""
+    model = _model(torch.float32, windows=windows).train()
     ids = torch.randint(3, 199, (2, 20), device=DEVICE)
-    invariant.token_logprobs(model, ids).sum().backward()
+    got_lp = invariant.token_logprobs(model, ids)
+    got_lp.sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     lp = torch.log_softmax(model(ids)[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+    torch.testing.assert_close(got_lp, lp[..., 0], rtol=1e-4, atol=1e-4)
     lp.sum().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None

@@ -108,13 +108,25 @@ def test_window_reaches_only_the_layers_transformers_windows() -> None:
     assert ModelArgs.from_hf_config(cfg).layer_windows == ()
 
 
-def test_engine_refuses_a_window_narrower_than_its_context(tmp_path: Path) -> None:
-    from hpcrl.engine.embedded.scheduler import Scheduler, SchedulerConfig
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_cached_forward_windows_as_the_trainer_does(kind: str, tmp_path: Path) -> None:
+    """forward_cached (the engine's prefill off the CPU path): a prefill longer than the window, then chunks of
+    new tokens on top of the cache, score each token as the trainer's forward of the whole sequence does."""
+    from hpcrl.model.qwen3 import KVCache
 
-    _, path = _hf_model("mistral", tmp_path, sliding_window=8)
-    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="engine.context_length to at most 8"):
-        Scheduler(model, SchedulerConfig(context_length=32), device=torch.device("cpu"), dtype=torch.float32)
+    overrides = {"sliding_window": 8} if kind == "mistral" else {"use_sliding_window": True, "sliding_window": 8}
+    _, path = _hf_model(kind, tmp_path, **overrides)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu")).eval()
+    ids = torch.randint(0, DIMS["vocab_size"], (2, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    cache = KVCache.allocate(model.args, 2, SEQ_LEN, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        want = model(ids)
+        start = torch.zeros(2, dtype=torch.long)
+        got = [model.forward_cached(ids[:, :12], cache, 0, start, torch.tensor([11, 11]), from_start=True)]
+        for pos in range(12, SEQ_LEN, 6):
+            last = torch.tensor([5, 5])
+            got.append(model.forward_cached(ids[:, pos : pos + 6], cache, 0, torch.tensor([pos, pos]), last))
+    assert float((torch.stack(got, 1) - want[:, 11::6]).abs().max()) <= 1e-4
 
 
 def test_the_batch_invariant_forward_scales_rope_as_the_trainer_does(tmp_path: Path) -> None:
@@ -127,3 +139,25 @@ def test_the_batch_invariant_forward_scales_rope_as_the_trainer_does(tmp_path: P
     with torch.no_grad():
         gap = (invariant.logits(model, ids) - model(ids)).abs().max()
     assert float(gap) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_the_batch_invariant_forward_windows_as_the_trainer_does(kind: str, tmp_path: Path) -> None:
+    """The invariant forward (the trainer's and the engine's prefill) within the window equals the trainer's forward;
+    the engine's invariant decode past the window gives the prefill's bits at every position."""
+    from hpcrl.model import invariant
+    from hpcrl.model.qwen3 import KVCache
+
+    overrides = {"sliding_window": 8} if kind == "mistral" else {"use_sliding_window": True, "sliding_window": 8}
+    _, path = _hf_model(kind, tmp_path, **overrides)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu")).eval()
+    assert invariant.unsupported_model(model.args) is None
+    ids = torch.randint(0, DIMS["vocab_size"], (3, SEQ_LEN), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = invariant.logits(model, ids)
+        assert float((whole - model(ids)).abs().max()) <= 1e-6
+        cache = KVCache.allocate(model.args, 3, SEQ_LEN, torch.float32, torch.device("cpu"))
+        first = invariant.prefill(model, cache, ids[:, :12], 0, torch.full((3,), 11))
+        assert torch.equal(first, whole[:, 11])
+        for pos in range(12, SEQ_LEN):
+            assert torch.equal(invariant.decode(model, cache, ids[:, pos], torch.full((3,), pos)), whole[:, pos]), pos

@@ -66,9 +66,10 @@ def decode_step(
     layers: list[LayerWeights],
     *,
     dims: tuple[int, int, int, int, float, bool],
+    windows: tuple[int | None, ...] = (),
 ) -> tuple[torch.Tensor, ...]:
     """Logits [n, V], the unit-temperature sample (tokens, log-probs), the new K/V rows [R, D] and
-    their row indices [R] in buffer.view(-1, D)."""
+    their row indices [R] in buffer.view(-1, D). `windows`: each layer's sliding window (ModelArgs.layer_windows)."""
     nh, nkv, hd, inter, eps, qk_norm = dims
     n = tokens.shape[0]
     group = nh // nkv
@@ -77,6 +78,8 @@ def decode_step(
     x = F.embedding(tokens, embed)
     hidden = x.shape[-1]
     masked = (key_pos[None, :] >= pos[:, None])[:, None, None, :]  # [n, 1, 1, L]
+    # The row's own new key (at pos) is always inside a window; the cached keys at pos - window and before are not.
+    outside = {w: masked | (key_pos[None, :] <= pos[:, None] - w)[:, None, None, :] for w in set(windows) if w}
     new_kv = []
     for i, (in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gate_up_w, down_w) in enumerate(layers):
         qkv = F.linear(F.rms_norm(x, (hidden,), in_norm, eps), qkv_w, qkv_b)
@@ -95,7 +98,8 @@ def decode_step(
         qg = q.view(n, nkv, group, hd)
         # Reduce over D with the keys innermost, so the loop vectorises along them.
         scores = (qg[..., None] * keys.transpose(-1, -2)[:, :, None]).sum(-2) * scale  # [n, kv, g, L]
-        scores = scores.masked_fill(masked, float("-inf"))
+        window = windows[i] if windows else None
+        scores = scores.masked_fill(outside[window] if window else masked, float("-inf"))
         own = (qg * k[:, :, None, :]).sum(-1, keepdim=True) * scale  # [n, kv, g, 1]: the new key
         top = torch.maximum(scores.amax(-1, keepdim=True), own)
         p_cache, p_own = torch.exp(scores - top), torch.exp(own - top)
@@ -133,9 +137,10 @@ class CompiledStep:
         model, cache = runner.model, runner.cache
         a = model.args
         dims = (a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, model.model.norm.eps, a.qk_norm)
-        if self._fn is None or dims != self._dims:
-            self._fn = torch.compile(functools.partial(decode_step, dims=dims), dynamic=False, fullgraph=True)
-            self._dims = dims
+        if self._fn is None or (dims, a.layer_windows) != self._dims:
+            step = functools.partial(decode_step, dims=dims, windows=a.layer_windows)
+            self._fn = torch.compile(step, dynamic=False, fullgraph=True)
+            self._dims = (dims, a.layer_windows)
         if self._key_pos is None or self._key_pos.shape[0] != cache.max_len:
             self._key_pos = torch.arange(cache.max_len, device=runner.device)
         fused = runner.paths.torch_weights()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.engine.embedded.kernels import attention, gemm, launch, norms
-from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin
+from hpcrl.model.qwen3 import CausalLM, KVCache, rope_cos_sin, window_band
 
 FusedWeights = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
 
@@ -89,7 +89,7 @@ class ForwardPaths:
                 qkv = F.linear(h, qkv_w, qkv_b)  # [n, (H + 2 KVH) D]
             norms.layer_qk_norm_rope_store(at, a, qkv, rope, pos, cache.k[i], cache.v[i])
             o = torch.empty(n, nh * hd, dtype=h.dtype, device=h.device)
-            attention.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale)
+            attention.decode_attention(qkv, cache.k[i], cache.v[i], pos, o, nh, nkv, hd, scale, window=a.window(i))
             post = layer.post_attention_layernorm
             if gemm_cfg is not None:
                 # o and down as split-K partials that add_rmsnorm sums; gate/up with the SwiGLU product built in.
@@ -149,8 +149,14 @@ class ForwardPaths:
         )
         # Attention runs over (row, kv head) pairs as one batch of [group, D] x [D, length] products.
         key_pos = torch.arange(length, device=dev)
-        bias = torch.zeros(n * nkv, 1, length, dtype=cos.dtype, device=dev)
-        bias.masked_fill_(key_pos > pos.repeat_interleave(nkv)[:, None, None], float("-inf"))
+        row_pos = pos.repeat_interleave(nkv)[:, None, None]
+        biases: dict[int | None, torch.Tensor] = {}  # per sliding window (None: the whole cache)
+        for window in set(a.layer_windows or (None,)):
+            bias = torch.zeros(n * nkv, 1, length, dtype=cos.dtype, device=dev)
+            hidden_keys = key_pos > row_pos
+            if window is not None:
+                hidden_keys |= key_pos <= row_pos - window
+            biases[window] = bias.masked_fill_(hidden_keys, float("-inf"))
         scale = 1.0 / math.sqrt(hd)
         group = nh // nkv
         layers = model.model.decoder_layers
@@ -164,7 +170,7 @@ class ForwardPaths:
             block.index_put_(kv_index, qkv[:, nh * hd :].view(n, 2, nkv, hd))
             q = qk[:, :nh].reshape(n * nkv, group, hd)
             keys = block[0, :n, :, :length].reshape(n * nkv, length, hd)  # a view: slots and heads merge
-            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)
+            scores = torch.baddbmm(biases[a.window(i)], q, keys.transpose(1, 2), alpha=scale)
             o = torch.bmm(torch.softmax(scores, -1), block[1, :n, :, :length].reshape(n * nkv, length, hd))
             x = x + _linear(o.reshape(n, nh * hd), at.o_proj.weight)
             post = layer.post_attention_layernorm
@@ -230,14 +236,20 @@ class ForwardPaths:
             block = cache.buffer[i]  # [2, slots, KVH, L, D]
             block[:, rows, :, :t] = qkv[..., nh * hd :].view(b, t, 2, nkv, hd).permute(2, 0, 3, 1, 4)
             keys, values = block[0, rows, :, :t], block[1, rows, :, :t]
+            window = a.window(i)
+            window = window if window is not None and t > window else None  # None: plain causal
             if i + 1 < len(layers):
                 q = qk[:, :, :nh].transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nh != nkv)
+                if window is None:
+                    o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nh != nkv)
+                else:
+                    band = window_band(torch.arange(t, device=self.device), t, window)
+                    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=band, enable_gqa=nh != nkv)
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             else:
                 x = x.view(b, t, hidden)[batch, last]
                 q = qk[batch, last, :nh][:, :, None]  # [B, H, 1, D]
-                visible = (torch.arange(t, device=self.device)[None, :] <= last[:, None])[:, None, None]
+                visible = window_band(last, t, window or t)[:, None, None]
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=nh != nkv)
                 o = o.reshape(b, nh * hd)
             x = x + _linear(o, at.o_proj.weight)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.engine.embedded.kernels import gemm, norms
-from hpcrl.model.qwen3 import CausalLM, KVCache
+from hpcrl.model.qwen3 import CausalLM, KVCache, window_band
 
 
 def prefill_logits(
@@ -64,7 +64,12 @@ def prefill_logits(
         )  # fmt: skip
         heads = qkv.view(b, t, nh + 2 * nkv, hd).transpose(1, 2)  # [B, heads, T, D], views of the GEMM's output
         q, k, v = heads[:, :nh], heads[:, nh : nh + nkv], heads[:, nh + nkv :]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
+        window = a.window(i)
+        if window is not None and t > window:
+            band = window_band(torch.arange(t, device=dev), t, window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=nh != nkv)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
         o = o.transpose(1, 2).reshape(n, nh * hd)
         if i + 1 == len(layers):
             # Only the tokens that predict each prompt's next token go on; every token's K/V is cached by now.

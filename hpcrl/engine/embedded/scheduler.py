@@ -54,14 +54,6 @@ class Scheduler(Control):
         self.device = device
         self.dtype = dtype
         self.eos_ids = frozenset(model.args.eos_token_ids)
-        window = model.args.min_window
-        if window is not None and cfg.context_length > window:
-            # The decode kernels attend to the whole cache; up to the window that is what the model computes.
-            raise ValueError(
-                f"this model attends within a sliding window of {window} tokens, which the embedded engine's "
-                f"attention does not compute; set engine.context_length to at most {window} "
-                f"(it is {cfg.context_length}), or serve the model with SGLang (engine.kind: sglang)"
-            )
         self.cache: KVCache | None = KVCache.allocate(
             model.args, cfg.max_running_requests, cfg.context_length, cfg.kv_cache_dtype or dtype, device
         )

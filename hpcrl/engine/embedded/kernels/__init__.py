@@ -8,8 +8,9 @@ runs ~40 passes over [B, V] int64/fp32 tensors. These kernels fuse each of those
   `norms.embed_rmsnorm`, the first layer's: the embedding lookup + RMSNorm;
 - `norms.qk_norm_rope_store`: per-head QK-norm + RoPE for q (in place) and k, and the K/V cache write,
   reading one fused QKV projection and the RoPE tables at each row's position;
-- `attention.decode_attention`: one query token per row against its own cache length (GQA heads share one
-  K/V read, and no row reads past its length, so CUDA graphs need no attention-length buckets);
+- `attention.decode_attention`: one query token per row against its own cache length, or the last `window` keys
+  of it in a sliding-window layer (GQA heads share one K/V read, and no row reads past its length, so CUDA graphs
+  need no attention-length buckets);
 - `gemm.silu_mul`: the SwiGLU product of one fused gate/up projection; `gemm.linear`, the Triton GEMM of
   engine.kernels.gemm triton, and `gemm.split_k_linear`, the cuBLAS path's split-K GEMM;
 - `sampler.sample_rows`: `sampling.sample`'s draw (a chunk of ids by its mass, then Gumbel-max inside it, with the

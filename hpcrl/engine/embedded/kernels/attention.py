@@ -22,6 +22,7 @@ if AVAILABLE:
         stride_ch,
         stride_cn,
         max_len,
+        window,
         H: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -38,6 +39,8 @@ if AVAILABLE:
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         length = tl.minimum(tl.load(Pos + b) + 1, max_len)
+        # A sliding window: the keys at positions first..length-1 (window >= max_len: all of them).
+        first = tl.maximum(length - window, 0)
         offs_h = tl.arange(0, BLOCK_H)
         hmask = offs_h < GROUP
         offs_d = tl.arange(0, D)
@@ -60,7 +63,7 @@ if AVAILABLE:
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         kbase = KC + b * stride_cb + kvh * stride_ch
         vbase = VC + b * stride_cb + kvh * stride_ch
-        for start in range(0, length, BLOCK_N):
+        for start in range(first, length, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < length
             k = tl.load(kbase + offs_n[:, None] * stride_cn + offs_d[None, :], mask=nmask[:, None], other=0.0)
@@ -126,8 +129,10 @@ def decode_attention(
     head_dim: int,
     scale: float,
     config: tuple[int, ...] | None = None,
+    window: int | None = None,
 ) -> None:
-    """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1.
+    """out[b] = softmax(q[b] K[b, :len_b]^T * scale) V[b, :len_b] with len_b = positions[b] + 1, or over the last
+    `window` of those keys (K[b, len_b - window:len_b]) for a layer with a sliding window.
 
     q: rows of H*D values with any row stride (a view of the fused QKV output); out: [n, H*D] contiguous.
     config: (BLOCK_N, num_warps, num_stages, use_dot); use_dot 0: CUDA-core dot products, 1: tensor-core dots
@@ -151,6 +156,7 @@ def decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
+        min(window, k_cache.shape[2]) if window else k_cache.shape[2],
         H=num_heads,
         GROUP=group,
         # tl.dot needs M >= 16: with it the grouped heads are padded to 16 rows.
