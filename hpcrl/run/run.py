@@ -80,6 +80,7 @@ class Run:
         self._closers: list[Any] = []
         # The last row logged and whether the trainer has moved past it (then it cannot be checkpointed).
         self._last_logged: tuple[int, dict[str, float]] | None = None
+        self._stop_recorded = False
         self._trained_past_last_logged = False
         self._prompt_ids_shown = False
         self.claim: RunDirClaim | None = None
@@ -319,9 +320,10 @@ class Run:
 
     def _record_stop(self, step: int, detail: dict[str, Any]) -> None:
         self.store.event("stopped", step=step, detail=detail)
+        self._stop_recorded = True  # the run stepped and says why it stopped: not a failed start
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if self.claim is not None and exc is not None and self._last_logged is None:
+        if self.claim is not None and exc is not None and self._last_logged is None and not self._stop_recorded:
             self.claim.failed_start = True  # its close leaves the run dir as this start found it
         if isinstance(exc, FleetError) and self._last_logged and not self._trained_past_last_logged:
             # An engine failure stops the run; keep the last finished step.
