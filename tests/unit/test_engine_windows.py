@@ -1,4 +1,5 @@
-"""Sliding-window models served by the embedded engine: what it generates is scored as transformers scores it."""
+"""Sliding-window and scaled-RoPE models served by the embedded engine: what it generates is scored as transformers
+scores it, past the window and past the original context."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ CONFIGS = {
     "mistral-window-8": ("mistral", {"sliding_window": WINDOW}),
     "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
 }
+# RoPE scaled past an original context of 16 positions: every sequence below runs past it.
+ROPE_CONFIGS = {
+    "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen3-yarn": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 16}}),
+}  # fmt: skip
 # A prompt longer than the window (its prefill must window) and a short one whose decode crosses the window.
 PROMPTS = [[3, 17, 29, 41, 5, 8, 13, 21, 34, 55, 2, 9, 60], [7, 11, 19]]
 NEW_TOKENS = 24
@@ -45,10 +53,9 @@ def engine_vs_transformers(kind: str, overrides: dict[str, Any], tmp_path: Path,
     finally:
         engine.stop()
     log = engine.log()
-    # The same weights attending to everything: the window must move these log-probs, or the test proves nothing.
-    unwindowed = type(reference.config).from_dict({**reference.config.to_dict(), "sliding_window": None,
-                                                   "use_sliding_window": False, "layer_types": None})  # fmt: skip
-    full = transformers.AutoModelForCausalLM.from_config(unwindowed, attn_implementation="eager").float().eval()
+    # The same weights without the setting (no window, plain RoPE): it must move these log-probs, or the test
+    # proves nothing.
+    full, _ = _hf_model(kind, tmp_path / "plain", vocab_size=len(tokenizer))
     full.load_state_dict(reference.state_dict())
     gap = effect = 0.0
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -58,7 +65,7 @@ def engine_vs_transformers(kind: str, overrides: dict[str, Any], tmp_path: Path,
         want, without = (_logprobs(m, ids, len(prompt)) for m in (reference, full))
         gap = max(gap, float((got - want).abs().max()))
         effect = max(effect, float((without - want).abs().max()))
-    assert effect > 1e-3, f"the window changed transformers' log-probs by only {effect}"
+    assert effect > 1e-3, f"the setting changed transformers' log-probs by only {effect}"
     return gap, log
 
 
@@ -82,5 +89,16 @@ def test_engine_logprobs_equal_transformers_past_the_window(
     gap, log = engine_vs_transformers(kind, overrides, tmp_path, *flags)
     if mode == "compile":
         assert "compiled the CPU decode step" in log and "step failed" not in log, log  # no fallback to eager
+    print(f"{config} {mode}: max |engine - transformers| log-prob = {gap:.2e}")
+    assert gap <= 1e-4, f"{config} ({mode}): the engine's log-probs differ from transformers' by {gap}"
+
+
+@pytest.mark.parametrize("config", list(ROPE_CONFIGS))
+@pytest.mark.parametrize("mode", ["eager", "invariant"])
+def test_engine_logprobs_equal_transformers_past_the_original_context(config: str, mode: str, tmp_path: Path) -> None:
+    # The engine's decode step reads its own cos/sin tables: they must carry the model's RoPE scaling.
+    kind, overrides = ROPE_CONFIGS[config]
+    flags = ("--batch-invariant",) if mode == "invariant" else ("--decode-mode", mode)
+    gap, _ = engine_vs_transformers(kind, overrides, tmp_path, *flags)
     print(f"{config} {mode}: max |engine - transformers| log-prob = {gap:.2e}")
     assert gap <= 1e-4, f"{config} ({mode}): the engine's log-probs differ from transformers' by {gap}"
