@@ -166,15 +166,6 @@ class GenerateResult:
     def aborted(self) -> bool:
         return self.finish_reason is not None and self.finish_reason.type == "abort"
 
-    def token_weight_versions(self) -> list[str | None]:
-        """The weight version of every output token: expanded spans, else `weight_version` for all."""
-        if self.weight_versions is None:
-            return [self.weight_version] * len(self.output_ids)
-        out: list[str | None] = []
-        for span in self.weight_versions:
-            out.extend([span.version] * (span.end - span.start))
-        return out
-
     @classmethod
     def from_response(cls, data: object) -> GenerateResult:
         """Parse one result object of a `/generate` response (see `parse_generate_response` for lists)."""
