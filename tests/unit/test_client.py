@@ -46,6 +46,7 @@ from hpcrl.engine.protocol.control import (
     UpdateWeightVersion,
 )
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
+from hpcrl.engine.versions import token_weight_versions
 
 # ----------------------------------------------------------------------------------------------------------------
 # A fake engine: canned contract-shaped answers, plus a per-path script of misbehaviours consumed first.
@@ -268,7 +269,7 @@ def test_generate_single_parses_logprobs_versions_and_serialises_params(client: 
     assert result.prompt_tokens == 2 and result.completion_tokens == 3
     assert result.weight_version == "default"
     assert result.weight_versions == [WeightVersionSpan(version="default", start=0, end=3)]
-    assert result.token_weight_versions() == ["default"] * 3
+    assert token_weight_versions(result, "http://engine") == [0] * 3  # "default" is the loaded weights
     assert result.e2e_latency_s == pytest.approx(0.01)
     (sent,) = engine.bodies("/generate")
     assert sent == {
@@ -686,7 +687,7 @@ def test_generate_result_round_trip_and_extensions():
     assert wire["meta_info"]["weight_versions"][1] == {"version": "2", "start": 2, "end": 3}
     parsed = GenerateResult.from_response(json.loads(json.dumps(wire)))
     assert parsed == result
-    assert parsed.token_weight_versions() == ["1", "1", "2"]
+    assert token_weight_versions(parsed, "http://engine") == [1, 1, 2]
     assert parse_generate_response([wire, wire]) == [result, result]
 
     # Upstream SGLang shapes: no extensions, older retraction key, abort with a message.
@@ -704,7 +705,7 @@ def test_generate_result_round_trip_and_extensions():
     parsed_upstream = GenerateResult.from_response(upstream)
     assert parsed_upstream.aborted and parsed_upstream.num_retractions == 2
     assert parsed_upstream.output_token_logprobs is None and parsed_upstream.weight_versions is None
-    assert parsed_upstream.token_weight_versions() == ["default"]
+    assert token_weight_versions(parsed_upstream, "http://engine") == [0]
 
     with pytest.raises(ValueError, match="weight_versions spans cover 2 tokens, the output has 3"):
         GenerateResult(text=None, output_ids=[1, 2, 3], rid="", finish_reason=None,
