@@ -88,6 +88,9 @@ class RunConfig:
         if self.train.old_logprobs is None:
             # Resolved here, so the dumped config (and a resume's comparison with it) names the choice.
             object.__setattr__(self, "train", replace(self.train, old_logprobs=_default_old_logprobs(self)))
+        if self.train.aggregation == "constant" and self.train.constant_normalizer_tokens is None:
+            tokens = self.rollout.max_new_tokens
+            object.__setattr__(self, "train", replace(self.train, constant_normalizer_tokens=tokens))
         generated = self.data.source in ("addition", "product") or self.data.source.startswith("reasoning_gym:")
         if self.eval.every_steps and self.eval.source is None and not generated:
             raise ValueError(

@@ -227,7 +227,7 @@ class Run:
         self.publisher.lend_memory()
         self._show_prompt_ids(groups)
         self._trained_past_last_logged = True
-        batch = batch_from_groups(groups, normalize_std=self.cfg.train.normalize_advantage_std)
+        batch = batch_from_groups(groups, normalize_std=bool(self.cfg.train.normalize_advantage_std))
         m = self.trainer.train_grpo(batch)
         out = {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
         out["timing/logprob_s"] = m.get("forward_s", 0.0)

@@ -87,24 +87,40 @@ class TrainConfig:
     """Truncation (tis) or masking (mis) threshold of the importance ratio; > 1."""
     eps_clip: float = 0.2
     """PPO clip below: a token's probability ratio r (new / old policy) counts no lower than 1 - eps_clip for a
-    negative advantage, so one update cannot push a token far down; in (0, 1)."""
+    negative advantage, so one update cannot push a token far down; in (0, 1). loss: gspo clips the sequence
+    ratio, which stays much closer to 1 (its paper used 3e-4); loss: cispo has no lower bound. Inert (a warning
+    says so) when the old policy is the trainer's and a batch makes one optimizer step: the ratio is then 1."""
     eps_clip_high: float = 0.28
     """PPO clip above: the ratio counts no higher than 1 + eps_clip_high for a positive advantage. Wider than
     eps_clip ("clip-higher", DAPO) lets unlikely tokens grow, slowing the collapse of entropy; > 0 (set it to
-    eps_clip for the symmetric PPO clip)."""
+    eps_clip for the symmetric PPO clip). loss: gspo: on the sequence ratio (its paper: 4e-4); loss: cispo: the
+    cap of the importance weight, 1 + eps_clip_high (ScaleRL used 4, a cap of 5)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the initial (reference) policy; > 0 keeps a frozen reference copy."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus subtracted from the loss (per token, the entropy of the policy's next-token
     distribution), >= 0: raise it (e.g. 0.001) when the entropy metric collapses and samples stop differing."""
-    aggregation: Literal["token", "sequence"] = "token"
+    loss: Literal["grpo", "gspo", "cispo", "dr_grpo"] = "grpo"
+    """The policy-gradient objective (docs/objectives.md). `grpo`: the PPO clip on each token's probability ratio.
+    `gspo` (Zheng et al. 2025): the clip on each sample's length-normalised sequence ratio, so a sample is kept or
+    clipped whole; sequence aggregation. `cispo` (MiniMax-M1 2025): each token's ratio, capped at 1 + eps_clip_high
+    and detached, weighs its log-prob gradient, so no token loses its gradient (eps_clip does not apply). `dr_grpo`
+    (Liu et al. 2025): GRPO's clip with advantages only centred and the sum of token losses over a constant
+    (samples x constant_normalizer_tokens). It resolves aggregation and normalize_advantage_std when they are
+    null."""
+    aggregation: Literal["token", "sequence", "constant"] | None = None
     """How per-token losses become the step's loss. `token`: the mean over all response tokens of the batch
     (each token counts the same, so long answers weigh more). `sequence`: each sample's mean over its tokens,
-    then the mean over samples (each sample counts the same)."""
-    normalize_advantage_std: bool = True
+    then the mean over samples (each sample counts the same). `constant`: the sum over all tokens divided by
+    samples x constant_normalizer_tokens (no sample's length changes any token's weight; Dr. GRPO). Null: the
+    loss's own (`sequence` for gspo, `constant` for dr_grpo, `token` otherwise)."""
+    constant_normalizer_tokens: int | None = None
+    """aggregation: constant: the tokens per sample of the normaliser (samples x this), >= 1. Null: the run's
+    rollout.max_new_tokens, the paper's choice."""
+    normalize_advantage_std: bool | None = None
     """true: a sample's advantage is (reward - group mean) / group std (GRPO); false: only centred,
     reward - group mean (Dr. GRPO), so groups with nearly equal rewards do not get amplified. Groups whose
-    rewards are all equal get 0 either way."""
+    rewards are all equal get 0 either way. Null: false for loss: dr_grpo, true otherwise."""
     num_ranks: int = 1
     """Trainer ranks (processes) on this node, joined by torch.distributed (gloo on CPU, nccl on GPU)."""
     device: str = "cpu"
@@ -156,6 +172,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_converters()
+        self._resolve_loss()
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
@@ -230,6 +247,35 @@ class TrainConfig:
                 f"logprobs: invariant covers device cpu or cuda, not {self.device!r}; use one of those, or "
                 "logprobs: plain (docs/numerics.md)"
             )
+
+    def _resolve_loss(self) -> None:
+        """Fill the loss's own aggregation and advantage normalisation (so the dumped config names them) and refuse
+        settings that would make the named objective another one."""
+        if self.aggregation is None:
+            aggregation = {"gspo": "sequence", "dr_grpo": "constant"}.get(self.loss, "token")
+            object.__setattr__(self, "aggregation", aggregation)
+        if self.normalize_advantage_std is None:
+            object.__setattr__(self, "normalize_advantage_std", self.loss != "dr_grpo")
+        if self.loss == "dr_grpo" and (self.normalize_advantage_std or self.aggregation != "constant"):
+            raise ValueError(
+                "loss: dr_grpo is GRPO without the std normalisation and with a constant normaliser, but "
+                f"normalize_advantage_std is {_yaml(self.normalize_advantage_std)} and aggregation is "
+                f"{self.aggregation}; remove those keys (or set them to false and constant), or use loss: grpo "
+                "with the settings you want"
+            )
+        if self.loss == "cispo" and self.eps_clip != 0.2:
+            raise ValueError(
+                f"eps_clip: {self.eps_clip} does not apply to loss: cispo: its importance weight has only an upper "
+                "bound, 1 + eps_clip_high (docs/objectives.md); remove eps_clip"
+            )
+        if self.constant_normalizer_tokens is not None:
+            if self.aggregation != "constant":
+                raise ValueError(
+                    f"constant_normalizer_tokens applies to aggregation: constant, not {self.aggregation}; remove it, "
+                    "or set aggregation: constant (or loss: dr_grpo)"
+                )
+            if self.constant_normalizer_tokens < 1:
+                raise ValueError(f"constant_normalizer_tokens must be >= 1, got {self.constant_normalizer_tokens}")
 
     def _check_converters(self) -> None:
         for name in self.converters:

@@ -1,4 +1,5 @@
-"""Pure-torch losses for the trainer: PPO/GRPO policy loss, SFT loss, numerics checks (token log-probs: logprobs.py).
+"""Pure-torch losses for the trainer: the policy-gradient objectives (GRPO, GSPO, CISPO, Dr. GRPO), the SFT loss and
+numerics checks (token log-probs: logprobs.py). docs/objectives.md says what each objective does to the gradient.
 
 Shapes: ``B`` sequences, ``T`` positions, ``V`` vocabulary. ``mask`` marks the response tokens that
 count; every other position may hold any value (padding, prompt) and never leaks into a loss, a
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "OBJECTIVES",
     "PolicyLossConfig",
     "importance_weights",
     "logprob_mismatch",
@@ -22,8 +24,10 @@ __all__ = [
     "sft_loss",
 ]
 
-Aggregation = Literal["token", "sequence"]
-_AGGREGATIONS = ("token", "sequence")
+Aggregation = Literal["token", "sequence", "constant"]
+_AGGREGATIONS = ("token", "sequence", "constant")
+Objective = Literal["grpo", "gspo", "cispo", "dr_grpo"]
+OBJECTIVES: tuple[Objective, ...] = ("grpo", "gspo", "cispo", "dr_grpo")
 Correction = Literal["tis", "mis"]
 
 
@@ -34,11 +38,13 @@ Correction = Literal["tis", "mis"]
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """PPO/GRPO loss settings.
+    """Policy-gradient loss settings.
 
-    ``eps_clip`` bounds the ratio from below (``1 - eps_clip``) and ``eps_clip_high`` from above
-    (``1 + eps_clip_high``); a wider upper bound ("clip-higher", DAPO) lets low-probability tokens grow
-    and slows entropy collapse.
+    ``objective`` picks the surrogate (``policy_loss``); ``eps_clip`` bounds the ratio from below
+    (``1 - eps_clip``) and ``eps_clip_high`` from above (``1 + eps_clip_high``); a wider upper bound
+    ("clip-higher", DAPO) lets low-probability tokens grow and slows entropy collapse. ``cispo`` caps its
+    importance weight at ``1 + eps_clip_high`` and has no lower bound. ``aggregation='constant'`` divides
+    the sum of token losses by sequences x ``tokens_per_sequence``.
     """
 
     eps_clip: float = 0.2
@@ -46,8 +52,19 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     aggregation: Aggregation = "token"
+    objective: Objective = "grpo"
+    tokens_per_sequence: int | None = None
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if (self.aggregation == "constant") != (self.tokens_per_sequence is not None):
+            raise ValueError(
+                "tokens_per_sequence is the constant normaliser of aggregation='constant': set both or neither, "
+                f"got aggregation={self.aggregation!r}, tokens_per_sequence={self.tokens_per_sequence}"
+            )
+        if self.tokens_per_sequence is not None and self.tokens_per_sequence < 1:
+            raise ValueError(f"tokens_per_sequence must be >= 1, got {self.tokens_per_sequence}")
         if not (0.0 < self.eps_clip < 1.0):
             raise ValueError(f"eps_clip must be in (0, 1), got {self.eps_clip}")
         if not (math.isfinite(self.eps_clip_high) and self.eps_clip_high > 0.0):
@@ -81,6 +98,7 @@ def _aggregate(
     aggregation: str,
     loss_scale_tokens: float | None,
     loss_scale_sequences: float | None,
+    tokens_per_sequence: int | None = None,
 ) -> Tensor:
     """Reduce a masked ``[B, T]`` loss to a scalar; see ``policy_loss`` for the micro-batch scales."""
     if aggregation not in _AGGREGATIONS:
@@ -97,6 +115,17 @@ def _aggregate(
     if loss_scale_tokens is not None:
         raise ValueError("loss_scale_tokens only applies to aggregation='token'")
     lengths = mask.sum(dim=-1)
+    if aggregation == "constant":
+        if tokens_per_sequence is None:
+            raise ValueError("aggregation='constant' needs tokens_per_sequence")
+        # Dr. GRPO: a sum over tokens with a normaliser that depends on no sample's length, so a long wrong
+        # answer is not penalised less per token than a short one.
+        total = _masked(per_token, mask).sum()
+        if loss_scale_sequences is not None:
+            if not loss_scale_sequences > 0:
+                raise ValueError(f"loss_scale_sequences must be > 0, got {loss_scale_sequences}")
+            return total / (loss_scale_sequences * tokens_per_sequence)
+        return total / ((lengths > 0).sum().clamp_min(1) * tokens_per_sequence)
     per_seq = _masked(per_token, mask).sum(dim=-1) / lengths.clamp_min(1)
     # Sequences without a single response token have no mean; they are left out of the count too.
     if loss_scale_sequences is not None:
@@ -123,11 +152,12 @@ def policy_loss(
     loss_scale_tokens: float | None = None,
     loss_scale_sequences: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate with asymmetric clip, optional k3 KL to a reference and entropy bonus.
+    """The policy-gradient objective ``cfg.objective``, optional k3 KL to a reference and entropy bonus.
 
-    Per masked token: ``max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high)) + kl_coef * k3
-    - entropy_coef * H`` with ``r = exp(logprobs - old_logprobs)``. ``old_logprobs`` and
-    ``ref_logprobs`` are treated as constants.
+    Per masked token: ``pg + kl_coef * k3 - entropy_coef * H``, where ``pg`` is the objective's surrogate
+    (``_surrogate``: the PPO clip on the token ratio for grpo and dr_grpo, on the sequence ratio for gspo, a
+    capped stop-gradient weight on the log-prob for cispo). ``old_logprobs`` and ``ref_logprobs`` are treated
+    as constants.
 
     Args:
         logprobs: ``[B, T]`` current-policy log-probs (differentiable).
@@ -143,13 +173,14 @@ def policy_loss(
             token count, so micro-batches of a step each get their own mean and tokens in short
             micro-batches weigh more. Passing the step's global masked token count instead makes the
             micro-batch losses (and gradients) sum exactly to the full-batch token mean.
-        loss_scale_sequences: the same for 'sequence' aggregation: the step's global count of
-            sequences with at least one masked token.
+        loss_scale_sequences: the same for 'sequence' and 'constant' aggregation: the step's global count
+            of sequences with at least one masked token.
 
     Returns:
         ``(loss, stats)``. Stats are python floats over this call's masked tokens: ``pg_loss`` (the
         policy-gradient term under ``cfg.aggregation``, local normalisation), ``pg_clipfrac`` (share of
-        tokens where the clip is active, i.e. the gradient is cut), ``ppo_kl`` (mean of
+        tokens where the clip is active: the gradient is cut; for cispo, the weight is capped and the
+        gradient kept), ``ppo_kl`` (mean of
         ``old - new`` log-probs), ``entropy`` and ``kl`` when given, and ``num_tokens``.
     """
     shape = logprobs.shape
@@ -169,11 +200,7 @@ def policy_loss(
     old_logprobs = old_logprobs.detach()
 
     log_ratio = _masked(logprobs - old_logprobs, mask)
-    ratio = torch.exp(log_ratio)
-    pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = (pg_clipped > pg_unclipped) & mask
+    pg, clipped = _surrogate(_masked(logprobs, mask), log_ratio, advantages, mask, cfg)
     if token_weights is not None:
         _check_bt("token_weights", token_weights, shape)
         pg = pg * _masked(token_weights.detach().to(pg.dtype), mask)
@@ -191,14 +218,16 @@ def policy_loss(
         if cfg.entropy_coef > 0:
             per_token = per_token - cfg.entropy_coef * _masked(entropy, mask)
 
-    loss = _aggregate(per_token, mask, cfg.aggregation, loss_scale_tokens, loss_scale_sequences)
+    loss = _aggregate(
+        per_token, mask, cfg.aggregation, loss_scale_tokens, loss_scale_sequences, cfg.tokens_per_sequence
+    )
 
     with torch.no_grad():
         n = mask.sum()
         denom = n.clamp_min(1).to(logprobs.dtype)
         names = ["pg_loss", "pg_clipfrac", "ppo_kl"]
         values = [
-            _aggregate(pg, mask, cfg.aggregation, None, None),
+            _aggregate(pg, mask, cfg.aggregation, None, None, cfg.tokens_per_sequence),
             clipped.sum() / denom,
             -_masked(log_ratio, mask).sum() / denom,
         ]
@@ -213,6 +242,39 @@ def policy_loss(
         # One device sync for all stats instead of one per .item(); double so python floats lose nothing.
         stats = dict(zip(names, torch.stack([v.detach().double() for v in values]).tolist(), strict=True))
     return loss, stats
+
+
+def _surrogate(
+    logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, mask: Tensor, cfg: PolicyLossConfig
+) -> tuple[Tensor, Tensor]:
+    """The per-token policy-gradient term of ``cfg.objective`` and where its clip acts (inputs masked).
+
+    - ``grpo``, ``dr_grpo``: the PPO clipped surrogate on the token ratio ``r_t = exp(lp_t - old_t)``:
+      ``max(-A r_t, -A clip(r_t, 1 - eps_clip, 1 + eps_clip_high))`` (Shao et al. 2024, "DeepSeekMath";
+      Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", differs only in the advantage and
+      the aggregation, chosen by the config).
+    - ``gspo``: the same clip on the sequence ratio ``s = exp(mean_t(lp_t - old_t))``, the geometric mean of
+      the token ratios, so a whole sample is clipped or kept (Zheng et al. 2025, "Group Sequence Policy
+      Optimization"). Written in the paper's GSPO-token form, ``sg(s) * exp(lp_t - sg(lp_t))``: the value
+      is ``s`` on every token and, with per-sample advantages and 'sequence' aggregation, the gradient is
+      GSPO's exactly; per-token advantages (a dense signal) then also reach their own tokens.
+    - ``cispo``: ``-sg(min(r_t, 1 + eps_clip_high)) A lp_t``: the importance weight is capped and
+      detached instead of the token being clipped, so every token keeps its gradient, the rare
+      high-ratio "fork" tokens included (MiniMax 2025, "MiniMax-M1", CISPO; no lower bound, as there).
+    """
+    lo, hi = 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high
+    if cfg.objective == "cispo":
+        ratio = torch.exp(log_ratio).detach()
+        weight = ratio.clamp(max=hi)
+        return -advantages * weight * logprobs, (ratio > hi) & mask
+    if cfg.objective == "gspo":
+        lengths = mask.sum(dim=-1, keepdim=True).clamp_min(1)
+        seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / lengths).detach()
+        log_ratio = _masked(seq_log_ratio + logprobs - logprobs.detach(), mask)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * torch.clamp(ratio, lo, hi)
+    return torch.maximum(pg_unclipped, pg_clipped), (pg_clipped > pg_unclipped) & mask
 
 
 @torch.no_grad()

@@ -80,9 +80,12 @@ class TrainStep:
         self.backend = backend
         self.cfg = cfg
         self.nan_guard = nan_guard
+        if cfg.aggregation == "constant" and cfg.constant_normalizer_tokens is None:
+            raise ValueError("train.aggregation: constant needs train.constant_normalizer_tokens (e.g. max_new_tokens)")
         self.loss_cfg = PolicyLossConfig(
             eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, kl_coef=cfg.kl_coef,
-            entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
+            entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation or "token", objective=cfg.loss,
+            tokens_per_sequence=cfg.constant_normalizer_tokens,
         )  # fmt: skip
 
     def grpo(self, batch: TrainBatch, optimizer: SteppableOptimizer) -> dict[str, float]:
@@ -160,12 +163,17 @@ class TrainStep:
         """One optimizer step over micro-batches `mbs`; `old` are their old-policy log-probs (None: each training
         forward's own, detached), `ref` the reference policy's."""
         b = self.backend
-        local_tokens = torch.tensor([float(sum(mb.num_response_tokens for mb in mbs))], dtype=torch.float64)
-        global_tokens = float(b.all_reduce(local_tokens.to(b.device), "sum").item())
+        local = [float(sum(mb.num_response_tokens for mb in mbs)), float(sum(_num_sequences(mb) for mb in mbs))]
+        counts = b.all_reduce(torch.tensor(local, dtype=torch.float64, device=b.device), "sum").tolist()
+        global_tokens, global_sequences = counts
         if global_tokens == 0:
             raise ValueError("the batch has no response tokens to train on")
-        # Averaged gradients (DDP) scaled by the replica count are a sum, the gradient of the token mean.
-        scale = global_tokens / b.dp_size if b.averages_gradients else global_tokens
+        # The loss's global denominator (tokens, or sequences under the per-sequence aggregations) gives every
+        # micro-batch the same normaliser. Averaged gradients (DDP) scaled by the replica count are a sum.
+        by_sequence = not sft and self.loss_cfg.aggregation != "token"
+        scale = global_sequences if by_sequence else global_tokens
+        scale = scale / b.dp_size if b.averages_gradients else scale
+        scales = {"loss_scale_sequences": scale} if by_sequence else {"loss_scale_tokens": scale}
         sums = StepSums()
 
         def loss(i: int, lp: Tensor, entropy: Tensor | None) -> Tensor:
@@ -184,8 +192,7 @@ class TrainStep:
                     sums.add(is_stats, tokens)
                 out, stats = policy_loss(
                     lp, mb_old, mb.advantages, mb.loss_mask, self.loss_cfg,
-                    ref_logprobs=None if ref is None else ref[i], entropy=entropy, token_weights=weights,
-                    loss_scale_tokens=scale,
+                    ref_logprobs=None if ref is None else ref[i], entropy=entropy, token_weights=weights, **scales,
                 )  # fmt: skip
                 sums.add_rollout_gap(lp, mb, tokens)
             sums.sums["loss"] += float(out.detach().item())
@@ -209,6 +216,11 @@ class TrainStep:
             peak = torch.tensor([sums[PEAK]], dtype=torch.float64, device=b.device)
             metrics[PEAK] = float(b.all_reduce(peak, "max").item())
         return metrics
+
+
+def _num_sequences(mb: TrainBatch) -> int:
+    """Rows with at least one response token: the count of the per-sequence aggregations."""
+    return int((mb.loss_mask.sum(dim=-1) > 0).sum().item())
 
 
 def combine_updates(steps: list[dict[str, float]], num_minis: int, scoring_s: float) -> dict[str, float]:
