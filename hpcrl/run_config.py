@@ -114,6 +114,14 @@ class RunConfig:
                 f"rollout.n_samples_per_prompt = {self.data.prompts_per_step} x {self.rollout.n_samples_per_prompt} "
                 f"= {batch}; use one of {_divisors(batch, self.train.data_parallel_size)} (or null: the whole batch)"
             )
+        if self.train.old_logprobs == "trainer" and self.train.ppo_epochs == 1 and gbs in (None, batch):
+            warnings.warn(
+                "train.eps_clip and train.eps_clip_high are inert: with train.old_logprobs=trainer, one PPO epoch "
+                "and one mini-batch, each batch makes one optimizer step from the weights that scored it, so the "
+                "ratio is 1 and never clipped (cispo: never capped). For them to act, set train.global_batch_size "
+                "to a divisor of the batch or train.ppo_epochs > 1 (or train.old_logprobs=rollout)",
+                stacklevel=3,
+            )
         if self.train.logprobs == "invariant" and not self.engine.batch_invariant:
             raise ValueError(
                 "train.logprobs=invariant needs engine.batch_invariant: true: the trainer's batch-invariant log-probs "

@@ -352,7 +352,8 @@ def test_async_mode_takes_the_ppo_ratio_against_the_engines_logprobs_unless_told
     sync = load_run_config(quickstart)
     assert sync.train.old_logprobs == "trainer" and "old_logprobs: trainer" in run_config_yaml(sync)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the clipped ratio against the engine is a correction: no warning
+        # The clipped ratio against the engine is a correction: no off-policy warning.
+        warnings.filterwarnings("error", message="rollout.mode=async without an off-policy correction")
         default = load_run_config(quickstart, ["rollout.mode=async"])
         tis = load_run_config(quickstart, ["rollout.mode=async", "train.off_policy_correction=tis"])
     assert default.train.old_logprobs == "rollout" and "old_logprobs: rollout" in run_config_yaml(default)

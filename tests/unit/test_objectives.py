@@ -4,6 +4,7 @@ grpo, gspo, cispo and dr_grpo (loss and gradient), and Dr. GRPO against its pape
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -217,3 +218,16 @@ def test_the_trainer_step_normalises_each_objective_over_the_whole_batch(loss: s
     assert whole["grad_norm"] == pytest.approx(split["grad_norm"], rel=1e-4)
     # The engine's log-probs are far above the trainer's: the ratio clips at 1 - eps_clip (cispo has no lower bound).
     assert (whole["pg_clipfrac"] > 0) == (loss != "cispo")
+
+
+def test_an_inert_clip_is_named_at_load() -> None:
+    from hpcrl.run_config import load_run_config
+    from tests.support import REPO
+
+    quickstart = REPO / "experiments" / "quickstart.yaml"
+    with pytest.warns(UserWarning, match="train.eps_clip and train.eps_clip_high are inert"):
+        load_run_config(quickstart, [])
+    for acting in (["train.global_batch_size=128"], ["train.ppo_epochs=2"], ["train.old_logprobs=rollout"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_run_config(quickstart, acting)
