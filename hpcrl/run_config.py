@@ -122,6 +122,14 @@ class RunConfig:
                 "to a divisor of the batch or train.ppo_epochs > 1 (or train.old_logprobs=rollout)",
                 stacklevel=3,
             )
+        if self.train.overlong_window_tokens and (
+            self.rollout.kind == "multi_turn" or self.train.overlong_window_tokens > self.rollout.max_new_tokens
+        ):
+            raise ValueError(
+                f"train.overlong_window_tokens={self.train.overlong_window_tokens} must be at most "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}, the budget it ends at (and single-turn: a "
+                "turn's budget is not an episode's)"
+            )
         if self.train.logprobs == "invariant" and not self.engine.batch_invariant:
             raise ValueError(
                 "train.logprobs=invariant needs engine.batch_invariant: true: the trainer's batch-invariant log-probs "

@@ -46,7 +46,7 @@ from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.store.sinks import open_sinks
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
-from hpcrl.trainer.advantage import batch_from_groups
+from hpcrl.trainer.advantage import Overlong, batch_from_groups
 from hpcrl.trainer.ranks import RankGroup
 from hpcrl.trainer.warm_start import WarmStart
 
@@ -227,7 +227,11 @@ class Run:
         self.publisher.lend_memory()
         self._show_prompt_ids(groups)
         self._trained_past_last_logged = True
-        batch = batch_from_groups(groups, normalize_std=bool(self.cfg.train.normalize_advantage_std))
+        train = self.cfg.train
+        overlong = Overlong(
+            self.cfg.rollout.max_new_tokens, train.overlong_window_tokens, train.overlong_penalty, train.mask_truncated
+        )
+        batch = batch_from_groups(groups, normalize_std=bool(train.normalize_advantage_std), overlong=overlong)
         m = self.trainer.train_grpo(batch)
         out = {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
         out["timing/logprob_s"] = m.get("forward_s", 0.0)

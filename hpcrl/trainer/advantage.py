@@ -6,6 +6,7 @@ no value model is needed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,7 @@ from hpcrl.trainer.batch import TrainBatch
 if TYPE_CHECKING:
     from hpcrl.samples.sample import Group
 
-__all__ = ["batch_from_groups", "group_advantages", "zero_std_group_share"]
+__all__ = ["Overlong", "batch_from_groups", "group_advantages", "zero_std_group_share"]
 
 
 def _check_rewards(rewards: Tensor) -> None:
@@ -62,16 +63,44 @@ def zero_std_group_share(rewards: Tensor) -> float:
     return _constant_groups(rewards).float().mean().item()
 
 
-def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch:
+@dataclass(frozen=True)
+class Overlong:
+    """DAPO's treatment of long answers (Yu et al. 2025, "DAPO"): a soft length penalty and the truncated masked.
+
+    ``penalty(n)`` for an answer of ``n`` tokens with budget ``L = max_new_tokens`` and window ``W``: 0 up to
+    ``L - W`` tokens, then falling linearly to ``-penalty`` at ``L`` (DAPO's overlong reward shaping), added to
+    the reward before the group's advantages. ``mask_truncated``: answers cut at the budget (finish ``length``)
+    leave the loss (overlong filtering): a cut answer's reward says nothing about its unfinished reasoning.
+    """
+
+    max_new_tokens: int
+    window_tokens: int = 0
+    penalty: float = 1.0
+    mask_truncated: bool = False
+
+    def penalty_of(self, num_tokens: int) -> float:
+        if self.window_tokens == 0:
+            return 0.0
+        over = num_tokens - (self.max_new_tokens - self.window_tokens)
+        return -self.penalty * min(max(over, 0), self.window_tokens) / self.window_tokens
+
+
+def batch_from_groups(groups: list[Group], *, normalize_std: bool, overlong: Overlong | None = None) -> TrainBatch:
     """The trainer's batch of a step's scored groups: every sample, with its group-relative advantage."""
     rewards = []
     for g in groups:
         valid = [s.reward for s in g.samples if s.reward_error is None]
         fill = sum(valid) / len(valid) if valid else 0.0
         # A sample whose reward failed gets the group mean: advantage 0, so it teaches nothing.
-        rewards.append([s.reward if s.reward_error is None else fill for s in g.samples])
+        row = [s.reward if s.reward_error is None else fill for s in g.samples]
+        if overlong is not None:
+            row = [r + overlong.penalty_of(len(s.output_ids)) for r, s in zip(row, g.samples, strict=True)]
+        rewards.append(row)
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), normalize_std=normalize_std).flatten()
     samples = [s for g in groups for s in g.samples]
+    masks = [s.loss_mask for s in samples]
+    if overlong is not None and overlong.mask_truncated:
+        masks = [[0] * len(s.output_ids) if s.finish == "length" else m for s, m in zip(samples, masks, strict=True)]
     with_supports = [s.supports is not None for s in samples]
     if any(with_supports) and not all(with_supports):
         raise ValueError("some samples carry sampling supports and others do not; a batch is replayed whole or not")
@@ -81,5 +110,5 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
         advantages=adv.tolist(),
         rollout_logprobs=[s.logprobs for s in samples],
         supports=[s.supports for s in samples if s.supports is not None] if any(with_supports) else None,
-        response_masks=[s.loss_mask for s in samples],
+        response_masks=masks,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -121,6 +122,17 @@ class TrainConfig:
     """true: a sample's advantage is (reward - group mean) / group std (GRPO); false: only centred,
     reward - group mean (Dr. GRPO), so groups with nearly equal rewards do not get amplified. Groups whose
     rewards are all equal get 0 either way. Null: false for loss: dr_grpo, true otherwise."""
+    overlong_window_tokens: int = 0
+    """DAPO's overlong reward shaping: an answer longer than rollout.max_new_tokens - overlong_window_tokens tokens
+    loses reward linearly with its length, down to -overlong_penalty at rollout.max_new_tokens, before the group's
+    advantages (the logged rewards stay the task's); 0: off. Longer answers are not made longer by a penalty that
+    starts only at the budget, where truncation already hurts."""
+    overlong_penalty: float = 1.0
+    """The reward an answer of rollout.max_new_tokens tokens loses under overlong_window_tokens; > 0."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: answers cut at rollout.max_new_tokens (finish `length`) are left out of the loss,
+    so an unfinished answer is not punished for reasoning it was not allowed to finish (their rewards still
+    enter their group's mean)."""
     num_ranks: int = 1
     """Trainer ranks (processes) on this node, joined by torch.distributed (gloo on CPU, nccl on GPU)."""
     device: str = "cpu"
@@ -267,6 +279,15 @@ class TrainConfig:
             raise ValueError(
                 f"eps_clip: {self.eps_clip} does not apply to loss: cispo: its importance weight has only an upper "
                 "bound, 1 + eps_clip_high (docs/objectives.md); remove eps_clip"
+            )
+        if self.overlong_window_tokens < 0:
+            raise ValueError(f"overlong_window_tokens must be >= 0 (0: off), got {self.overlong_window_tokens}")
+        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty > 0):
+            raise ValueError(f"overlong_penalty must be a finite number > 0, got {self.overlong_penalty}")
+        if self.overlong_penalty != 1.0 and self.overlong_window_tokens == 0:
+            raise ValueError(
+                "overlong_penalty applies with overlong_window_tokens > 0; set the window (e.g. a quarter of "
+                "rollout.max_new_tokens), or remove overlong_penalty"
             )
         if self.constant_normalizer_tokens is not None:
             if self.aggregation != "constant":

@@ -227,7 +227,36 @@ def test_an_inert_clip_is_named_at_load() -> None:
     quickstart = REPO / "experiments" / "quickstart.yaml"
     with pytest.warns(UserWarning, match="train.eps_clip and train.eps_clip_high are inert"):
         load_run_config(quickstart, [])
+    with pytest.raises(ValueError, match="overlong_window_tokens=9 must be at most rollout.max_new_tokens=8"):
+        load_run_config(quickstart, ["train.overlong_window_tokens=9"])
     for acting in (["train.global_batch_size=128"], ["train.ppo_epochs=2"], ["train.old_logprobs=rollout"]):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             load_run_config(quickstart, acting)
+
+
+def test_overlong_shaping_is_dapos_formula_and_truncated_answers_leave_the_loss() -> None:
+    """Yu et al. 2025, eq. (13): R(y) = 0 for |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to
+    L_max, -1 beyond (here the engine never exceeds L_max)."""
+    from hpcrl.samples.sample import Example, Group, Sample
+    from hpcrl.trainer.advantage import Overlong, batch_from_groups
+
+    shaping = Overlong(max_new_tokens=16, window_tokens=4)
+    for n in range(1, 17):
+        expected = 0.0 if n <= 12 else (12 - n) / 4
+        assert shaping.penalty_of(n) == pytest.approx(expected)
+
+    def sample(n: int, finish: str) -> Sample:
+        return Sample(prompt_ids=[1, 2], output_ids=[3] * n, logprobs=[-1.0] * n, text="", finish=finish,
+                      weight_versions=[0] * n, reward=1.0)  # fmt: skip
+
+    group = Group(example=Example(prompt="p", answer="a"), samples=[sample(4, "stop"), sample(14, "stop"),
+                                                                    sample(16, "length")])  # fmt: skip
+    plain = batch_from_groups([group], normalize_std=False)
+    assert plain.advantages.tolist() == [0.0, 0.0, 0.0]  # equal rewards: no signal without the shaping
+    shaped = batch_from_groups([group], normalize_std=False, overlong=Overlong(16, 4, mask_truncated=True))
+    rewards = torch.tensor([1.0, 0.5, 0.0])
+    torch.testing.assert_close(shaped.advantages, rewards - rewards.mean())
+    assert shaped.loss_mask.sum(dim=1).tolist() == [4, 14, 0]  # the truncated answer leaves the loss
+    with pytest.raises(ValueError, match="overlong_penalty applies with overlong_window_tokens > 0"):
+        TrainConfig(overlong_penalty=0.5)
