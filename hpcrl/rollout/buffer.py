@@ -3,7 +3,8 @@
 Finished groups wait here until the trainer collects them. `put` blocks while the buffer is full
 (backpressure: the producer then submits nothing new, and no group is ever dropped for want of space).
 Verdicts: on arrival, a group with an aborted sample or one whose reward failed (`aborted`), and one the
-filter rejects (`filtered`); on collection, one whose staleness exceeds `buffer.max_staleness` (`stale`).
+filter rejects (`filtered`), one whose rewards are all equal under rollout.dynamic_sampling (`equal_rewards`); on
+collection, one whose staleness exceeds `buffer.max_staleness` (`stale`).
 
 Versions are ints, the number of optimizer steps behind the weights (hpcrl/samples/versions.py: 0 is the weights
 before any GRPO step, the warm start's too). Staleness of a group consumed by step s (which trains the policy of
@@ -87,12 +88,14 @@ def load_filter(spec: str | None) -> GroupFilter | None:
     return CheckedFilter(cast(GroupFilter, fn), spec)
 
 
-def arrival_verdict(group: Group, keep: GroupFilter | None) -> str | None:
-    """The reason to drop a group as it arrives, None to keep it."""
+def arrival_verdict(group: Group, keep: GroupFilter | None, *, dynamic: bool = False) -> str | None:
+    """The reason to drop a group as it arrives, None to keep it; `dynamic`: rollout.dynamic_sampling."""
     if any(s.finish == "abort" for s in group.samples):
         return "aborted"
     if any(s.reward_error is not None for s in group.samples):
         return "reward_failed"  # counted with the aborted: a sample without a true reward
+    if dynamic and not zero_std(group):
+        return "equal_rewards"
     if keep is not None and not keep(group):
         return "filtered"
     return None

@@ -102,6 +102,14 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k filter; -1 is off (the whole vocabulary), >= 1 turns on sampling-support replay: the trainer
     renormalises over the ids each token was drawn from (docs/sampling-replay.md)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025): a group whose rewards are all equal (no advantage, no gradient) is
+    dropped and more prompts are drawn until the step has data.prompts_per_step groups with a signal, so every
+    step trains on a full batch that teaches. sync: whole extra batches of prompts of a stream of their own, the
+    surplus left unused; async: the producer keeps drawing. Counted per step: rollout/dynamic_dropped_groups."""
+    dynamic_sampling_max_batches: int = 4
+    """dynamic_sampling: the most prompts one step draws, in batches of data.prompts_per_step (the first
+    included); a step still short of groups with unequal rewards then stops the run with what to change; >= 1."""
     request_timeout_s: float = 600.0
     """Seconds an engine request (one /generate call, or one multi-turn turn) may take before it fails."""
     model_family: str | None = None
@@ -142,6 +150,16 @@ class RolloutConfig:
             )
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.dynamic_sampling_max_batches < 1:
+            raise ValueError(f"dynamic_sampling_max_batches must be >= 1, got {self.dynamic_sampling_max_batches}")
+        if self.dynamic_sampling_max_batches != 4 and not self.dynamic_sampling:
+            raise ValueError(
+                "dynamic_sampling_max_batches applies with dynamic_sampling: true; set it, or remove the cap"
+            )
+        if self.dynamic_sampling and self.kind == "multi_turn":
+            raise ValueError(
+                "rollout.dynamic_sampling draws extra single-turn groups; rollout.kind=multi_turn runs without it"
+            )
         self._check_kind()
 
     @property

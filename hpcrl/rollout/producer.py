@@ -45,6 +45,7 @@ from hpcrl.engine.versions import token_weight_versions
 from hpcrl.rollout.buffer import BufferedGroup, GroupBuffer, arrival_verdict, load_filter
 from hpcrl.rollout.config import BufferConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
+from hpcrl.rollout.dynamic import DynamicSamplingError, cap_message
 from hpcrl.rollout.generate import PromptFormatter, sample_of
 from hpcrl.rollout.ledger import PromptLedger
 from hpcrl.rollout.scoring import RewardScorer
@@ -54,7 +55,10 @@ from hpcrl.samples.versions import stored_version
 
 MAX_ATTEMPTS = 3  # buffer.on_drop=retry: a prompt is generated at most this often, then dropped
 _STATE_VERSION = 1
-_DROP_COUNTERS = {"aborted": "aborted", "reward_failed": "aborted", "filtered": "filtered", "stale": "stale"}
+_DROP_COUNTERS = {
+    "aborted": "aborted", "reward_failed": "aborted", "filtered": "filtered", "stale": "stale",
+    "equal_rewards": "equal_rewards",
+}  # fmt: skip
 
 
 class Publisher(Protocol):
@@ -122,7 +126,7 @@ class GroupProducer:
         self._stale_wait_s = 0.0  # time submission was held for staleness, since the last pop_metrics
         self._held_since: float | None = None
         self._wake: Future[None] = Future()  # set when a held submission may go: a push, a commit, a stop
-        self._counts = dict.fromkeys(("aborted", "filtered", "stale"), 0)
+        self._counts = dict.fromkeys(("aborted", "filtered", "stale", "equal_rewards"), 0)
         self._step_metrics: dict[str, float] = {}
         self._saved_ledger: dict[str, Any] | None = None
 
@@ -298,7 +302,7 @@ class GroupProducer:
             self._stop.set()
             return
         item = BufferedGroup(call.position, call.attempt, group, oldest_version(results, call.submit_version, url))
-        reason = arrival_verdict(group, self.keep)
+        reason = arrival_verdict(group, self.keep, dynamic=self.cfg.dynamic_sampling)
         if reason is not None:
             with self._lock:
                 self._drop(item, reason)
@@ -348,6 +352,7 @@ class AsyncRollout(GroupProducer):
                     return None
                 if self._need_engines:
                     self._restore_engines()
+                self._check_dynamic_cap(step)
                 item = self.buffer.pop()
                 if item is None:
                     t0 = time.perf_counter()
@@ -368,6 +373,12 @@ class AsyncRollout(GroupProducer):
                 "buffer/trainer_wait_s": wait_s,
             }
         return [g.group for g in taken]
+
+    def _check_dynamic_cap(self, step: int) -> None:
+        """Stop a step whose dynamic sampling dropped its most groups (the counters reset once per step)."""
+        pps, max_batches = self.prompts_per_step, self.cfg.dynamic_sampling_max_batches
+        if self.cfg.dynamic_sampling and self._counts["equal_rewards"] > (max_batches - 1) * pps:
+            raise DynamicSamplingError(cap_message(step, len(self._taken), pps, max_batches))
 
     def _restore_engines(self) -> None:
         with self._publish_lock:
@@ -395,6 +406,7 @@ class AsyncRollout(GroupProducer):
         """This step's buffer figures; the drop counters and the producer's blocked time reset."""
         with self._lock:
             out = self._step_metrics | {f"buffer/dropped_{k}": float(v) for k, v in self._counts.items()}
+            out["rollout/dynamic_dropped_groups"] = out.pop("buffer/dropped_equal_rewards")
             out["buffer/producer_blocked_s"] = self.buffer.blocked_s
             if self._held_since is not None:  # still held: this step's share of the wait
                 now = time.perf_counter()

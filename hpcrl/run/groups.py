@@ -13,16 +13,17 @@ when they were trained, pushes weights through it, and tells it when a checkpoin
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from hpcrl.rollout.data import PromptSource
+from hpcrl.rollout.dynamic import DynamicSampler
 from hpcrl.rollout.episodes import EpisodeRollout
-from hpcrl.rollout.generate import Rollout
+from hpcrl.rollout.generate import Draw, Rollout
 from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
-from hpcrl.samples.sample import Group
+from hpcrl.samples.sample import Example, Group
 from hpcrl.store.progress import StepTimer
 from hpcrl.store.run_dir import write_file_atomically
 from hpcrl.sync.publisher import WeightPublisher
@@ -58,16 +59,38 @@ class StepGroups(Protocol):
 
 class SyncGroups:
     def __init__(
-        self, rollout: Rollout | EpisodeRollout, rewards: RewardScorer, data: PromptSource, publisher: WeightPublisher
+        self,
+        rollout: Rollout | EpisodeRollout,
+        rewards: RewardScorer,
+        data: PromptSource,
+        publisher: WeightPublisher,
+        dynamic: DynamicSampler | None = None,
     ) -> None:
         self.rollout, self.rewards, self.data, self.publisher = rollout, rewards, data, publisher
+        self.dynamic = dynamic
 
     def start(self) -> None:
         pass
 
     def take(self, step: int, timer: StepTimer) -> list[Group] | None:
+        groups = self._scored(step, self.data.batch(step), timer)
+        if groups is None or self.dynamic is None:
+            return groups
+
+        def more(step: int, examples: Sequence[Example], k: int) -> list[Group] | None:
+            return self._scored(step, examples, timer, Draw(namespace=f"dynamic{k}/"))
+
+        return self.dynamic.fill(step, groups, more)
+
+    def _scored(
+        self, step: int, examples: Sequence[Example], timer: StepTimer, draw: Draw | None = None
+    ) -> list[Group] | None:
         with timer.phase("rollout"):
-            groups = self.rollout.generate(step, self.data.batch(step))
+            if draw is None:
+                groups = self.rollout.generate(step, examples)
+            else:
+                assert isinstance(self.rollout, Rollout), "dynamic sampling draws single-turn groups"
+                groups = self.rollout.generate(step, examples, draw)
         with timer.phase("reward"):
             scored = self.rewards.score(step, groups)
         return None if scored is None else groups  # None: a preemption signal came while a reward still ran
@@ -79,7 +102,7 @@ class SyncGroups:
         return self.publisher.publish(version)
 
     def pop_metrics(self) -> dict[str, float]:
-        return {}
+        return {} if self.dynamic is None else self.dynamic.pop_metrics()
 
     def checkpointed(self) -> None:
         pass

@@ -26,6 +26,7 @@ from hpcrl.model.hf import check_model_dir
 from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.rollout.buffer import load_filter
 from hpcrl.rollout.data import PromptSource, build_examples, source_options
+from hpcrl.rollout.dynamic import DynamicSampler
 from hpcrl.rollout.episodes import EpisodeRollout
 from hpcrl.rollout.evaluate import Evaluator
 from hpcrl.rollout.generate import PromptFormatter, Rollout, rollout_stats
@@ -200,7 +201,13 @@ class Run:
             self.state.register("rollout_buffer", producer)
             self.groups = AsyncGroups(producer, self.run_dir, interrupted=self._preempted)
         else:
-            self.groups = SyncGroups(self.rollout, self.rewards, self.data, self.publisher)
+            dynamic = None
+            if cfg.rollout.dynamic_sampling:
+                dynamic = DynamicSampler(
+                    self.data, prompts_per_step=cfg.data.prompts_per_step,
+                    max_batches=cfg.rollout.dynamic_sampling_max_batches,
+                )  # fmt: skip
+            self.groups = SyncGroups(self.rollout, self.rewards, self.data, self.publisher, dynamic)
         self._resume_point = resume_point
 
     def _claim_run_dir(self) -> ResumePoint:

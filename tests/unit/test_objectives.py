@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -260,3 +261,61 @@ def test_overlong_shaping_is_dapos_formula_and_truncated_answers_leave_the_loss(
     assert shaped.loss_mask.sum(dim=1).tolist() == [4, 14, 0]  # the truncated answer leaves the loss
     with pytest.raises(ValueError, match="overlong_penalty applies with overlong_window_tokens > 0"):
         TrainConfig(overlong_penalty=0.5)
+
+
+def _groups(examples: Sequence[Any], signal: Callable[[Any], bool]) -> list[Any]:
+    """Groups of 4 samples per example, whose rewards differ where `signal(example)`."""
+    from hpcrl.samples.sample import Group, Sample
+
+    def sample(reward: float) -> Sample:
+        return Sample(prompt_ids=[1], output_ids=[2], logprobs=[-1.0], text="", finish="stop", weight_versions=[0],
+                      reward=reward)  # fmt: skip
+
+    return [Group(example=e, samples=[sample(float(signal(e) and i % 2)) for i in range(4)]) for e in examples]
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_whose_rewards_differ() -> None:
+    from hpcrl.rollout.data import PromptSource, make_addition_task
+    from hpcrl.rollout.dynamic import DynamicSampler, DynamicSamplingError
+
+    data = PromptSource(make_addition_task(200, 2, seed=0), batch_size=8, seed=0)
+    odd = lambda e: int(e.answer) % 2 == 1  # noqa: E731 - about half the prompts teach
+    drawn: list[tuple[int, int, list[str]]] = []
+
+    def draw(step: int, examples: Sequence[Any], k: int) -> list[Any]:
+        drawn.append((step, k, [e.prompt for e in examples]))
+        return _groups(examples, odd)
+
+    sampler = DynamicSampler(data, prompts_per_step=8, max_batches=6)
+    first = _groups(data.batch(3), odd)
+    kept = sampler.fill(3, first, draw)
+    assert kept is not None and len(kept) == 8 and all(odd(g.example) for g in kept)
+    metrics = sampler.pop_metrics()
+    equal_drawn = sum(not odd(g.example) for g in first) + sum(
+        not odd(e) for _, _, prompts in drawn for e in data.examples if e.prompt in prompts
+    )
+    assert metrics["rollout/dynamic_batches"] == 1 + len(drawn) > 1
+    assert metrics["rollout/dynamic_dropped_groups"] == equal_drawn
+    # Extra batches come from a stream of their own, the same on a rerun (a resume), other than the step's own.
+    before = list(drawn)
+    drawn.clear()
+    DynamicSampler(data, prompts_per_step=8, max_batches=6).fill(3, first, draw)
+    assert drawn == before and drawn[0][2] != [e.prompt for e in data.batch(3)]
+
+    hopeless = _groups(data.batch(3), lambda _: False)
+    with pytest.raises(DynamicSamplingError, match=r"drew 2 x 8 prompts for step 3 and found only 0 groups") as e:
+        DynamicSampler(data, prompts_per_step=8, max_batches=2).fill(3, hopeless, lambda s, ex, k: hopeless)
+    assert "rollout.dynamic_sampling_max_batches" in str(e.value)
+
+
+def test_async_dynamic_sampling_drops_equal_groups_on_arrival() -> None:
+    from hpcrl.rollout.buffer import arrival_verdict
+    from hpcrl.rollout.config import RolloutConfig
+    from hpcrl.rollout.data import make_addition_task
+
+    flat = _groups(make_addition_task(1, 2, seed=0), lambda _: False)[0]
+    mixed = _groups(make_addition_task(1, 2, seed=1), lambda _: True)[0]
+    assert arrival_verdict(flat, None, dynamic=True) == "equal_rewards"
+    assert arrival_verdict(flat, None) is None and arrival_verdict(mixed, None, dynamic=True) is None
+    with pytest.raises(ValueError, match="dynamic_sampling_max_batches applies with dynamic_sampling: true"):
+        RolloutConfig(dynamic_sampling_max_batches=2)
