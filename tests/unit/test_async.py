@@ -209,6 +209,20 @@ def test_each_drop_reason_is_counted_and_retry_regenerates(parts: Parts) -> None
     assert retried and all(e.attempts == 2 for e in retried)
 
 
+def test_dynamic_sampling_drops_equal_groups_and_stops_a_step_past_its_cap(parts: Parts) -> None:
+    from hpcrl.rollout.dynamic import DynamicSamplingError
+
+    # The untrained tiny model never answers right: every group's rewards are all 0, so every group is dropped,
+    # and step 0 stops once more than (2 - 1) x 2 prompts were drawn for it in vain.
+    rollout = parts.make(sampling={"dynamic_sampling": True, "dynamic_sampling_max_batches": 2})
+    rollout.start()
+    with pytest.raises(DynamicSamplingError, match="drew 2 x 2 prompts for step 0 and found only 0 groups"):
+        rollout.collect(0, interrupted=never_interrupted)
+    rollout.stop()
+    assert rollout.pop_metrics()["rollout/dynamic_dropped_groups"] >= 3
+    assert {e.reason for e in rollout.ledger.entries.values() if e.status == "dropped"} == {"equal_rewards"}
+
+
 def train_slowly(rollout: AsyncRollout, steps: int, train_s: float, limit_s: float = 60.0) -> dict[str, float]:
     """The driver's loop with a trainer slower than generation; the buffer figures summed over the steps (the
     staleness of the trained groups: its largest)."""
