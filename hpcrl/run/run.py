@@ -225,6 +225,11 @@ class Run:
                 "Slurm or MPI they are not placed yet: run the distillation locally, or remove the distill section"
             )
         teacher_dir = Path(d.teacher.model)
+        if not (teacher_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"distill.teacher.model {teacher_dir} is not a Hugging Face model directory (no config.json): point "
+                "it at the teacher's directory, e.g. the policy a run exported to runs/NAME/model"
+            )
         check_model_dir(teacher_dir)
         check_same_vocabulary(model_dir, teacher_dir)
         if d.mode == "reverse_kl":
