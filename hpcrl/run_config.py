@@ -12,6 +12,7 @@ from hpcrl.engine.config import EngineConfig
 from hpcrl.guard.config import GuardConfig
 from hpcrl.model.tiny import TinyModelSpec
 from hpcrl.rollout.config import BufferConfig, DataConfig, EvalConfig, RewardConfig, RolloutConfig
+from hpcrl.rollout.distill_config import DistillConfig
 from hpcrl.slurm.config import SlurmConfig
 from hpcrl.store.sinks.config import LoggingConfig
 from hpcrl.sync.config import SyncConfig
@@ -81,6 +82,8 @@ class RunConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distill: DistillConfig | None = None
+    """On-policy distillation from a teacher model (docs/distillation.md); None: off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_steps <= MAX_STEPS:
@@ -169,6 +172,8 @@ class RunConfig:
                 f"sft.{', sft.'.join(traces)} shape the multi-turn warm start's tool traces; remove them, or set "
                 "rollout.kind=multi_turn"
             )
+        if self.distill is not None:
+            _check_distill(self)
         if self.guard.mode != "off":
             # A thermal pause holds collectives and engine calls up to max_pause_s (hpcrl/guard/guard.py).
             for key, timeout_s in (
@@ -284,6 +289,16 @@ def _check_replayable(cfg: RunConfig) -> None:
         raise ValueError(
             f"{filters} replays the sampling support, which scores the logits of each token's support; "
             f"train.logprob_chunk_tokens (the fused full-vocabulary head) would not be used; set it to null, {off}"
+        )
+
+
+def _check_distill(cfg: RunConfig) -> None:
+    """Refuse what would make the teacher's log-probs and the student's describe different distributions."""
+    if cfg.rollout.replays_support:
+        raise ValueError(
+            f"distill compares the student's and the teacher's full-vocabulary log-probs of each sampled token, but "
+            f"rollout.top_k={cfg.rollout.top_k} / rollout.top_p={cfg.rollout.top_p:g} make the engine report "
+            "log-probs renormalised over the sampling support; set rollout.top_k=-1 and rollout.top_p=1"
         )
 
 

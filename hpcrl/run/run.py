@@ -32,7 +32,9 @@ from hpcrl.rollout.evaluate import Evaluator
 from hpcrl.rollout.generate import PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
+from hpcrl.rollout.teacher import Teacher, check_same_vocabulary, start_teacher
 from hpcrl.run.claim import RunDirClaim
+from hpcrl.run.errors import RunError
 from hpcrl.run.groups import AsyncGroups, StepGroups, SyncGroups
 from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, held_out, sft_batches
@@ -48,6 +50,7 @@ from hpcrl.store.sinks import open_sinks
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
 from hpcrl.trainer.advantage import Overlong, batch_from_groups
+from hpcrl.trainer.distill import distill_advantages
 from hpcrl.trainer.ranks import RankGroup
 from hpcrl.trainer.warm_start import WarmStart
 
@@ -70,6 +73,7 @@ class Run:
     warm_start: WarmStart
     data: PromptSource
     evaluator: Evaluator | None = None  # single-turn runs only
+    teacher: Teacher | None = None  # distill runs only
     formatter: PromptFormatter
     groups: StepGroups  # where a step's groups come from: made in the step (sync) or by a producer (async)
 
@@ -112,6 +116,8 @@ class Run:
             ),
         )  # fmt: skip
         eval_examples = held_out(cfg, examples)
+        if cfg.distill is not None:
+            self._check_teacher(model_dir)
         multi_turn = cfg.rollout.kind == "multi_turn"
         self.rewards = RewardScorer(
             cfg.reward, interrupted=self._preempted, on_stop=self._record_stop, by_environment=multi_turn
@@ -146,6 +152,12 @@ class Run:
         self._closers.append(self.placement.stop_engines)
         self.fleet = EngineFleet(cfg.engine, clients, launcher=self.placement.launcher, on_event=self._engine_event)
         self._closers.append(self.fleet.close)
+        if cfg.distill is not None:
+            self.teacher = start_teacher(
+                cfg.distill, Path(cfg.distill.teacher.model), self.run_dir, seed=cfg.seed,
+                timeout_s=cfg.rollout.request_timeout_s, say=say, on_event=self._engine_event,
+            )  # fmt: skip
+            self._closers.append(self.teacher.close)
         sync = WeightSync(
             self.placement.sync_config(), clients, device=torch.device(cfg.train.device),
             colocated=self.placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
@@ -210,6 +222,30 @@ class Run:
             self.groups = SyncGroups(self.rollout, self.rewards, self.data, self.publisher, dynamic)
         self._resume_point = resume_point
 
+    def _check_teacher(self, model_dir: Path) -> None:
+        """Refuse a teacher that cannot run here or cannot score the student's tokens, before anything starts."""
+        d = self.cfg.distill
+        assert d is not None
+        if not self.placement.engines_here:
+            raise RunError(
+                "distill: the teacher's engines start on the trainer's node, in a local run (`hpcrl run`); under "
+                "Slurm or MPI they are not placed yet: run the distillation locally, or remove the distill section"
+            )
+        teacher_dir = Path(d.teacher.model)
+        if not (teacher_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"distill.teacher.model {teacher_dir} is not a Hugging Face model directory (no config.json): point "
+                "it at the teacher's directory, e.g. the policy a run exported to runs/NAME/model"
+            )
+        check_model_dir(teacher_dir)
+        check_same_vocabulary(model_dir, teacher_dir)
+        if d.mode == "reverse_kl":
+            self.progress.say(
+                f"distill.mode=reverse_kl trains on the teacher's log-probs alone: reward.fn={self.cfg.reward.fn} is "
+                "scored and logged (rollout/reward_mean), not trained on; distill.mode=mixed adds it to the "
+                "advantage"
+            )
+
     def _claim_run_dir(self) -> ResumePoint:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
         self.claim = RunDirClaim(self.run_dir, job_id=self.placement.incarnation.job_id, say=self.progress.say)
@@ -239,8 +275,14 @@ class Run:
             self.cfg.rollout.max_new_tokens, train.overlong_window_tokens, train.overlong_penalty, train.mask_truncated
         )
         batch = batch_from_groups(groups, normalize_std=bool(train.normalize_advantage_std), overlong=overlong)
+        distilled: dict[str, float] = {}
+        if self.teacher is not None and self.cfg.distill is not None:
+            teacher_logprobs, distilled = self.teacher.score(groups)
+            d = self.cfg.distill
+            batch, stats = distill_advantages(batch, teacher_logprobs, mode=d.mode, coef=d.coef)
+            distilled |= {f"distill/{k}": v for k, v in stats.items()}
         m = self.trainer.train_grpo(batch)
-        out = {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
+        out = distilled | {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
         out["timing/logprob_s"] = m.get("forward_s", 0.0)
         if self.cfg.engine.logprobs == "recompute":
             # The engines reported a re-score, not the log-probs they sampled with: trainer vs re-score is

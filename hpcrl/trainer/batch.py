@@ -25,7 +25,7 @@ class TrainBatch:
     prompt_lens: Tensor  # [N] long
     lengths: Tensor  # [N] long, prompt + response
     loss_mask: Tensor  # [N, T-1] bool: target position t predicts input_ids[:, t+1]; True on response tokens
-    advantages: Tensor  # [N] float32
+    advantages: Tensor  # [N] float32 per sample, or [N, T-1] per target position (on-policy distillation)
     rollout_logprobs: Tensor  # [N, T-1] float32, the engine's log-probs on response positions, 0 elsewhere
     support_sizes: Tensor | None = None  # [N, T-1] int32: support size per target position (0 off the response)
     support_ids: Tensor | None = None  # [support_sizes.sum()] int32, row-major over (row, position)
@@ -112,7 +112,7 @@ class TrainBatch:
             prompt_lens=self.prompt_lens[index],
             lengths=lengths,
             loss_mask=self.loss_mask[index, : width - 1],
-            advantages=self.advantages[index],
+            advantages=self.advantages[index] if self.advantages.dim() == 1 else self.advantages[index, : width - 1],
             rollout_logprobs=self.rollout_logprobs[index, : width - 1],
             support_sizes=sizes,
             support_ids=support_ids,

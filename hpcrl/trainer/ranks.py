@@ -70,7 +70,8 @@ def _send(cmd: int, batch: TrainBatch | None, extra: int = 0) -> None:
     n, t = (len(batch), int(batch.input_ids.shape[1])) if batch is not None else (0, 0)
     # Sampling supports travel ragged (sizes per position + the ids back to back); -1: the batch has none.
     num_ids = -1 if batch is None or batch.support_ids is None else int(batch.support_ids.numel())
-    dist.broadcast(torch.tensor([cmd, n, t, extra, num_ids], dtype=torch.long), src=0)
+    per_token = int(batch is not None and batch.advantages.dim() == 2)  # per-token advantages: [n, t-1]
+    dist.broadcast(torch.tensor([cmd, n, t, extra, num_ids, per_token], dtype=torch.long), src=0)
     if batch is not None:
         for name in _KINDS:
             dist.broadcast(getattr(batch, name).contiguous(), src=0)
@@ -80,9 +81,9 @@ def _send(cmd: int, batch: TrainBatch | None, extra: int = 0) -> None:
 
 
 def _recv() -> tuple[int, TrainBatch | None, int]:
-    header = torch.zeros(5, dtype=torch.long)
+    header = torch.zeros(6, dtype=torch.long)
     dist.broadcast(header, src=0)
-    cmd, n, t, extra, num_ids = (int(x) for x in header)
+    cmd, n, t, extra, num_ids, per_token = (int(x) for x in header)
     if cmd not in (CMD_GRPO, CMD_SFT):
         return cmd, None, extra
     shapes = {
@@ -90,7 +91,7 @@ def _recv() -> tuple[int, TrainBatch | None, int]:
         "prompt_lens": (n,),
         "lengths": (n,),
         "loss_mask": (n, t - 1),
-        "advantages": (n,),
+        "advantages": (n, t - 1) if per_token else (n,),
         "rollout_logprobs": (n, t - 1),
     }
     tensors = {}

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol.answers import GenerateResult
-from hpcrl.engine.protocol.requests import SamplingParams
+from hpcrl.engine.protocol.answers import GenerateResult, input_token_logprobs
+from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
 from hpcrl.weightwire.group import broadcast, destroy_weight_group
@@ -798,3 +798,53 @@ def test_fused_sampler_that_cannot_write_host_memory_keeps_running_on_device_buf
     assert calls == [True, False, False]  # one refused write to the host slot, then device buffers only
     assert runner.fast_sampler and not runner._direct_out
     assert runner.slots.out_tok[:3].tolist() == [7, 7, 7]
+
+
+SEQUENCE = [1, 20, 21, 14, 22, 32, 23, 24, 2]  # "<|im_start|>12+3=45<|im_end|>": a prompt and a response
+
+
+def test_a_scoring_request_returns_the_prompt_logprobs_of_the_teacher_forced_forward(
+    shared_engine: EngineProcess, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([SEQUENCE])).logits[0, :-1]
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(SEQUENCE[1:])[:, None])[:, 0].tolist()
+
+    client = EngineClient(shared_engine.url, timeout_s=60)
+    start = 6  # the response's first token
+    request = GenerateRequest(
+        input_ids=[SEQUENCE, SEQUENCE[:7]],
+        sampling_params=SamplingParams(max_new_tokens=0, temperature=0.0),
+        return_logprob=True,
+        logprob_start_len=start,
+    )
+    results = client.generate_request(request)
+    assert isinstance(results, list)
+    full, short = results
+    assert isinstance(full, GenerateResult) and full.output_ids == [] and full.prompt_tokens == len(SEQUENCE)
+    teacher = input_token_logprobs(full)
+    assert [t for _, t, _ in full.meta_info["input_token_logprobs"]] == SEQUENCE[start:]
+    assert max(abs(a - b) for a, b in zip(teacher, ref[start - 1 :], strict=True)) < 1e-4  # type: ignore[operator]
+    assert len(input_token_logprobs(short)) == 1
+
+    # From 0 the first entry is null: nothing predicts the first token (SGLang's layout).
+    whole = client.generate([SEQUENCE], SamplingParams(max_new_tokens=0), logprob_start_len=0)
+    assert isinstance(whole, list)
+    lps = input_token_logprobs(whole[0])
+    assert lps[0] is None and len(lps) == len(SEQUENCE)
+    assert max(abs(a - b) for a, b in zip(lps[1:], ref, strict=True)) < 1e-4  # type: ignore[operator]
+
+    # Without logprob_start_len the answer carries no prompt log-probs, as before.
+    plain = client.generate(SEQUENCE, SamplingParams(max_new_tokens=1))
+    assert isinstance(plain, GenerateResult) and "input_token_logprobs" not in plain.meta_info
+
+    bad = httpx.post(
+        shared_engine.url + "/generate",
+        json={"input_ids": SEQUENCE, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+              "logprob_start_len": len(SEQUENCE)},
+        timeout=30,
+    )  # fmt: skip
+    assert bad.status_code == 400 and "logprob_start_len=9 is not inside prompt 0 of 9 tokens" in bad.text

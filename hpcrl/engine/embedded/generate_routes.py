@@ -17,6 +17,7 @@ from hpcrl.engine.embedded.engine_core import EngineCore
 from hpcrl.engine.embedded.http_server import _error, _json_body, _json_response
 from hpcrl.engine.embedded.requests import SeqRequest
 from hpcrl.engine.protocol.answers import (
+    INPUT_LOGPROBS_KEY,
     GrowingPackedColumn,
     logprob_triples,
     pack_logprobs,
@@ -64,6 +65,11 @@ class GenerateRoutes(EngineCore):
             if max(prompt) >= vocab:  # at C speed: a 256 x 128 batch is 32k ids
                 bad = next(t for t in prompt if t >= vocab)
                 raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary (size {vocab})")
+            if req.return_logprob and req.logprob_start_len >= len(prompt):
+                raise ValueError(
+                    f"logprob_start_len={req.logprob_start_len} is not inside prompt {i} of {len(prompt)} tokens; "
+                    "send a position before its end (0: the whole prompt), or -1 for no prompt log-probs"
+                )
             need = len(prompt) + req.params_for(i if req.is_batch else 0).max_new_tokens
             if need > limit:
                 raise ValueError(
@@ -105,9 +111,7 @@ class GenerateRoutes(EngineCore):
             weight_versions=[span_object(v, s, e) for v, s, e in r.version_spans],
             sampling_mask=r.support_ids if r.return_sampling_mask else None,
             support_logprobs=r.support_logprobs if r.return_sampling_mask else None,
-            extra_meta={"hpcrl_sampled_logprobs": r.sampled_logprobs}
-            if r.sampled_logprobs is not None and r.return_logprob
-            else None,
+            extra_meta=_extra_meta(r),
         )
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -177,6 +181,7 @@ class GenerateRoutes(EngineCore):
                     on_done=done,
                 )
                 seq.logprob_scaled = logprob_scaled
+                seq.logprob_start_len = req.logprob_start_len if req.return_logprob else -1
                 if req.return_logprob and req.return_logprob_packed:
                     seq.packed_column = GrowingPackedColumn()
                 seqs.append(seq)
@@ -231,6 +236,17 @@ class GenerateRoutes(EngineCore):
         if r.finish_reason and r.finish_reason.get("type") == "abort":
             return web.Response(status=503, text=str(r.finish_reason.get("message")))
         return web.Response(text="")
+
+
+def _extra_meta(r: SeqRequest) -> dict[str, Any] | None:
+    """meta_info fields past the contract's: the sampled log-probs a re-score replaced, the prompt's log-probs."""
+    meta: dict[str, Any] = {}
+    if r.sampled_logprobs is not None and r.return_logprob:
+        meta["hpcrl_sampled_logprobs"] = r.sampled_logprobs
+    if r.input_logprobs is not None:
+        start = max(r.logprob_start_len, 0)
+        meta[INPUT_LOGPROBS_KEY] = [(lp, t, None) for lp, t in zip(r.input_logprobs, r.prompt_ids[start:], strict=True)]
+    return meta or None
 
 
 def _has_lone_surrogate(text: str) -> bool:

@@ -36,6 +36,10 @@ class SeqRequest:
     return_sampling_mask: bool
     on_done: Callable[[SeqRequest], object]
     logprob_scaled: bool = False  # report the temperature-scaled log-probs (return_scaled_logprob)
+    # Score the prompt from this position (logprob_start_len; -1: not asked): input_logprobs holds one entry per
+    # prompt token from there, None for the first token of the prompt, which nothing predicts.
+    logprob_start_len: int = -1
+    input_logprobs: list[float | None] | None = None
     output_ids: list[int] = field(default_factory=list)
     # Doubles stored inline, not float objects: a row's log-probs arrive one a step, between every other row's, so
     # as list items they lie scattered over the heap and the answer that walks them waits on memory. H200 host,

@@ -86,11 +86,24 @@ class Results(SchedulerState):
             ids = torch.tensor(r.all_ids, device=self.device)
             r.sampled_logprobs = r.logprobs.tolist()
             r.logprobs = array("d", token_logprobs_of_sequence(self.model, ids, len(r.prompt_ids)).tolist())
+        if r.logprob_start_len >= 0 and r.return_logprob and not self.weights_released:
+            r.input_logprobs = self._input_logprobs(r)
         r.answered_s = time.monotonic()
         try:
             r.on_done(r)
         except Exception:  # noqa: BLE001 - a broken callback must not kill the scheduler
             log.exception("completion callback failed for %s", r.rid)
+
+    def _input_logprobs(self, r: SeqRequest) -> list[float | None]:
+        """The prompt's log-probs from logprob_start_len (a scoring request: a teacher's, max_new_tokens=0), by the
+        standard forward of the prompt alone, as SGLang's input_token_logprobs: the first token has none."""
+        start = max(r.logprob_start_len, 1)
+        head: list[float | None] = [None] if r.logprob_start_len == 0 else []
+        if start >= len(r.prompt_ids):
+            return head
+        with torch.inference_mode():
+            ids = torch.tensor(r.prompt_ids, device=self.device)
+            return head + token_logprobs_of_sequence(self.model, ids, start).tolist()
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -27,6 +27,9 @@ from hpcrl.engine.protocol.fields import (
 # (base64 of little-endian float64). The embedded engine lists the wires it speaks in /server_info's `logprob_wire`.
 LOGPROB_WIRES = ("triples", "packed")
 PACKED_LOGPROBS_KEY = "output_token_logprobs_packed"
+INPUT_LOGPROBS_KEY = "input_token_logprobs"
+"""meta_info's prompt log-probs from the request's logprob_start_len: [logprob, token id, text] per prompt token,
+the logprob null for the prompt's first token (SGLang's field; a scoring request with max_new_tokens=0 reads it)."""
 FinishType = Literal["stop", "length", "abort"]
 FINISH_TYPES: tuple[str, ...] = get_args(FinishType)
 # SGLang's `--weight-version` default: what an engine reports before its first weight update.
@@ -260,6 +263,24 @@ class GenerateResult:
             support_logprobs=self.support_logprobs,
             extra_meta=self.meta_info,
         )
+
+
+def input_token_logprobs(result: GenerateResult) -> list[float | None]:
+    """The prompt log-probs a request with logprob_start_len >= 0 asked for (meta_info.input_token_logprobs), one
+    per prompt token from that position; None for the prompt's first token. Raises when the engine sent none."""
+    raw = result.meta_info.get(INPUT_LOGPROBS_KEY)
+    if raw is None:
+        raise ValueError(
+            f"the /generate result has no meta_info.{INPUT_LOGPROBS_KEY}: the engine did not score the prompt; send "
+            "return_logprob=true with logprob_start_len >= 0 to an engine that answers it (embedded or SGLang)"
+        )
+    out: list[float | None] = []
+    for index, entry in enumerate(_list(f"meta_info.{INPUT_LOGPROBS_KEY}", raw)):
+        triple = _list(f"meta_info.{INPUT_LOGPROBS_KEY}[{index}]", entry)
+        if not triple:
+            raise ValueError(f"meta_info.{INPUT_LOGPROBS_KEY}[{index}] must be [logprob, token_id, text]")
+        out.append(None if triple[0] is None else _float(f"meta_info.{INPUT_LOGPROBS_KEY}[{index}][0]", triple[0]))
+    return out
 
 
 def logprob_triples(

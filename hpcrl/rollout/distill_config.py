@@ -1,0 +1,55 @@
+"""On-policy distillation settings: the teacher model, its engines, and how its scores enter the advantage."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hpcrl.engine.config import EngineConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class TeacherConfig:
+    """The frozen teacher: a model with the student's tokenizer, served by engines of its own."""
+
+    model: str
+    """Hugging Face model directory of the teacher (relative paths are relative to the current directory). It must
+    use the student's tokenizer: the same vocabulary with the same token ids."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The teacher's engines, started, watched and restarted like the student's (the same keys as the top-level
+    `engine` section). They only score: no weights are ever pushed to them."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("teacher.model is empty; set it to the teacher's Hugging Face model directory")
+        if self.engine.offload_during_train:
+            raise ValueError(
+                "teacher.engine.offload_during_train: the teacher's engines are never paused for the trainer (they "
+                "receive no weights); set it to false"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class DistillConfig:
+    """On-policy distillation: the teacher scores every token the student sampled, and the per-token reverse KL
+    estimate `log p_student - log p_teacher` (the student's rollout log-prob) becomes the advantage: a dense
+    signal toward the tokens the teacher prefers (docs/distillation.md)."""
+
+    teacher: TeacherConfig
+    mode: Literal["reverse_kl", "mixed"] = "reverse_kl"
+    """`reverse_kl`: each model token's advantage is `-coef * (log p_student - log p_teacher)`, the reward is
+    scored and logged but not trained on; `mixed`: that term is added to the sample's GRPO advantage."""
+    coef: float = 1.0
+    """Weight of the reverse-KL term in the advantage (> 0)."""
+    top_k: int = 0
+    """Teacher top-k log-probs for a sparse forward KL; only 0 (off: the sampled-token reverse KL) is built."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.coef) and self.coef > 0):
+            raise ValueError(f"coef must be a finite number > 0, got {self.coef}")
+        if self.top_k != 0:
+            raise ValueError(
+                f"top_k={self.top_k}: the sparse forward KL over the teacher's top-k log-probs is not built; set "
+                "top_k: 0 (the per-token reverse KL of the sampled tokens)"
+            )
