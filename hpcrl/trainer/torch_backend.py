@@ -8,6 +8,7 @@ gradients over the ranks (the step scales the losses by the world size to make t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from pathlib import Path
@@ -55,11 +56,13 @@ class TorchTrainer:
                 raise ValueError(f"train.logprobs: invariant: {reason}")
             invariant.pin_backend_numerics(self.device)
             invariant.use_kernel_tiles(cfg.invariant_kernels)
-        self.ref_model: CausalLM | None = None
-        if cfg.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        # After the reference copy: the KL term's reference is the policy as loaded.
         self.converters = build_converters(cfg)
+        # The KL term's reference is the policy as loaded: a copy taken before the converters run, unless one of
+        # them gives it back in the model itself (LoRA: the adapters off).
+        self._reference_in_model = [c for c in self.converters if c.serves_reference]
+        self.ref_model: CausalLM | None = None
+        if cfg.kl_coef > 0 and not self._reference_in_model:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         for converter in self.converters:
             converter.convert(self.model)
         if cfg.torch_compile:
@@ -101,6 +104,11 @@ class TorchTrainer:
         return self.step.sft(batch, self._sft_optimizer)
 
     def score(self, mb: TrainBatch, *, reference: bool) -> Tensor:
+        if reference and self._reference_in_model:
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for converter in self._reference_in_model:
+                    stack.enter_context(converter.reference(self.model))
+                return self._logprobs(self.model, mb, with_entropy=False)[0]
         model = self.ref_model if reference else self.model
         assert model is not None, "reference log-probs need train.kl_coef > 0"
         with torch.no_grad():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -22,6 +24,9 @@ class ModelConverter(abc.ABC):
     and the state hooks in the reverse one (the last change is undone first)."""
 
     name = ""
+    serves_reference: ClassVar[bool] = False
+    """True when `reference(model)` gives back the model as loaded (LoRA: adapters off): the KL term's reference
+    is then the converted model itself, not a copy taken before `convert`."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -29,6 +34,10 @@ class ModelConverter(abc.ABC):
     @abc.abstractmethod
     def convert(self, model: CausalLM) -> None:
         """Change `model` in place (the one hook every converter writes)."""
+
+    def reference(self, model: CausalLM) -> contextlib.AbstractContextManager[None]:
+        """A context in which `model` computes the policy as loaded (used when `serves_reference`)."""
+        raise NotImplementedError(f"the {self.name} converter keeps no reference in the model")
 
     def post_optimizer_hook(self, model: CausalLM) -> None:
         """After each optimizer step (e.g. re-derive quantization scales from the updated weights); default: nothing."""
