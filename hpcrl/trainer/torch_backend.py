@@ -197,12 +197,21 @@ class TorchTrainer:
 
         Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
         """
-        tensors = {f"model/{k}": _host_copy(v) for k, v in self.model.state_dict().items()}
+        tensors = {f"model/{k}": _host_copy(v) for k, v in self._checkpointed(self.model.state_dict()).items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
         tensors.update({k: _host_copy(v) for k, v in opt_tensors.items()})
         if self.ref_model is not None:
             tensors.update({f"ref_model/{k}": _host_copy(v) for k, v in self.ref_model.state_dict().items()})
-        return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
+        state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
+        metas = {c.name: c.checkpoint_meta(self.model) for c in self.converters}
+        if any(metas.values()):
+            state["converters"] = {name: meta for name, meta in metas.items() if meta}
+        return tensors, state
+
+    def _checkpointed(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        for converter in reversed(self.converters):
+            state = converter.checkpoint_state(self.model, state)
+        return state
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         if state.get("backend", "torch") != "torch":
@@ -211,8 +220,25 @@ class TorchTrainer:
                 f"train.backend={state['backend']}"
             )
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        metas = state.get("converters", {})
+        for converter in self.converters:
+            converter.check_resume(self.model, metas.get(converter.name))
+        unknown = sorted(set(metas) - {c.name for c in self.converters})
+        if unknown:
+            raise ValueError(
+                f"this checkpoint was written with the model converters {unknown}, which this run does not apply; "
+                "resume with the train.converters (and their settings) the run was started with"
+            )
         self._check_frozen(model_state)
-        self.model.load_state_dict(model_state, strict=True)
+        expected = set(self._checkpointed(self.model.state_dict()))
+        if set(model_state) != expected:
+            odd = sorted(set(model_state) ^ expected)[:3]
+            raise ValueError(
+                f"this checkpoint's model tensors do not fit this run's model (e.g. {odd}); resume with the "
+                "model.path, train.converters and their settings the run was started with"
+            )
+        # Tensors a checkpoint leaves out are ones no step changes: they stay as loaded from model.path.
+        self.model.load_state_dict(model_state, strict=False)
         if self.ref_model is not None:
             ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
             self.ref_model.load_state_dict(ref, strict=True)
@@ -238,7 +264,10 @@ class TorchTrainer:
                 )
 
     def export(self, out_dir: str | Path) -> Path:
-        return save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
+        out = save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
+        for converter in self.converters:
+            converter.export_files(self.model, out, base_dir=self.model_dir)
+        return out
 
 
 def _host_copy(tensor: Tensor) -> Tensor:

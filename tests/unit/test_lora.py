@@ -4,11 +4,13 @@ log-probs are those of the merged weights the engine serves."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hpcrl.config import ConfigError, from_dict
 from hpcrl.model import invariant
@@ -148,3 +150,75 @@ def test_the_invariant_trainer_scores_with_the_merged_weights_the_engine_serves(
     scored = batch(vocab, seed=3)
     with torch.no_grad():
         assert torch.equal(invariant.token_logprobs(served, scored.input_ids), trainer.score(scored, reference=False))
+
+
+# ----- checkpoints and the export -----
+
+
+def test_a_checkpoint_holds_the_adapters_and_refuses_another_base(tiny_model_dir: Path, tmp_path: Path) -> None:
+    vocab = ModelArgs.from_dir(tiny_model_dir).vocab_size
+    cfg = TrainConfig(lr=1e-2, **lora_cfg(target_modules=ATTN))
+    run = TorchTrainer(cfg, tiny_model_dir)
+    run.train_grpo(batch(vocab))
+    tensors, state = run.state()
+    model_keys = {k for k in tensors if k.startswith("model/")}
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    assert sum(t.numel() for k, t in tensors.items() if k in model_keys) == sum(
+        p.numel() for p in run.model.parameters() if p.requires_grad
+    )
+    assert len(state["converters"]["lora"]["base_sha256"]) == 64
+    resumed = TorchTrainer(cfg, tiny_model_dir)
+    resumed.load_state(tensors, state)
+    a, b = run.train_grpo(batch(vocab, seed=1)), resumed.train_grpo(batch(vocab, seed=1))
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+
+    # The same architecture with one weight changed is another base: its adapters would not mean the same.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="trained on another base model.*Resume with the model.path"):
+        TorchTrainer(cfg, other).load_state(tensors, state)
+    with pytest.raises(ValueError, match="rank 4 and alpha 8.0, this run asks for rank 8"):
+        TorchTrainer(TrainConfig(**lora_cfg(rank=8, target_modules=ATTN)), tiny_model_dir).load_state(tensors, state)
+    with pytest.raises(ValueError, match=r"written with the model converters \['lora'\]"):
+        TorchTrainer(TrainConfig(), tiny_model_dir).load_state(tensors, state)
+    full_tensors, full_state = TorchTrainer(TrainConfig(), tiny_model_dir).state()
+    with pytest.raises(ValueError, match="written by a run without LoRA"):
+        TorchTrainer(cfg, tiny_model_dir).load_state(full_tensors, full_state)
+
+
+def test_the_export_is_a_peft_adapter_that_gives_the_trainers_logprobs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    vocab = ModelArgs.from_dir(tiny_model_dir).vocab_size
+    trainer = TorchTrainer(
+        TrainConfig(lr=5e-2, **lora_cfg(target_modules=("q_proj", "o_proj", "up_proj"))), tiny_model_dir
+    )
+    for seed in range(2):
+        trainer.train_grpo(batch(vocab, seed=seed))
+    out = trainer.export(tmp_path / "model")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "o_proj", "up_proj"] and config["r"] == 4
+    assert config["base_model_name_or_path"] == str(tiny_model_dir)
+
+    scored = batch(vocab, seed=5)
+    mine = trainer.score(scored, reference=False)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, out / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for model in (peft_model, merged):
+        with torch.no_grad():
+            logits = model(input_ids=scored.input_ids).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, scored.input_ids[:, 1:, None])[..., 0]
+        mask = scored.loss_mask
+        assert torch.allclose(lp[mask], mine[mask], atol=2e-5, rtol=0), (lp - mine).abs()[mask].max()
+    # The adapters moved the policy: the base alone does not give these log-probs.
+    with torch.no_grad():
+        plain = peft_model.get_base_model()
+        with peft_model.disable_adapter():
+            logits = plain(input_ids=scored.input_ids).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, scored.input_ids[:, 1:, None])[..., 0]
+    assert (lp - mine).abs().max() > 1e-3

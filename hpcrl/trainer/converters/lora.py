@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
+import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from hpcrl.model.lora import LORA_A, LORA_B, merged_weight
@@ -83,10 +89,12 @@ class LoRA(ModelConverter):
         assert cfg.lora is not None, "the config checks converters: [lora] comes with lora"
         self.lora = cfg.lora
         self.layers: dict[str, LoRALinear] = {}  # module name (model.layers.N.self_attn.q_proj) -> its layer
+        self.all_linear: list[str] = []  # every linear layer of the decoder layers, adapted or not
         self._base_hash: str | None = None
 
     def convert(self, model: CausalLM) -> None:
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")}
+        self.all_linear = list(linears)
         chosen = set(linears) if self.lora.targets == (LORA_ALL_LINEAR,) else set()
         for target in self.lora.targets if not chosen else ():
             hits = {n for n in linears if n == target or n.endswith("." + target)}
@@ -151,6 +159,41 @@ class LoRA(ModelConverter):
             for part in ("lora_A", "lora_B")
         }
 
+    # ----- checkpoints: the adapters and the base's identity -----
+    def checkpoint_state(self, model: CausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Only the adapters: the base is model.path's, which `check_resume` makes sure of by its hash."""
+        keep = set(self.adapter_state())
+        return {k: v for k, v in state.items() if k in keep}
+
+    def checkpoint_meta(self, model: CausalLM) -> dict[str, Any]:
+        return {"base_sha256": self.base_hash(model), "rank": self.lora.rank, "alpha": self.lora.alpha}
+
+    def check_resume(self, model: CausalLM, meta: dict[str, Any] | None) -> None:
+        if meta is None:
+            raise ValueError(
+                "this checkpoint was written by a run without LoRA (it holds the whole model, not adapters); resume "
+                "it without converters: [lora] and train.lora, or start the LoRA run in a new run directory"
+            )
+        if (meta.get("rank"), meta.get("alpha")) != (self.lora.rank, self.lora.alpha):
+            raise ValueError(
+                f"this checkpoint holds adapters of rank {meta.get('rank')} and alpha {meta.get('alpha')}, this run "
+                f"asks for rank {self.lora.rank} and alpha {self.lora.alpha}; resume with the train.lora the run was "
+                "started with"
+            )
+        if meta.get("base_sha256") != self.base_hash(model):
+            raise ValueError(
+                f"this checkpoint's adapters were trained on another base model (sha256 {meta.get('base_sha256')}); "
+                f"this run's model.path holds sha256 {self.base_hash(model)}. Resume with the model.path (and "
+                "train.dtype) the run was started with: adapters are only meaningful on their own base"
+            )
+
+    # ----- export: a peft adapter beside the merged model -----
+    def export_files(self, model: CausalLM, out_dir: Path, *, base_dir: Path) -> None:
+        """`out_dir/adapter`: peft's format (adapter_config.json, adapter_model.safetensors), which
+        `PeftModel.from_pretrained(base, out_dir / "adapter")` loads onto the base model (model.path, not the
+        merged model beside it)."""
+        write_peft_adapter(self, out_dir / "adapter", base_model=str(base_dir))
+
     def base_hash(self, model: CausalLM) -> str:
         """The identity of the frozen base: a sha256 of every tensor that is not an adapter (name, dtype, shape,
         bytes), computed once (the base never changes)."""
@@ -164,6 +207,52 @@ class LoRA(ModelConverter):
                 digest.update(t.view(torch.uint8).numpy())  # the buffer itself, no copy
             self._base_hash = digest.hexdigest()
         return self._base_hash
+
+
+def peft_config(converter: LoRA) -> dict[str, Any]:
+    """peft's adapter_config.json of these adapters (LoraConfig's fields)."""
+    names = list(converter.layers)
+    kinds = sorted({n.rsplit(".", 1)[1] for n in names}, key=_layer_order)
+    # The kinds alone when every layer of those kinds is adapted, else each module by its full name (peft matches a
+    # target as the module's name or a suffix of it).
+    everywhere = {n for n in converter.all_linear if n.rsplit(".", 1)[1] in kinds}
+    targets = kinds if everywhere == set(names) else names
+    lora = converter.lora
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def write_peft_adapter(converter: LoRA, out_dir: Path, *, base_model: str) -> Path:
+    """The adapters as a peft adapter directory, written whole or not at all (a temporary directory renamed)."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    config = peft_config(converter) | {"base_model_name_or_path": base_model}
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # peft's names: the wrapped model's prefix, the adapter name left out.
+    tensors = {f"base_model.model.{k}": v.to("cpu").contiguous() for k, v in converter.adapter_state().items()}
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+    return out_dir
 
 
 _ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
