@@ -158,15 +158,19 @@ class Run:
                 timeout_s=cfg.rollout.request_timeout_s, say=say, on_event=self._engine_event,
             )  # fmt: skip
             self._closers.append(self.teacher.close)
+        # LoRA: embedded engines that keep their weights merge pushed adapters (apply_strategy lora); SGLang, and
+        # engines that lend their weights' memory, get the merged weights computed by the trainer.
+        adapters = cfg.train.lora is not None and cfg.engine.kind == "embedded" and not cfg.engine.offload_during_train
         sync = WeightSync(
             self.placement.sync_config(), clients, device=torch.device(cfg.train.device),
             colocated=self.placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
+            apply_strategy="lora" if adapters else "replace",
         )  # fmt: skip
         self._closers.append(sync.close)
         sync.connect()
         # Engines that lend their weights' memory to the trainer get it back as zeros: every push then sends
         # every weight, not only those a step can change.
-        full = cfg.engine.offload_during_train
+        full = cfg.engine.offload_during_train or (cfg.train.lora is not None and not adapters)
         self.publisher = WeightPublisher(
             cfg.engine, self.fleet, sync, lambda: self.trainer.push_weights(full=full), on_event=self._event,
             every_steps=cfg.sync.every_steps, num_steps=cfg.num_steps,

@@ -29,6 +29,7 @@ class DistributedTransport(Transport):
         self.cfg = ctx.cfg
         self.engines = list(ctx.engines)
         self.device = ctx.device
+        self.apply_strategy = ctx.apply_strategy
         self._pool = ctx.pool
         self.group: dist.ProcessGroup | None = None
         # Torch refuses a group name twice in one process: each (re)connect forms a newly named group.
@@ -111,6 +112,7 @@ class DistributedTransport(Transport):
             group_name=self.group_name,
             flush_cache=False,
             load_format="flattened_bucket" if flattened else None,
+            apply_strategy=self.apply_strategy,
         )
         calls = [
             self._pool.submit(e.update_weights_from_distributed, request, timeout_s=self.cfg.group_timeout_s)

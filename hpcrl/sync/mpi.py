@@ -125,6 +125,7 @@ class MpiWeightSender(Transport):
             raise MpiSyncError("the MPI weight sender runs on MPI rank 0 (the driver)")
         if self.comm.size < 2:
             raise MpiSyncError("sync.transport=mpi needs agents: launch ranks 1..N with `hpcrl role mpi-agent`")
+        self.apply_strategy = ctx.apply_strategy if ctx is not None else "replace"
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         dtype = str(bucket[0][1].dtype).removeprefix("torch.")
@@ -132,6 +133,7 @@ class MpiWeightSender(Transport):
             "cmd": CMD_BUCKET,
             "dtype": dtype,
             "tensors": [{"name": n, "shape": list(t.shape)} for n, t in bucket],
+            "apply_strategy": self.apply_strategy,
         }
         flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in bucket])
         array = np.ascontiguousarray((flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat).numpy())
@@ -192,7 +194,8 @@ def run_agent(
             named = [(e["name"], p.view(e["shape"])) for e, p in zip(header["tensors"], parts, strict=True)]
             if engine_kind == "sglang" and torch.cuda.is_available():
                 named = [(n, t.cuda()) for n, t in named]  # CUDA IPC: one handle for SGLang to map
-            with tensor_update_request(named, engine_kind=engine_kind, tp_size=tp_size) as req:
+            strategy = header.get("apply_strategy", "replace")
+            with tensor_update_request(named, engine_kind=engine_kind, tp_size=tp_size, apply_strategy=strategy) as req:
                 for engine in engines:
                     engine.update_weights_from_tensor(req)
         except Exception as exc:  # noqa: BLE001 - reported through the agreement, details to this rank's log

@@ -33,6 +33,7 @@ class WeightSync:
         colocated: bool = False,
         engine_kind: str = "embedded",
         engine_tp_size: int = 1,
+        apply_strategy: str = "replace",
     ) -> None:
         self.cfg = cfg
         self.transport_name = cfg.transport
@@ -51,6 +52,7 @@ class WeightSync:
             each=lambda fn, what: self._each(fn, what=what),
             engine_kind=engine_kind,
             engine_tp_size=engine_tp_size,
+            apply_strategy=apply_strategy,
         )
         self.transport: Transport = make_transport(self.transport_name, ctx)
         self.last_metrics: dict[str, float] = {}

@@ -22,7 +22,7 @@ from hpcrl.weightwire.sglang_payload import LOAD_FORMAT, sglang_bucket_payload
 
 @contextlib.contextmanager
 def tensor_update_request(
-    bucket: Sequence[tuple[str, torch.Tensor]], *, engine_kind: str, tp_size: int = 1
+    bucket: Sequence[tuple[str, torch.Tensor]], *, engine_kind: str, tp_size: int = 1, apply_strategy: str = "replace"
 ) -> Iterator[UpdateWeightsFromTensor]:
     """The request for `bucket`; its buffer lives until the context exits (the engine maps it in place)."""
     if engine_kind == "sglang":
@@ -32,7 +32,9 @@ def tensor_update_request(
             )
         return
     with create_handover(bucket) as payload:
-        yield UpdateWeightsFromTensor(serialized_named_tensors=(payload,), flush_cache=False)
+        yield UpdateWeightsFromTensor(
+            serialized_named_tensors=(payload,), flush_cache=False, apply_strategy=apply_strategy
+        )
 
 
 class TensorSender(Transport):
@@ -42,7 +44,10 @@ class TensorSender(Transport):
     def __init__(self, ctx: TransportContext) -> None:
         self.each = ctx.each  # the push's fan-out: one call per engine, in parallel, failures named
         self.engine_kind, self.tp_size = ctx.engine_kind, ctx.engine_tp_size
+        self.apply_strategy = ctx.apply_strategy
 
     def send(self, bucket: Bucket) -> None:
-        with tensor_update_request(bucket, engine_kind=self.engine_kind, tp_size=self.tp_size) as request:
+        with tensor_update_request(
+            bucket, engine_kind=self.engine_kind, tp_size=self.tp_size, apply_strategy=self.apply_strategy
+        ) as request:
             self.each(lambda e: e.update_weights_from_tensor(request), "update_weights_from_tensor")

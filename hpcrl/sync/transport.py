@@ -47,6 +47,7 @@ class TransportContext:
     each: EachFn  # each(fn, what): fn(engine) on every engine in parallel; a failure raises naming the engine
     engine_kind: str  # "embedded" | "sglang": the request format an engine reads
     engine_tp_size: int
+    apply_strategy: str = "replace"  # how the engines write the tensors (hpcrl/engine/embedded/apply.py)
 
 
 class Transport(Protocol):

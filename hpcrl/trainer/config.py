@@ -20,6 +20,10 @@ BACKEND_LIMITS: dict[str, dict[str, str]] = {
     },
     "megatron": {
         "converters": "model converters change the torch backend's model; the megatron backend builds its own",
+        "lora": (
+            "LoRA adapters are a model converter of the torch backend; the megatron backend builds megatron-core's "
+            "own model, which has no adapter layers"
+        ),
         "logprobs": (
             "logprobs: invariant needs the trainer to compute its log-probs with the engine's batch-invariant forward "
             "(hpcrl.model.invariant); the megatron backend runs megatron-core's own kernels, whose GEMMs, "
@@ -27,6 +31,54 @@ BACKEND_LIMITS: dict[str, dict[str, str]] = {
         ),
     },
 }
+
+
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (converters: [lora]): each targeted linear layer serves W + (alpha / rank) * B @ A, with W
+    frozen as loaded and only A [rank, in] and B [out, rank] trained (docs/lora.md)."""
+
+    rank: int = 8
+    """The adapters' rank r: trained parameters per targeted layer are r x (in + out); >= 1."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (as peft's lora_alpha); > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the training forward only (never when scoring old or reference
+    log-probs), in [0, 1). It makes the trained function differ from the served one, so logprobs: invariant
+    refuses it."""
+    target_modules: tuple[str, ...] | str = LORA_ALL_LINEAR
+    """The linear layers of each decoder layer that get adapters, by name (e.g. [q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj]), or `all-linear`: every one of them (never the LM head or the embeddings)."""
+
+    def __post_init__(self) -> None:
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = (targets,)
+        object.__setattr__(self, "target_modules", tuple(targets))
+        if isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1 (the adapters' rank), got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0 (the adapters are scaled by alpha / rank), got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not targets or any(not t or t != t.strip() for t in targets):
+            raise ValueError(
+                f"lora.target_modules must name linear layers (e.g. [q_proj, v_proj]) or be {LORA_ALL_LINEAR}, got "
+                f"{list(targets)}"
+            )
+        if LORA_ALL_LINEAR in targets and len(targets) > 1:
+            raise ValueError(f"lora.target_modules: {LORA_ALL_LINEAR} already names every linear layer; give it alone")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(self.target_modules)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -173,11 +225,15 @@ class TrainConfig:
     tests/unit/test_megatron.py); on a CPU it needs a C++ compiler."""
     converters: tuple[str, ...] = ()
     """Model converters applied, in this order, when the torch backend builds the model (hpcrl/trainer/converters):
-    `freeze` stops the modules of freeze_modules from training. A converter decides which parameters the
-    optimizer holds and what a weight push sends; checkpoints and exports hold the whole model."""
+    `freeze` stops the modules of freeze_modules from training; `lora` trains low-rank adapters (the `lora` key)
+    instead of the model's weights. A converter decides which parameters the optimizer holds, what a weight push
+    sends, what a checkpoint holds and what an export writes (docs/lora.md)."""
     freeze_modules: tuple[str, ...] = ()
     """converters: [freeze]: modules whose parameters do not train, by name (e.g. `model.embed_tokens`,
     `lm_head`, `model.layers.0`; a module freezes all its parts). They leave the optimizer and weight pushes."""
+    lora: LoRAConfig | None = None
+    """converters: [lora]: the low-rank adapters that train instead of the model's weights (LoRAConfig); the
+    optimizer holds only them, a push sends only them, the KL reference is the model with them off."""
     max_nan_steps: int = 3
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
@@ -308,6 +364,21 @@ class TrainConfig:
             raise ValueError(
                 "freeze_modules names the modules the freeze converter freezes: set both converters: [freeze] and "
                 "freeze_modules (e.g. [model.embed_tokens]), or neither"
+            )
+        if self.lora is not None and self.backend == "megatron":
+            raise ValueError(
+                f"lora is not implemented by backend: megatron ({BACKEND_LIMITS['megatron']['lora']}); remove lora "
+                "and converters: [lora], or use backend: torch"
+            )
+        if ("lora" in self.converters) != (self.lora is not None):
+            raise ValueError(
+                "lora holds the settings of the lora converter: set both converters: [lora] and lora (e.g. "
+                "{rank: 16, alpha: 32, target_modules: all-linear}), or neither"
+            )
+        if self.lora is not None and self.lora.dropout > 0 and self.logprobs == "invariant":
+            raise ValueError(
+                f"lora.dropout {self.lora.dropout:g} makes the training forward differ from what the engines serve, "
+                "but logprobs: invariant needs it to be the very same function; set lora.dropout: 0, or logprobs: plain"
             )
         if any(not m or m != m.strip() for m in self.freeze_modules):
             raise ValueError(f"freeze_modules: module names must be non-empty, without spaces: {self.freeze_modules}")

@@ -8,6 +8,7 @@ gradients over the ranks (the step scales the losses by the world size to make t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from pathlib import Path
@@ -55,11 +56,13 @@ class TorchTrainer:
                 raise ValueError(f"train.logprobs: invariant: {reason}")
             invariant.pin_backend_numerics(self.device)
             invariant.use_kernel_tiles(cfg.invariant_kernels)
-        self.ref_model: CausalLM | None = None
-        if cfg.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        # After the reference copy: the KL term's reference is the policy as loaded.
         self.converters = build_converters(cfg)
+        # The KL term's reference is the policy as loaded: a copy taken before the converters run, unless one of
+        # them gives it back in the model itself (LoRA: the adapters off).
+        self._reference_in_model = [c for c in self.converters if c.serves_reference]
+        self.ref_model: CausalLM | None = None
+        if cfg.kl_coef > 0 and not self._reference_in_model:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         for converter in self.converters:
             converter.convert(self.model)
         if cfg.torch_compile:
@@ -101,6 +104,11 @@ class TorchTrainer:
         return self.step.sft(batch, self._sft_optimizer)
 
     def score(self, mb: TrainBatch, *, reference: bool) -> Tensor:
+        if reference and self._reference_in_model:
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for converter in self._reference_in_model:
+                    stack.enter_context(converter.reference(self.model))
+                return self._logprobs(self.model, mb, with_entropy=False)[0]
         model = self.ref_model if reference else self.model
         assert model is not None, "reference log-probs need train.kl_coef > 0"
         with torch.no_grad():
@@ -189,12 +197,21 @@ class TorchTrainer:
 
         Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
         """
-        tensors = {f"model/{k}": _host_copy(v) for k, v in self.model.state_dict().items()}
+        tensors = {f"model/{k}": _host_copy(v) for k, v in self._checkpointed(self.model.state_dict()).items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
         tensors.update({k: _host_copy(v) for k, v in opt_tensors.items()})
         if self.ref_model is not None:
             tensors.update({f"ref_model/{k}": _host_copy(v) for k, v in self.ref_model.state_dict().items()})
-        return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
+        state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
+        metas = {c.name: c.checkpoint_meta(self.model) for c in self.converters}
+        if any(metas.values()):
+            state["converters"] = {name: meta for name, meta in metas.items() if meta}
+        return tensors, state
+
+    def _checkpointed(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        for converter in reversed(self.converters):
+            state = converter.checkpoint_state(self.model, state)
+        return state
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         if state.get("backend", "torch") != "torch":
@@ -203,8 +220,25 @@ class TorchTrainer:
                 f"train.backend={state['backend']}"
             )
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        metas = state.get("converters", {})
+        for converter in self.converters:
+            converter.check_resume(self.model, metas.get(converter.name))
+        unknown = sorted(set(metas) - {c.name for c in self.converters})
+        if unknown:
+            raise ValueError(
+                f"this checkpoint was written with the model converters {unknown}, which this run does not apply; "
+                "resume with the train.converters (and their settings) the run was started with"
+            )
         self._check_frozen(model_state)
-        self.model.load_state_dict(model_state, strict=True)
+        expected = set(self._checkpointed(self.model.state_dict()))
+        if set(model_state) != expected:
+            odd = sorted(set(model_state) ^ expected)[:3]
+            raise ValueError(
+                f"this checkpoint's model tensors do not fit this run's model (e.g. {odd}); resume with the "
+                "model.path, train.converters and their settings the run was started with"
+            )
+        # Tensors a checkpoint leaves out are ones no step changes: they stay as loaded from model.path.
+        self.model.load_state_dict(model_state, strict=False)
         if self.ref_model is not None:
             ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
             self.ref_model.load_state_dict(ref, strict=True)
@@ -230,7 +264,10 @@ class TorchTrainer:
                 )
 
     def export(self, out_dir: str | Path) -> Path:
-        return save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
+        out = save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
+        for converter in self.converters:
+            converter.export_files(self.model, out, base_dir=self.model_dir)
+        return out
 
 
 def _host_copy(tensor: Tensor) -> Tensor:

@@ -53,7 +53,7 @@ def is_frozen(name: str) -> bool:
 @pytest.mark.parametrize(
     "cfg,message",
     [
-        ({"converters": ("lora",)}, "unknown model converter 'lora'; valid: freeze"),
+        ({"converters": ("quant",)}, "unknown model converter .quant.; valid: freeze, lora"),
         ({"freeze_modules": ("lm_head",)}, "set both converters: \\[freeze\\] and freeze_modules"),
         ({"converters": ("freeze",)}, "set both converters: \\[freeze\\] and freeze_modules"),
         ({**FREEZE, "converters": ("freeze", "freeze")}, "lists a converter twice"),

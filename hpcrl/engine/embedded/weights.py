@@ -38,6 +38,7 @@ class WeightReceiver:
         self._lock = threading.Lock()
         # Parameters that an in-place receive filled with NaN/inf: generation waits for finite ones.
         self.nonfinite: set[str] = set()
+        self._strategies: dict[str, apply.ApplyStrategy] = {}
 
     # ----- groups -----
     def init_group(
@@ -67,13 +68,14 @@ class WeightReceiver:
         destroy_weight_group(pg)  # torch keeps a group registered under its name until it is destroyed
 
     # ----- checks shared by both paths -----
-    def check_names(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
-        params = self.scheduler.weight_shapes()
-        for name, shape in zip(names, shapes, strict=True):
-            if name not in params:
-                raise ValueError(f"unknown weight {name!r}: the engine's model has no such parameter")
-            if tuple(shape) != params[name]:
-                raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model expects {params[name]}")
+    def strategy(self, name: str) -> apply.ApplyStrategy:
+        """This engine's strategy `name`: one per process, since a strategy may keep state across updates."""
+        if name not in self._strategies:
+            self._strategies[name] = apply.strategy(name)
+        return self._strategies[name]
+
+    def check_names(self, strategy: apply.ApplyStrategy, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
+        strategy.check_names(self.scheduler.weight_shapes(), list(zip(names, shapes, strict=True)))
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], strategy: apply.ApplyStrategy) -> int:
         """Write into the model (scheduler thread). Returns bytes loaded."""
@@ -95,10 +97,10 @@ class WeightReceiver:
         load_format: str | None,
         apply_strategy: str = apply.DEFAULT,
     ) -> int:
-        strategy = apply.strategy(apply_strategy)
+        strategy = self.strategy(apply_strategy)
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        self.check_names(names, shapes)
+        self.check_names(strategy, names, shapes)
         pg = self.groups.get(group_name)
         if pg is None:
             raise EngineStateError(f"no weight-update group named {group_name!r}: call init_weights_update_group first")
@@ -153,9 +155,9 @@ class WeightReceiver:
     def load_handover(self, payload: dict[str, Any], apply_strategy: str = apply.DEFAULT) -> int:
         from hpcrl.weightwire.handover import open_handover
 
-        strategy = apply.strategy(apply_strategy)
+        strategy = self.strategy(apply_strategy)
         with open_handover(payload, device=self.scheduler.device) as named:
-            self.check_names([n for n, _ in named], [list(t.shape) for _, t in named])
+            self.check_names(strategy, [n for n, _ in named], [list(t.shape) for _, t in named])
             bad = first_non_finite(named)
             if bad is not None:
                 raise ValueError(_nonfinite_message(bad, kept=True))

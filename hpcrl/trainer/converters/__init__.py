@@ -15,4 +15,5 @@ from __future__ import annotations
 # (`base.build_converters`).
 CONVERTERS: dict[str, str] = {
     "freeze": "hpcrl.trainer.converters.freeze:FreezeModules",
+    "lora": "hpcrl.trainer.converters.lora:LoRA",
 }

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
+from pathlib import Path
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -22,6 +25,9 @@ class ModelConverter(abc.ABC):
     and the state hooks in the reverse one (the last change is undone first)."""
 
     name = ""
+    serves_reference: ClassVar[bool] = False
+    """True when `reference(model)` gives back the model as loaded (LoRA: adapters off): the KL term's reference
+    is then the converted model itself, not a copy taken before `convert`."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -29,6 +35,10 @@ class ModelConverter(abc.ABC):
     @abc.abstractmethod
     def convert(self, model: CausalLM) -> None:
         """Change `model` in place (the one hook every converter writes)."""
+
+    def reference(self, model: CausalLM) -> contextlib.AbstractContextManager[None]:
+        """A context in which `model` computes the policy as loaded (used when `serves_reference`)."""
+        raise NotImplementedError(f"the {self.name} converter keeps no reference in the model")
 
     def post_optimizer_hook(self, model: CausalLM) -> None:
         """After each optimizer step (e.g. re-derive quantization scales from the updated weights); default: nothing."""
@@ -44,6 +54,25 @@ class ModelConverter(abc.ABC):
     def export_state(self, model: CausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """The tensors an export writes (a whole model in Hugging Face names), given the previous converter's."""
         return state
+
+    def export_files(self, model: CausalLM, out_dir: Path, *, base_dir: Path) -> None:
+        """Write files of the converter's own into the exported model directory (LoRA: the peft adapter of the
+        model loaded from `base_dir`); default: nothing."""
+        return None
+
+    def checkpoint_state(self, model: CausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The model tensors a checkpoint holds (model.state_dict() names), given the previous converter's; a
+        tensor left out must be one no step changes, restored from model.path on resume."""
+        return state
+
+    def checkpoint_meta(self, model: CausalLM) -> dict[str, Any]:
+        """JSON the checkpoint keeps for `check_resume` (e.g. the identity of what it left out); default: none."""
+        return {}
+
+    def check_resume(self, model: CausalLM, meta: dict[str, Any] | None) -> None:
+        """Refuse (ValueError with the fix) a checkpoint this converted model cannot resume from; `meta` is what
+        `checkpoint_meta` wrote (None: the checkpoint was written without this converter)."""
+        return None
 
 
 def build_converters(cfg: TrainConfig) -> list[ModelConverter]:
