@@ -27,6 +27,7 @@ from hpcrl.engine.embedded.delta_load import DeltaLoader
 from hpcrl.engine.protocol.control import UpdateWeightsFromDelta
 from hpcrl.model.hf import load_model
 from hpcrl.run_config import load_run_config
+from hpcrl.store import load_metrics
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.disk_delta import DiskDeltaError, DiskDeltaTransport
 from hpcrl.sync.errors import WeightSyncError
@@ -34,6 +35,7 @@ from hpcrl.sync.push import WeightSync
 from hpcrl.sync.transport import TransportContext
 from hpcrl.weightwire.delta import DeltaFormatError, published
 from tests.conftest import EngineProcess, start_engine
+from tests.support import hpcrl
 
 
 class Trainer:
@@ -310,3 +312,24 @@ def test_disk_delta_settings_are_checked(tmp_path: Path) -> None:
     cfg.write_text("model: {path: m}\n")
     with pytest.raises(ConfigError, match="disk_delta with engine.kind sglang is not supported yet; use"):
         load_run_config(cfg, ["sync.transport=disk_delta", "engine.kind=sglang"])
+
+
+def test_a_quickstart_run_over_disk_delta_clears_a_killed_writers_leftovers_and_finishes(workdir: Path) -> None:
+    weights = workdir / "run" / "weights"
+    weights.mkdir(parents=True)
+    # What a trainer killed while writing leaves: a temporary file, data without a manifest.
+    (weights / ".delta-00000002.bin.tmp").write_bytes(b"half")
+    (weights / "delta-00000002.bin").write_bytes(b"no manifest")
+    steps = ["num_steps=3", "sft.num_steps=0", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4"]
+    hpcrl("run", "qs.yaml", *steps, "rollout.max_new_tokens=6", "sync.transport=disk_delta", "--run-dir", "run",
+          cwd=workdir)  # fmt: skip
+    assert sorted(p.name for p in weights.iterdir()) == [
+        f"{kind}-{v:08d}.{ext}" for kind, v in (("delta", 2), ("delta", 3), ("snapshot", 1)) for ext in ("bin", "json")
+    ]
+    metrics = load_metrics(workdir / "run" / "metrics.h5")
+    # The first push is a snapshot; later ones write what changed (the untrained tiny model's rewards are all
+    # equal, so its steps may change nothing: the 50-push test above has real changes).
+    share = metrics["sync/delta_changed_share"]
+    assert share[0] == 1.0 and ((0 <= share[1:]) & (share[1:] < 1)).all()
+    assert (metrics["sync/delta_bytes"][1:] < metrics["sync/bytes"][1:]).all()
+    assert (metrics["sync/engine_apply_s"] > 0).all() and (metrics["sync/delta_write_s"] > 0).all()
