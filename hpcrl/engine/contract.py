@@ -38,6 +38,7 @@ __all__ = [
     "RELEASE_MEMORY_OCCUPATION",
     "RESUME_MEMORY_OCCUPATION",
     "SERVER_INFO",
+    "UPDATE_WEIGHTS_FROM_DELTA",
     "UPDATE_WEIGHTS_FROM_DISTRIBUTED",
     "UPDATE_WEIGHTS_FROM_TENSOR",
     "UPDATE_WEIGHT_VERSION",
@@ -119,6 +120,12 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
 UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
     "update_weights_from_tensor", "POST", ("/update_weights_from_tensor",), Retry.NEVER, Reply.SUCCESS
 )
+# hpcrl's extension (embedded engine): apply a disk-delta version named by its manifest (hpcrl/weightwire/delta.py).
+# Unlike the other weight updates it pairs with no collective, and an engine that already holds the version does
+# nothing: a re-sent call is safe.
+UPDATE_WEIGHTS_FROM_DELTA = Endpoint(
+    "update_weights_from_delta", "POST", ("/update_weights_from_delta",), Retry.IDEMPOTENT, Reply.SUCCESS
+)
 UPDATE_WEIGHT_VERSION = Endpoint(
     "update_weight_version", "POST", ("/update_weight_version",), Retry.IDEMPOTENT, Reply.SUCCESS
 )
@@ -143,6 +150,7 @@ ENDPOINTS: Mapping[str, Endpoint] = {
         DESTROY_WEIGHTS_UPDATE_GROUP,
         UPDATE_WEIGHTS_FROM_DISTRIBUTED,
         UPDATE_WEIGHTS_FROM_TENSOR,
+        UPDATE_WEIGHTS_FROM_DELTA,
         UPDATE_WEIGHT_VERSION,
         GET_WEIGHTS_BY_NAME,
     )

@@ -165,6 +165,7 @@ class Run:
             self.placement.sync_config(), clients, device=torch.device(cfg.train.device),
             colocated=self.placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
             apply_strategy="lora" if adapters else "replace",
+            run_dir=self.run_dir,
         )  # fmt: skip
         self._closers.append(sync.close)
         sync.connect()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ class WeightSync:
         engine_kind: str = "embedded",
         engine_tp_size: int = 1,
         apply_strategy: str = "replace",
+        run_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.transport_name = cfg.transport
@@ -53,6 +55,7 @@ class WeightSync:
             engine_kind=engine_kind,
             engine_tp_size=engine_tp_size,
             apply_strategy=apply_strategy,
+            run_dir=run_dir,
         )
         self.transport: Transport = make_transport(self.transport_name, ctx)
         self.last_metrics: dict[str, float] = {}
@@ -105,7 +108,7 @@ class WeightSync:
             "timing/sync_commit_s": t_end - t_sent,
             "sync/bytes": float(total),
             "sync/num_buckets": float(num_buckets),
-        }
+        } | self.transport.metrics()
         return self.last_metrics
 
     def close(self) -> None:

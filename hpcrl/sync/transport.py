@@ -6,6 +6,7 @@ WeightSync makes those calls in the order sync/publisher.py states, and per push
     begin(version)  once, before any bucket
     send(bucket)    per bucket, in order (consecutive tensors of one dtype, at most sync.bucket_mb)
     finish(version) once, after the last bucket; when it returns, every engine holds the new weights
+    metrics()       after finish: the transport's own figures of the push (sync/...), merged into the push's
 A transport that owns a whole push (a manifest written last, a delta against the previous version) does its work
 in begin and finish; one that streams buckets (a broadcast, a handover) leaves them empty. Any failure raises
 (WeightSyncError or the transport's own error, naming the engine): the publisher heals and pushes everything again.
@@ -17,6 +18,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # the config imports the registry, and a config loads without torch
@@ -30,6 +32,7 @@ TRANSPORTS: dict[str, str] = {
     "distributed": "hpcrl.sync.distributed:DistributedTransport",
     "tensor": "hpcrl.sync.tensor_handover:TensorSender",
     "mpi": "hpcrl.sync.mpi:MpiWeightSender",
+    "disk_delta": "hpcrl.sync.disk_delta:DiskDeltaTransport",
 }
 """Name (`sync.transport`) -> `module:Class`, imported only when that transport is used."""
 
@@ -48,6 +51,7 @@ class TransportContext:
     engine_kind: str  # "embedded" | "sglang": the request format an engine reads
     engine_tp_size: int
     apply_strategy: str = "replace"  # how the engines write the tensors (hpcrl/engine/embedded/apply.py)
+    run_dir: Path | None = None  # the run directory (where a transport that writes files keeps them by default)
 
 
 class Transport(Protocol):
@@ -69,6 +73,10 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release what connect formed; nothing by default."""
+
+    def metrics(self) -> dict[str, float]:
+        """The transport's own figures of the last push (merged into the push's metrics); none by default."""
+        return {}
 
 
 def transport_names() -> list[str]:

@@ -46,13 +46,19 @@ def test_an_unknown_transport_is_refused_with_the_registered_names(tmp_path: Pat
         cfg=SyncConfig(), engines=[], device=torch.device("cpu"), pool=ThreadPoolExecutor(1),
         each=lambda fn, what: [], engine_kind="embedded", engine_tp_size=1,
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"sync.transport 'nccl' is not one of \['distributed', 'tensor', 'mpi'\]"):
+    with pytest.raises(
+        ValueError, match=r"sync.transport 'nccl' is not one of \['distributed', 'tensor', 'mpi', 'disk_delta'\]"
+    ):
         make_transport("nccl", ctx)
-    with pytest.raises(ValueError, match=r"'nccl' is not one of \['auto', 'distributed', 'tensor', 'mpi'\]"):
+    with pytest.raises(
+        ValueError, match=r"'nccl' is not one of \['auto', 'distributed', 'tensor', 'mpi', 'disk_delta'\]"
+    ):
         SyncConfig(transport="nccl")
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: {path: m}\n")
-    with pytest.raises(ConfigError, match=r"sync.*'nccl' is not one of \['auto', 'distributed', 'tensor', 'mpi'\]"):
+    with pytest.raises(
+        ConfigError, match=r"sync.*'nccl' is not one of \['auto', 'distributed', 'tensor', 'mpi', 'disk_delta'\]"
+    ):
         load_run_config(cfg, ["sync.transport=nccl"])
 
 

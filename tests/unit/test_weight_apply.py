@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from hpcrl.engine.embedded.apply import STRATEGIES
 from hpcrl.engine.protocol.control import UpdateWeightsFromDistributed, UpdateWeightsFromTensor
 from hpcrl.model.hf import load_model
 from hpcrl.weightwire.group import broadcast_many, destroy_weight_group
@@ -91,7 +92,7 @@ def test_an_unknown_strategy_or_a_delta_that_overflows_is_refused_and_nothing_ch
 
     r = by_handover(eng.url, big, apply_strategy="merge_adapter")
     assert r.status_code == 400
-    assert "apply_strategy 'merge_adapter' is not one of ['delta', 'lora', 'replace']" in r.json()["message"]
+    assert f"apply_strategy 'merge_adapter' is not one of {sorted(STRATEGIES)}" in r.json()["message"]
     assert served(eng.url) == before
 
     # 3e38 once is finite; a bucket that adds it again overflows there and is refused whole: the other

@@ -147,7 +147,36 @@ class MergeLoRA:
         }
 
 
-STRATEGIES: dict[str, type[ApplyStrategy]] = {cls.name: cls for cls in (Replace, Delta, MergeLoRA)}
+class Xor:
+    """parameter bits ^= tensor bits: each tensor is the bitwise XOR of a parameter's old and new values (its dtype
+    and shape), what a disk-delta push stores for what changed. The result is exact to the bit (no arithmetic), and
+    XOR is its own inverse: applying the same tensors again restores the old bits. Every name, shape and dtype is
+    checked before anything is written; the loader checks each result against the writer's checksum."""
+
+    name: ClassVar[str] = "xor"
+    receives_in_place: ClassVar[bool] = False
+    _BITS: ClassVar[dict[torch.dtype, torch.dtype]] = {
+        torch.bfloat16: torch.int16,
+        torch.float16: torch.int16,
+        torch.float32: torch.int32,
+    }
+
+    def apply(self, params: Mapping[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, patch in named:
+            param = params[name]
+            if param.dtype not in self._BITS or patch.dtype != param.dtype or patch.shape != param.shape:
+                raise ValueError(
+                    f"xor patch of {name!r} is {patch.dtype}{list(patch.shape)}; the parameter is "
+                    f"{param.dtype}{list(param.shape)} (a patch has the parameter's dtype, one of "
+                    f"{sorted(map(str, self._BITS))}, and shape): nothing of this update was loaded"
+                )
+        with torch.no_grad():
+            for name, patch in named:
+                bits = self._BITS[patch.dtype]
+                params[name].view(bits).bitwise_xor_(patch.to(params[name].device).view(bits))
+
+
+STRATEGIES: dict[str, type[ApplyStrategy]] = {cls.name: cls for cls in (Replace, Delta, MergeLoRA, Xor)}
 
 
 def strategy(name: str) -> ApplyStrategy:

@@ -63,6 +63,7 @@ class EmbeddedEngine(GenerateRoutes, ControlRoutes, WeightRoutes):
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_from_tensor)
+        r.add_post("/update_weights_from_delta", self.update_from_delta)
         r.add_post("/update_weight_version", self.update_weight_version)
         app.on_shutdown.append(self._shutdown)
         return app

@@ -18,6 +18,7 @@ from hpcrl.engine.protocol.control import (
     GetWeightsByName,
     InitWeightsUpdateGroup,
     MemoryOccupation,
+    UpdateWeightsFromDelta,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
     UpdateWeightVersion,
@@ -28,8 +29,8 @@ log = logging.getLogger("hpcrl.engine")
 
 class WeightRoutes(EngineCore):
     """/init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
-    /update_weights_from_tensor, /update_weight_version, /get_weights_by_name, /release_memory_occupation,
-    /resume_memory_occupation."""
+    /update_weights_from_tensor, /update_weights_from_delta, /update_weight_version, /get_weights_by_name,
+    /release_memory_occupation, /resume_memory_occupation."""
 
     async def release_memory(self, request: web.Request) -> web.Response:
         try:
@@ -155,6 +156,27 @@ class WeightRoutes(EngineCore):
         except Exception as exc:  # noqa: BLE001
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok("Succeeded to update parameter online from tensor.", bytes=nbytes, seconds=time.perf_counter() - t0)
+
+    async def update_from_delta(self, request: web.Request) -> web.Response:
+        from pathlib import Path
+
+        from hpcrl.engine.embedded.delta_load import DeltaLoader
+
+        try:
+            req = UpdateWeightsFromDelta.from_dict(await _json_body(request))
+            if self.scheduler.weights_released:
+                raise EngineStateError("weights are released; resume_memory_occupation(['weights']) before an update")
+            # One loader per engine: it remembers which version the parameters hold.
+            loader = self.__dict__.setdefault("_delta_loader", DeltaLoader())
+            done = await self._on_scheduler(lambda: loader.load(self.scheduler.named_parameters(), Path(req.manifest)))
+            if (version := req.weight_version) is not None:
+                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
+        except web.HTTPException:
+            raise  # a malformed body: its own 400 and message
+        except Exception as exc:  # noqa: BLE001
+            return _error(f"{type(exc).__name__}: {exc}")
+        log.info("weights at disk version %s via %s in %.3f s", done["version"], done["applied"], done["seconds"])
+        return _ok(f"Weights at version {done['version']} from {req.manifest}.", **done)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         try:

@@ -193,6 +193,22 @@ class UpdateWeightsFromTensor(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UpdateWeightsFromDelta(Message):
+    """POST /update_weights_from_delta (hpcrl's extension, embedded engine): bring the weights to the version whose
+    manifest is `manifest` (a path on a file system the engine shares with the trainer; the format is
+    hpcrl/weightwire/delta.py). A delta manifest is applied on top of the versions before it, from the engine's
+    own version or from the newest snapshot before it; a snapshot manifest is loaded whole."""
+
+    endpoint: ClassVar[Endpoint] = C.UPDATE_WEIGHTS_FROM_DELTA
+    manifest: str
+    weight_version: str | None = None
+
+    def __post_init__(self) -> None:
+        _str("manifest", self.manifest)
+        _optional_str("weight_version", self.weight_version)
+
+
+@dataclass(frozen=True, kw_only=True)
 class UpdateWeightVersion(Message):
     """POST /update_weight_version.
 

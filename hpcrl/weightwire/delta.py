@@ -1,0 +1,228 @@
+"""The disk-delta format: weight versions as files on a shared file system, each a delta against the version
+before it or a full snapshot, read by engines that patch their own weights.
+
+A directory holds, per published version v (8 digits, so names sort by version):
+  delta-0000000v.bin / .json      what changed since v-1 (base_version v-1)
+  snapshot-0000000v.bin / .json   every tensor whole (base_version null)
+The `.bin` holds each tensor's payload back to back; the `.json` (the manifest) is written last, through a temporary
+file, fsync and a rename, so a version exists exactly when its manifest does: a writer killed midway leaves a
+`.bin` without a manifest, which no reader opens. The manifest lists per tensor:
+  name, dtype, shape
+  encoding   "same" (nothing changed, no payload), "xor" (zlib of new XOR old bits, whole tensor),
+             "index" (zlib of the changed elements' index gaps as uint32, then their new bits), "full" (zlib of
+             the new bits; snapshots)
+  offset, nbytes, crc32   where the payload lies in the .bin and the CRC-32 of its bytes (checked before any
+                          write into a model: a payload that fails it is never applied)
+  result_crc32            the CRC-32 of the tensor's new bits (checked after a patch: a base that differed from
+                          the writer's shows here)
+  changed                 how many elements changed
+CRC-32 detects storage and transfer corruption; it authenticates nothing (the directory is the run's own,
+docs/security.md). Per tensor the writer keeps the smaller of "xor" and "index". Nothing here imports from hpcrl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "hpcrl-weight-delta/1"
+KINDS = ("delta", "snapshot")
+ENCODINGS = ("same", "xor", "index", "full")
+_NAME = re.compile(r"^(delta|snapshot)-(\d{8})\.json$")
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_NP_BITS = {torch.int16: np.int16, torch.int32: np.int32}
+ZLIB_LEVEL = 1  # the payload is mostly zeros: level 1 gets nearly all of the gain at a fraction of the time
+
+
+class DeltaFormatError(ValueError):
+    """A manifest or payload that is not what the format says (unreadable, wrong checksum, wrong base)."""
+
+
+def manifest_name(kind: str, version: int) -> str:
+    return f"{kind}-{version:08d}.json"
+
+
+def data_name(kind: str, version: int) -> str:
+    return f"{kind}-{version:08d}.bin"
+
+
+def parse_manifest_name(name: str) -> tuple[str, int] | None:
+    """(kind, version) of a manifest's file name; None for any other file."""
+    match = _NAME.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def published(directory: Path) -> dict[str, list[int]]:
+    """The versions that have a manifest in `directory`, by kind, ascending."""
+    out: dict[str, list[int]] = {kind: [] for kind in KINDS}
+    if directory.is_dir():
+        for entry in os.scandir(directory):
+            parsed = parse_manifest_name(entry.name)
+            if parsed is not None:
+                out[parsed[0]].append(parsed[1])
+    return {kind: sorted(versions) for kind, versions in out.items()}
+
+
+def bits(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as a flat integer array on the CPU (bf16/fp16 as int16, fp32 as int32)."""
+    int_dtype = _BITS.get(tensor.dtype)
+    if int_dtype is None:
+        raise ValueError(f"dtype {tensor.dtype} has no disk-delta encoding; use one of {sorted(map(str, _BITS))}")
+    return tensor.detach().contiguous().view(int_dtype).reshape(-1).cpu().numpy()
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype that holds `dtype`'s bits."""
+    return _BITS[dtype]
+
+
+Payload = bytes | memoryview
+
+
+def crc32(data: np.ndarray | Payload) -> int:
+    if isinstance(data, np.ndarray):
+        return zlib.crc32(np.ascontiguousarray(data).data.cast("B"))
+    return zlib.crc32(data)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    encoding: str
+    offset: int
+    nbytes: int
+    crc32: int
+    result_crc32: int
+    changed: int
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def encode(old: np.ndarray | None, new: np.ndarray) -> tuple[str, bytes, int]:
+    """(encoding, payload, changed elements) of `new` against `old` (bits from `bits`); None: a full payload."""
+    if old is None:
+        return "full", zlib.compress(new.data.cast("B"), ZLIB_LEVEL), int(new.size)
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(
+            f"the previous version holds {old.dtype}{list(old.shape)}, this one {new.dtype}{list(new.shape)}"
+        )
+    diff = np.bitwise_xor(old, new)
+    index = np.flatnonzero(diff)
+    changed = int(index.size)
+    if changed == 0:
+        return "same", b"", 0
+    xor = zlib.compress(diff.data.cast("B"), ZLIB_LEVEL)
+    # Index + value is bigger than the raw XOR when over a third (bf16) of the elements changed: not worth trying.
+    if changed * (4 + new.itemsize) >= new.nbytes or new.size >= 2**32:
+        return "xor", xor, changed
+    gaps = np.diff(index, prepend=0).astype(np.uint32)
+    indexed = zlib.compress(gaps.tobytes() + new[index].tobytes(), ZLIB_LEVEL)
+    return ("index", indexed, changed) if len(indexed) < len(xor) else ("xor", xor, changed)
+
+
+def decode_xor(entry: TensorEntry, payload: Payload, current: torch.Tensor) -> torch.Tensor:
+    """The XOR patch (on `current`'s device, its integer bit dtype, flat) that turns `current` into the entry's new
+    bits. `payload` has passed its CRC; `current` is the flat integer view of the parameter."""
+    raw = zlib.decompress(payload)
+    np_dtype = _NP_BITS[current.dtype]
+    if entry.encoding == "xor":
+        xor = np.frombuffer(raw, dtype=np_dtype)
+        if xor.size != entry.numel:
+            raise DeltaFormatError(f"{entry.name}: the xor payload holds {xor.size} elements, not {entry.numel}")
+        return torch.from_numpy(xor.copy()).to(current.device)
+    if entry.encoding == "index":
+        count = len(raw) // (4 + np.dtype(np_dtype).itemsize)
+        gaps = np.frombuffer(raw, dtype=np.uint32, count=count)
+        values = np.frombuffer(raw, dtype=np_dtype, offset=4 * count)
+        if values.size != count:
+            raise DeltaFormatError(f"{entry.name}: the index payload is cut short")
+        index = torch.from_numpy(np.cumsum(gaps, dtype=np.int64)).to(current.device)
+        if count and int(index[-1]) >= entry.numel:
+            raise DeltaFormatError(f"{entry.name}: an index lies past the tensor's {entry.numel} elements")
+        patch = torch.zeros_like(current)
+        patch[index] = torch.from_numpy(values.copy()).to(current.device) ^ current[index]
+        return patch
+    raise DeltaFormatError(f"{entry.name}: encoding {entry.encoding!r} is not a patch")
+
+
+def decode_full(entry: TensorEntry, payload: Payload, dtype: torch.dtype) -> torch.Tensor:
+    """A snapshot entry's tensor (CPU, its own dtype and shape); its result CRC checked."""
+    raw = zlib.decompress(payload)
+    flat = np.frombuffer(raw, dtype=_NP_BITS[_BITS[dtype]])
+    if flat.size != entry.numel or crc32(flat) != entry.result_crc32:
+        raise DeltaFormatError(f"{entry.name}: the snapshot's tensor fails its checksum")
+    return torch.from_numpy(flat.copy()).view(dtype).view(entry.shape)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    kind: str
+    base_version: int | None
+    data: str
+    data_bytes: int
+    tensors: list[TensorEntry]
+    format: str = FORMAT
+
+    def to_json(self) -> bytes:
+        body = asdict(self)
+        return (json.dumps(body, indent=None, separators=(",", ":")) + "\n").encode()
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest at `path`; DeltaFormatError naming what is wrong with it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            body: dict[str, Any] = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise DeltaFormatError(f"cannot read the weight manifest {path}: {exc}") from exc
+    if body.get("format") != FORMAT:
+        raise DeltaFormatError(f"{path} is format {body.get('format')!r}, this hpcrl reads {FORMAT!r}")
+    try:
+        tensors = [TensorEntry(**t) for t in body["tensors"]]
+        manifest = Manifest(**{**body, "tensors": tensors})
+    except (KeyError, TypeError) as exc:
+        raise DeltaFormatError(f"the weight manifest {path} is malformed: {exc}") from exc
+    if manifest.kind not in KINDS or any(t.encoding not in ENCODINGS for t in tensors):
+        raise DeltaFormatError(f"the weight manifest {path} names an unknown kind or encoding")
+    if parse_manifest_name(path.name) != (manifest.kind, manifest.version):
+        raise DeltaFormatError(f"the weight manifest {path} holds {manifest.kind} {manifest.version}, not its name's")
+    return manifest
+
+
+def read_payloads(path: Path, manifest: Manifest) -> dict[str, memoryview]:
+    """Every tensor's payload from the manifest's data file, each CRC checked: DeltaFormatError before anything is
+    returned when one fails (so a corrupt version is never half applied)."""
+    data = path.parent / manifest.data
+    try:
+        fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise DeltaFormatError(f"cannot read {data}: {exc}") from exc
+    if len(blob) != manifest.data_bytes:
+        raise DeltaFormatError(f"{data} holds {len(blob)} bytes, its manifest says {manifest.data_bytes}")
+    view = memoryview(blob)  # slices of it share the one read buffer
+    out: dict[str, memoryview] = {}
+    for entry in manifest.tensors:
+        payload = view[entry.offset : entry.offset + entry.nbytes]
+        if len(payload) != entry.nbytes or crc32(payload) != entry.crc32:
+            raise DeltaFormatError(
+                f"{data}: the payload of {entry.name!r} fails its checksum (the file is corrupt); nothing of "
+                f"{manifest.kind} {manifest.version} was applied"
+            )
+        out[entry.name] = payload
+    return out
