@@ -4,7 +4,6 @@ back in SGLang's layout, kept through a retraction."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
