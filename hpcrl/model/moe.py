@@ -268,3 +268,14 @@ def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         else:
             out[name] = tensor
     return out
+
+
+def replayed_routes_shape(model_dir: Any, routing_replay: str) -> tuple[int, int] | None:
+    """(decoder layers, top-k) of the routes a run asks its engines for: a mixture-of-experts model under
+    `train.routing_replay: rollout`; None for a dense model or replay off."""
+    from hpcrl.model.qwen3 import ModelArgs
+
+    args = ModelArgs.from_dir(model_dir).moe
+    if args is None or routing_replay != "rollout":
+        return None
+    return len(args.sparse_layers), args.top_k

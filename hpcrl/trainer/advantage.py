@@ -82,4 +82,7 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool) -> TrainBatch
         rollout_logprobs=[s.logprobs for s in samples],
         supports=[s.supports for s in samples if s.supports is not None] if any(with_supports) else None,
         response_masks=[s.loss_mask for s in samples],
+        routed_experts=[s.routed_experts for s in samples]
+        if any(s.routed_experts is not None for s in samples)
+        else None,
     )

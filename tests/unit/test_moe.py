@@ -142,3 +142,34 @@ def test_route_wire_format() -> None:
     assert np.array_equal(moe.decode_routes(text, 2, 2), routes)
     with pytest.raises(ValueError, match="3 layers x 2 experts"):
         moe.decode_routes(text, 3, 2)
+
+
+def test_trainer_replays_rollout_routes_and_adds_the_aux_loss(moe_dir: Path) -> None:
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.config import TrainConfig
+    from hpcrl.trainer.torch_backend import TorchTrainer
+
+    trainer = TorchTrainer(TrainConfig(lr=1e-3, micro_batch_size=2), moe_dir)
+    model = trainer.model
+    args = model.args.moe
+    assert args is not None
+    prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21, 22], [23, 24, 25, 26], [27]]
+    routes = []
+    for p, r in zip(prompts, responses, strict=True):
+        with torch.no_grad():
+            model(torch.tensor([p + r]))
+        routes.append(moe.routes_of(model.routing, args, 1, len(p) + len(r))[0, :-1].numpy())
+    # Replaying the routes the model itself picks: the trainer's router agrees everywhere.
+    batch = TrainBatch.from_sequences(prompts, responses, advantages=[1.0, -1.0, 0.5], routed_experts=routes)
+    assert batch.routed_experts is not None and tuple(batch.routed_experts.shape) == (3, 6, 2, 2)
+    metrics = trainer.train_grpo(batch)
+    assert metrics["moe/route_agreement"] == 1.0
+    assert metrics["moe/aux_loss"] > 0 and metrics["moe/expert_load_cv"] >= 0
+    # Other experts in every set: agreement 0 (measured before replay).
+    shifted = [(r + 1) % args.num_experts for r in routes]
+    metrics = trainer.train_grpo(
+        TrainBatch.from_sequences(prompts, responses, advantages=[1.0, -1.0, 0.5], routed_experts=shifted)
+    )
+    assert metrics["moe/route_agreement"] == 0.0
+    with pytest.raises(ValueError, match=r"sequence 0: routed experts for 4 tokens, but it has 6 tokens"):
+        TrainBatch.from_sequences(prompts, responses, routed_experts=[routes[2], routes[1], routes[0]])

@@ -102,3 +102,20 @@ def test_routes_keep_the_first_forward_of_each_token() -> None:
     r.add_routes(np.full((1, 2, 2), 2, np.int32), 7)
     got = np.concatenate(r.routes)
     assert got.shape == (8, 2, 2) and got[:5].max() == 0 and got[5:7].min() == 1 and got[7].min() == 2
+
+
+def test_rollout_sample_keeps_checked_routes() -> None:
+    from hpcrl.engine.protocol.answers import GenerateResult
+    from hpcrl.rollout.generate import routed_experts
+
+    routes = np.arange(6 * 2 * 2, dtype=np.int32).reshape(6, 2, 2) % 8
+    answer = {"output_ids": [5, 6, 7], "meta_info": {"id": "r", "routed_experts": moe.encode_routes(routes)}}
+    result = GenerateResult.from_response(answer)
+    assert np.array_equal(routed_experts(result, 4, (2, 2), "http://e"), routes)
+    with pytest.raises(ValueError, match=r"shape \(6, 2, 2\), but a sequence of 8 tokens on this model needs \(7, 2"):
+        routed_experts(result, 5, (2, 2), "http://e")
+    with pytest.raises(ValueError, match="not a whole number of tokens x 5 layers"):
+        routed_experts(result, 4, (5, 2), "http://e")
+    bare = GenerateResult.from_response({"output_ids": [5], "meta_info": {"id": "r"}})
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        routed_experts(bare, 4, (2, 2), "http://e")
