@@ -165,5 +165,5 @@ def _padded_routes(routes: Sequence[np.ndarray | None], lengths: Sequence[int], 
                 f"sequence {i}: routed experts for {r.shape[0]} tokens, but it has {n} tokens (routes cover all but "
                 "the last)"
             )
-        out[i, : n - 1] = torch.from_numpy(np.ascontiguousarray(r, dtype=np.int32))
+        out[i, : n - 1] = torch.from_numpy(np.array(r, dtype=np.int32))  # a copy: decoded routes are read-only
     return out
