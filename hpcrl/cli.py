@@ -91,9 +91,11 @@ def _model_init_tiny(ns: argparse.Namespace) -> int:
         head_dim=ns.head_dim,
         max_position_embeddings=ns.max_positions,
         seed=ns.seed,
+        num_experts=ns.experts if ns.moe else 0,
+        num_experts_per_tok=ns.experts_per_tok,
     )
     path = init_tiny_model(ns.dir, spec, overwrite=ns.overwrite)
-    print(f"wrote a tiny Qwen3-architecture model to {path}")
+    print(f"wrote a tiny Qwen3{'-MoE' if ns.moe else ''}-architecture model to {path}")
     return 0
 
 
@@ -225,6 +227,9 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (every layer a sparse expert block)")
+    p.add_argument("--experts", type=int, default=8, help="experts per layer (with --moe)")
+    p.add_argument("--experts-per-tok", type=int, default=2, help="experts each token is routed to (with --moe)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     p.set_defaults(func=_model_init_tiny)
 

@@ -36,6 +36,7 @@ class GenerateCalls(ClientTransport):
         return_sampling_mask: bool = False,
         logprob_start_len: int = -1,
         timeout_s: float | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateResult | list[GenerateResult]:
         """POST /generate with token ids: one prompt (`list[int]`) or a batch (`list[list[int]]`).
 
@@ -61,6 +62,7 @@ class GenerateCalls(ClientTransport):
             rid=rid if rid is None or isinstance(rid, str) else list(rid),
             return_sampling_mask=return_sampling_mask,
             logprob_start_len=logprob_start_len,
+            return_routed_experts=return_routed_experts,
         )
         return self.generate_request(request, timeout_s=timeout_s)
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hpcrl.model.moe import split_fused_experts
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,7 +69,18 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                         f"{path}: weight {name!r} cannot be read ({exc}); the file is truncated or corrupt: "
                         "download or export the model again"
                     ) from None
-                yield name, tensor
+                # A checkpoint written with transformers 5's fused expert tensors reads as one tensor per expert.
+                yield from split_fused_experts({name: tensor}).items()
+
+
+def _header_shapes(f: Any, name: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a stored tensor as the model names it (fused expert tensors as one entry per expert)."""
+    shape = tuple(f.get_slice(name).get_shape())
+    if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) or len(shape) != 3:
+        yield name, shape
+        return
+    for split, tensor in split_fused_experts({name: torch.empty(shape, device="meta")}).items():
+        yield split, tuple(tensor.shape)
 
 
 def check_model_dir(model_dir: str | Path) -> None:
@@ -80,9 +92,10 @@ def check_model_dir(model_dir: str | Path) -> None:
     seen: set[str] = set()
     for path in _safetensors_files(model_dir):
         with _open_safetensors(path) as f:
-            for name in f.keys():
-                if _expected_weight(model_dir, name, tuple(f.get_slice(name).get_shape()), params, args):
-                    seen.add(name)
+            for stored in f.keys():
+                for name, shape in _header_shapes(f, stored):
+                    if _expected_weight(model_dir, name, shape, params, args):
+                        seen.add(name)
     _check_complete(model_dir, params, seen)
 
 

@@ -674,6 +674,8 @@ def unsupported_model(args: ModelArgs) -> str | None:
     Odd widths would leave ATen's vectorised loops a scalar tail whose place depends on the row count
     (CHUNK_ROWS x an even width is a multiple of the 32-float loop step); every released dense model is even.
     """
+    if args.moe is not None:
+        return "the batch-invariant forward covers dense models, and this is a mixture-of-experts model"
     widths = {
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,

@@ -1,8 +1,9 @@
 """One causal-LM implementation shared by the embedded engine and the torch trainer.
 
 Qwen3 and Llama-family dense models (GQA, RMSNorm, SwiGLU, RoPE, optional QK-norm, tied or untied
-embeddings). Parameter names equal the Hugging Face names, so a state dict loads from and saves to an
-HF directory unchanged, and the weight push sends exactly the names an SGLang server loads.
+embeddings), and Qwen3-MoE, whose expert layers live in `hpcrl.model.moe`. Parameter names equal the Hugging
+Face names, so a state dict loads from and saves to an HF directory unchanged, and the weight push sends exactly
+the names an SGLang server loads.
 
 The batch-invariant forward (`hpcrl.model.invariant`) runs on these same modules' parameters; with
 `engine.batch_invariant` and `train.logprobs: invariant` the engine samples from it and the trainer scores with it.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcrl.model.moe import MoeArgs, Routing, SparseMoeBlock
 from hpcrl.model.rope import RopeScaling, inv_freq, parse_rope_scaling
 
 
@@ -42,6 +44,8 @@ class ModelArgs:
     layer_windows: tuple[int | None, ...] = ()
     """Per layer, the sliding attention window in tokens (a token sees itself and the window - 1 before it), or
     None for full attention; empty: every layer full."""
+    moe: MoeArgs | None = None
+    """The expert settings of a mixture-of-experts model (Qwen3-MoE); None for a dense model."""
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -60,7 +64,7 @@ class ModelArgs:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; hpcrl's embedded engine and torch trainer "
-                f"support dense causal LMs of types {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"support causal LMs of types {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         _refuse_uncomputed_fields(cfg, model_type)
         rope = cfg.get("rope_parameters") or {}
@@ -79,12 +83,13 @@ class ModelArgs:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
             rope_scaling=parse_rope_scaling(cfg),
             layer_windows=_layer_windows(cfg, model_type),
+            moe=MoeArgs.from_hf_config(cfg) if model_type == "qwen3_moe" else None,
         )
 
     @classmethod
@@ -116,7 +121,7 @@ class ModelArgs:
         return args
 
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 
 
@@ -149,7 +154,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ..
     layers that `layer_types` marks (by default, with use_sliding_window, those from max_window_layers on)."""
     num_layers = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
     if model_type == "llama":
         window = None  # LlamaAttention has no sliding window
@@ -169,7 +174,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ..
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     if layer_types is None:
-        first = int(cfg.get("max_window_layers", 0)) if model_type in ("qwen2", "qwen3") else 0
+        first = int(cfg.get("max_window_layers", 0)) if model_type in ("qwen2", "qwen3", "qwen3_moe") else 0
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if "sliding_attention" not in layer_types:
         return ()
@@ -385,10 +390,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0, routing: Routing | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(args, window=args.window(layer))
-        self.mlp = MLP(args)
+        if args.moe is not None and args.moe.sparse_layers[layer]:
+            # Typed as the dense MLP: the paths that read its projections (the engine's fused kernels, the
+            # batch-invariant forward) are refused for mixture-of-experts models before they run.
+            self.mlp = cast(MLP, SparseMoeBlock(args.hidden_size, args.moe, layer, routing or Routing()))
+        else:
+            self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -399,10 +409,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, routing: Routing | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, routing) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     @property
@@ -421,7 +431,9 @@ class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
+        self.routing = Routing()
+        """What the latest forward routed, and the routes to replay (mixture-of-experts models; see model/moe.py)."""
+        self.model = Backbone(args, self.routing)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -455,6 +467,7 @@ class CausalLM(nn.Module):
         """Final hidden states of right-padded sequences [B, T] (positions start at 0 in every row)."""
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        self.routing.clear()
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
         for layer in self.model.decoder_layers:
@@ -500,6 +513,7 @@ class CausalLM(nn.Module):
         if not from_start:
             key_pos = torch.arange(attn_len, device=device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        self.routing.clear()
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
         rows = slice(first_slot, first_slot + b)

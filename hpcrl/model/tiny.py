@@ -42,11 +42,25 @@ class TinyModelSpec:
     """Longest sequence (prompt + answer) the model takes."""
     seed: int = 0
     """Seed of the random weights."""
+    num_experts: int = 0
+    """Experts per layer of a Qwen3-MoE model (every layer sparse); 0: a dense Qwen3 model."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k) when num_experts > 0."""
+    moe_intermediate_size: int = 32
+    """Width of each expert's SwiGLU MLP when num_experts > 0."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.num_experts < 0:
+            raise ValueError("num_experts must be >= 0 (0: a dense model)")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            )
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError("moe_intermediate_size must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
@@ -98,6 +112,35 @@ def qwen3_config(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> Any
     return config
 
 
+def qwen3_moe_config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int, pad_id: int) -> Any:
+    """A transformers Qwen3MoeConfig (tied embeddings, every layer sparse) for `spec`."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        rope_theta=1_000_000.0,  # type: ignore[call-arg]
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
 def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, overwrite: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir."""
     import torch
@@ -112,9 +155,15 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     tokenizer = build_tokenizer()
     vocab_size = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = qwen3_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to badly
+    if spec.num_experts:
+        from transformers import Qwen3MoeForCausalLM
+
+        config = qwen3_moe_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
+        model = Qwen3MoeForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
+    else:
+        config = qwen3_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
+        model = Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to badly
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -24,6 +24,7 @@ from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.engine.versions import token_weight_versions
+from hpcrl.model.moe import decode_routes
 from hpcrl.rollout.config import DataConfig, RolloutConfig
 from hpcrl.rollout.data import PromptSource
 from hpcrl.samples.sample import DataError, Example, Group, Sample, sample_seed
@@ -130,7 +131,11 @@ class Rollout:
         seed: int,
         recover: Callable[[], None] | None = None,
         poll_s: float = 0.2,
+        routes_shape: tuple[int, int] | None = None,
     ) -> None:
+        """`routes_shape`: (decoder layers, top-k) of a mixture-of-experts model whose routes the trainer replays:
+        every request asks for them and each sample keeps them (None: not asked)."""
+        self.routes_shape = routes_shape
         self.cfg = cfg
         self.fleet = fleet
         self.formatter = formatter
@@ -159,6 +164,7 @@ class Rollout:
             rid=[f"{draw.namespace or 'step'}{step}-p{p}-s{s}" for p, s in items],
             return_sampling_mask=self.cfg.replays_support,
             timeout_s=self.cfg.request_timeout_s,
+            return_routed_experts=self.routes_shape is not None,
         )
         results = out if isinstance(out, list) else [out]
         if not self.cfg.replays_support:
@@ -209,7 +215,7 @@ class Rollout:
         for p in range(len(examples)):
             for s in range(n):
                 r, supports, url = results[(p, s)]
-                groups[p].samples.append(sample_of(r, prompts[p], self.formatter, supports, url))
+                groups[p].samples.append(sample_of(r, prompts[p], self.formatter, supports, url, self.routes_shape))
         return groups
 
     def pop_metrics(self) -> dict[str, float]:
@@ -221,10 +227,15 @@ class Rollout:
 
 
 def sample_of(
-    r: GenerateResult, prompt: list[int], formatter: PromptFormatter, supports: TokenSupports | None, url: str
+    r: GenerateResult,
+    prompt: list[int],
+    formatter: PromptFormatter,
+    supports: TokenSupports | None,
+    url: str,
+    routes_shape: tuple[int, int] | None = None,
 ) -> Sample:
     """The training sample of one result of the engine at `url` (the synchronous rollout's and the async
-    producer's)."""
+    producer's); with `routes_shape` (layers, top-k), its routed experts."""
     return Sample(
         prompt_ids=prompt,
         output_ids=list(r.output_ids),
@@ -235,7 +246,28 @@ def sample_of(
         weight_versions=token_weight_versions(r, url),
         supports=supports,
         sampled_logprobs=_sampled_logprobs(r),
+        routed_experts=None if routes_shape is None else routed_experts(r, len(prompt), routes_shape, url),
     )
+
+
+def routed_experts(r: GenerateResult, prompt_len: int, shape: tuple[int, int], url: str) -> np.ndarray:
+    """The result's `meta_info.routed_experts` as [prompt + output - 1, layers, top-k] int32, checked against the
+    model's shape."""
+    text = r.meta_info.get("routed_experts")
+    if not isinstance(text, str):
+        raise ValueError(
+            f"the engine at {url} answered no meta_info.routed_experts, which routing replay needs: start SGLang "
+            "with --enable-return-routed-experts, or set train.routing_replay: off"
+        )
+    routes = decode_routes(text, *shape)
+    tokens = prompt_len + len(r.output_ids) - 1
+    if routes.shape[0] != tokens:
+        raise ValueError(
+            f"the engine at {url} answered routed experts of shape {tuple(routes.shape)}, but a sequence of "
+            f"{tokens + 1} tokens on this model needs ({tokens}, {shape[0]}, {shape[1]}): the engine serves another "
+            "model"
+        )
+    return routes
 
 
 def assign_least_loaded(

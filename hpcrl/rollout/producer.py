@@ -33,6 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from hpcrl.engine.client import EngineClient
@@ -100,9 +101,11 @@ class GroupProducer:
         capacity_groups: int,
         num_steps: int | None = None,
         poll_s: float = 0.05,
+        routes_shape: tuple[int, int] | None = None,
     ) -> None:
         """`num_steps`: the steps of the run (None: no end); the producer draws no prompt those steps cannot train."""
         self.cfg, self.buffer_cfg = rollout, buffer
+        self.routes_shape = routes_shape  # (layers, top-k): ask for and keep routed experts (as Rollout does)
         self.fleet, self.formatter, self.data, self.scorer, self.publisher = fleet, formatter, data, scorer, publisher
         self.seed, self.prompts_per_step, self.max_inflight = seed, prompts_per_step, max_inflight_groups
         self.poll_s, self.num_steps = poll_s, num_steps
@@ -254,6 +257,7 @@ class GroupProducer:
         out = call.client.generate(
             [call.prompt] * n, params, return_logprob=True, return_sampling_mask=self.cfg.replays_support,
             rid=[f"pos{call.position}-a{call.attempt}-s{s}" for s in range(n)], timeout_s=self.cfg.request_timeout_s,
+            return_routed_experts=self.routes_shape is not None,
         )  # fmt: skip
         return out if isinstance(out, list) else [out]
 
@@ -295,7 +299,7 @@ class GroupProducer:
         url = call.client.url
         for r in results:
             supports = checked_supports(r, url) if self.cfg.replays_support else None
-            group.samples.append(sample_of(r, prompt, self.formatter, supports, url))
+            group.samples.append(sample_of(r, prompt, self.formatter, supports, url, self.routes_shape))
         if self.scorer.score(self.trainer_step, [group]) is None:  # a preemption signal: leave it pending
             with self._lock:
                 self._queue.appendleft(call.position)
@@ -447,6 +451,9 @@ class AsyncRollout(GroupProducer):
             joined = TokenSupports.concat([s.supports for s in samples if s.supports is not None])
             for key, array in joined.to_arrays(prefix="rollout_buffer/support_").items():
                 tensors[key] = torch.from_numpy(array)
+        routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+        if routed:  # routing replay: each sample's [tokens - 1, layers, k] routes, flat, in sample order
+            tensors["rollout_buffer/routed_experts"] = torch.from_numpy(np.concatenate([r.reshape(-1) for r in routed]))
         groups = [
             {
                 "position": item.position, "attempt": item.attempt, "oldest_version": item.oldest_version,
@@ -456,6 +463,7 @@ class AsyncRollout(GroupProducer):
                         "logprob_len": len(s.logprobs),
                         "finish": s.finish, "reward": s.reward, "reward_error": s.reward_error,
                         "versions": _spans(s.weight_versions),
+                        "routes_shape": None if s.routed_experts is None else list(s.routed_experts.shape),
                     }
                     for s in item.group.samples
                 ],
@@ -490,16 +498,26 @@ class AsyncRollout(GroupProducer):
             lengths = [s["output_len"] for g in state["groups"] for s in g["samples"]]
             supports = iter(TokenSupports.from_arrays(arrays, prefix="rollout_buffer/support_").split(lengths))
         items = []
+        routes = (
+            tensors["rollout_buffer/routed_experts"].numpy() if "rollout_buffer/routed_experts" in tensors else None
+        )
+        routes_at = 0
         for g in state["groups"]:
             group = Group(example=self.data.at(g["position"]))
             for s in g["samples"]:
                 out = [next(output_ids) for _ in range(s["output_len"])]
+                shape = s.get("routes_shape")
+                sample_routes = None
+                if shape is not None and routes is not None:
+                    size = int(np.prod(shape))
+                    sample_routes = routes[routes_at : routes_at + size].reshape(shape)
+                    routes_at += size
                 group.samples.append(
                     Sample(
                         prompt_ids=[next(prompt_ids) for _ in range(s["prompt_len"])], output_ids=out,
                         logprobs=[next(logprobs) for _ in range(s["logprob_len"])], text=self.formatter.decode(out),
                         finish=s["finish"], weight_versions=_unspan(s["versions"]), reward=s["reward"],
-                        reward_error=s["reward_error"], supports=next(supports),
+                        reward_error=s["reward_error"], supports=next(supports), routed_experts=sample_routes,
                     )
                 )  # fmt: skip
             items.append(BufferedGroup(g["position"], g["attempt"], group, g["oldest_version"]))

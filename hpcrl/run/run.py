@@ -23,6 +23,7 @@ from hpcrl.config import dump_yaml, to_dict
 from hpcrl.engine.fleet import EngineFleet, FleetError
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
+from hpcrl.model.moe import replayed_routes_shape
 from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.rollout.buffer import load_filter
 from hpcrl.rollout.data import PromptSource, build_examples, source_options
@@ -107,6 +108,7 @@ class Run:
         check_devices(cfg, engines_here=self.placement.engines_here)
         model_dir = prepare_model_dir(Path(cfg.model.path), cfg.model.init_tiny)
         check_model_dir(model_dir)
+        routes_shape = replayed_routes_shape(model_dir, cfg.train.routing_replay)
         d = cfg.data
         examples = build_examples(
             d.source,
@@ -183,7 +185,10 @@ class Run:
             )  # fmt: skip
             self._closers.append(self.rollout.close)
         else:
-            rollout = Rollout(cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines)
+            rollout = Rollout(
+                cfg.rollout, self.fleet, formatter, seed=cfg.seed, recover=self.publisher.restore_engines,
+                routes_shape=routes_shape,
+            )  # fmt: skip
             self._closers.append(rollout.close)
             self.rollout = rollout
             self.evaluator = Evaluator(
@@ -213,6 +218,7 @@ class Run:
                 cfg.rollout, cfg.buffer, self.fleet, formatter, self.data, self.rewards, self.publisher,
                 seed=cfg.seed, prompts_per_step=cfg.data.prompts_per_step,
                 max_inflight_groups=cfg.inflight_groups, capacity_groups=cfg.capacity_groups, num_steps=cfg.num_steps,
+                routes_shape=routes_shape,
             )  # fmt: skip
             self._closers.append(producer.close)
             self.state.register("rollout_buffer", producer)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hpcrl.samples.support import TokenSupports
 
 __all__ = ["DataError", "Example", "Group", "Sample", "sample_seed"]
@@ -52,6 +54,9 @@ class Sample:
     sampled_logprobs: list[float] | None = None  # engine.logprobs: recompute: what `logprobs` replaced
     loss_mask: list[int] | None = None
     """Over output_ids, for multi-turn samples: 1 on sampled tokens, 0 on tool and template tokens (None: all 1)."""
+    routed_experts: np.ndarray | None = None
+    """Mixture-of-experts models with routing replay: the experts the engine routed each token to, int32
+    [prompt + output - 1 tokens, decoder layers, top-k] (-1 on dense layers); the trainer forces them."""
 
 
 @dataclass

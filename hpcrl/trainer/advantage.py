@@ -111,4 +111,7 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool, overlong: Ove
         rollout_logprobs=[s.logprobs for s in samples],
         supports=[s.supports for s in samples if s.supports is not None] if any(with_supports) else None,
         response_masks=masks,
+        routed_experts=[s.routed_experts for s in samples]
+        if any(s.routed_experts is not None for s in samples)
+        else None,
     )

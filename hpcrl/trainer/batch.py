@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,6 +30,7 @@ class TrainBatch:
     rollout_logprobs: Tensor  # [N, T-1] float32, the engine's log-probs on response positions, 0 elsewhere
     support_sizes: Tensor | None = None  # [N, T-1] int32: support size per target position (0 off the response)
     support_ids: Tensor | None = None  # [support_sizes.sum()] int32, row-major over (row, position)
+    routed_experts: Tensor | None = None  # [N, T, layers, k] int32: the rollout's experts per token, -1 where unknown
 
     @classmethod
     def from_sequences(
@@ -40,6 +42,7 @@ class TrainBatch:
         rollout_logprobs: Sequence[Sequence[float]] | None = None,
         supports: Sequence[TokenSupports] | None = None,
         response_masks: Sequence[Sequence[int] | None] | None = None,
+        routed_experts: Sequence[np.ndarray | None] | None = None,
     ) -> TrainBatch:
         """`response_masks` (one per sequence, None for all-ones) keep the loss off response tokens the model did not
         sample: the tool results and template tokens between the turns of a multi-turn episode."""
@@ -78,6 +81,7 @@ class TrainBatch:
                 sizes[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.from_numpy(sup.sizes()).to(torch.int32)
             support_ids = torch.cat([torch.from_numpy(sup.ids) for sup in supports]) if n else torch.zeros(0)
             support_ids = support_ids.to(torch.int32)
+        routes = None if routed_experts is None else _padded_routes(routed_experts, lengths, width)
         return cls(
             input_ids=ids,
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
@@ -87,6 +91,7 @@ class TrainBatch:
             rollout_logprobs=lps,
             support_sizes=sizes,
             support_ids=support_ids,
+            routed_experts=routes,
         )
 
     def __len__(self) -> int:
@@ -116,6 +121,7 @@ class TrainBatch:
             rollout_logprobs=self.rollout_logprobs[index, : width - 1],
             support_sizes=sizes,
             support_ids=support_ids,
+            routed_experts=None if self.routed_experts is None else self.routed_experts[index, :width],
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -142,3 +148,22 @@ class TrainBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+
+def _padded_routes(routes: Sequence[np.ndarray | None], lengths: Sequence[int], width: int) -> Tensor:
+    """[N, width, layers, k] int32 of each sequence's routes (one row per token but the last), -1 elsewhere."""
+    shapes = {r.shape[1:] for r in routes if r is not None}
+    if len(shapes) != 1:
+        raise ValueError(f"the samples' routed experts have {len(shapes)} different [layers, top-k] shapes: {shapes}")
+    (shape,) = shapes
+    out = torch.full((len(routes), width, *shape), -1, dtype=torch.int32)
+    for i, (r, n) in enumerate(zip(routes, lengths, strict=True)):
+        if r is None:
+            continue
+        if r.shape[0] != n - 1:
+            raise ValueError(
+                f"sequence {i}: routed experts for {r.shape[0]} tokens, but it has {n} tokens (routes cover all but "
+                "the last)"
+            )
+        out[i, : n - 1] = torch.from_numpy(np.array(r, dtype=np.int32))  # a copy: decoded routes are read-only
+    return out

@@ -27,6 +27,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters
 from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
+from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.parallel import apply_compile, parallelize
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard
@@ -50,6 +51,7 @@ class TorchTrainer:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
+        self.moe = MoeRouting(self.model, cfg.routing_replay)
         if cfg.logprobs == "invariant":
             reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)
             if reason is not None:
@@ -96,7 +98,7 @@ class TorchTrainer:
 
     # ----- steps (the algorithm: hpcrl/trainer/step.py) -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        return self.step.grpo(batch, self.optimizer)
+        return self.step.grpo(batch, self.optimizer) | self.moe.metrics()
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         if self._sft_optimizer is None:
@@ -121,7 +123,10 @@ class TorchTrainer:
             t0 = time.perf_counter()
             lp, entropy = self._logprobs(self.ddp, mb)
             forward_s += time.perf_counter() - t0
-            loss(i, lp, entropy).backward()
+            out = loss(i, lp, entropy)
+            aux = self.moe.after(self.model, mb)
+            # The load-balancing term once per optimizer step, as the loss's micro-batch parts add up to one.
+            (out if aux is None else out + aux / len(mbs)).backward()
         clip = self.cfg.grad_clip or float("inf")
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()), forward_s
 
@@ -137,6 +142,7 @@ class TorchTrainer:
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of every target position [b, T-1] (and entropy)."""
+        self.moe.before(cast(CausalLM, model.module if isinstance(model, DistributedDataParallel) else model), mb)
         supports = mb.padded_supports()
         if self.cfg.logprobs == "invariant":
             # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so

@@ -453,6 +453,24 @@ def test_supports_travel_through_the_buffer_and_its_checkpoint(parts: Parts) -> 
     assert [s.supports for item in second.buffer for s in item.group.samples] == saved
 
 
+def test_routed_experts_travel_through_the_buffer_checkpoint(parts: Parts) -> None:
+    # Routing replay: each sample's routes [prompt + output - 1, layers, top-k] come back from a checkpoint unchanged.
+    first = parts.make(inflight=2, capacity=4)
+    first.start()
+    until(lambda: len(first.buffer) >= 2, "two buffered groups")
+    first.stop()
+    samples = [s for item in first.buffer for s in item.group.samples]
+    for i, s in enumerate(samples[1:]):  # the first sample carries none (a multi-turn one, say)
+        s.routed_experts = np.full((len(s.prompt_ids) + len(s.output_ids) - 1, 3, 2), i, dtype=np.int32)
+    tensors, state = first.state_dict()
+    second = parts.make(inflight=2, capacity=4)
+    second.load_state_dict({k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(state)), step=0)
+    back = [s.routed_experts for item in second.buffer for s in item.group.samples]
+    assert back[0] is None
+    for want, got in zip([s.routed_experts for s in samples[1:]], back[1:], strict=True):
+        assert got is not None and want is not None and np.array_equal(got, want)
+
+
 def test_pause_and_push_50_times_with_hundreds_of_requests_in_flight(parts: Parts) -> None:
     rollout = parts.make(n=8, inflight=40, capacity=10_000, max_new_tokens=24, prompts_per_step=8)
     rollout.start()

@@ -98,7 +98,7 @@ def test_uncomputed_fields_are_refused_by_name() -> None:
     assert "layer_types ['chunked_attention']" in _refusal(
         {"sliding_window": 8, "layer_types": ["chunked_attention"] * 3}, model_type="mistral"
     )
-    assert "model_type 'qwen3_moe'" in _refusal({}, model_type="qwen3_moe")
+    assert "model_type 'deepseek_v3'" in _refusal({}, model_type="deepseek_v3")
 
 
 def test_window_reaches_only_the_layers_transformers_windows() -> None:

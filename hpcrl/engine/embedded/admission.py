@@ -78,6 +78,8 @@ class Admission(Results):
         last = torch.tensor(lengths) - 1
         logits = self.runner.prefill(ids.to(self.device), first_slot, last.to(self.device))
         self.num_prefill_forwards += 1
+        if any(r.return_routed_experts for r in ready):
+            self._record_prefill_routes(ready, lead_of, leads, width)
         if copies:
             assert self.cache is not None
             row_of_lead = {k: row for row, k in enumerate(leads)}
@@ -97,7 +99,21 @@ class Admission(Results):
         self._append_tokens(ready, out, advance=False)
         self.host_stats["prefill_s"] += time.perf_counter() - t0
 
+    def _record_prefill_routes(self, ready: list[SeqRequest], lead_of: list[int], leads: list[int], width: int) -> None:
+        """Each prefilled row's routes (a copy's are its lead's); a row re-prefilled after a retraction keeps those
+        its tokens were first run with (`SeqRequest.add_routes`)."""
+        routes = self.runner.routes(len(leads), width)
+        if routes is None:
+            return
+        host = routes.cpu().numpy()
+        row_of_lead = {k: row for row, k in enumerate(leads)}
+        order = leads + [k for k, o in enumerate(lead_of) if o != k]
+        for r, k in zip(ready, order, strict=True):
+            if r.return_routed_experts:
+                r.add_routes(host[row_of_lead[lead_of[k]], : r.num_tokens], 0)
+
     def _refresh_sampler_flags(self) -> None:
+        self._want_routes = any(r.return_routed_experts for r in self.running)
         self._want_support = any(r.return_sampling_mask for r in self.running)
         self._torch_sampler = self._want_support or any(r.filtered for r in self.running)
 

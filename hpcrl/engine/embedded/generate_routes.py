@@ -10,6 +10,7 @@ import secrets
 import time
 from typing import Any, cast
 
+import numpy as np
 from aiohttp import web
 
 from hpcrl.engine import jsonwire
@@ -25,6 +26,7 @@ from hpcrl.engine.protocol.answers import (
     span_object,
 )
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
+from hpcrl.model.moe import encode_routes
 
 # One request's sequences (prompts x n): more would hold the scheduler's queue for everyone else.
 MAX_SEQUENCES_PER_REQUEST = 65536
@@ -142,6 +144,11 @@ class GenerateRoutes(EngineCore):
                 )
             if req.stream:
                 raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
+            if req.return_routed_experts and self.scheduler.model.args.moe is None:
+                raise ValueError(
+                    "return_routed_experts asks for the experts each token was routed to, but this engine serves a "
+                    "dense model (no experts); drop return_routed_experts or serve a mixture-of-experts model"
+                )
             if req.input_ids is not None:
                 prompts = self._prompts(req)
             else:
@@ -179,6 +186,7 @@ class GenerateRoutes(EngineCore):
                     return_logprob=req.return_logprob,
                     return_sampling_mask=req.return_sampling_mask,
                     on_done=done,
+                    return_routed_experts=req.return_routed_experts,
                 )
                 seq.logprob_scaled = logprob_scaled
                 seq.logprob_start_len = req.logprob_start_len if req.return_logprob else -1
@@ -256,3 +264,16 @@ def _has_lone_surrogate(text: str) -> bool:
 def _resolve(fut: asyncio.Future[SeqRequest], seq: SeqRequest) -> None:
     if not fut.done():  # a cancelled request's future stays cancelled
         fut.set_result(seq)
+
+
+def _extra_meta(r: SeqRequest) -> dict[str, Any] | None:
+    """meta_info beyond the contract's fields: the sampled log-probs under a re-score, and the routed experts as
+    SGLang answers them (base64 of int32 [prompt + output - 1 tokens, layers, top-k]: every token a forward ran)."""
+    meta: dict[str, Any] = {}
+    if r.sampled_logprobs is not None and r.return_logprob:
+        meta["hpcrl_sampled_logprobs"] = r.sampled_logprobs
+    if r.return_routed_experts:
+        kept = r.num_tokens - 1
+        routes = np.concatenate(r.routes)[:kept] if r.routes else np.zeros((0, 0, 0), dtype=np.int32)
+        meta["routed_experts"] = encode_routes(routes)
+    return meta or None

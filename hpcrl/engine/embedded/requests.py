@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from hpcrl.engine.embedded.detokenize import RowText
 from hpcrl.engine.embedded.step_output import RowState
 from hpcrl.engine.protocol.answers import GrowingPackedColumn
@@ -59,6 +61,18 @@ class SeqRequest:
     text: RowText = field(default_factory=RowText)  # the output's text so far (the scheduler's TextDecoder)
     # The reported log-prob column packed so far, when the request asked for the packed wire (None: not asked).
     packed_column: GrowingPackedColumn | None = None
+    return_routed_experts: bool = False
+    # Per forward that ran this row's tokens, the experts they were routed to, [tokens, layers, k] int32 (MoE models):
+    # token i's routes are fixed by the forward that first ran it; a re-prefill after a retraction adds none.
+    routes: list[np.ndarray] = field(default_factory=list)
+    routes_len: int = 0
+
+    def add_routes(self, routes: np.ndarray, first: int) -> None:
+        """Routes of this row's tokens first..first+len(routes)-1; those of tokens already recorded are dropped."""
+        skip = self.routes_len - first
+        if skip < len(routes):
+            self.routes.append(routes[max(skip, 0) :])
+            self.routes_len += len(routes) - max(skip, 0)
 
     @property
     def reported_logprobs(self) -> array[float]:

@@ -34,7 +34,7 @@ from hpcrl.engine.embedded.sampling import sample
 from hpcrl.engine.embedded.slots import DecodeSlots
 from hpcrl.engine.embedded.step_output import HostRing, ReadyStep, RowState, StepHandle, StepOutput, host_output
 from hpcrl.engine.embedded.step_timer import StepTimer
-from hpcrl.model import invariant
+from hpcrl.model import invariant, moe
 from hpcrl.model.qwen3 import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,19 @@ class DecodeRunner:
 
     def torch_forward(self, n: int) -> torch.Tensor:
         """Logits [n, V] of the tokens in slots 0..n-1 with plain torch ops (the CPU decode step)."""
+        if self.model.args.moe is not None:
+            # Experts per expert through the model's own forward (the fused step is written for a dense MLP).
+            assert self.cache is not None
+            zero = torch.zeros(n, dtype=torch.long, device=self.device)
+            tokens = self.slots.tokens[:n, None]
+            return self.model.forward_cached(tokens, self.cache, 0, self.slots.positions[:n], zero)
         return self.paths.torch_forward(self.slots.tokens, self.slots.positions, n)
+
+    def routes(self, b: int, t: int) -> torch.Tensor | None:
+        """The experts each token of the latest forward [b, t] was routed to, [b, t, layers, k] int32 on the device
+        (None for a dense model)."""
+        args = self.model.args.moe
+        return None if args is None else moe.routes_of(self.model.routing, args, b, t)
 
     # ----- prefill -----
     def prefill(self, ids: torch.Tensor, first_slot: int, last: torch.Tensor) -> torch.Tensor:
@@ -302,7 +314,7 @@ class DecodeRunner:
             except Exception:  # noqa: BLE001 - fall back rather than fail every request, as decode does
                 log.exception("the fused prefill failed; prefilling with the model's forward from now on")
                 self.prefill_fused = False
-        if self.mode not in ("eager", "compile") or self.is_cuda:
+        if self.mode not in ("eager", "compile") or self.is_cuda or self.model.args.moe is not None:
             start = torch.zeros(b, dtype=torch.long, device=self.device)
             return self.model.forward_cached(ids, self.cache, first_slot, start, last, from_start=True)
         return self.paths.torch_prefill(ids, first_slot, last)

@@ -90,6 +90,7 @@ class Scheduler(Control):
         self._launches_left = 0
         self._torch_sampler = False  # some running row needs top-k/top-p/min-p or its sampling support
         self._want_support = False
+        self._want_routes = False  # some running row asked for its routed experts (return_routed_experts)
         self.num_decode_steps = 0
         self.num_prefill_forwards = 0
         self.num_generated_tokens = 0
@@ -264,7 +265,8 @@ class Scheduler(Control):
         )
         self.host_stats["launch_s"] += time.perf_counter() - t0
         self.num_decode_steps += 1
-        previous, self._inflight = self._inflight, Pending(rows=list(self.running), handle=handle)
+        routes = self.runner.routes(len(self.running), 1) if self._want_routes else None
+        previous, self._inflight = self._inflight, Pending(rows=list(self.running), handle=handle, routes=routes)
         if previous is not None and self._process(previous, advance=True):
             self._drain()  # a row finished: settle the look-ahead step before the slots change
 
@@ -283,6 +285,12 @@ class Scheduler(Control):
         """Append a step's tokens to its rows; True when a row finished."""
         t0 = time.perf_counter()
         out = pending.handle.result()
+        if pending.routes is not None:
+            # Before the tokens are appended: cached_len is still each row's input position in this step.
+            host = pending.routes.cpu().numpy()
+            for i, r in enumerate(pending.rows):
+                if r.return_routed_experts and r.finish_reason is None:
+                    r.add_routes(host[i], r.cached_len)
         t1 = time.perf_counter()
         finished = self._append_tokens(pending.rows, out, advance=advance)
         self.host_stats["wait_s"] += t1 - t0

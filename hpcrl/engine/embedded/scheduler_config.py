@@ -79,6 +79,11 @@ def resolve_decode_mode(
         return "invariant"
     if requested not in ("auto", "eager", "triton", "graph", "compile"):
         raise ValueError(f"decode mode must be auto, eager, triton, graph or compile, got {requested!r}")
+    if model.args.moe is not None:
+        # The fused kernels and the compiled step are written for the dense MLP; experts run per expert in torch.
+        if requested not in ("auto", "eager"):
+            log.warning("decode mode %s covers dense models; this mixture-of-experts model decodes eagerly", requested)
+        return "eager"
     if requested == "compile":
         if device.type == "cpu":
             return "compile"  # torch.compile of the CPU step (opt-in: it compiles for seconds)

@@ -26,6 +26,7 @@ class Pending:
 
     rows: list[SeqRequest]
     handle: StepHandle
+    routes: torch.Tensor | None = None  # [rows, 1, layers, k]: the experts each row's input token was routed to
 
 
 class SchedulerState:
@@ -53,6 +54,7 @@ class SchedulerState:
     _launches_left: int
     _torch_sampler: bool  # some running row needs top-k/top-p/min-p or its sampling support
     _want_support: bool
+    _want_routes: bool
     num_decode_steps: int
     num_prefill_forwards: int
     num_generated_tokens: int

@@ -153,7 +153,6 @@ _UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
     "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_hidden_states": False,
-    "return_routed_experts": False,
     "routed_experts_start_len": 0,
     "return_indexer_topk": False,
     "return_prompt_token_ids": False,
@@ -203,6 +202,9 @@ class GenerateRequest(Message):
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_logprob_packed: bool = False
+    return_routed_experts: bool = False
+    """Answer `meta_info.routed_experts`: the experts each token was routed to, per decoder layer (MoE models; the
+    SGLang server needs --enable-return-routed-experts)."""
 
     def __post_init__(self) -> None:
         if self.input_ids is not None and self.text is not None:
@@ -263,6 +265,7 @@ class GenerateRequest(Message):
                 object.__setattr__(self, "rid", rids)
         _bool("return_logprob", self.return_logprob)
         _bool("return_sampling_mask", self.return_sampling_mask)
+        _bool("return_routed_experts", self.return_routed_experts)
         if self.return_sampling_mask:
             # SGLang 0.5.16 refuses it too: without truncation the support is the whole vocabulary.
             items = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
@@ -340,6 +343,8 @@ class GenerateRequest(Message):
             out["stream"] = True
         if self.return_logprob_packed:
             out["return_logprob_packed"] = True
+        if self.return_routed_experts:
+            out["return_routed_experts"] = True
         return out
 
     @classmethod

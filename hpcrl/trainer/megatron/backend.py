@@ -55,6 +55,11 @@ class MegatronTrainer:
         self.model_dir = Path(model_dir)
         self.rank, self.world_size = rank, world_size
         self.args = ModelArgs.from_dir(model_dir)
+        if self.args.moe is not None:
+            raise ValueError(
+                f"{model_dir} is a mixture-of-experts model (qwen3_moe), which the Megatron backend does not train "
+                "yet; use train.backend: torch"
+            )
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         check_parallel_sizes(self.args, tp, pp)
         if world_size % (tp * pp):
