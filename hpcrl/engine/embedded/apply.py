@@ -155,6 +155,7 @@ class Xor:
 
     name: ClassVar[str] = "xor"
     receives_in_place: ClassVar[bool] = False
+    check_names = staticmethod(check_weight_names)
     _BITS: ClassVar[dict[torch.dtype, torch.dtype]] = {
         torch.bfloat16: torch.int16,
         torch.float16: torch.int16,

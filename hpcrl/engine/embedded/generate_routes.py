@@ -246,17 +246,6 @@ class GenerateRoutes(EngineCore):
         return web.Response(text="")
 
 
-def _extra_meta(r: SeqRequest) -> dict[str, Any] | None:
-    """meta_info fields past the contract's: the sampled log-probs a re-score replaced, the prompt's log-probs."""
-    meta: dict[str, Any] = {}
-    if r.sampled_logprobs is not None and r.return_logprob:
-        meta["hpcrl_sampled_logprobs"] = r.sampled_logprobs
-    if r.input_logprobs is not None:
-        start = max(r.logprob_start_len, 0)
-        meta[INPUT_LOGPROBS_KEY] = [(lp, t, None) for lp, t in zip(r.input_logprobs, r.prompt_ids[start:], strict=True)]
-    return meta or None
-
-
 def _has_lone_surrogate(text: str) -> bool:
     return _SURROGATE.search(text) is not None
 
@@ -267,11 +256,15 @@ def _resolve(fut: asyncio.Future[SeqRequest], seq: SeqRequest) -> None:
 
 
 def _extra_meta(r: SeqRequest) -> dict[str, Any] | None:
-    """meta_info beyond the contract's fields: the sampled log-probs under a re-score, and the routed experts as
-    SGLang answers them (base64 of int32 [prompt + output - 1 tokens, layers, top-k]: every token a forward ran)."""
+    """meta_info beyond the contract's fields: the sampled log-probs under a re-score, the prompt's log-probs, and
+    the routed experts as SGLang answers them (base64 of int32 [prompt + output - 1 tokens, layers, top-k]: every
+    token a forward ran)."""
     meta: dict[str, Any] = {}
     if r.sampled_logprobs is not None and r.return_logprob:
         meta["hpcrl_sampled_logprobs"] = r.sampled_logprobs
+    if r.input_logprobs is not None:
+        start = max(r.logprob_start_len, 0)
+        meta[INPUT_LOGPROBS_KEY] = [(lp, t, None) for lp, t in zip(r.input_logprobs, r.prompt_ids[start:], strict=True)]
     if r.return_routed_experts:
         kept = r.num_tokens - 1
         routes = np.concatenate(r.routes)[:kept] if r.routes else np.zeros((0, 0, 0), dtype=np.int32)
