@@ -82,6 +82,12 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
 def _model_init_tiny(ns: argparse.Namespace) -> int:
     from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
 
+    if not ns.moe and (ns.experts is not None or ns.experts_per_tok is not None):
+        print("hpcrl model init-tiny: --experts and --experts-per-tok shape a --moe model; add --moe", file=sys.stderr)
+        return 2
+    if ns.moe and ns.experts is not None and ns.experts < 1:
+        print("hpcrl model init-tiny: --experts must be >= 1 (a --moe model has experts)", file=sys.stderr)
+        return 2
     spec = TinyModelSpec(
         num_layers=ns.layers,
         hidden_size=ns.hidden,
@@ -91,8 +97,8 @@ def _model_init_tiny(ns: argparse.Namespace) -> int:
         head_dim=ns.head_dim,
         max_position_embeddings=ns.max_positions,
         seed=ns.seed,
-        num_experts=ns.experts if ns.moe else 0,
-        num_experts_per_tok=ns.experts_per_tok,
+        num_experts=(8 if ns.experts is None else ns.experts) if ns.moe else 0,
+        num_experts_per_tok=2 if ns.experts_per_tok is None else ns.experts_per_tok,
     )
     path = init_tiny_model(ns.dir, spec, overwrite=ns.overwrite)
     print(f"wrote a tiny Qwen3{'-MoE' if ns.moe else ''}-architecture model to {path}")
@@ -228,8 +234,10 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (every layer a sparse expert block)")
-    p.add_argument("--experts", type=int, default=8, help="experts per layer (with --moe)")
-    p.add_argument("--experts-per-tok", type=int, default=2, help="experts each token is routed to (with --moe)")
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (with --moe; default 8)")
+    p.add_argument(
+        "--experts-per-tok", type=int, default=None, help="experts each token is routed to (with --moe; default 2)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     p.set_defaults(func=_model_init_tiny)
 

@@ -83,8 +83,10 @@ class Routing:
     """
 
     replay: torch.Tensor | None = None
-    """[B, T, L, k] expert ids per token and decoder layer (-1: route the token with the model's own router),
-    consumed by the next forward."""
+    """[B, T, L, k] expert ids per token and decoder layer (-1: route the token with the model's own router), used
+    by every forward until reset."""
+    force: bool = True
+    """Route by `replay` (False: only compare the model's own routes with it, for `route_stats`)."""
     record_logits: bool = False
     """Keep each layer's router logits (with their graph) for the auxiliary loss; off where nobody reads them."""
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -93,7 +95,9 @@ class Routing:
     own: list[torch.Tensor] = field(default_factory=list)
     """Per sparse layer, the experts the model's own router picks [N, k] (before replay)."""
     replayed: list[torch.Tensor] = field(default_factory=list)
-    """Per sparse layer, which tokens [N] had their experts forced (their replay row was complete)."""
+    """Per sparse layer, which tokens [N] had a complete replay row (forced, or compared without `force`)."""
+    given: list[torch.Tensor] = field(default_factory=list)
+    """Per sparse layer, the replay rows [N, k] (own routes where a row was incomplete)."""
 
     def clear(self) -> None:
         """Forget the previous forward's routes (every forward of the model starts with this); `replay` stays
@@ -102,6 +106,7 @@ class Routing:
         self.chosen.clear()
         self.own.clear()
         self.replayed.clear()
+        self.given.clear()
 
 
 class Expert(nn.Module):
@@ -138,10 +143,13 @@ class SparseMoeBlock(nn.Module):
         if replay is not None:
             forced = self._forced(replay, b, t)
             known = (forced >= 0).all(dim=-1, keepdim=True)
-            chosen = torch.where(known, forced, own)
+            given = torch.where(known, forced, own)
             self.routing.replayed.append(known[:, 0])
-            # The forced experts' gate weights from this router's own probabilities: the router keeps its gradient.
-            top_p = probs.gather(1, chosen)
+            self.routing.given.append(given)
+            if self.routing.force:
+                chosen = given
+                # The forced experts' gate weights from this router's own probabilities: the router keeps its gradient.
+                top_p = probs.gather(1, chosen)
         if self.moe.norm_topk_prob:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         weights = top_p.to(logits.dtype)
@@ -199,8 +207,8 @@ def aux_loss(routing: Routing, moe: MoeArgs, token_mask: torch.Tensor | None = N
 
 
 def route_stats(routing: Routing, moe: MoeArgs, token_mask: torch.Tensor | None = None) -> dict[str, float]:
-    """`moe/route_agreement`: of the token x layer top-k sets the forward replayed, the share where the model's own
-    router picked the same set (before replay; NaN when nothing was replayed); `moe/expert_load_cv`: the
+    """`moe/route_agreement`: of the token x layer top-k sets given to the forward (`Routing.replay`), the share
+    where the model's own router picked the same set (before replay; NaN when none was given); `moe/expert_load_cv`: the
     coefficient of variation of the tokens each expert received, averaged over sparse layers."""
     mask = None if token_mask is None else token_mask.reshape(-1).bool()
     agree = total = 0
@@ -211,7 +219,7 @@ def route_stats(routing: Routing, moe: MoeArgs, token_mask: torch.Tensor | None 
         cvs.append(float(load.std(unbiased=False) / load.mean().clamp_min(1e-9)))
         if i < len(routing.replayed):
             counted = rows & routing.replayed[i]
-            same = (own.sort(dim=-1).values == chosen.sort(dim=-1).values).all(dim=-1)
+            same = (own.sort(dim=-1).values == routing.given[i].sort(dim=-1).values).all(dim=-1)
             agree += int((same & counted).sum())
             total += int(counted.sum())
     out = {"moe/expert_load_cv": sum(cvs) / max(len(cvs), 1)}
@@ -272,10 +280,10 @@ def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def replayed_routes_shape(model_dir: Any, routing_replay: str) -> tuple[int, int] | None:
     """(decoder layers, top-k) of the routes a run asks its engines for: a mixture-of-experts model under
-    `train.routing_replay: rollout`; None for a dense model or replay off."""
+    `train.routing_replay: rollout` or `observe`; None for a dense model or replay off."""
     from hpcrl.model.qwen3 import ModelArgs
 
     args = ModelArgs.from_dir(model_dir).moe
-    if args is None or routing_replay != "rollout":
+    if args is None or routing_replay == "off":
         return None
     return len(args.sparse_layers), args.top_k

@@ -202,12 +202,13 @@ class TrainConfig:
     engine.batch_invariant sample from, so the gap is exactly 0.0 in any micro-batch; it needs
     engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA, float32 or bfloat16;
     docs/numerics.md)."""
-    routing_replay: Literal["off", "rollout"] = "rollout"
+    routing_replay: Literal["off", "observe", "rollout"] = "rollout"
     """Mixture-of-experts models (torch backend): `rollout` forces, per token and layer, the experts the engine
     routed it to while sampling (rollout routing replay; the gate weights still come from the trainer's router, so
-    it keeps its gradient); `off` lets the trainer's router choose. Metrics: moe/route_agreement (before replay),
-    moe/expert_load_cv, moe/aux_loss. Dense models have no routes: the setting does nothing there (said at start).
-    docs/moe.md."""
+    it keeps its gradient); `observe` asks the engines for those routes and reports moe/route_agreement without
+    forcing them; `off` asks for none and lets the trainer's router choose. Metrics: moe/route_agreement (measured
+    before replay), moe/expert_load_cv, moe/aux_loss. Dense models have no routes: the setting does nothing there
+    (the trainer's log says so). docs/moe.md."""
     invariant_kernels: InvariantKernelsConfig = field(default_factory=InvariantKernelsConfig)
     """The batch-invariant Triton kernels' tiles with logprobs: invariant on CUDA; they must equal the engine's
     engine.kernels.invariant_matmul / invariant_attention (HPCRL_INVARIANT_* overrides apply to both)."""

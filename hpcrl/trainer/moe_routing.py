@@ -21,9 +21,10 @@ class MoeRouting:
 
     def __init__(self, model: CausalLM, replay: str) -> None:
         self.args = model.args.moe
-        self.replay = replay == "rollout" and self.args is not None
-        if self.args is None and replay == "rollout":
-            log.info("train.routing_replay: rollout does nothing for this dense model (it has no experts to route)")
+        self.replay = replay != "off" and self.args is not None
+        if self.args is None and replay != "off":
+            log.info("train.routing_replay: %s does nothing for this dense model (it has no experts to route)", replay)
+        model.routing.force = replay == "rollout"
         self.coef = self.args.router_aux_loss_coef if self.args is not None else 0.0
         model.routing.record_logits = self.coef > 0
         self._sums: dict[str, float] = {}
@@ -34,7 +35,8 @@ class MoeRouting:
         return self.args is not None
 
     def before(self, model: CausalLM, mb: TrainBatch) -> None:
-        """Force the rollout's routes in the next forward of `model` (when replaying and the batch carries them)."""
+        """Give the next forward of `model` the rollout's routes (when the batch carries them): forced under
+        `rollout`, compared only under `observe`."""
         if self.args is None:
             return
         routes = mb.routed_experts if self.replay else None

@@ -28,7 +28,11 @@ def apply_ddp(model: CausalLM, device: torch.device, world_size: int) -> nn.Modu
     Parameters that do not train (a frozen module) are left out of the gradient reduction by DDP itself."""
     if world_size == 1:
         return model  # nothing to average: a wrapper would only cost a copy of every gradient
-    return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+    # An expert no token of a rank's micro-batch was routed to gets no gradient there: DDP must look for such
+    # parameters each backward (a dense model has none, and skips that walk).
+    return DistributedDataParallel(
+        model, device_ids=None if device.type == "cpu" else [device], find_unused_parameters=model.args.moe is not None
+    )
 
 
 PARALLELISMS: dict[str, Parallelize] = {"ddp": apply_ddp}

@@ -131,6 +131,12 @@ def test_replay_forces_experts_and_keeps_router_gradient(moe_dir: Path) -> None:
     lp.backward()
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and float(gate.grad.abs().sum()) > 0
+    # Observed, not forced: the model's own routes and output, and the agreement with the given routes.
+    model.routing.force = False
+    with torch.no_grad():
+        assert torch.equal(model(ids), same)
+    assert moe.route_stats(model.routing, args, mask)["moe/route_agreement"] == 0.0
+    model.routing.force = True
     model.routing.replay = forced[:, :5]
     with pytest.raises(ValueError, match=r"routes of shape \(3, 5, 2, 2\) do not fit"):
         model(ids)
