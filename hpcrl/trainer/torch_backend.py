@@ -1,9 +1,11 @@
-"""The PyTorch trainer: GRPO and SFT steps on hpcrl's model, one process per rank, DDP across ranks.
+"""The PyTorch trainer: GRPO and SFT steps on hpcrl's model, one process per rank, DDP or FSDP2 across ranks.
 
-Every rank holds the full model (DDP); rank r trains on rows r, r+W, r+2W, ... of a step's batch. The step
-itself (mini-batches, epochs, old log-probs, the loss, the NaN guard) is hpcrl/trainer/step.py; this backend
-gives it log-probs from hpcrl's model and an update: forward and backward under DDP, which averages the
-gradients over the ranks (the step scales the losses by the world size to make that a sum), then the clip.
+Rank r trains on rows r, r+W, r+2W, ... of a step's batch. The step itself (mini-batches, epochs, old log-probs,
+the loss, the NaN guard) is hpcrl/trainer/step.py; this backend gives it log-probs from hpcrl's model and an
+update: forward and backward under the parallelism (train.parallelism, hpcrl/trainer/parallel.py), which averages
+the gradients over the ranks (the step scales the losses by the world size to make that a sum), then the clip.
+Under DDP every rank holds the whole model and rank 0 answers weight and state requests alone; under FSDP2 the
+ranks hold shards and gather them together (hpcrl/trainer/sharded_state.py).
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
+from torch import Tensor, nn
 
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
@@ -26,14 +27,67 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters
 from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
-from hpcrl.trainer.parallel import apply_compile, parallelize
+from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
+from hpcrl.trainer.sharded_state import GatheredWeights, gather_full, host_state, load_full, shard_optimizer_state
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard
 
 
+class LogProbs(nn.Module):
+    """The model and its log-prob head as one module call: the forward a parallelism wraps. Under FSDP2 the LM
+    head's weight is gathered only inside a module's forward, so the fused head (train.logprob_chunk_tokens) must
+    run inside one too."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.lm = model
+        self.cfg = cfg
+
+    def forward(
+        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs of every target position [b, T-1] (and entropy), as tensors of their own: FSDP2 hooks its
+        backward onto a module's outputs, which must not be views ([b, T-1] floats: the copy costs nothing)."""
+        lp, ent = self._logprobs(input_ids, supports, with_entropy)
+        return lp.clone(), (ent.clone() if ent is not None else None)
+
+    def _logprobs(
+        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.cfg.logprobs == "invariant":
+            # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
+            # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
+            # top-k/top-p replay, renormalised over each token's support as the engine did.
+            if supports is not None:
+                return invariant.support_token_logprobs(self.lm, input_ids, *supports), None
+            return invariant.token_logprobs(self.lm, input_ids), None
+        chunk = self.cfg.logprob_chunk_tokens
+        if chunk is not None and supports is None:
+            # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
+            hidden = self.lm(input_ids, hidden=True)[:, :-1]
+            b, t = hidden.shape[:2]
+            lp, ent = hidden_token_logprobs(
+                hidden.reshape(b * t, -1),
+                self.lm.output_weight,
+                input_ids[:, 1:].reshape(-1),
+                chunk_tokens=chunk,
+                with_entropy=with_entropy,
+                compiled=self.cfg.torch_compile,
+            )
+            return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
+        logits = self.lm(input_ids)
+        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
+            return support_token_logprobs(logits[:, :-1], input_ids[:, 1:], *supports, with_entropy=with_entropy)
+        # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
+        # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
+        # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
+        # extra row of softmax.
+        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
+        return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
+
+
 class TorchTrainer:
-    # Every rank holds the whole model: rank 0 answers weight and state requests alone.
-    collective = False
     # The step's backend (hpcrl/trainer/step.py): DDP averages gradients; every rank computes the loss.
     averages_gradients = True
     computes_loss = True
@@ -45,6 +99,9 @@ class TorchTrainer:
         self.model_dir = Path(model_dir)
         self.rank = rank
         self.world_size = world_size
+        # DDP: every rank holds the whole model, so rank 0 answers weight and state requests alone; FSDP2: every
+        # rank holds a shard, and they gather together.
+        self.collective = cfg.parallelism == "fsdp2"
         torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
@@ -62,10 +119,18 @@ class TorchTrainer:
         self.converters = build_converters(cfg)
         for converter in self.converters:
             converter.convert(self.model)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         if cfg.torch_compile:
             apply_compile(self.model)
-        # The module the training forward runs through; the weight and state calls read self.model.
-        self.ddp: torch.nn.Module = parallelize(self.model, "ddp", device=self.device, world_size=world_size)
+        # The modules the training forward (train_forward) and the scoring passes (scorer, ref_scorer) run through;
+        # the weight and state calls read self.model.
+        plan = ParallelPlan(cfg, self.device, world_size)
+        self.scorer: nn.Module = LogProbs(self.model, cfg)
+        self.train_forward = parallelize(self.scorer, self.model, cfg.parallelism, plan)
+        self.ref_scorer: nn.Module | None = None
+        if self.ref_model is not None:
+            ref_plan = ParallelPlan(cfg, self.device, world_size, trains=False)
+            self.ref_scorer = parallelize(LogProbs(self.ref_model, cfg), self.ref_model, cfg.parallelism, ref_plan)
         self.optimizer = self._make_optimizer(cfg.lr)
         # The warm start gets an optimizer of its own, so GRPO starts from fresh Adam moments.
         self.sft_lr = sft_lr
@@ -101,21 +166,27 @@ class TorchTrainer:
         return self.step.sft(batch, self._sft_optimizer)
 
     def score(self, mb: TrainBatch, *, reference: bool) -> Tensor:
-        model = self.ref_model if reference else self.model
-        assert model is not None, "reference log-probs need train.kl_coef > 0"
+        scorer = self.ref_scorer if reference else self.scorer
+        assert scorer is not None, "reference log-probs need train.kl_coef > 0"
         with torch.no_grad():
-            return self._logprobs(model, mb, with_entropy=False)[0]
+            return scorer(mb.input_ids, mb.padded_supports(), False)[0]
 
     def update(self, optimizer: Any, mbs: list[TrainBatch], loss: MicroLoss) -> tuple[float, float]:
         optimizer.zero_grad(set_to_none=True)
         forward_s = 0.0
         for i, mb in enumerate(mbs):
             t0 = time.perf_counter()
-            lp, entropy = self._logprobs(self.ddp, mb)
+            lp, entropy = self.train_forward(mb.input_ids, mb.padded_supports(), True)
             forward_s += time.perf_counter() - t0
             loss(i, lp, entropy).backward()
         clip = self.cfg.grad_clip or float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()), forward_s
+        if not self.collective:
+            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()), forward_s
+        # Sharded gradients: each rank's norm is a partial one, summed over the ranks before the clip.
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = gather_full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        return float(norm.item()), forward_s
 
     def all_reduce(self, values: Tensor, op: str) -> Tensor:
         if self.world_size > 1:
@@ -125,60 +196,26 @@ class TorchTrainer:
     def share(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics  # every rank computed them
 
-    def _logprobs(
-        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of every target position [b, T-1] (and entropy)."""
-        supports = mb.padded_supports()
-        if self.cfg.logprobs == "invariant":
-            # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
-            # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
-            # top-k/top-p replay, renormalised over each token's support as the engine did.
-            if supports is not None:
-                return invariant.support_token_logprobs(model, mb.input_ids, *supports), None
-            return invariant.token_logprobs(model, mb.input_ids), None
-        chunk = self.cfg.logprob_chunk_tokens
-        if chunk is not None and supports is None:
-            # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
-            hidden = model(mb.input_ids, hidden=True)[:, :-1]
-            head = cast(CausalLM, model.module if isinstance(model, DistributedDataParallel) else model)
-            b, t = hidden.shape[:2]
-            lp, ent = hidden_token_logprobs(
-                hidden.reshape(b * t, -1),
-                head.output_weight,
-                mb.input_ids[:, 1:].reshape(-1),
-                chunk_tokens=chunk,
-                with_entropy=with_entropy,
-                compiled=self.cfg.torch_compile,
-            )
-            return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
-        logits = model(mb.input_ids)
-        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
-            return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=with_entropy)
-        # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
-        # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
-        # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
-        # extra row of softmax.
-        targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
-        lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
-        return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
-
     # ----- weights and state -----
     def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
         """What a weight push sends: the tensors a step can change, as the converters decide (every weight
         without converters); `full`: every weight, for engines that dropped theirs."""
-        if full:
-            return self.export_weights()
         state = self._weights()
         for converter in reversed(self.converters):
-            state = converter.push_state(self.model, state)
+            state = converter.export_state(self.model, state) if full else converter.push_state(self.model, state)
+        if self.collective:
+            # Shards: gathered one at a time as the push's bucket loop reads them, on every rank at once.
+            return GatheredWeights(state.items())
         return list(state.items())
 
     def export_weights(self) -> list[tuple[str, Tensor]]:
-        """The whole model in Hugging Face names: what an export writes."""
+        """The whole model in Hugging Face names: what an export writes (sharded: gathered one tensor at a time
+        into rank 0's host memory, [] on the other ranks, which must call it too)."""
         state = self._weights()
         for converter in reversed(self.converters):
             state = converter.export_state(self.model, state)
+        if self.collective:
+            return list(host_state(state, keep=self.rank == 0).items())
         return list(state.items())
 
     def _weights(self) -> dict[str, Tensor]:
@@ -189,11 +226,13 @@ class TorchTrainer:
 
         Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
         """
-        tensors = {f"model/{k}": _host_copy(v) for k, v in self.model.state_dict().items()}
+        named = {f"model/{k}": v for k, v in self.model.state_dict().items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
-        tensors.update({k: _host_copy(v) for k, v in opt_tensors.items()})
+        named.update(opt_tensors)
         if self.ref_model is not None:
-            tensors.update({f"ref_model/{k}": _host_copy(v) for k, v in self.ref_model.state_dict().items()})
+            named.update({f"ref_model/{k}": v for k, v in self.ref_model.state_dict().items()})
+        # Sharded: every tensor gathered whole in turn, kept by rank 0 alone; a checkpoint is the same as DDP's.
+        tensors = host_state(named, keep=not self.collective or self.rank == 0)
         return tensors, {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
@@ -204,13 +243,20 @@ class TorchTrainer:
             )
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         self._check_frozen(model_state)
-        self.model.load_state_dict(model_state, strict=True)
-        if self.ref_model is not None:
-            ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
-            self.ref_model.load_state_dict(ref, strict=True)
+        ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
         opt = {k: v for k, v in tensors.items() if k.startswith("optimizer/")}
+        opt_state = unflatten_state(opt, state["optimizer"])
+        if self.collective:  # whole tensors, each cut into this rank's shard
+            load_full(self.model, model_state, "model")
+            if self.ref_model is not None:
+                load_full(self.ref_model, ref, "reference model")
+            opt_state = shard_optimizer_state(opt_state, self.optimizer)
+        else:
+            self.model.load_state_dict(model_state, strict=True)
+            if self.ref_model is not None:
+                self.ref_model.load_state_dict(ref, strict=True)
         try:
-            self.optimizer.load_state_dict(unflatten_state(opt, state["optimizer"]))
+            self.optimizer.load_state_dict(opt_state)
         except ValueError as exc:  # torch's words: a parameter group of another size
             raise ValueError(
                 f"this checkpoint's optimizer state does not fit this run's trainable parameters ({exc}); resume "
@@ -222,7 +268,7 @@ class TorchTrainer:
         """A parameter that does not train is left out of pushes, so engines serve the copy they loaded from
         model.path: a checkpoint must hold that same copy."""
         for name, p in self.model.named_parameters():
-            if not p.requires_grad and name in model_state and not torch.equal(model_state[name].to(p.device), p):
+            if not p.requires_grad and name in model_state and not _same(model_state[name], p):
                 raise ValueError(
                     f"this checkpoint's {name} differs from model.path's, but this run does not train it "
                     f"(train.converters {list(self.cfg.converters)}), so engines would serve model.path's; resume "
@@ -233,5 +279,7 @@ class TorchTrainer:
         return save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
 
 
-def _host_copy(tensor: Tensor) -> Tensor:
-    return tensor.detach().to("cpu", copy=True)
+def _same(saved: Tensor, param: Tensor) -> bool:
+    """Whether a checkpoint's whole tensor equals a parameter (a shard: gathered, so every rank must ask)."""
+    whole = gather_full(param.detach())
+    return torch.equal(saved.to(whole.device), whole)
