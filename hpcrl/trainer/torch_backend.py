@@ -21,12 +21,13 @@ from torch import Tensor, nn
 
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
-from hpcrl.model.qwen3 import CausalLM
+from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters
 from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
+from hpcrl.trainer.memory_plan import fit_problem, plan_memory
 from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
 from hpcrl.trainer.sharded_state import GatheredWeights, gather_full, host_state, load_full, shard_optimizer_state
 from hpcrl.trainer.step import MicroLoss, TrainStep
@@ -104,6 +105,12 @@ class TorchTrainer:
         self.collective = cfg.parallelism == "fsdp2"
         torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
+        plan = plan_memory(cfg, ModelArgs.from_dir(model_dir))
+        problem = fit_problem(plan, cfg, self.device)
+        if problem is not None:
+            raise ValueError(problem)
+        if rank == 0:
+            print(plan.line(cfg.parallelism), flush=True)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
         if cfg.logprobs == "invariant":
@@ -124,9 +131,10 @@ class TorchTrainer:
             apply_compile(self.model)
         # The modules the training forward (train_forward) and the scoring passes (scorer, ref_scorer) run through;
         # the weight and state calls read self.model.
-        plan = ParallelPlan(cfg, self.device, world_size)
         self.scorer: nn.Module = LogProbs(self.model, cfg)
-        self.train_forward = parallelize(self.scorer, self.model, cfg.parallelism, plan)
+        self.train_forward = parallelize(
+            self.scorer, self.model, cfg.parallelism, ParallelPlan(cfg, self.device, world_size)
+        )
         self.ref_scorer: nn.Module | None = None
         if self.ref_model is not None:
             ref_plan = ParallelPlan(cfg, self.device, world_size, trains=False)

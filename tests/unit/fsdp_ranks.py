@@ -5,7 +5,8 @@
 Rank 0 writes to OUT_DIR (safetensors, JSON):
 - grads_{none,full,selective}: the clipped gradients of one GRPO update on the fixed batch (an optimizer with lr 0,
   so nothing moves), gathered whole, per activation_checkpointing, and metrics_*.json (loss, grad norm)
-  (with `grads`: only those of activation_checkpointing none, and nothing else);
+  (with `grads`: only those of activation_checkpointing none, and nothing else); grads_hybrid: the same under
+  fsdp.shard_group_size 1 (a 2-D mesh: every rank a shard group of its own, the groups replicas);
 - ckpt/: the trainer's checkpoint after two GRPO steps; step3: the pushed weights after a third;
 - resumed: the pushed weights after a fresh trainer loaded ckpt/ and took the third step;
 - from_ddp: the same from OUT_DIR/ddp_ckpt (written by a DDP trainer of another rank count) when it exists.
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 
 from hpcrl.store.checkpoint import checkpoint_file, load_checkpoint, save_checkpoint
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.config import FSDPConfig, TrainConfig
 from hpcrl.trainer.ranks import init_trainer_group
 from hpcrl.trainer.sharded_state import gather_full
 from hpcrl.trainer.torch_backend import TorchTrainer
@@ -77,6 +78,13 @@ def main() -> None:
             save_file(grads, out / f"grads_{ac}.safetensors")
             (out / f"metrics_{ac}.json").write_text(json.dumps(metrics))
     assert batch is not None
+    if world > 1 and not grads_only:
+        hybrid = TorchTrainer(
+            config("fsdp2", world, fsdp=FSDPConfig(shard_group_size=1)), model_dir, rank=rank, world_size=world
+        )
+        grads, _ = gradients(hybrid, batch)
+        if rank == 0:
+            save_file(grads, out / "grads_hybrid.safetensors")
     if grads_only:
         torch.distributed.destroy_process_group()
         return

@@ -17,9 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hpcrl.model.qwen3 import ModelArgs
 from hpcrl.store.checkpoint import checkpoint_file, load_checkpoint, save_checkpoint
 from hpcrl.trainer.config import FSDPConfig, TrainConfig
+from hpcrl.trainer.memory_plan import fit_problem_on, plan_memory
 from hpcrl.trainer.torch_backend import TorchTrainer
+from hpcrl.weightwire.finite import first_non_finite
 from tests.support import SMALL, free_port, hpcrl
 from tests.unit.fsdp_ranks import config, fixed_batch, gradients, pushed
 
@@ -93,6 +96,7 @@ def test_fsdp2_matches_ddp_and_checkpoints_move_between_rank_counts(tiny_model_d
                 assert metrics[key] == pytest.approx(ddp_metrics["none"][key], rel=1e-5, abs=1e-7), (out.name, ac, key)
             assert_close(load_file(out / f"grads_{ac}.safetensors"), ddp_grads["none"], f"fsdp2 {out.name} {ac}")
     two_dir = tmp_path / "two"
+    assert_close(load_file(two_dir / "grads_hybrid.safetensors"), ddp_grads["none"], "fsdp2 x2 hybrid")
     step3 = load_file(two_dir / "step3.safetensors")
     assert_close(step3, ddp_step3, "fsdp2 x2 after three steps", STEPS)
     # The same rank count resumes bitwise; a DDP checkpoint of one rank resumes on two FSDP2 ranks (1 -> 2).
@@ -105,6 +109,13 @@ def test_fsdp2_matches_ddp_and_checkpoints_move_between_rank_counts(tiny_model_d
     single.load_state(ckpt.tensors, ckpt.state["trainer"])
     single.train_grpo(batch)
     assert_close(pushed(single), ddp_step3, "2 -> 1 ranks", STEPS)
+
+
+def test_the_finite_check_keeps_no_tensor_and_finds_the_first_bad_one() -> None:
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows: the exact test clears it
+    named = [("a", torch.ones(2)), ("big", big), ("ids", torch.arange(3)), ("nan", torch.tensor([1.0, float("nan")]))]
+    assert first_non_finite(named) == "nan"
+    assert first_non_finite(named[:3]) is None
 
 
 @pytest.mark.parametrize(
@@ -123,9 +134,34 @@ def test_bad_fsdp_settings_are_refused_with_the_fix(settings: dict, message: str
         TrainConfig(**settings)
 
 
-def test_two_fsdp2_ranks_run_the_quickstart_and_resume(workdir: Path) -> None:
-    args = [*SMALL[1:], "sft.num_steps=0", "checkpoint.every_steps=1", "train.parallelism=fsdp2", "train.num_ranks=2"]
-    hpcrl("run", "qs.yaml", *args, "num_steps=2", "--run-dir", "r", cwd=workdir)
-    out = hpcrl("run", "qs.yaml", *args, "num_steps=3", "--run-dir", "r", cwd=workdir)
+# Qwen3-8B's shape: 8.19B parameters, 16 bytes each in fp32 under DDP.
+QWEN3_8B = ModelArgs(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+    head_dim=128, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def test_the_memory_plan_divides_the_state_by_the_shards_and_refuses_what_cannot_fit() -> None:
+    ddp, fsdp = TrainConfig(device="cuda"), TrainConfig(device="cuda", parallelism="fsdp2", num_ranks=8)
+    whole, sharded = plan_memory(ddp, QWEN3_8B), plan_memory(fsdp, QWEN3_8B)
+    assert whole.parameters == sharded.parameters == 8_190_735_360
+    assert whole.state_bytes == 16 * whole.parameters
+    assert sharded.state_bytes == whole.state_bytes // 8
+    card, host = 80 * 10**9, 100 * 10**9
+    problem = fit_problem_on(whole, ddp, gpu_bytes=card, host_bytes=host)
+    assert problem is not None and "131.05 GB per GPU" in problem and "train.parallelism: fsdp2" in problem
+    assert fit_problem_on(sharded, fsdp, gpu_bytes=card, host_bytes=host) is None
+    offload = TrainConfig(device="cuda", parallelism="fsdp2", num_ranks=1, fsdp=FSDPConfig(offload=True))
+    plan = plan_memory(offload, QWEN3_8B)
+    assert plan.device_bytes < 10**9  # two gathered layers in bf16
+    problem = fit_problem_on(plan, offload, gpu_bytes=card, host_bytes=host)
+    assert problem is not None and "100.00 GB is available" in problem and "more ranks" in problem
+
+
+def test_two_fsdp2_ranks_run_the_quickstart_and_one_resumes_it(workdir: Path) -> None:
+    args = [*SMALL[1:], "sft.num_steps=0", "checkpoint.every_steps=1", "train.parallelism=fsdp2"]
+    hpcrl("run", "qs.yaml", *args, "num_steps=2", "train.num_ranks=2", "--run-dir", "r", cwd=workdir)
+    assert (workdir / "r" / "logs" / "trainer-rank1.log").is_file()
+    out = hpcrl("run", "qs.yaml", *args, "num_steps=3", "train.num_ranks=1", "--run-dir", "r", cwd=workdir)
     assert "resumed from" in out.stdout and "step    3/3" in out.stdout
     assert (workdir / "r" / "model" / "model.safetensors").is_file()
