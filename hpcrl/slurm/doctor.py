@@ -381,6 +381,21 @@ def check_extras(needs: list[Need]) -> tuple[list[Check], str | None]:
     return checks, pip_command(missing) if missing else None
 
 
+def check_trainer_memory(cfg: RunConfig | None) -> list[Check]:
+    """The torch trainer's memory plan (hpcrl/trainer/memory_plan.py) for the config's model, where it can be read."""
+    if cfg is None or cfg.train.backend != "torch" or not (Path(cfg.model.path) / "config.json").is_file():
+        return []
+    import torch
+
+    from hpcrl.model.qwen3 import ModelArgs
+    from hpcrl.trainer.memory_plan import fit_problem, plan_memory
+
+    plan = plan_memory(cfg.train, ModelArgs.from_dir(cfg.model.path))
+    problem = fit_problem(plan, cfg.train, torch.device(cfg.train.device))
+    detail = plan.line(cfg.train.parallelism).removeprefix("trainer plan: ")
+    return [Check("trainer memory", problem is None, detail, problem or "", essential=True)]
+
+
 def run_doctor(run_dir: Path, cfg: RunConfig | None = None) -> int:
     """Prints every check; 1 when something essential is missing (given a config: an extra it needs)."""
     extras, install = check_extras(feature_needs(cfg))
@@ -392,6 +407,7 @@ def run_doctor(run_dir: Path, cfg: RunConfig | None = None) -> int:
         *check_mpi(),
         *check_gpus(),
         *check_backends(),
+        *check_trainer_memory(cfg),
         *extras,
     ]
     width = max(len(c.name) for c in checks)

@@ -369,7 +369,8 @@ def check_can_continue(
         raise RunDirError(
             f"{where} holds {steps_done} steps of a run with a different config ({contents.config_source} "
             f"recorded it): {'; '.join(differences)}. Resume it with the same config and overrides (num_steps "
-            "may change, and with train.backend=megatron the TP/PP split and num_ranks), or start a new run "
+            "may change, and so may num_ranks, with train.backend=megatron the TP/PP split, with train.backend=torch "
+            "the parallelism and its settings), or start a new run "
             "with another --run-dir (or --restart, which moves the old one aside)"
         )
     if cfg.num_steps < steps_done:
@@ -383,8 +384,9 @@ def check_can_continue(
 def config_differences(recorded: Mapping[str, Any], cfg: Any) -> list[str]:
     """The keys where `cfg` differs from a recorded config, as "train.lr: 0.0005 -> 0.001".
 
-    Ignores num_steps (extending a run is a normal request) and, for train.backend=megatron, the TP/PP
-    split and num_ranks (its checkpoints hold the whole model in HF layout), and the logging section.
+    Ignores num_steps (extending a run is a normal request), num_ranks, the split of the model over them (for
+    train.backend=megatron the TP/PP split, for torch the parallelism, fsdp and activation checkpointing: both
+    backends' checkpoints hold the whole model), and the logging section.
     """
     from hpcrl.config import ConfigError, from_dict, to_dict
 
@@ -407,6 +409,10 @@ def _comparable(cfg: Any) -> Any:
     train = cfg.train
     if train.backend == "megatron":
         train = dataclasses.replace(train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1)
+    else:  # its checkpoints hold whole tensors under either parallelism (FSDP2 gathers them)
+        train = dataclasses.replace(
+            train, num_ranks=1, parallelism="ddp", fsdp=type(train.fsdp)(), activation_checkpointing="none"
+        )
     # The logging sinks copy metrics and change nothing a checkpoint holds: a resumed run may add or drop one.
     return dataclasses.replace(cfg, num_steps=0, train=train, logging=type(cfg.logging)())
 

@@ -14,11 +14,16 @@ from hpcrl.trainer.converters import CONVERTERS
 # A new backend is one row here (and one in the `backend` choices).
 BACKEND_LIMITS: dict[str, dict[str, str]] = {
     "torch": {
-        "tensor_parallel_size": "the torch backend is DDP only: every rank holds the whole model",
-        "pipeline_parallel_size": "the torch backend is DDP only: every rank holds the whole model",
+        "tensor_parallel_size": "the torch backend splits no layer: it replicates (ddp) or shards (fsdp2) the model",
+        "pipeline_parallel_size": "the torch backend splits no layer: it replicates (ddp) or shards (fsdp2) the model",
         "megatron_optimizer": "it picks the megatron backend's optimizer",
     },
     "megatron": {
+        "parallelism": (
+            "the megatron backend shards with tensor_parallel_size, pipeline_parallel_size and its distributed "
+            "optimizer (megatron_optimizer), not with the torch backend's FSDP2"
+        ),
+        "activation_checkpointing": "it checkpoints the torch backend's decoder layers; megatron-core has its own",
         "converters": "model converters change the torch backend's model; the megatron backend builds its own",
         "lora": (
             "LoRA adapters are a model converter of the torch backend; the megatron backend builds megatron-core's "
@@ -82,16 +87,54 @@ class LoRAConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class FSDPConfig:
+    """train.parallelism: fsdp2 only: how the torch backend shards its model, gradients and AdamW state over the
+    ranks (torch's `fully_shard` on every decoder layer and on the whole model)."""
+
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    """The dtype the forward and backward compute in: each layer's weights are gathered and cast to it, while the
+    sharded master weights and AdamW moments stay in train.dtype. Null: bfloat16 on CUDA, train.dtype elsewhere."""
+    reduce_dtype: Literal["float32", "bfloat16"] | None = None
+    """The dtype gradients are reduce-scattered (summed over ranks) in. Null: float32, whatever param_dtype is, so
+    a sum over many ranks loses no precision."""
+    offload: bool = False
+    """Keep the sharded weights, gradients and AdamW state in host memory (the optimizer steps on the CPU) and copy
+    each layer's weights to the GPU only while it runs: trains models whose state does not fit the GPU, at the
+    price of host-device copies every step. CUDA only (on device: cpu everything is in host memory already)."""
+    shard_group_size: int | None = None
+    """Hybrid sharding: shard over groups of this many ranks (e.g. the GPUs of one node) and replicate across the
+    groups, so the per-layer gathers stay inside a node and only gradients cross nodes. Must divide num_ranks.
+    Null: shard over all ranks."""
+
+    def __post_init__(self) -> None:
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            raise ValueError(f"shard_group_size must be >= 1 (null: all ranks), got {self.shard_group_size}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """The trainer: backend and parallelism, the optimizer (AdamW), the PPO/GRPO loss, batching and numerics."""
 
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
-        "parallel": "it had one value (ddp) and nothing read it; the torch backend is always DDP",
+        "parallel": "it had one value (ddp) and nothing read it; train.parallelism picks ddp or fsdp2",
     }
     RENAMED_KEYS: ClassVar[dict[str, str]] = {"onpolicy": "logprobs: invariant (or plain)"}
     backend: Literal["torch", "megatron"] = "torch"
-    """Trainer implementation: `torch` (hpcrl's model, DDP) runs anywhere; `megatron` (megatron-core GPTModel
+    """Trainer implementation: `torch` (hpcrl's model, DDP or FSDP2) runs anywhere; `megatron` (megatron-core GPTModel
     with tensor and pipeline parallelism) needs `pip install 'hpcrl[megatron]'`."""
+    parallelism: Literal["ddp", "fsdp2"] = "ddp"
+    """torch backend: how the ranks share the model. `ddp`: every rank holds the whole model, its gradients and AdamW
+    state (16 bytes a parameter in fp32). `fsdp2`: each rank holds 1/num_ranks of them and gathers one decoder layer's
+    weights at a time for its forward and backward (train.fsdp), for models that do not fit one GPU
+    (docs/fsdp2.md). Same loss and gradients to fp32 rounding; checkpoints of either resume under the other."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """parallelism: fsdp2: mixed precision, CPU offload and hybrid sharding."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """torch backend, per decoder layer: trade compute for activation memory. `none`: every layer keeps its
+    activations for backward. `full`: a layer keeps only its input and runs its forward again in backward (about
+    one more forward of the model per step). `selective`: a layer keeps the outputs of its matrix products and
+    attention and recomputes only the cheap element-wise ops (norms, RoPE, SwiGLU) in backward. Same loss and
+    gradients either way."""
     tensor_parallel_size: int = 1
     """Megatron only: ranks that split each layer's weights; divides the attention and KV heads."""
     pipeline_parallel_size: int = 1
@@ -261,6 +304,7 @@ class TrainConfig:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         self._check_backend_limits()
+        check_fsdp(self)
         if self.num_ranks % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(
                 f"num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel_size x pipeline_parallel_size "
@@ -406,6 +450,52 @@ class TrainConfig:
                     f"{key}: {_yaml(value)} is not implemented by backend: {self.backend} ({why}); set {key}: "
                     f"{_yaml(defaults[key])}, or use backend: {others}"
                 )
+
+
+def check_fsdp(cfg: TrainConfig) -> None:
+    """train.fsdp settings act under parallelism: fsdp2 only, and must fit the ranks and the device."""
+    if cfg.activation_checkpointing != "none" and cfg.logprobs == "invariant":
+        raise ValueError(
+            "activation_checkpointing checkpoints the decoder layers' forward, which logprobs: invariant does not run "
+            "(the batch-invariant forward is its own); set activation_checkpointing: none, or logprobs: plain"
+        )
+    if cfg.parallelism != "fsdp2":
+        if cfg.fsdp != FSDPConfig():
+            raise ValueError(
+                f"fsdp.* configures parallelism: fsdp2, but parallelism is {cfg.parallelism}: set parallelism: fsdp2, "
+                "or remove the fsdp settings"
+            )
+        return
+    if cfg.lora is not None:
+        raise ValueError(
+            "lora with parallelism: fsdp2 is not supported yet (the adapters' push, checkpoint and export read whole "
+            "tensors); train adapters with parallelism: ddp, which holds only the adapters' optimizer state anyway"
+        )
+    size = cfg.fsdp.shard_group_size
+    if size is not None and cfg.num_ranks % size:
+        raise ValueError(
+            f"fsdp.shard_group_size ({size}) must divide num_ranks ({cfg.num_ranks}): the ranks form groups of that "
+            f"size that each hold one copy of the model; use a divisor of {cfg.num_ranks} (e.g. the GPUs of a node), "
+            "or null to shard over all ranks"
+        )
+    if cfg.fsdp.offload and not cfg.device.startswith("cuda"):
+        raise ValueError(
+            f"fsdp.offload moves the sharded state from the GPU to host memory, but device is {cfg.device!r}: the "
+            "state is in host memory already; set fsdp.offload: false, or device: cuda"
+        )
+    if cfg.logprobs == "invariant":
+        raise ValueError(
+            "logprobs: invariant runs the batch-invariant forward, which reads each layer's weights directly and so "
+            "would see FSDP2's shards, not gathered weights; use parallelism: ddp with logprobs: invariant, or "
+            "logprobs: plain"
+        )
+
+
+def fsdp_dtypes(cfg: TrainConfig) -> tuple[str, str]:
+    """(param_dtype, reduce_dtype) of parallelism: fsdp2, the defaults resolved: bfloat16 compute on CUDA
+    (train.dtype elsewhere) and float32 reductions."""
+    param = cfg.fsdp.param_dtype or ("bfloat16" if cfg.device.startswith("cuda") else cfg.dtype)
+    return param, cfg.fsdp.reduce_dtype or "float32"
 
 
 def _yaml(value: Any) -> str:

@@ -23,6 +23,7 @@ from torch import Tensor
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.protocol import Trainer
+from hpcrl.trainer.sharded_state import GatheredWeights
 from hpcrl.trainer.torch_backend import TorchTrainer
 
 CMD_STOP, CMD_GRPO, CMD_SFT, CMD_LOAD, CMD_WEIGHTS, CMD_STATE, CMD_EXPORT = 0, 1, 2, 3, 4, 5, 6
@@ -140,8 +141,12 @@ class RankGroup:
         return self.trainer.train_sft(batch)
 
     def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
-        self._announce(CMD_WEIGHTS, extra=int(full))
-        return self.trainer.push_weights(full=full)
+        weights = self.trainer.push_weights(full=full)
+        if isinstance(weights, GatheredWeights):  # gathered as read: the followers join every pass over it
+            weights.before_pass = lambda: self._announce(CMD_WEIGHTS, extra=int(full))
+        else:
+            self._announce(CMD_WEIGHTS, extra=int(full))  # (no collective in the call above)
+        return weights
 
     def export_weights(self) -> list[tuple[str, Tensor]]:
         self._announce(CMD_EXPORT)
@@ -236,7 +241,8 @@ def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr:
             ckpt = load_checkpoint(checkpoint_file(run_dir / "checkpoints", extra))
             trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
         elif cmd == CMD_WEIGHTS:
-            trainer.push_weights(full=bool(extra))
+            for _ in trainer.push_weights(full=bool(extra)):  # gathered as iterated, with rank 0's pass
+                pass
         elif cmd == CMD_EXPORT:
             trainer.export_weights()
         elif cmd == CMD_STATE:

@@ -1,9 +1,11 @@
-"""The PyTorch trainer: GRPO and SFT steps on hpcrl's model, one process per rank, DDP across ranks.
+"""The PyTorch trainer: GRPO and SFT steps on hpcrl's model, one process per rank, DDP or FSDP2 across ranks.
 
-Every rank holds the full model (DDP); rank r trains on rows r, r+W, r+2W, ... of a step's batch. The step
-itself (mini-batches, epochs, old log-probs, the loss, the NaN guard) is hpcrl/trainer/step.py; this backend
-gives it log-probs from hpcrl's model and an update: forward and backward under DDP, which averages the
-gradients over the ranks (the step scales the losses by the world size to make that a sum), then the clip.
+Rank r trains on rows r, r+W, r+2W, ... of a step's batch. The step itself (mini-batches, epochs, old log-probs,
+the loss, the NaN guard) is hpcrl/trainer/step.py; this backend gives it log-probs from hpcrl's model and an
+update: forward and backward under the parallelism (train.parallelism, hpcrl/trainer/parallel.py), which averages
+the gradients over the ranks (the step scales the losses by the world size to make that a sum), then the clip.
+Under DDP every rank holds the whole model and rank 0 answers weight and state requests alone; under FSDP2 the
+ranks hold shards and gather them together (hpcrl/trainer/sharded_state.py).
 """
 
 from __future__ import annotations
@@ -12,30 +14,83 @@ import contextlib
 import copy
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
+from torch import Tensor, nn
 
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
-from hpcrl.model.qwen3 import CausalLM
+from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import build_converters
 from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
+from hpcrl.trainer.memory_plan import fit_problem, plan_memory
 from hpcrl.trainer.moe_routing import MoeRouting
-from hpcrl.trainer.parallel import apply_compile, parallelize
+from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
+from hpcrl.trainer.sharded_state import GatheredWeights, gather_full, host_state, load_full, shard_optimizer_state
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard
 
 
+class LogProbs(nn.Module):
+    """The model and its log-prob head as one module call: the forward a parallelism wraps. Under FSDP2 the LM
+    head's weight is gathered only inside a module's forward, so the fused head (train.logprob_chunk_tokens) must
+    run inside one too."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.lm = model
+        self.cfg = cfg
+
+    def forward(
+        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs of every target position [b, T-1] (and entropy), as tensors of their own: FSDP2 hooks its
+        backward onto a module's outputs, which must not be views ([b, T-1] floats: the copy costs nothing)."""
+        lp, ent = self._logprobs(input_ids, supports, with_entropy)
+        return lp.clone(), (ent.clone() if ent is not None else None)
+
+    def _logprobs(
+        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.cfg.logprobs == "invariant":
+            # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
+            # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
+            # top-k/top-p replay, renormalised over each token's support as the engine did.
+            if supports is not None:
+                return invariant.support_token_logprobs(self.lm, input_ids, *supports), None
+            return invariant.token_logprobs(self.lm, input_ids), None
+        chunk = self.cfg.logprob_chunk_tokens
+        if chunk is not None and supports is None:
+            # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
+            hidden = self.lm(input_ids, hidden=True)[:, :-1]
+            b, t = hidden.shape[:2]
+            lp, ent = hidden_token_logprobs(
+                hidden.reshape(b * t, -1),
+                self.lm.output_weight,
+                input_ids[:, 1:].reshape(-1),
+                chunk_tokens=chunk,
+                with_entropy=with_entropy,
+                compiled=self.cfg.torch_compile,
+            )
+            return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
+        logits = self.lm(input_ids)
+        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
+            return support_token_logprobs(logits[:, :-1], input_ids[:, 1:], *supports, with_entropy=with_entropy)
+        # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
+        # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
+        # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
+        # extra row of softmax.
+        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
+        return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
+
+
 class TorchTrainer:
-    # Every rank holds the whole model: rank 0 answers weight and state requests alone.
-    collective = False
     # The step's backend (hpcrl/trainer/step.py): DDP averages gradients; every rank computes the loss.
     averages_gradients = True
     computes_loss = True
@@ -47,10 +102,24 @@ class TorchTrainer:
         self.model_dir = Path(model_dir)
         self.rank = rank
         self.world_size = world_size
+        # DDP: every rank holds the whole model, so rank 0 answers weight and state requests alone; FSDP2: every
+        # rank holds a shard, and they gather together.
+        self.collective = cfg.parallelism == "fsdp2"
         torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
+        plan = plan_memory(cfg, ModelArgs.from_dir(model_dir))
+        problem = fit_problem(plan, cfg, self.device)
+        if problem is not None:
+            raise ValueError(problem)
+        if rank == 0:
+            print(plan.line(cfg.parallelism), flush=True)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
+        if self.model.args.moe is not None and cfg.parallelism == "fsdp2":
+            raise ValueError(
+                "parallelism: fsdp2 does not shard mixture-of-experts models yet (its per-layer groups would gather "
+                "every expert at once); train this model with parallelism: ddp"
+            )
         self.moe = MoeRouting(self.model, cfg.routing_replay)
         if cfg.logprobs == "invariant":
             reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)
@@ -67,10 +136,19 @@ class TorchTrainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         for converter in self.converters:
             converter.convert(self.model)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         if cfg.torch_compile:
             apply_compile(self.model)
-        # The module the training forward runs through; the weight and state calls read self.model.
-        self.ddp: torch.nn.Module = parallelize(self.model, "ddp", device=self.device, world_size=world_size)
+        # The modules the training forward (train_forward) and the scoring passes (scorer, ref_scorer) run through;
+        # the weight and state calls read self.model.
+        self.scorer: nn.Module = LogProbs(self.model, cfg)
+        self.train_forward = parallelize(
+            self.scorer, self.model, cfg.parallelism, ParallelPlan(cfg, self.device, world_size)
+        )
+        self.ref_scorer: nn.Module | None = None
+        if self.ref_model is not None:
+            ref_plan = ParallelPlan(cfg, self.device, world_size, trains=False)
+            self.ref_scorer = parallelize(LogProbs(self.ref_model, cfg), self.ref_model, cfg.parallelism, ref_plan)
         self.optimizer = self._make_optimizer(cfg.lr)
         # The warm start gets an optimizer of its own, so GRPO starts from fresh Adam moments.
         self.sft_lr = sft_lr
@@ -110,25 +188,36 @@ class TorchTrainer:
             with torch.no_grad(), contextlib.ExitStack() as stack:
                 for converter in self._reference_in_model:
                     stack.enter_context(converter.reference(self.model))
-                return self._logprobs(self.model, mb, with_entropy=False)[0]
+                self.moe.before(self.model, mb)
+                return self.scorer(mb.input_ids, mb.padded_supports(), False)[0]
+        scorer = self.ref_scorer if reference else self.scorer
+        assert scorer is not None, "reference log-probs need train.kl_coef > 0"
         model = self.ref_model if reference else self.model
-        assert model is not None, "reference log-probs need train.kl_coef > 0"
+        assert model is not None
+        self.moe.before(model, mb)
         with torch.no_grad():
-            return self._logprobs(model, mb, with_entropy=False)[0]
+            return scorer(mb.input_ids, mb.padded_supports(), False)[0]
 
     def update(self, optimizer: Any, mbs: list[TrainBatch], loss: MicroLoss) -> tuple[float, float]:
         optimizer.zero_grad(set_to_none=True)
         forward_s = 0.0
         for i, mb in enumerate(mbs):
             t0 = time.perf_counter()
-            lp, entropy = self._logprobs(self.ddp, mb)
+            self.moe.before(self.model, mb)
+            lp, entropy = self.train_forward(mb.input_ids, mb.padded_supports(), True)
             forward_s += time.perf_counter() - t0
             out = loss(i, lp, entropy)
             aux = self.moe.after(self.model, mb)
             # The load-balancing term once per optimizer step, as the loss's micro-batch parts add up to one.
             (out if aux is None else out + aux / len(mbs)).backward()
         clip = self.cfg.grad_clip or float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()), forward_s
+        if not self.collective:
+            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()), forward_s
+        # Sharded gradients: each rank's norm is a partial one, summed over the ranks before the clip.
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = gather_full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        return float(norm.item()), forward_s
 
     def all_reduce(self, values: Tensor, op: str) -> Tensor:
         if self.world_size > 1:
@@ -138,61 +227,26 @@ class TorchTrainer:
     def share(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics  # every rank computed them
 
-    def _logprobs(
-        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool = True
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of every target position [b, T-1] (and entropy)."""
-        self.moe.before(cast(CausalLM, model.module if isinstance(model, DistributedDataParallel) else model), mb)
-        supports = mb.padded_supports()
-        if self.cfg.logprobs == "invariant":
-            # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
-            # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
-            # top-k/top-p replay, renormalised over each token's support as the engine did.
-            if supports is not None:
-                return invariant.support_token_logprobs(model, mb.input_ids, *supports), None
-            return invariant.token_logprobs(model, mb.input_ids), None
-        chunk = self.cfg.logprob_chunk_tokens
-        if chunk is not None and supports is None:
-            # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
-            hidden = model(mb.input_ids, hidden=True)[:, :-1]
-            head = cast(CausalLM, model.module if isinstance(model, DistributedDataParallel) else model)
-            b, t = hidden.shape[:2]
-            lp, ent = hidden_token_logprobs(
-                hidden.reshape(b * t, -1),
-                head.output_weight,
-                mb.input_ids[:, 1:].reshape(-1),
-                chunk_tokens=chunk,
-                with_entropy=with_entropy,
-                compiled=self.cfg.torch_compile,
-            )
-            return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
-        logits = model(mb.input_ids)
-        if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
-            return support_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], *supports, with_entropy=with_entropy)
-        # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
-        # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
-        # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
-        # extra row of softmax.
-        targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)
-        lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
-        return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
-
     # ----- weights and state -----
     def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
         """What a weight push sends: the tensors a step can change, as the converters decide (every weight
         without converters); `full`: every weight, for engines that dropped theirs."""
-        if full:
-            return self.export_weights()
         state = self._weights()
         for converter in reversed(self.converters):
-            state = converter.push_state(self.model, state)
+            state = converter.export_state(self.model, state) if full else converter.push_state(self.model, state)
+        if self.collective:
+            # Shards: gathered one at a time as the push's bucket loop reads them, on every rank at once.
+            return GatheredWeights(state.items())
         return list(state.items())
 
     def export_weights(self) -> list[tuple[str, Tensor]]:
-        """The whole model in Hugging Face names: what an export writes."""
+        """The whole model in Hugging Face names: what an export writes (sharded: gathered one tensor at a time
+        into rank 0's host memory, [] on the other ranks, which must call it too)."""
         state = self._weights()
         for converter in reversed(self.converters):
             state = converter.export_state(self.model, state)
+        if self.collective:
+            return list(host_state(state, keep=self.rank == 0).items())
         return list(state.items())
 
     def _weights(self) -> dict[str, Tensor]:
@@ -203,11 +257,13 @@ class TorchTrainer:
 
         Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
         """
-        tensors = {f"model/{k}": _host_copy(v) for k, v in self._checkpointed(self.model.state_dict()).items()}
+        named = {f"model/{k}": v for k, v in self._checkpointed(self.model.state_dict()).items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
-        tensors.update({k: _host_copy(v) for k, v in opt_tensors.items()})
+        named.update(opt_tensors)
         if self.ref_model is not None:
-            tensors.update({f"ref_model/{k}": _host_copy(v) for k, v in self.ref_model.state_dict().items()})
+            named.update({f"ref_model/{k}": v for k, v in self.ref_model.state_dict().items()})
+        # Sharded: every tensor gathered whole in turn, kept by rank 0 alone; a checkpoint is the same as DDP's.
+        tensors = host_state(named, keep=not self.collective or self.rank == 0)
         state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
         metas = {c.name: c.checkpoint_meta(self.model) for c in self.converters}
         if any(metas.values()):
@@ -243,14 +299,21 @@ class TorchTrainer:
                 f"this checkpoint's model tensors do not fit this run's model (e.g. {odd}); resume with the "
                 "model.path, train.converters and their settings the run was started with"
             )
-        # Tensors a checkpoint leaves out are ones no step changes: they stay as loaded from model.path.
-        self.model.load_state_dict(model_state, strict=False)
-        if self.ref_model is not None:
-            ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
-            self.ref_model.load_state_dict(ref, strict=True)
+        ref = {k.removeprefix("ref_model/"): v for k, v in tensors.items() if k.startswith("ref_model/")}
         opt = {k: v for k, v in tensors.items() if k.startswith("optimizer/")}
+        opt_state = unflatten_state(opt, state["optimizer"])
+        if self.collective:  # whole tensors, each cut into this rank's shard
+            load_full(self.model, model_state, "model")
+            if self.ref_model is not None:
+                load_full(self.ref_model, ref, "reference model")
+            opt_state = shard_optimizer_state(opt_state, self.optimizer)
+        else:
+            # Tensors a checkpoint leaves out are ones no step changes: they stay as loaded from model.path.
+            self.model.load_state_dict(model_state, strict=False)
+            if self.ref_model is not None:
+                self.ref_model.load_state_dict(ref, strict=True)
         try:
-            self.optimizer.load_state_dict(unflatten_state(opt, state["optimizer"]))
+            self.optimizer.load_state_dict(opt_state)
         except ValueError as exc:  # torch's words: a parameter group of another size
             raise ValueError(
                 f"this checkpoint's optimizer state does not fit this run's trainable parameters ({exc}); resume "
@@ -262,7 +325,7 @@ class TorchTrainer:
         """A parameter that does not train is left out of pushes, so engines serve the copy they loaded from
         model.path: a checkpoint must hold that same copy."""
         for name, p in self.model.named_parameters():
-            if not p.requires_grad and name in model_state and not torch.equal(model_state[name].to(p.device), p):
+            if not p.requires_grad and name in model_state and not _same(model_state[name], p):
                 raise ValueError(
                     f"this checkpoint's {name} differs from model.path's, but this run does not train it "
                     f"(train.converters {list(self.cfg.converters)}), so engines would serve model.path's; resume "
@@ -276,5 +339,7 @@ class TorchTrainer:
         return out
 
 
-def _host_copy(tensor: Tensor) -> Tensor:
-    return tensor.detach().to("cpu", copy=True)
+def _same(saved: Tensor, param: Tensor) -> bool:
+    """Whether a checkpoint's whole tensor equals a parameter (a shard: gathered, so every rank must ask)."""
+    whole = gather_full(param.detach())
+    return torch.equal(saved.to(whole.device), whole)

@@ -18,14 +18,22 @@ def first_non_finite(named: Iterable[tuple[str, Tensor]]) -> str | None:
     A finite sum proves a tensor finite (NaN and inf propagate through it), so the usual case costs one
     sum per tensor and one check for all of them, several times cheaper than an isfinite pass per tensor
     on a small model's push. A sum that overflows only sends the search to the exact per-tensor test.
+    `named` is read once keeping no tensor (a push of sharded weights gathers each one as it is read), and a
+    second time only where a sum is not finite: pass something that reads again, as a list does.
     """
-    floats = [(name, t) for name, t in named if t.is_floating_point()]
-    if not floats:
+    names: list[str] = []
+    sums: list[Tensor] = []
+    for name, tensor in named:
+        if tensor.is_floating_point():
+            names.append(name)
+            sums.append(tensor.sum(dtype=torch.float32))  # an empty tensor sums to 0
+    if not sums:
         return None
-    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in floats])  # an empty tensor sums to 0
-    if bool(torch.isfinite(sums).all()):
+    finite = torch.isfinite(torch.stack(sums))
+    if bool(finite.all()):
         return None
-    for name, tensor in floats:
-        if not bool(torch.isfinite(tensor).all()):
+    suspects = {name for name, ok in zip(names, finite.tolist(), strict=True) if not ok}
+    for name, tensor in named:
+        if name in suspects and not bool(torch.isfinite(tensor).all()):
             return name
     return None

@@ -185,7 +185,7 @@ def trainer_logprobs(trainer: TorchTrainer, batch: TrainBatch, micro_batch_size:
     out = torch.zeros_like(batch.rollout_logprobs)
     with torch.no_grad():
         for start in range(0, len(batch), micro_batch_size):
-            lp, _ = trainer._logprobs(trainer.model, batch.select(slice(start, start + micro_batch_size)))
+            lp = trainer.score(batch.select(slice(start, start + micro_batch_size)), reference=False)
             out[start : start + micro_batch_size, : lp.shape[1]] = lp
     return out
 

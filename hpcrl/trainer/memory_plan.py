@@ -1,0 +1,131 @@
+"""What the torch backend's model state costs each rank, and whether it fits: `hpcrl doctor` and the start-up line.
+
+Per rank: the weights, their gradients and AdamW's two moments, all in train.dtype, each divided by the ranks a
+copy is sharded over (parallelism: fsdp2; 1 under ddp), plus, under FSDP2, two decoder layers gathered whole in
+the compute dtype (the one running and the one prefetched). Activations come on top and depend on the batch
+(train.micro_batch_size, sequence lengths, train.activation_checkpointing), so the check leaves them a margin.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hpcrl.model.qwen3 import CausalLM, ModelArgs
+from hpcrl.trainer.config import TrainConfig, fsdp_dtypes
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+_GB = 1e9
+# Activations, the CUDA context and the allocator's fragmentation need room beside the model state.
+STATE_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parameters: int
+    ranks: int
+    shards: int
+    """Ranks one copy of the model is sharded over (1: every rank holds it whole)."""
+    weights_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    gathered_bytes: int
+    """FSDP2: two decoder layers gathered whole on the device while they run."""
+    offload: bool
+
+    @property
+    def state_bytes(self) -> int:
+        return self.weights_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device holds: the state (unless offloaded to host memory) and the gathered layers."""
+        return (0 if self.offload else self.state_bytes) + self.gathered_bytes
+
+    def line(self, parallelism: str) -> str:
+        where = "host" if self.offload else "device"
+        split = f"sharded over {self.shards}" if self.gathered_bytes else "whole on every rank"
+        return (
+            f"trainer plan: {_count(self.parameters)} parameters, {parallelism} x{self.ranks} ({split}): per rank "
+            f"{_size(self.weights_bytes)} weights + {_size(self.gradient_bytes)} gradients + "
+            f"{_size(self.optimizer_bytes)} AdamW state = {_size(self.state_bytes)} in {where} memory"
+            + (f", + {_size(self.gathered_bytes)} of gathered layers" if self.gathered_bytes else "")
+            + " (+ activations)"
+        )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _size(n: int) -> str:
+    return f"{n / _GB:.2f} GB" if n >= _GB else f"{n / 1e6:.2f} MB"
+
+
+def count_parameters(args: ModelArgs) -> tuple[int, int]:
+    """(all parameters, those of one decoder layer), from the model's structure (built on meta: no memory)."""
+    model = CausalLM.without_init(args, "meta")
+    layer = model.model.decoder_layers[0]
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in layer.parameters())
+
+
+def plan_memory(cfg: TrainConfig, args: ModelArgs) -> MemoryPlan:
+    parameters, per_layer = count_parameters(args)
+    size = _BYTES[cfg.dtype]
+    fsdp = cfg.parallelism == "fsdp2"
+    shards = (cfg.fsdp.shard_group_size or cfg.num_ranks) if fsdp else 1
+    per_rank = -(-parameters // shards)
+    gathered = 2 * per_layer * _BYTES[fsdp_dtypes(cfg)[0]] if fsdp else 0
+    return MemoryPlan(
+        parameters=parameters, ranks=cfg.num_ranks, shards=shards, weights_bytes=per_rank * size,
+        gradient_bytes=per_rank * size, optimizer_bytes=2 * per_rank * size, gathered_bytes=gathered,
+        offload=fsdp and cfg.fsdp.offload,
+    )  # fmt: skip
+
+
+def fit_problem(plan: MemoryPlan, cfg: TrainConfig, device: torch.device) -> str | None:
+    """Why the plan cannot fit this machine (numbers and the fix), None when it can or there is nothing to measure."""
+    capacity = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    return fit_problem_on(plan, cfg, gpu_bytes=capacity, host_bytes=_host_available_bytes())
+
+
+def fit_problem_on(plan: MemoryPlan, cfg: TrainConfig, *, gpu_bytes: int | None, host_bytes: int | None) -> str | None:
+    """`fit_problem` against a GPU of `gpu_bytes` and `host_bytes` of available host memory (None: unknown)."""
+    if plan.offload:
+        host = host_bytes
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or plan.ranks)
+        need = plan.state_bytes * ranks_here
+        if host is not None and need > host * STATE_SHARE:
+            return (
+                f"fsdp.offload keeps {_size(plan.state_bytes)} of model state per rank in host memory, "
+                f"{_size(need)} for the {ranks_here} ranks of this node, but {_size(host)} is available; "
+                "use more ranks on more nodes (each then holds less), or train.dtype: bfloat16"
+            )
+        return None
+    capacity = gpu_bytes
+    if capacity is None or plan.device_bytes <= capacity * STATE_SHARE:
+        return None
+    fixes = []
+    if cfg.parallelism == "ddp":
+        fixes.append("train.parallelism: fsdp2 (each rank then holds 1/num_ranks of the state)")
+    else:
+        fixes.append("more ranks (train.num_ranks; fsdp.shard_group_size: null shards over all of them)")
+        fixes.append("fsdp.offload: true (the state in host memory)")
+    if cfg.dtype == "float32":
+        fixes.append("train.dtype: bfloat16 (half the bytes)")
+    return (
+        f"the trainer's model state needs {_size(plan.device_bytes)} per GPU ({plan.line(cfg.parallelism)}), "
+        f"more than {STATE_SHARE:.0%} of the GPU's {_size(capacity)} (the rest is for activations); use "
+        + ", or ".join(fixes)
+    )
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

@@ -1,0 +1,105 @@
+"""The torch backend's state under FSDP2, where parameters and AdamW moments are DTensor shards.
+
+Weights leave a rank whole: a push gathers one tensor at a time as the transport's bucket loop reads them
+(`GatheredWeights`), a checkpoint and an export gather one tensor at a time to rank 0's host memory. A checkpoint so
+holds the same full tensors, in the same layout, as a DDP run's: any rank count, under either parallelism, resumes
+it; loading cuts each full tensor into this rank's shard (`load_full`) with no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def gather_full(tensor: Tensor) -> Tensor:
+    """The whole tensor: a DTensor's shards gathered (collective: every rank of its mesh must call it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class GatheredWeights(list[tuple[str, Tensor]]):
+    """(name, tensor) pairs of a push whose sharded tensors are gathered one at a time, as they are iterated.
+
+    A list (what a push is), of the sharded pairs: iterating it gathers each tensor whole in turn, so a push's
+    bucket loop holds one bucket gathered, never the model. Every iteration is collective: rank 0 calls
+    `before_pass` first, which tells the other ranks to iterate their own copy alongside (ranks.py). A pass left
+    early (a consumer that stops at the first bad tensor) still gathers the rest, which the other ranks expect."""
+
+    before_pass: Callable[[], None] | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        if self.before_pass is not None:
+            self.before_pass()
+        pairs = super().__iter__()
+        try:
+            for name, tensor in pairs:
+                yield name, gather_full(tensor)
+        finally:
+            for _, tensor in pairs:
+                gather_full(tensor)
+
+
+def host_state(named: Mapping[str, Tensor], keep: bool) -> dict[str, Tensor]:
+    """Host copies of `named`, each gathered whole in turn; `keep` False (ranks other than 0) joins the gathers and
+    keeps nothing."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in named.items():
+        whole = gather_full(tensor)
+        if keep:
+            out[name] = whole.detach().to("cpu", copy=True)
+        del whole
+    return out
+
+
+def shard_like(whole: Tensor, like: Tensor) -> Tensor:
+    """`whole` cut as `like` is sharded: a DTensor of this rank's shard on `like`'s mesh, device and dtype (no
+    collective: every rank holds `whole`). A plain `like` gets `whole` itself."""
+    if not isinstance(like, DTensor):
+        return whole
+    local = distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    local = local.to(device=like.to_local().device, dtype=like.dtype)
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+@torch.no_grad()
+def load_full(module: torch.nn.Module, state: Mapping[str, Tensor], what: str) -> None:
+    """Load whole tensors into a module whose parameters may be sharded, strictly (the same names)."""
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"this checkpoint's {what} does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]}); "
+            "resume with the model.path the run was started with"
+        )
+    for name, tensor in own.items():
+        whole = state[name]
+        if tuple(whole.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"this checkpoint's {what} {name} has shape {list(whole.shape)}, the model's {list(tensor.shape)}; "
+                "resume with the model.path the run was started with"
+            )
+        shard = shard_like(whole, tensor)
+        target = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        target.copy_(shard.to_local() if isinstance(shard, DTensor) else shard)
+
+
+def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A torch optimizer state dict of whole tensors (a checkpoint's) with each parameter's moments cut as that
+    parameter is sharded, for `optimizer.load_state_dict`."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    by_id = dict(zip(ids, params, strict=False))
+    out: dict[Any, Any] = {}
+    for key, moments in state_dict["state"].items():
+        param = by_id.get(key)
+        out[key] = {
+            k: shard_like(v, param) if param is not None and isinstance(v, Tensor) and v.shape == param.shape else v
+            for k, v in moments.items()
+        }
+    return {**state_dict, "state": out}
