@@ -31,7 +31,8 @@ class SyncConfig:
     """Push new weights after every N-th trainer step (rollout.mode: async only; the synchronous loop pushes
     after every step)."""
     group_timeout_s: float = 300.0
-    """Bound on forming the weight group and on every broadcast; longer than any allowed thermal pause."""
+    """Bound on forming the weight group and on every broadcast (with disk_delta: on each engine's load of a
+    version); longer than any allowed thermal pause."""
     master_address: str = "127.0.0.1"
     """Address of the weight-update group's store, on the trainer's node; under Slurm the node's own address is
     used instead."""

@@ -224,7 +224,8 @@ class DiskDeltaTransport(Transport):
         request = UpdateWeightsFromDelta(manifest=str(manifest), weight_version=str(version))
 
         def load(engine: EngineClient) -> float:
-            reply = engine.call(request.endpoint, request)
+            # Rebuilding from a snapshot reads the whole model: bounded as a broadcast is, not as a control call.
+            reply = engine.call(request.endpoint, request, timeout_s=self.cfg.group_timeout_s)
             return float(reply.get("seconds", 0.0)) if isinstance(reply, dict) else 0.0
 
         out: list[float] = self.each(load, f"loading {manifest.name}")
