@@ -13,6 +13,7 @@ import platform
 import signal
 import socket
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -148,18 +149,15 @@ class Run:
             ),
         )
         self._closers.append(self.store.close)
+        teacher = self._start_teacher_aside()
         self.trainer = self.placement.start_trainer(model_dir)
         self._closers.append(self.trainer.close)
         clients = self.placement.start_engines(model_dir)
         self._closers.append(self.placement.stop_engines)
         self.fleet = EngineFleet(cfg.engine, clients, launcher=self.placement.launcher, on_event=self._engine_event)
         self._closers.append(self.fleet.close)
-        if cfg.distill is not None:
-            self.teacher = start_teacher(
-                cfg.distill, Path(cfg.distill.teacher.model), self.run_dir, seed=cfg.seed,
-                timeout_s=cfg.rollout.request_timeout_s, say=say, on_event=self._engine_event,
-            )  # fmt: skip
-            self._closers.append(self.teacher.close)
+        if teacher is not None:
+            self.teacher = teacher.result()
         # LoRA: embedded engines that keep their weights merge pushed adapters (apply_strategy lora); SGLang, and
         # engines that lend their weights' memory, get the merged weights computed by the trainer.
         adapters = cfg.train.lora is not None and cfg.engine.kind == "embedded" and not cfg.engine.offload_during_train
@@ -256,6 +254,22 @@ class Run:
                 "scored and logged (rollout/reward_mean), not trained on; distill.mode=mixed adds it to the "
                 "advantage"
             )
+
+    def _start_teacher_aside(self) -> Future[Teacher] | None:
+        """Start the teacher's engines in a thread, beside the trainer's and the student engines' starts (loading a
+        model takes seconds to minutes each); its closer waits for that start and stops them, however the build
+        ends."""
+        d = self.cfg.distill
+        if d is None:
+            return None
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcrl-teacher-start")
+        future = pool.submit(
+            start_teacher, d, Path(d.teacher.model), self.run_dir, seed=self.cfg.seed,
+            timeout_s=self.cfg.rollout.request_timeout_s, say=self.progress.say, on_event=self._engine_event,
+        )  # fmt: skip
+        pool.shutdown(wait=False)
+        self._closers.append(lambda: _close_teacher(future))
+        return future
 
     def _claim_run_dir(self) -> ResumePoint:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
@@ -406,6 +420,11 @@ class Run:
             except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
                 self.progress.say(f"warning during shutdown: {err}")
         self._closers = []
+
+
+def _close_teacher(start: Future[Teacher]) -> None:
+    if start.exception() is None:  # a start that failed stopped its engines itself
+        start.result().close()
 
 
 def _report_plots(run_dir: Path) -> list[Path]:

@@ -49,6 +49,7 @@ class Admission(Results):
         new = self._take_waiting()
         if not new:
             return
+        self._score_prompts(new)
         ready = [r for r in new if not self._finish_if_done(r, before_first_token=True)]
         if not ready:
             return

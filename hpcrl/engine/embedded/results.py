@@ -86,24 +86,39 @@ class Results(SchedulerState):
             ids = torch.tensor(r.all_ids, device=self.device)
             r.sampled_logprobs = r.logprobs.tolist()
             r.logprobs = array("d", token_logprobs_of_sequence(self.model, ids, len(r.prompt_ids)).tolist())
-        if r.logprob_start_len >= 0 and r.return_logprob and not self.weights_released:
-            r.input_logprobs = self._input_logprobs(r)
         r.answered_s = time.monotonic()
         try:
             r.on_done(r)
         except Exception:  # noqa: BLE001 - a broken callback must not kill the scheduler
             log.exception("completion callback failed for %s", r.rid)
 
-    def _input_logprobs(self, r: SeqRequest) -> list[float | None]:
-        """The prompt's log-probs from logprob_start_len (a scoring request: a teacher's, max_new_tokens=0), by the
-        standard forward of the prompt alone, as SGLang's input_token_logprobs: the first token has none."""
-        start = max(r.logprob_start_len, 1)
-        head: list[float | None] = [None] if r.logprob_start_len == 0 else []
-        if start >= len(r.prompt_ids):
-            return head
-        with torch.inference_mode():
-            ids = torch.tensor(r.prompt_ids, device=self.device)
-            return head + token_logprobs_of_sequence(self.model, ids, start).tolist()
+    def _score_prompts(self, rows: list[SeqRequest]) -> None:
+        """The prompt log-probs of the rows that asked for them (logprob_start_len >= 0; a teacher's scoring request,
+        max_new_tokens=0), by the standard forward of right-padded batches of at most max_prefill_tokens tokens
+        (causal attention: the padding after a row never reaches it). As SGLang's input_token_logprobs: one per
+        prompt token from logprob_start_len, None for the prompt's first token, which nothing predicts."""
+        rows = [r for r in rows if r.logprob_start_len >= 0 and r.return_logprob]
+        if not rows or self.weights_released:
+            return
+        budget, i = self.cfg.max_prefill_tokens, 0
+        while i < len(rows):
+            chunk, width = [rows[i]], len(rows[i].prompt_ids)
+            i += 1
+            while i < len(rows) and max(width, len(rows[i].prompt_ids)) * (len(chunk) + 1) <= budget:
+                width = max(width, len(rows[i].prompt_ids))
+                chunk.append(rows[i])
+                i += 1
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            for k, r in enumerate(chunk):
+                ids[k, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+            ids = ids.to(self.device)
+            with torch.inference_mode():
+                logits = self.model(ids)
+                for k, r in enumerate(chunk):
+                    start, end = max(r.logprob_start_len, 1), len(r.prompt_ids)
+                    head: list[float | None] = [None] if r.logprob_start_len == 0 else []
+                    lps = torch.log_softmax(logits[k, start - 1 : end - 1].float(), dim=-1)
+                    r.input_logprobs = head + lps.gather(-1, ids[k, start:end, None])[:, 0].tolist()
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
