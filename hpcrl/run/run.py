@@ -13,7 +13,6 @@ import platform
 import signal
 import socket
 import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,13 @@ from hpcrl.rollout.evaluate import Evaluator
 from hpcrl.rollout.generate import PromptFormatter, Rollout, rollout_stats
 from hpcrl.rollout.producer import AsyncRollout
 from hpcrl.rollout.scoring import RewardScorer
-from hpcrl.rollout.teacher import Teacher, check_same_vocabulary, start_teacher
+from hpcrl.rollout.teacher import Teacher
 from hpcrl.run.claim import RunDirClaim
-from hpcrl.run.errors import RunError
 from hpcrl.run.groups import AsyncGroups, StepGroups, SyncGroups
 from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, held_out, sft_batches
+from hpcrl.run.step_batch import step_batch
+from hpcrl.run.teacher_start import check_teacher, start_teacher_aside
 from hpcrl.run_config import RunConfig
 from hpcrl.samples.sample import Group
 from hpcrl.sessions.environment import environment_class
@@ -51,8 +51,6 @@ from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.store.sinks import open_sinks
 from hpcrl.sync.publisher import WeightPublisher
 from hpcrl.sync.push import WeightSync
-from hpcrl.trainer.advantage import Overlong, batch_from_groups
-from hpcrl.trainer.distill import distill_advantages
 from hpcrl.trainer.ranks import RankGroup
 from hpcrl.trainer.warm_start import WarmStart
 
@@ -120,7 +118,7 @@ class Run:
         )  # fmt: skip
         eval_examples = held_out(cfg, examples)
         if cfg.distill is not None:
-            self._check_teacher(model_dir)
+            check_teacher(cfg.distill, model_dir, self.placement.engines_here, cfg.reward.fn, self.progress.say)
         multi_turn = cfg.rollout.kind == "multi_turn"
         self.rewards = RewardScorer(
             cfg.reward, interrupted=self._preempted, on_stop=self._record_stop, by_environment=multi_turn
@@ -149,7 +147,12 @@ class Run:
             ),
         )
         self._closers.append(self.store.close)
-        teacher = self._start_teacher_aside()
+        teacher = None
+        if cfg.distill is not None:
+            teacher = start_teacher_aside(
+                cfg.distill, self.run_dir, seed=cfg.seed, timeout_s=cfg.rollout.request_timeout_s,
+                say=self.progress.say, on_event=self._engine_event, closers=self._closers,
+            )  # fmt: skip
         self.trainer = self.placement.start_trainer(model_dir)
         self._closers.append(self.trainer.close)
         clients = self.placement.start_engines(model_dir)
@@ -231,46 +234,6 @@ class Run:
             self.groups = SyncGroups(self.rollout, self.rewards, self.data, self.publisher, dynamic)
         self._resume_point = resume_point
 
-    def _check_teacher(self, model_dir: Path) -> None:
-        """Refuse a teacher that cannot run here or cannot score the student's tokens, before anything starts."""
-        d = self.cfg.distill
-        assert d is not None
-        if not self.placement.engines_here:
-            raise RunError(
-                "distill: the teacher's engines start on the trainer's node, in a local run (`hpcrl run`); under "
-                "Slurm or MPI they are not placed yet: run the distillation locally, or remove the distill section"
-            )
-        teacher_dir = Path(d.teacher.model)
-        if not (teacher_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"distill.teacher.model {teacher_dir} is not a Hugging Face model directory (no config.json): point "
-                "it at the teacher's directory, e.g. the policy a run exported to runs/NAME/model"
-            )
-        check_model_dir(teacher_dir)
-        check_same_vocabulary(model_dir, teacher_dir)
-        if d.mode == "reverse_kl":
-            self.progress.say(
-                f"distill.mode=reverse_kl trains on the teacher's log-probs alone: reward.fn={self.cfg.reward.fn} is "
-                "scored and logged (rollout/reward_mean), not trained on; distill.mode=mixed adds it to the "
-                "advantage"
-            )
-
-    def _start_teacher_aside(self) -> Future[Teacher] | None:
-        """Start the teacher's engines in a thread, beside the trainer's and the student engines' starts (loading a
-        model takes seconds to minutes each); its closer waits for that start and stops them, however the build
-        ends."""
-        d = self.cfg.distill
-        if d is None:
-            return None
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcrl-teacher-start")
-        future = pool.submit(
-            start_teacher, d, Path(d.teacher.model), self.run_dir, seed=self.cfg.seed,
-            timeout_s=self.cfg.rollout.request_timeout_s, say=self.progress.say, on_event=self._engine_event,
-        )  # fmt: skip
-        pool.shutdown(wait=False)
-        self._closers.append(lambda: _close_teacher(future))
-        return future
-
     def _claim_run_dir(self) -> ResumePoint:
         """Lock the run dir, then decide, before anything is written, whether this config may run there."""
         self.claim = RunDirClaim(self.run_dir, job_id=self.placement.incarnation.job_id, say=self.progress.say)
@@ -295,17 +258,7 @@ class Run:
         self.publisher.lend_memory()
         self._show_prompt_ids(groups)
         self._trained_past_last_logged = True
-        train = self.cfg.train
-        overlong = Overlong(
-            self.cfg.rollout.max_new_tokens, train.overlong_window_tokens, train.overlong_penalty, train.mask_truncated
-        )
-        batch = batch_from_groups(groups, normalize_std=bool(train.normalize_advantage_std), overlong=overlong)
-        distilled: dict[str, float] = {}
-        if self.teacher is not None and self.cfg.distill is not None:
-            teacher_logprobs, distilled = self.teacher.score(groups)
-            d = self.cfg.distill
-            batch, stats = distill_advantages(batch, teacher_logprobs, mode=d.mode, coef=d.coef)
-            distilled |= {f"distill/{k}": v for k, v in stats.items()}
+        batch, distilled = step_batch(self.cfg, groups, self.teacher)
         m = self.trainer.train_grpo(batch)
         out = distilled | {f"train/{k}": v for k, v in m.items() if k != "forward_s"}
         out["timing/logprob_s"] = m.get("forward_s", 0.0)
@@ -420,11 +373,6 @@ class Run:
             except Exception as err:  # noqa: BLE001 - shutting down: report, keep closing the rest
                 self.progress.say(f"warning during shutdown: {err}")
         self._closers = []
-
-
-def _close_teacher(start: Future[Teacher]) -> None:
-    if start.exception() is None:  # a start that failed stopped its engines itself
-        start.result().close()
 
 
 def _report_plots(run_dir: Path) -> list[Path]:
