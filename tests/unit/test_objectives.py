@@ -259,6 +259,9 @@ def test_overlong_shaping_is_dapos_formula_and_truncated_answers_leave_the_loss(
     rewards = torch.tensor([1.0, 0.5, 0.0])
     torch.testing.assert_close(shaped.advantages, rewards - rewards.mean())
     assert shaped.loss_mask.sum(dim=1).tolist() == [4, 14, 0]  # the truncated answer leaves the loss
+    cut = Group(example=group.example, samples=[sample(16, "length")] * 2)
+    with pytest.raises(ValueError, match="every sample of the step was cut at rollout.max_new_tokens=16"):
+        batch_from_groups([cut], normalize_std=False, overlong=Overlong(16, mask_truncated=True))
     with pytest.raises(ValueError, match="overlong_penalty applies with overlong_window_tokens > 0"):
         TrainConfig(overlong_penalty=0.5)
 
