@@ -217,6 +217,7 @@ def test_the_trainer_step_normalises_each_objective_over_the_whole_batch(loss: s
     split = TorchTrainer(TrainConfig(**cfg, micro_batch_size=3), tiny_model_dir).train_grpo(batch)  # type: ignore[arg-type]
     assert whole["loss"] == pytest.approx(split["loss"], rel=1e-5)
     assert whole["grad_norm"] == pytest.approx(split["grad_norm"], rel=1e-4)
+    assert whole["pg_loss"] == pytest.approx(split["pg_loss"], rel=1e-5)
     # The engine's log-probs are far above the trainer's: the ratio clips at 1 - eps_clip (cispo has no lower bound).
     assert (whole["pg_clipfrac"] > 0) == (loss != "cispo")
 
