@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hpcrl.rollout.buffer import zero_std
 from hpcrl.rollout.data import PromptSource
 from hpcrl.samples.sample import Example, Group
 
@@ -29,8 +30,8 @@ class DynamicSamplingError(RuntimeError):
 
 
 def has_signal(group: Group) -> bool:
-    """Whether a group's rewards differ, so that its advantages do."""
-    return len({s.reward for s in group.samples}) > 1
+    """Whether a group's rewards differ, so that its advantages do (buffer.filter's `zero_std` keeps the same)."""
+    return zero_std(group)
 
 
 def cap_message(step: int, kept: int, prompts_per_step: int, max_batches: int) -> str:

@@ -101,6 +101,12 @@ def batch_from_groups(groups: list[Group], *, normalize_std: bool, overlong: Ove
     masks = [s.loss_mask for s in samples]
     if overlong is not None and overlong.mask_truncated:
         masks = [[0] * len(s.output_ids) if s.finish == "length" else m for s, m in zip(samples, masks, strict=True)]
+        if all(s.finish == "length" for s in samples):
+            raise ValueError(
+                f"every sample of the step was cut at rollout.max_new_tokens={overlong.max_new_tokens}, and "
+                "train.mask_truncated leaves them all out of the loss: raise rollout.max_new_tokens, or set "
+                "train.mask_truncated=false until answers fit"
+            )
     with_supports = [s.supports is not None for s in samples]
     if any(with_supports) and not all(with_supports):
         raise ValueError("some samples carry sampling supports and others do not; a batch is replayed whole or not")

@@ -195,6 +195,10 @@ class TrainStep:
                     ref_logprobs=None if ref is None else ref[i], entropy=entropy, token_weights=weights, **scales,
                 )  # fmt: skip
                 sums.add_rollout_gap(lp, mb, tokens)
+                if by_sequence and tokens:
+                    # pg_loss is this micro-batch's per-sequence figure and the step's sums weigh by tokens: weigh
+                    # it by its sequences instead, so the step's value does not depend on how rows were split.
+                    stats["pg_loss"] *= _num_sequences(mb) / tokens * global_tokens / global_sequences
             sums.sums["loss"] += float(out.detach().item())
             sums.add(stats, tokens)
             return out

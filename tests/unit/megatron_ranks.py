@@ -47,6 +47,8 @@ PPO_CASES: dict[str, dict] = {
     "epochs": dict(TRAIN, lr=3e-2, global_batch_size=PPO_SAMPLES // 4, ppo_epochs=2),
     "rollout": dict(TRAIN, global_batch_size=PPO_SAMPLES // 2, old_logprobs="rollout"),
     "tis": dict(TRAIN, global_batch_size=PPO_SAMPLES // 2, ppo_epochs=2, off_policy_correction="tis", is_clip=1.5),
+    # The sequence ratio, and the loss over the global count of sequences rather than tokens.
+    "gspo": dict(TRAIN, global_batch_size=PPO_SAMPLES // 2, ppo_epochs=2, loss="gspo"),
 }
 
 

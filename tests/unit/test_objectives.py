@@ -217,6 +217,7 @@ def test_the_trainer_step_normalises_each_objective_over_the_whole_batch(loss: s
     split = TorchTrainer(TrainConfig(**cfg, micro_batch_size=3), tiny_model_dir).train_grpo(batch)  # type: ignore[arg-type]
     assert whole["loss"] == pytest.approx(split["loss"], rel=1e-5)
     assert whole["grad_norm"] == pytest.approx(split["grad_norm"], rel=1e-4)
+    assert whole["pg_loss"] == pytest.approx(split["pg_loss"], rel=1e-5)
     # The engine's log-probs are far above the trainer's: the ratio clips at 1 - eps_clip (cispo has no lower bound).
     assert (whole["pg_clipfrac"] > 0) == (loss != "cispo")
 
@@ -259,6 +260,9 @@ def test_overlong_shaping_is_dapos_formula_and_truncated_answers_leave_the_loss(
     rewards = torch.tensor([1.0, 0.5, 0.0])
     torch.testing.assert_close(shaped.advantages, rewards - rewards.mean())
     assert shaped.loss_mask.sum(dim=1).tolist() == [4, 14, 0]  # the truncated answer leaves the loss
+    cut = Group(example=group.example, samples=[sample(16, "length")] * 2)
+    with pytest.raises(ValueError, match="every sample of the step was cut at rollout.max_new_tokens=16"):
+        batch_from_groups([cut], normalize_std=False, overlong=Overlong(16, mask_truncated=True))
     with pytest.raises(ValueError, match="overlong_penalty applies with overlong_window_tokens > 0"):
         TrainConfig(overlong_penalty=0.5)
 
