@@ -40,6 +40,7 @@ from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, held_out, sft_batches
 from hpcrl.run.step_batch import step_batch
 from hpcrl.run.teacher_start import check_teacher, start_teacher_aside
+from hpcrl.run.weights import weight_publisher
 from hpcrl.run_config import RunConfig
 from hpcrl.samples.sample import Group
 from hpcrl.sessions.environment import environment_class
@@ -50,7 +51,6 @@ from hpcrl.store.run_dir import ResumePoint
 from hpcrl.store.run_state import JsonState, RngState, RunState
 from hpcrl.store.sinks import open_sinks
 from hpcrl.sync.publisher import WeightPublisher
-from hpcrl.sync.push import WeightSync
 from hpcrl.trainer.ranks import RankGroup
 from hpcrl.trainer.warm_start import WarmStart
 
@@ -161,23 +161,9 @@ class Run:
         self._closers.append(self.fleet.close)
         if teacher is not None:
             self.teacher = teacher.result()
-        # LoRA: embedded engines that keep their weights merge pushed adapters (apply_strategy lora); SGLang, and
-        # engines that lend their weights' memory, get the merged weights computed by the trainer.
-        adapters = cfg.train.lora is not None and cfg.engine.kind == "embedded" and not cfg.engine.offload_during_train
-        sync = WeightSync(
-            self.placement.sync_config(), clients, device=torch.device(cfg.train.device),
-            colocated=self.placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
-            apply_strategy="lora" if adapters else "replace",
-            run_dir=self.run_dir,
-        )  # fmt: skip
-        self._closers.append(sync.close)
-        sync.connect()
-        # Engines that lend their weights' memory to the trainer get it back as zeros: every push then sends
-        # every weight, not only those a step can change.
-        full = cfg.engine.offload_during_train or (cfg.train.lora is not None and not adapters)
-        self.publisher = WeightPublisher(
-            cfg.engine, self.fleet, sync, lambda: self.trainer.push_weights(full=full), on_event=self._event,
-            every_steps=cfg.sync.every_steps, num_steps=cfg.num_steps,
+        self.publisher = weight_publisher(
+            cfg, self.placement, clients, self.fleet, lambda: self.trainer, self.run_dir, on_event=self._event,
+            closers=self._closers,
         )  # fmt: skip
         if multi_turn:
             self.rollout = EpisodeRollout(
