@@ -289,8 +289,8 @@ class TrainConfig:
     this many in a row."""
 
     def __post_init__(self) -> None:
-        self._check_converters()
-        self._resolve_loss()
+        check_converters(self)
+        resolve_loss(self)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
@@ -367,73 +367,6 @@ class TrainConfig:
                 "logprobs: plain (docs/numerics.md)"
             )
 
-    def _resolve_loss(self) -> None:
-        """Fill the loss's own aggregation and advantage normalisation (so the dumped config names them) and refuse
-        settings that would make the named objective another one."""
-        if self.aggregation is None:
-            aggregation = {"gspo": "sequence", "dr_grpo": "constant"}.get(self.loss, "token")
-            object.__setattr__(self, "aggregation", aggregation)
-        if self.normalize_advantage_std is None:
-            object.__setattr__(self, "normalize_advantage_std", self.loss != "dr_grpo")
-        if self.loss == "dr_grpo" and (self.normalize_advantage_std or self.aggregation != "constant"):
-            raise ValueError(
-                "loss: dr_grpo is GRPO without the std normalisation and with a constant normaliser, but "
-                f"normalize_advantage_std is {_yaml(self.normalize_advantage_std)} and aggregation is "
-                f"{self.aggregation}; remove those keys (or set them to false and constant), or use loss: grpo "
-                "with the settings you want"
-            )
-        if self.loss == "cispo" and self.eps_clip != 0.2:
-            raise ValueError(
-                f"eps_clip: {self.eps_clip} does not apply to loss: cispo: its importance weight has only an upper "
-                "bound, 1 + eps_clip_high (docs/objectives.md); remove eps_clip"
-            )
-        if self.overlong_window_tokens < 0:
-            raise ValueError(f"overlong_window_tokens must be >= 0 (0: off), got {self.overlong_window_tokens}")
-        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty > 0):
-            raise ValueError(f"overlong_penalty must be a finite number > 0, got {self.overlong_penalty}")
-        if self.overlong_penalty != 1.0 and self.overlong_window_tokens == 0:
-            raise ValueError(
-                "overlong_penalty applies with overlong_window_tokens > 0; set the window (e.g. a quarter of "
-                "rollout.max_new_tokens), or remove overlong_penalty"
-            )
-        if self.constant_normalizer_tokens is not None:
-            if self.aggregation != "constant":
-                raise ValueError(
-                    f"constant_normalizer_tokens applies to aggregation: constant, not {self.aggregation}; remove it, "
-                    "or set aggregation: constant (or loss: dr_grpo)"
-                )
-            if self.constant_normalizer_tokens < 1:
-                raise ValueError(f"constant_normalizer_tokens must be >= 1, got {self.constant_normalizer_tokens}")
-
-    def _check_converters(self) -> None:
-        for name in self.converters:
-            if name not in CONVERTERS:
-                raise ValueError(f"converters: unknown model converter {name!r}; valid: {', '.join(CONVERTERS)}")
-        if len(set(self.converters)) != len(self.converters):
-            raise ValueError(f"converters lists a converter twice: {list(self.converters)}")
-        if ("freeze" in self.converters) != bool(self.freeze_modules):
-            raise ValueError(
-                "freeze_modules names the modules the freeze converter freezes: set both converters: [freeze] and "
-                "freeze_modules (e.g. [model.embed_tokens]), or neither"
-            )
-        if self.lora is not None and self.backend == "megatron":
-            raise ValueError(
-                f"lora is not implemented by backend: megatron ({BACKEND_LIMITS['megatron']['lora']}); remove lora "
-                "and converters: [lora], or use backend: torch"
-            )
-        if ("lora" in self.converters) != (self.lora is not None):
-            raise ValueError(
-                "lora holds the settings of the lora converter: set both converters: [lora] and lora (e.g. "
-                "{rank: 16, alpha: 32, target_modules: all-linear}), or neither"
-            )
-        if self.lora is not None and self.lora.dropout > 0 and self.logprobs == "invariant":
-            raise ValueError(
-                f"lora.dropout {self.lora.dropout:g} makes the training forward differ from what the engines serve, "
-                "but logprobs: invariant needs it to be the very same function; set lora.dropout: 0, or logprobs: plain"
-            )
-        if any(not m or m != m.strip() for m in self.freeze_modules):
-            raise ValueError(f"freeze_modules: module names must be non-empty, without spaces: {self.freeze_modules}")
-
     @property
     def data_parallel_size(self) -> int:
         """Replicas that each train on their share of a batch: num_ranks / (tensor x pipeline parallel size)."""
@@ -450,6 +383,75 @@ class TrainConfig:
                     f"{key}: {_yaml(value)} is not implemented by backend: {self.backend} ({why}); set {key}: "
                     f"{_yaml(defaults[key])}, or use backend: {others}"
                 )
+
+
+def resolve_loss(cfg: TrainConfig) -> None:
+    """Fill the loss's own aggregation and advantage normalisation (so the dumped config names them) and refuse
+    settings that would make the named objective another one."""
+    if cfg.aggregation is None:
+        aggregation = {"gspo": "sequence", "dr_grpo": "constant"}.get(cfg.loss, "token")
+        object.__setattr__(cfg, "aggregation", aggregation)
+    if cfg.normalize_advantage_std is None:
+        object.__setattr__(cfg, "normalize_advantage_std", cfg.loss != "dr_grpo")
+    if cfg.loss == "dr_grpo" and (cfg.normalize_advantage_std or cfg.aggregation != "constant"):
+        raise ValueError(
+            "loss: dr_grpo is GRPO without the std normalisation and with a constant normaliser, but "
+            f"normalize_advantage_std is {_yaml(cfg.normalize_advantage_std)} and aggregation is "
+            f"{cfg.aggregation}; remove those keys (or set them to false and constant), or use loss: grpo "
+            "with the settings you want"
+        )
+    if cfg.loss == "cispo" and cfg.eps_clip != 0.2:
+        raise ValueError(
+            f"eps_clip: {cfg.eps_clip} does not apply to loss: cispo: its importance weight has only an upper "
+            "bound, 1 + eps_clip_high (docs/objectives.md); remove eps_clip"
+        )
+    if cfg.overlong_window_tokens < 0:
+        raise ValueError(f"overlong_window_tokens must be >= 0 (0: off), got {cfg.overlong_window_tokens}")
+    if not (math.isfinite(cfg.overlong_penalty) and cfg.overlong_penalty > 0):
+        raise ValueError(f"overlong_penalty must be a finite number > 0, got {cfg.overlong_penalty}")
+    if cfg.overlong_penalty != 1.0 and cfg.overlong_window_tokens == 0:
+        raise ValueError(
+            "overlong_penalty applies with overlong_window_tokens > 0; set the window (e.g. a quarter of "
+            "rollout.max_new_tokens), or remove overlong_penalty"
+        )
+    if cfg.constant_normalizer_tokens is not None:
+        if cfg.aggregation != "constant":
+            raise ValueError(
+                f"constant_normalizer_tokens applies to aggregation: constant, not {cfg.aggregation}; remove it, "
+                "or set aggregation: constant (or loss: dr_grpo)"
+            )
+        if cfg.constant_normalizer_tokens < 1:
+            raise ValueError(f"constant_normalizer_tokens must be >= 1, got {cfg.constant_normalizer_tokens}")
+
+
+def check_converters(cfg: TrainConfig) -> None:
+    for name in cfg.converters:
+        if name not in CONVERTERS:
+            raise ValueError(f"converters: unknown model converter {name!r}; valid: {', '.join(CONVERTERS)}")
+    if len(set(cfg.converters)) != len(cfg.converters):
+        raise ValueError(f"converters lists a converter twice: {list(cfg.converters)}")
+    if ("freeze" in cfg.converters) != bool(cfg.freeze_modules):
+        raise ValueError(
+            "freeze_modules names the modules the freeze converter freezes: set both converters: [freeze] and "
+            "freeze_modules (e.g. [model.embed_tokens]), or neither"
+        )
+    if cfg.lora is not None and cfg.backend == "megatron":
+        raise ValueError(
+            f"lora is not implemented by backend: megatron ({BACKEND_LIMITS['megatron']['lora']}); remove lora "
+            "and converters: [lora], or use backend: torch"
+        )
+    if ("lora" in cfg.converters) != (cfg.lora is not None):
+        raise ValueError(
+            "lora holds the settings of the lora converter: set both converters: [lora] and lora (e.g. "
+            "{rank: 16, alpha: 32, target_modules: all-linear}), or neither"
+        )
+    if cfg.lora is not None and cfg.lora.dropout > 0 and cfg.logprobs == "invariant":
+        raise ValueError(
+            f"lora.dropout {cfg.lora.dropout:g} makes the training forward differ from what the engines serve, "
+            "but logprobs: invariant needs it to be the very same function; set lora.dropout: 0, or logprobs: plain"
+        )
+    if any(not m or m != m.strip() for m in cfg.freeze_modules):
+        raise ValueError(f"freeze_modules: module names must be non-empty, without spaces: {cfg.freeze_modules}")
 
 
 def check_fsdp(cfg: TrainConfig) -> None:
