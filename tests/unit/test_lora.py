@@ -5,11 +5,13 @@ log-probs are those of the merged weights the engine serves."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from hpcrl.config import ConfigError, from_dict
@@ -20,6 +22,7 @@ from hpcrl.model.qwen3 import ModelArgs
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import LoRAConfig, TrainConfig
 from hpcrl.trainer.torch_backend import TorchTrainer
+from tests.support import free_port
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -150,6 +153,40 @@ def test_the_invariant_trainer_scores_with_the_merged_weights_the_engine_serves(
     scored = batch(vocab, seed=3)
     with torch.no_grad():
         assert torch.equal(invariant.token_logprobs(served, scored.input_ids), trainer.score(scored, reference=False))
+
+
+# ----- DDP over two gloo ranks -----
+
+
+def _ddp_rank(rank: int, model_dir: str, out: str, port: int) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        trainer = TorchTrainer(TrainConfig(lr=1e-2, **lora_cfg()), model_dir, rank=rank, world_size=2)
+        metrics = trainer.train_grpo(batch(ModelArgs.from_dir(model_dir).vocab_size))
+        pushed = {k: v.contiguous() for k, v in trainer.push_weights()}
+        pushed["metrics"] = torch.tensor([metrics["loss"], metrics["grad_norm"]], dtype=torch.float64)
+        save_file(pushed, f"{out}/rank{rank}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ddp_ranks_train_the_adapters_as_one_rank_does(tiny_model_dir: Path, tmp_path: Path) -> None:
+    torch.multiprocessing.start_processes(
+        _ddp_rank, args=(str(tiny_model_dir), str(tmp_path), free_port()), nprocs=2, start_method="spawn"
+    )
+    one = TorchTrainer(TrainConfig(lr=1e-2, **lora_cfg()), tiny_model_dir)
+    metrics = one.train_grpo(batch(ModelArgs.from_dir(tiny_model_dir).vocab_size))
+    expected = dict(one.push_weights())
+    ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    for got in ranks:
+        loss, grad_norm = got.pop("metrics").tolist()
+        assert loss == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+        assert grad_norm == pytest.approx(metrics["grad_norm"], rel=1e-4)
+        assert set(got) == set(expected)
+        for name, tensor in got.items():  # one Adam step of lr 1e-2: float noise moves a value by at most ~2 lr
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=3e-2)
+    assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0])  # the replicas stay identical
 
 
 # ----- checkpoints and the export -----

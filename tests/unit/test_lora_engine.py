@@ -27,7 +27,7 @@ def engine_logprobs(url: str) -> tuple[list[int], torch.Tensor]:
 
 def trainer_logprobs(trainer: TorchTrainer, output_ids: list[int]) -> torch.Tensor:
     mb = TrainBatch.from_sequences([PROMPT], [output_ids], advantages=[0.0], rollout_logprobs=[[0.0] * len(output_ids)])
-    return trainer.score(mb, reference=False)[0, len(PROMPT) - 1 :]
+    return trainer.score(mb.to(trainer.device), reference=False)[0, len(PROMPT) - 1 :]
 
 
 def test_pushed_adapters_are_merged_once_per_version_and_sampled_on_policy(
