@@ -42,14 +42,7 @@ class DistillConfig:
     scored and logged but not trained on; `mixed`: that term is added to the sample's GRPO advantage."""
     coef: float = 1.0
     """Weight of the reverse-KL term in the advantage (> 0)."""
-    top_k: int = 0
-    """Teacher top-k log-probs for a sparse forward KL; only 0 (off: the sampled-token reverse KL) is built."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.coef) and self.coef > 0):
             raise ValueError(f"coef must be a finite number > 0, got {self.coef}")
-        if self.top_k != 0:
-            raise ValueError(
-                f"top_k={self.top_k}: the sparse forward KL over the teacher's top-k log-probs is not built; set "
-                "top_k: 0 (the per-token reverse KL of the sampled tokens)"
-            )
