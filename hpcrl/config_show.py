@@ -51,6 +51,22 @@ def _lookup(values: Mapping[str, Any], path: str) -> Any:
     return node
 
 
+def _filled_default(values: Mapping[str, Any], path: str) -> str | None:
+    """What a train key that defaults to null is filled with under the config's train.loss (train.aggregation,
+    train.normalize_advantage_std): an unchanged default, though the loaded config names its value."""
+    section, _, name = path.partition(".")
+    if section != "train" or "." in name:
+        return None
+    from hpcrl.trainer.config import TrainConfig
+
+    loss = _lookup(values, "train.loss")
+    try:
+        filled = getattr(TrainConfig(loss=loss), name)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return _text(filled)
+
+
 def _text(value: Any) -> str:
     return REQUIRED if value is _MISSING else format_value(value)
 
@@ -68,7 +84,8 @@ def render(values: Mapping[str, Any], *, diff: bool = False, docs: bool = True) 
     changed = {
         k.path
         for k in keys
-        if (not k.is_section or k.type != "section") and _text(_lookup(values, k.path)) != k.default
+        if (not k.is_section or k.type != "section")
+        and _text(_lookup(values, k.path)) not in (k.default, _filled_default(values, k.path))
     }
     lines: list[str] = []
     for key in keys:

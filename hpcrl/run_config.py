@@ -117,7 +117,10 @@ class RunConfig:
                 f"rollout.n_samples_per_prompt = {self.data.prompts_per_step} x {self.rollout.n_samples_per_prompt} "
                 f"= {batch}; use one of {_divisors(batch, self.train.data_parallel_size)} (or null: the whole batch)"
             )
-        if self.train.old_logprobs == "trainer" and self.train.ppo_epochs == 1 and gbs in (None, batch):
+        clip_set = (self.train.eps_clip, self.train.eps_clip_high) != (TrainConfig.eps_clip, TrainConfig.eps_clip_high)
+        if clip_set and self.train.old_logprobs == "trainer" and self.train.ppo_epochs == 1 and gbs in (None, batch):
+            # Only a clip the user set is named: at the defaults an inert clip is the plain policy gradient, which
+            # docs/objectives.md explains, and a warning on every default run would be noise.
             warnings.warn(
                 "train.eps_clip and train.eps_clip_high are inert: with train.old_logprobs=trainer, one PPO epoch "
                 "and one mini-batch, each batch makes one optimizer step from the weights that scored it, so the "

@@ -228,10 +228,15 @@ def test_an_inert_clip_is_named_at_load() -> None:
 
     quickstart = REPO / "experiments" / "quickstart.yaml"
     with pytest.warns(UserWarning, match="train.eps_clip and train.eps_clip_high are inert"):
-        load_run_config(quickstart, [])
+        load_run_config(quickstart, ["train.eps_clip_high=0.4"])
     with pytest.raises(ValueError, match="overlong_window_tokens=9 must be at most rollout.max_new_tokens=8"):
         load_run_config(quickstart, ["train.overlong_window_tokens=9"])
-    for acting in (["train.global_batch_size=128"], ["train.ppo_epochs=2"], ["train.old_logprobs=rollout"]):
+    quiet = (
+        [],
+        ["train.eps_clip_high=0.4", "train.global_batch_size=128"],
+        ["train.eps_clip=0.1", "train.ppo_epochs=2"],
+    )
+    for acting in (*quiet, ["train.eps_clip_high=0.4", "train.old_logprobs=rollout"]):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             load_run_config(quickstart, acting)
