@@ -61,6 +61,12 @@ _CONFIG_EOF = "HPCRL_CONFIG_EOF"
 
 def check_placement(cfg: RunConfig) -> list[str]:
     """Raise ConfigError when the slurm section cannot run this config; return warnings to show."""
+    if cfg.distill is not None:
+        raise ConfigError(
+            "distill: the teacher's engines start beside the trainer in a local run only; a Slurm job has no group "
+            "for them yet. Run the distillation with `hpcrl run` on one node (an salloc or srun shell), or remove "
+            "the distill section"
+        )
     slurm, notes = cfg.slurm, []
     trainer = slurm.trainer
     engine_nodes = trainer.nodes if slurm.colocate else slurm.engines.nodes

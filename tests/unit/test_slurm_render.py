@@ -115,6 +115,12 @@ def test_golden_cluster_example(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sbatch_dir_holds_every_experiment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     stale, experiments = [], sorted(Path("experiments").glob("*.yaml"))
+    local_only = [c for c in experiments if "distill" in load_yaml(c)]  # a teacher runs only beside a local run
+    assert local_only, "the distillation quickstart is expected among the experiments"
+    for config in local_only:
+        with pytest.raises(ConfigError, match="distill: the teacher's engines start beside the trainer"):
+            render_sbatch(str(config), [], f"sbatch/{config.stem}.sbatch", None, BASE_DIR)
+    experiments = [c for c in experiments if c not in local_only]
     for config in experiments:
         out = f"sbatch/{config.stem}.sbatch"
         expected = render_sbatch(str(config), [], out, None, BASE_DIR)
