@@ -141,12 +141,15 @@ class RankGroup:
         return self.trainer.train_sft(batch)
 
     def push_weights(self, *, full: bool = False) -> list[tuple[str, Tensor]]:
-        weights = self.trainer.push_weights(full=full)
-        if isinstance(weights, GatheredWeights):  # gathered as read: the followers join every pass over it
+        if isinstance(self.trainer, TorchTrainer) and self.trainer.collective:
+            # FSDP2: the weights are gathered as they are read, so the followers join every pass over them.
+            weights = self.trainer.push_weights(full=full)
+            assert isinstance(weights, GatheredWeights)
             weights.before_pass = lambda: self._announce(CMD_WEIGHTS, extra=int(full))
-        else:
-            self._announce(CMD_WEIGHTS, extra=int(full))  # (no collective in the call above)
-        return weights
+            return weights
+        # Megatron gathers its tensor-parallel shards inside the call: the followers must be in it first.
+        self._announce(CMD_WEIGHTS, extra=int(full))
+        return self.trainer.push_weights(full=full)
 
     def export_weights(self) -> list[tuple[str, Tensor]]:
         self._announce(CMD_EXPORT)
