@@ -87,27 +87,32 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
+def _config_fields(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """The fields the dense and the MoE config share: dims, tied embeddings, token ids, RoPE base."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_heads,
+        "num_key_value_heads": dims.num_kv_heads,
+        "head_dim": dims.head_dim,
+        "max_position_embeddings": dims.max_position_embeddings,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "bos_token_id": None,
+        # transformers 5 takes it into rope_parameters (its signature lists only that); 4.x reads rope_theta.
+        "rope_theta": 1_000_000.0,
+    }
+
+
 def qwen3_config(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> Any:
     """A transformers Qwen3Config (tied embeddings) for `dims` (a TinyModelSpec or a ModelShape)."""
     from transformers import Qwen3Config
 
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=dims.hidden_size,
-        intermediate_size=dims.intermediate_size,
-        num_hidden_layers=dims.num_layers,
-        num_attention_heads=dims.num_heads,
-        num_key_value_heads=dims.num_kv_heads,
-        head_dim=dims.head_dim,
-        max_position_embeddings=dims.max_position_embeddings,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        # transformers 5 takes it into rope_parameters (its signature lists only that); 4.x reads rope_theta.
-        rope_theta=1_000_000.0,  # type: ignore[call-arg]
-    )
+    config = Qwen3Config(**_config_fields(dims, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id))
     config.architectures = ["Qwen3ForCausalLM"]
     return config
 
@@ -117,25 +122,12 @@ def qwen3_moe_config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int, pad_i
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
+        **_config_fields(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id),
         moe_intermediate_size=spec.moe_intermediate_size,
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.num_experts_per_tok,
         norm_topk_prob=True,
         router_aux_loss_coef=0.001,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        rope_theta=1_000_000.0,  # type: ignore[call-arg]
     )
     config.architectures = ["Qwen3MoeForCausalLM"]
     return config
