@@ -169,12 +169,7 @@ def _refuse_link(path: Path) -> None:
 def save_state_dict(state: Mapping[str, torch.Tensor], out_dir: str | Path, *, source_dir: str | Path) -> Path:
     """Write HF-named tensors as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    for path in (out_dir, tmp):
-        _refuse_link(path)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     source_dir = Path(source_dir)
     shutil.copy2(source_dir / "config.json", tmp / "config.json")
     for name in TOKENIZER_FILES:
@@ -182,6 +177,23 @@ def save_state_dict(state: Mapping[str, torch.Tensor], out_dir: str | Path, *, s
             shutil.copy2(source_dir / name, tmp / name)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return publish_dir(tmp, out_dir)
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """An empty OUT.tmp beside `out_dir` to write a directory into, whole or not at all (publish_dir); neither
+    path may be a link."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    for path in (out_dir, tmp):
+        _refuse_link(path)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> Path:
+    """Make the files of `tmp` durable, then put it in the place of `out_dir` (a directory there is replaced)."""
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

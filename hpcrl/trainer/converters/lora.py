@@ -17,8 +17,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from hpcrl.model.hf import publish_dir, staging_dir
 from hpcrl.model.lora import LORA_A, LORA_B, merged_weight
 from hpcrl.model.qwen3 import CausalLM
 from hpcrl.trainer.config import LORA_ALL_LINEAR, LoRAConfig, TrainConfig
@@ -237,22 +236,13 @@ def peft_config(converter: LoRA) -> dict[str, Any]:
 
 def write_peft_adapter(converter: LoRA, out_dir: Path, *, base_model: str) -> Path:
     """The adapters as a peft adapter directory, written whole or not at all (a temporary directory renamed)."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     config = peft_config(converter) | {"base_model_name_or_path": base_model}
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     # peft's names: the wrapped model's prefix, the adapter name left out.
     tensors = {f"base_model.model.{k}": v.to("cpu").contiguous() for k, v in converter.adapter_state().items()}
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
-    return out_dir
+    return publish_dir(tmp, out_dir)
 
 
 _ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
