@@ -26,7 +26,7 @@ from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.converters.base import build_converters
+from hpcrl.trainer.converters.base import ServesReference, build_converters
 from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
 from hpcrl.trainer.memory_plan import fit_problem, plan_memory
 from hpcrl.trainer.moe_routing import MoeRouting
@@ -130,7 +130,7 @@ class TorchTrainer:
         self.converters = build_converters(cfg)
         # The KL term's reference is the policy as loaded: a copy taken before the converters run, unless one of
         # them gives it back in the model itself (LoRA: the adapters off).
-        self._reference_in_model = [c for c in self.converters if c.serves_reference]
+        self._reference_in_model = [c for c in self.converters if isinstance(c, ServesReference)]
         self.ref_model: CausalLM | None = None
         if cfg.kl_coef > 0 and not self._reference_in_model:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)

@@ -6,7 +6,7 @@ import abc
 import contextlib
 import importlib
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor
 
@@ -25,9 +25,6 @@ class ModelConverter(abc.ABC):
     and the state hooks in the reverse one (the last change is undone first)."""
 
     name = ""
-    serves_reference: ClassVar[bool] = False
-    """True when `reference(model)` gives back the model as loaded (LoRA: adapters off): the KL term's reference
-    is then the converted model itself, not a copy taken before `convert`."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -35,10 +32,6 @@ class ModelConverter(abc.ABC):
     @abc.abstractmethod
     def convert(self, model: CausalLM) -> None:
         """Change `model` in place (the one hook every converter writes)."""
-
-    def reference(self, model: CausalLM) -> contextlib.AbstractContextManager[None]:
-        """A context in which `model` computes the policy as loaded (used when `serves_reference`)."""
-        raise NotImplementedError(f"the {self.name} converter keeps no reference in the model")
 
     def post_optimizer_hook(self, model: CausalLM) -> None:
         """After each optimizer step (e.g. re-derive quantization scales from the updated weights); default: nothing."""
@@ -87,3 +80,12 @@ def build_converters(cfg: TrainConfig) -> list[ModelConverter]:
             raise TypeError(f"{CONVERTERS[name]} is not a ModelConverter")
         out.append(converter)
     return out
+
+
+class ServesReference(abc.ABC):
+    """A converter whose converted model can still compute the policy as loaded (LoRA: adapters off): the KL
+    term's reference is then the model itself, not a copy taken before `convert`."""
+
+    @abc.abstractmethod
+    def reference(self, model: CausalLM) -> contextlib.AbstractContextManager[None]:
+        """A context in which `model` computes the policy as loaded."""

@@ -30,7 +30,7 @@ from hpcrl.model.hf import publish_dir, staging_dir
 from hpcrl.model.lora import LORA_A, LORA_B, merged_weight
 from hpcrl.model.qwen3 import CausalLM
 from hpcrl.trainer.config import LORA_ALL_LINEAR, LoRAConfig, TrainConfig
-from hpcrl.trainer.converters.base import ModelConverter
+from hpcrl.trainer.converters.base import ModelConverter, ServesReference
 
 INIT_SEED = 0x10A
 """A's initial values come from this seed and the layer's index, so every data-parallel rank starts the same."""
@@ -79,9 +79,8 @@ class LoRALinear(nn.Module):
         return out + (self.lora_B(self.lora_A(h)) * self.scaling).to(out.dtype)
 
 
-class LoRA(ModelConverter):
+class LoRA(ModelConverter, ServesReference):
     name = "lora"
-    serves_reference = True
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
