@@ -3,8 +3,10 @@ reading a weight back, and releasing and resuming memory (what a colocated run d
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from aiohttp import web
@@ -23,6 +25,9 @@ from hpcrl.engine.protocol.control import (
     UpdateWeightsFromTensor,
     UpdateWeightVersion,
 )
+
+if TYPE_CHECKING:
+    from hpcrl.engine.embedded.delta_load import DeltaLoader
 
 log = logging.getLogger("hpcrl.engine")
 
@@ -122,8 +127,7 @@ class WeightRoutes(EngineCore):
                     apply_strategy=req.apply_strategy,
                 )
             )
-            if (version := req.weight_version) is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
+            await self._stamp(req.weight_version)
         except web.HTTPException:
             raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
@@ -146,8 +150,7 @@ class WeightRoutes(EngineCore):
             if req.abort_all_requests:
                 await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
             nbytes = await self._run(lambda: self.weights.load_handover(payload, req.apply_strategy))
-            if (version := req.weight_version) is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
+            await self._stamp(req.weight_version)
         except UntrustedHandoverError as exc:
             log.warning("refused a handover: %s", exc)
             return _error(f"{type(exc).__name__}: {exc}", status=403)
@@ -157,20 +160,28 @@ class WeightRoutes(EngineCore):
             return _error(f"{type(exc).__name__}: {exc}")
         return _ok("Succeeded to update parameter online from tensor.", bytes=nbytes, seconds=time.perf_counter() - t0)
 
+    async def _stamp(self, version: str | None) -> None:
+        """Serve under `version` from now on (an update that names one)."""
+        if version is not None:
+            await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
+
+    @functools.cached_property
+    def _delta_loader(self) -> DeltaLoader:
+        """One per engine: it remembers which disk version the parameters hold."""
+        from hpcrl.engine.embedded.delta_load import DeltaLoader
+
+        return DeltaLoader()
+
     async def update_from_delta(self, request: web.Request) -> web.Response:
         from pathlib import Path
-
-        from hpcrl.engine.embedded.delta_load import DeltaLoader
 
         try:
             req = UpdateWeightsFromDelta.from_dict(await _json_body(request))
             if self.scheduler.weights_released:
                 raise EngineStateError("weights are released; resume_memory_occupation(['weights']) before an update")
-            # One loader per engine: it remembers which version the parameters hold.
-            loader = self.__dict__.setdefault("_delta_loader", DeltaLoader())
+            loader = self._delta_loader
             done = await self._on_scheduler(lambda: loader.load(self.scheduler.named_parameters(), Path(req.manifest)))
-            if (version := req.weight_version) is not None:
-                await self._on_scheduler(lambda: self.scheduler.set_weight_version(version, False))
+            await self._stamp(req.weight_version)
         except web.HTTPException:
             raise  # a malformed body: its own 400 and message
         except Exception as exc:  # noqa: BLE001
