@@ -2,14 +2,14 @@
 # The quickstarts' learning over three seeds, every sweep at once on a many-core host's CPUs (the runs are the
 # CPU quickstarts: no GPU is used). Figures go to the benchmarks/ reports of each capability.
 #   SWEEPS="lora moe fsdp2" bash tools/gpu/run_seed_sweeps.sh      # from the repo root; tables go to $OUT
-# Sweeps: lora, moe, moe-noreplay (seed 0: the curve without routing replay, for hpcrl compare), fsdp2 (2 ranks),
+# Sweeps: quickstart (as shipped), lora, moe, moe-noreplay (seed 0: the curve without routing replay, for hpcrl compare), fsdp2 (2 ranks),
 # gspo, cispo, dr_grpo, dapo (the quickstart with that objective). Each sweep runs its seeds in parallel, one torch
 # thread a process (tools/bench/quickstart_rewards.py --parallel 3).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/hpcrl-seeds-out}
 RUNS=${RUNS:-/tmp/hpcrl-seeds}
-SWEEPS=${SWEEPS:-"lora moe moe-noreplay fsdp2 gspo cispo dr_grpo dapo"}
+SWEEPS=${SWEEPS:-"quickstart lora moe moe-noreplay fsdp2 gspo cispo dr_grpo dapo"}
 mkdir -p "$OUT" "$RUNS"
 nproc | sed 's/^/cpus: /' | tee "$OUT/seeds.log"
 sweep() {  # name, seeds, config, overrides...
@@ -29,6 +29,7 @@ for name in $SWEEPS; do
         num_steps=0 --run-dir runs/quickstart-sft >"$OUT/lora-sft.log" 2>&1
       sweep lora "0 1 2" experiments/quickstart-lora.yaml
     ) & ;;
+    quickstart) sweep quickstart "0 1 2" experiments/quickstart.yaml & ;;
     moe) sweep moe "0 1 2" experiments/moe-quickstart.yaml & ;;
     moe-noreplay) sweep moe-noreplay "0" experiments/moe-quickstart.yaml train.routing_replay=off & ;;
     fsdp2) sweep fsdp2 "0 1 2" experiments/quickstart.yaml train.parallelism=fsdp2 train.num_ranks=2 & ;;
