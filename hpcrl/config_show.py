@@ -52,16 +52,18 @@ def _lookup(values: Mapping[str, Any], path: str) -> Any:
 
 
 def _filled_default(values: Mapping[str, Any], path: str) -> str | None:
-    """What a train key that defaults to null is filled with under the config's train.loss (train.aggregation,
-    train.normalize_advantage_std): an unchanged default, though the loaded config names its value."""
+    """What a train key that defaults to null or `auto` is filled with under the config's train.loss
+    (train.aggregation, train.normalize_advantage_std) or its device (train.torch_compile,
+    train.logprob_chunk_tokens, train.micro_batch_size): an unchanged default, though the loaded config names its
+    value."""
     section, _, name = path.partition(".")
     if section != "train" or "." in name:
         return None
     from hpcrl.trainer.config import TrainConfig
 
-    loss = _lookup(values, "train.loss")
+    context = {key: _lookup(values, f"train.{key}") for key in ("loss", "device", "backend", "logprobs")}
     try:
-        filled = getattr(TrainConfig(loss=loss), name)
+        filled = getattr(TrainConfig(**context), name)
     except (TypeError, ValueError, AttributeError):
         return None
     return _text(filled)

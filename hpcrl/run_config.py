@@ -88,6 +88,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.num_steps <= MAX_STEPS:
             raise ValueError(f"num_steps must be between 0 and {MAX_STEPS:,}, got {self.num_steps}")
+        if self.rollout.replays_support and "logprob_chunk_tokens" in self.train.auto_resolved:
+            # The supports are scored from the logits: the fused head's `auto` is the plain head here (first: a
+            # replaced train section has lost which keys were `auto`).
+            object.__setattr__(self, "train", replace(self.train, logprob_chunk_tokens=None))
         if self.train.old_logprobs is None:
             # Resolved here, so the dumped config (and a resume's comparison with it) names the choice.
             object.__setattr__(self, "train", replace(self.train, old_logprobs=_default_old_logprobs(self)))

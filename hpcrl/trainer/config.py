@@ -160,8 +160,12 @@ class TrainConfig:
     """AdamW's term added to the root of the squared-gradient average, > 0; guards small denominators."""
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward; gradients accumulate over a step's micro-batches."""
+    micro_batch_size: int | Literal["auto"] = "auto"
+    """Sequences per forward/backward; gradients accumulate over a step's micro-batches. `auto`: 16 off CUDA and
+    under backend: megatron; torch backend on CUDA: per batch, the largest of 16, 8, 4, 2, 1 whose activation
+    estimate for the batch's padded length fits the GPU memory left after the model state (the memory plan),
+    agreed by every rank. The "trainer plan:" line names the sizes per sequence length, and each step's metrics
+    record the one used (micro_batch_size)."""
     global_batch_size: int | None = None
     """Samples per optimizer step: one rollout batch (prompts_per_step x n_samples_per_prompt) is split, in its
     order, into batch / global_batch_size mini-batches, each one optimizer step and each split over the ranks.
@@ -255,15 +259,17 @@ class TrainConfig:
     invariant_kernels: InvariantKernelsConfig = field(default_factory=InvariantKernelsConfig)
     """The batch-invariant Triton kernels' tiles with logprobs: invariant on CUDA; they must equal the engine's
     engine.kernels.invariant_matmul / invariant_attention (HPCRL_INVARIANT_* overrides apply to both)."""
-    logprob_chunk_tokens: int | None = None
+    logprob_chunk_tokens: int | Literal["auto"] | None = "auto"
     """Compute the log-probs straight from the final hidden states, the LM head and the log-softmax fused over
     chunks of this many tokens (backward recomputes each chunk), so the [tokens x vocab] logits and their gradient
-    never exist in full (e.g. 4096). Null: the model's logits, then the log-softmax. Same numbers to
+    never exist in full (e.g. 4096). Null: the model's logits, then the log-softmax. `auto`: 4096 on CUDA with
+    logprobs: plain, unless the run's rollout replays sampling supports (top-k/top-p: scored from the logits);
+    null otherwise (on a CPU the [tokens x vocab] logits are small and the plain head is faster). Same numbers to
     rounding (tests/unit/test_loss_head.py, tests/unit/test_megatron.py). The megatron backend's last stage
     stops at the final norm and each TP rank scores its vocabulary shard of the output layer (or tied
     embedding), with the softmax statistics all-reduced over TP per chunk. Batches with sampling supports
     (top-k/top-p replay) score their supports from the logits instead, so a run config refuses the pair."""
-    torch_compile: bool = False
+    torch_compile: bool | Literal["auto"] = "auto"
     """`torch.compile` every decoder layer (fused norms, RoPE, SwiGLU and their backward) and, with
     logprob_chunk_tokens, the fused head's per-chunk log-softmax and its gradient. torch backend: hpcrl's decoder
     layers; megatron backend: each megatron-core TransformerLayer of the policy (its vocab-parallel log-probs
@@ -272,7 +278,9 @@ class TrainConfig:
     tokens/s; with logprob_chunk_tokens (its chunks compiled too) and micro-batches of 8, 2.35x: 46.0% MFU against
     19.5%. megatron backend, the same levers, one H100: 37.3% against 15.2%
     (benchmarks/grpo-step_h200_2026-12.md). Same numbers to rounding (tests/unit/test_torch_compile.py,
-    tests/unit/test_megatron.py); on a CPU it needs a C++ compiler."""
+    tests/unit/test_megatron.py); on a CPU it needs a C++ compiler. `auto`: true on CUDA with logprobs: plain
+    (logprobs: invariant refuses it), false otherwise. The run's config.yaml and the "trainer plan:" line name the
+    resolved value."""
     converters: tuple[str, ...] = ()
     """Model converters applied, in this order, when the torch backend builds the model (hpcrl/trainer/converters):
     `freeze` stops the modules of freeze_modules from training; `lora` trains low-rank adapters (the `lora` key)
@@ -288,12 +296,17 @@ class TrainConfig:
     """A step with a non-finite loss or gradient is skipped (event `nan_skipped`); the run stops after
     this many in a row."""
 
+    auto_resolved: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+    """The keys __post_init__ resolved from `auto` (not part of the config: a run config may resolve them again
+    with what it knows about the rollout)."""
+
     def __post_init__(self) -> None:
+        resolve_device_defaults(self)
         check_converters(self)
         resolve_loss(self)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.micro_batch_size < 1:
+        if isinstance(self.micro_batch_size, int) and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
@@ -351,7 +364,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.logprob_chunk_tokens is not None:
+        if isinstance(self.logprob_chunk_tokens, int):
             if self.logprob_chunk_tokens < 1:
                 raise ValueError(
                     f"logprob_chunk_tokens must be >= 1 (or null: the plain head), got {self.logprob_chunk_tokens}"
@@ -366,6 +379,17 @@ class TrainConfig:
                 f"logprobs: invariant covers device cpu or cuda, not {self.device!r}; use one of those, or "
                 "logprobs: plain (docs/numerics.md)"
             )
+
+    @property
+    def compiled(self) -> bool:
+        """torch_compile as resolved (`auto` never outlives __post_init__)."""
+        return self.torch_compile is True
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """logprob_chunk_tokens as resolved: the fused head's chunk, None for the plain head."""
+        chunk = self.logprob_chunk_tokens
+        return chunk if isinstance(chunk, int) else None
 
     @property
     def data_parallel_size(self) -> int:
@@ -383,6 +407,31 @@ class TrainConfig:
                     f"{key}: {_yaml(value)} is not implemented by backend: {self.backend} ({why}); set {key}: "
                     f"{_yaml(defaults[key])}, or use backend: {others}"
                 )
+
+
+AUTO_CHUNK_TOKENS = 4096
+"""logprob_chunk_tokens: auto on CUDA: chunks of 4096 tokens keep the fused head's [chunk x vocab] workspace small
+(2.5 GB in fp32 at a 151,936-token vocabulary) while each chunk's GEMM still fills the GPU."""
+CPU_MICRO_BATCH_SIZE = 16
+
+
+def resolve_device_defaults(cfg: TrainConfig) -> None:
+    """Resolve the `auto` settings whose best value depends on the device, so the dumped config names what runs:
+    on CUDA the fast path (compiled layers, the fused log-prob head), elsewhere the plain one (no compiler needed).
+    An explicit value always wins; micro_batch_size stays `auto` on CUDA under the torch backend, where the trainer
+    sizes it from the GPU's free memory."""
+    cuda, plain = cfg.device.startswith("cuda"), cfg.logprobs == "plain"
+    resolved = set()
+    if cfg.torch_compile == "auto":
+        object.__setattr__(cfg, "torch_compile", cuda and plain)
+        resolved.add("torch_compile")
+    if cfg.logprob_chunk_tokens == "auto":
+        object.__setattr__(cfg, "logprob_chunk_tokens", AUTO_CHUNK_TOKENS if cuda and plain else None)
+        resolved.add("logprob_chunk_tokens")
+    if cfg.micro_batch_size == "auto" and not (cuda and cfg.backend == "torch"):
+        object.__setattr__(cfg, "micro_batch_size", CPU_MICRO_BATCH_SIZE)
+        resolved.add("micro_batch_size")
+    object.__setattr__(cfg, "auto_resolved", frozenset(resolved))
 
 
 def resolve_loss(cfg: TrainConfig) -> None:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.trainer.config import TrainConfig, fsdp_dtypes
@@ -129,3 +130,77 @@ def _host_available_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
+
+
+# ----- micro_batch_size: auto -----
+
+MICRO_BATCH_SIZES = (16, 8, 4, 2, 1)
+# Of the memory free after the model state, the share activations may plan on: the allocator's fragmentation,
+# the compiled kernels' workspaces and the optimizer step's temporaries need the rest.
+ACTIVATION_SHARE = 0.8
+
+
+def activation_bytes(cfg: TrainConfig, args: ModelArgs, rows: int, seq_len: int) -> int:
+    """An estimate (generous, not exact) of what one micro-batch of `rows` sequences of `seq_len` tokens keeps for
+    its backward: per token and decoder layer the tensors autograd saves (train.activation_checkpointing decides
+    which), plus the log-prob head (the whole [tokens x vocab] logits and their fp32 softmax and gradient, or one
+    chunk of them under the fused head)."""
+    size = _BYTES[fsdp_dtypes(cfg)[0] if cfg.parallelism == "fsdp2" else cfg.dtype]
+    h, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    whole_layer = 6 * h + 3 * q + 4 * kv + 4 * inter  # norms, residuals, q/k/v before and after RoPE, SwiGLU
+    kept = {"none": whole_layer, "selective": 2 * h + 2 * q + 2 * kv + 2 * inter, "full": h}
+    # Under checkpointing one layer's activations are rebuilt whole during its backward.
+    per_token = args.num_layers * kept[cfg.activation_checkpointing] + (
+        whole_layer if cfg.activation_checkpointing != "none" else 0
+    )
+    tokens = rows * seq_len
+    head_tokens = tokens if cfg.chunk_tokens is None else min(tokens, cfg.chunk_tokens)
+    head = head_tokens * args.vocab_size * (size + 8)  # logits + fp32 log-softmax + fp32 gradient
+    return tokens * per_token * size + head
+
+
+def activation_budget(plan: MemoryPlan, cfg: TrainConfig, device: torch.device) -> int:
+    """Bytes this rank's activations may use: the GPU's free memory less the model state not yet allocated
+    (measured before the model loads), times ACTIVATION_SHARE. Agreed over the ranks (the smallest), so every
+    rank cuts a batch alike."""
+    free, _ = torch.cuda.mem_get_info(device)
+    state = plan.device_bytes + (plan.weights_bytes if cfg.kl_coef > 0 else 0)  # + the reference copy
+    budget = torch.tensor([max(0, int((free - state) * ACTIVATION_SHARE))], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return int(budget.item())
+
+
+def micro_batch_for(cfg: TrainConfig, args: ModelArgs, budget_bytes: int, seq_len: int) -> int:
+    """The largest of MICRO_BATCH_SIZES whose activation estimate fits `budget_bytes` (1 when none does)."""
+    for rows in MICRO_BATCH_SIZES:
+        if activation_bytes(cfg, args, rows, seq_len) <= budget_bytes:
+            return rows
+    return 1
+
+
+def auto_micro_batch_line(cfg: TrainConfig, args: ModelArgs, budget_bytes: int) -> str:
+    """`micro_batch_size auto (N GB for activations): 16 up to 3840 tokens, 8 up to 7680, ..., 1 beyond` for the
+    trainer plan line: the size a batch of each padded length gets."""
+    steps: list[str] = []
+    for rows in MICRO_BATCH_SIZES[:-1]:
+        if longest := _longest_fitting(cfg, args, budget_bytes, rows):
+            steps.append(f"{rows} up to {longest}" + ("" if steps else " tokens"))
+    return f"micro_batch_size auto ({_size(budget_bytes)} for activations): {', '.join([*steps, '1 beyond'])}"
+
+
+def _longest_fitting(cfg: TrainConfig, args: ModelArgs, budget_bytes: int, rows: int) -> int:
+    """The longest sequence length (a multiple of 256) at which `rows` sequences fit the budget; 0 if none."""
+    lo, hi = 0, 1 << 24
+    while hi - lo > 256:
+        mid = (lo + hi) // 2 // 256 * 256
+        lo, hi = (mid, hi) if activation_bytes(cfg, args, rows, mid) <= budget_bytes else (lo, mid)
+    return lo
+
+
+def settings_line(cfg: TrainConfig) -> str:
+    """The resolved speed settings, for the trainer plan line (whether set or `auto`)."""
+    head = f"fused log-prob head in chunks of {cfg.chunk_tokens} tokens" if cfg.chunk_tokens else "plain log-prob head"
+    compiled = "on" if cfg.compiled else "off"
+    return f"torch_compile {compiled}, {head}, activation_checkpointing {cfg.activation_checkpointing}"

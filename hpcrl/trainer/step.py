@@ -29,6 +29,7 @@ from hpcrl.trainer.step_stats import NanGuard, SteppableOptimizer, StepSums
 
 MicroLoss = Callable[[int, Tensor, Tensor | None], Tensor]
 """`loss(i, logprobs, entropy)` of micro-batch i: the scalar to differentiate (the step records its statistics)."""
+SizeRule = Callable[[int], int]
 
 PEAK = "train_rollout_logprob_max_abs_diff"
 """The one statistic that is a maximum over tokens, not a token-weighted mean."""
@@ -76,10 +77,14 @@ class StepBackend(Protocol):
 class TrainStep:
     """The GRPO/PPO and SFT steps of one backend; `nan_guard` is the backend's (its count is checkpointed)."""
 
-    def __init__(self, backend: StepBackend, cfg: TrainConfig, nan_guard: NanGuard) -> None:
+    def __init__(
+        self, backend: StepBackend, cfg: TrainConfig, nan_guard: NanGuard, *, auto_micro_batch: SizeRule | None = None
+    ) -> None:
         self.backend = backend
         self.cfg = cfg
         self.nan_guard = nan_guard
+        self.auto_micro_batch = auto_micro_batch
+        """micro_batch_size: auto: the backend's rule, sequences per micro-batch for a batch's padded length."""
         if cfg.aggregation == "constant" and cfg.constant_normalizer_tokens is None:
             raise ValueError("train.aggregation: constant needs train.constant_normalizer_tokens (e.g. max_new_tokens)")
         self.loss_cfg = PolicyLossConfig(
@@ -111,6 +116,16 @@ class TrainStep:
         return self._update(self._micro_batches(local, slice(0, len(local))), optimizer, sft=True)
 
     # ----- rows -----
+    def micro_batch_size(self, seq_len: int) -> int:
+        """Sequences per micro-batch for a batch padded to `seq_len` tokens: train.micro_batch_size, or under `auto`
+        the backend's rule (the same on every rank: each sees the whole batch's padded length)."""
+        size = self.cfg.micro_batch_size
+        if isinstance(size, int):
+            return size
+        if self.auto_micro_batch is None:
+            raise ValueError("train.micro_batch_size: auto is sized by the torch backend on CUDA; set a number")
+        return self.auto_micro_batch(seq_len)
+
     def _shard(self, batch: TrainBatch) -> TrainBatch:
         b = self.backend
         if b.dp_size > 1:
@@ -133,7 +148,7 @@ class TrainStep:
     def _micro_batches(self, local: TrainBatch, rows: slice) -> list[TrainBatch]:
         """Micro-batches of `rows`, each trimmed to its longest sequence; an empty share still makes one (empty)
         micro-batch, so that every rank takes part in the update's collectives."""
-        start, stop, mbs = rows.start, rows.stop, self.cfg.micro_batch_size
+        start, stop, mbs = rows.start, rows.stop, self.micro_batch_size(local.input_ids.shape[1])
         return [local.select(slice(a, min(a + mbs, stop))) for a in range(start, max(stop, start + 1), mbs)]
 
     # ----- log-probs of the old and the reference policy -----

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.converters.base import ServesReference, build_converters
 from hpcrl.trainer.logprobs import hidden_token_logprobs, support_token_logprobs, token_logprobs
-from hpcrl.trainer.memory_plan import fit_problem, plan_memory
+from hpcrl.trainer.memory_plan import (
+    activation_budget,
+    auto_micro_batch_line,
+    fit_problem,
+    micro_batch_for,
+    plan_memory,
+    settings_line,
+)
 from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
 from hpcrl.trainer.sharded_state import GatheredWeights, gather_full, host_state, load_full, shard_optimizer_state
@@ -64,7 +72,7 @@ class LogProbs(nn.Module):
             if supports is not None:
                 return invariant.support_token_logprobs(self.lm, input_ids, *supports), None
             return invariant.token_logprobs(self.lm, input_ids), None
-        chunk = self.cfg.logprob_chunk_tokens
+        chunk = self.cfg.chunk_tokens
         if chunk is not None and supports is None:
             # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
             hidden = self.lm(input_ids, hidden=True)[:, :-1]
@@ -75,7 +83,7 @@ class LogProbs(nn.Module):
                 input_ids[:, 1:].reshape(-1),
                 chunk_tokens=chunk,
                 with_entropy=with_entropy,
-                compiled=self.cfg.torch_compile,
+                compiled=self.cfg.compiled,
             )
             return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
         logits = self.lm(input_ids)
@@ -107,12 +115,19 @@ class TorchTrainer:
         self.collective = cfg.parallelism == "fsdp2"
         torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
-        plan = plan_memory(cfg, ModelArgs.from_dir(model_dir))
+        args = ModelArgs.from_dir(model_dir)
+        plan = plan_memory(cfg, args)
         problem = fit_problem(plan, cfg, self.device)
         if problem is not None:
             raise ValueError(problem)
+        auto_micro_batch = None
+        micro_batch = f"micro_batch_size {cfg.micro_batch_size}"
+        if cfg.micro_batch_size == "auto":  # CUDA (TrainConfig resolves it elsewhere): measured before the model loads
+            budget = activation_budget(plan, cfg, self.device)
+            auto_micro_batch = functools.partial(micro_batch_for, cfg, args, budget)
+            micro_batch = auto_micro_batch_line(cfg, args, budget)
         if rank == 0:
-            print(plan.line(cfg.parallelism), flush=True)
+            print(f"{plan.line(cfg.parallelism)}; {settings_line(cfg)}; {micro_batch}", flush=True)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
         if self.model.args.moe is not None and cfg.parallelism == "fsdp2":
@@ -155,7 +170,7 @@ class TorchTrainer:
         self._sft_optimizer: torch.optim.Optimizer | None = None
         self.dp_rank, self.dp_size = rank, world_size
         self.nan_guard = NanGuard(cfg.max_nan_steps)
-        self.step = TrainStep(self, cfg, self.nan_guard)
+        self.step = TrainStep(self, cfg, self.nan_guard, auto_micro_batch=auto_micro_batch)
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         optimizer = torch.optim.AdamW(
@@ -176,7 +191,10 @@ class TorchTrainer:
 
     # ----- steps (the algorithm: hpcrl/trainer/step.py) -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        return self.step.grpo(batch, self.optimizer) | self.moe.metrics()
+        metrics = self.step.grpo(batch, self.optimizer) | self.moe.metrics()
+        if self.cfg.micro_batch_size == "auto":  # the size this batch's length got, recorded with the step
+            metrics["micro_batch_size"] = float(self.step.micro_batch_size(batch.input_ids.shape[1]))
+        return metrics
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         if self._sft_optimizer is None:

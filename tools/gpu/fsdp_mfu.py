@@ -4,14 +4,17 @@ peak memory, each variant in its own processes on the same model dir, in one cal
     python tools/gpu/fsdp_mfu.py [--shape qwen3-1.7b] [--ranks 1] [--batch 8] [--seq-len 2048] [--steps 5]
                                  [--variants ddp fsdp2 fsdp2+ac fsdp2+sac+head+compile+mb8 ...]
 
-Variants: a parallelism (`ddp`, `fsdp2`) and levers joined with `+`: `ac` (activation_checkpointing: full),
-`sac` (selective), `offload` (fsdp.offload), `head` (logprob_chunk_tokens=4096), `compile` (torch_compile),
-`mbN` (micro_batch_size N; default --micro-batch), `fp32` (train.dtype float32: fp32 master weights, with FSDP2's
-default bf16 compute). Weights are bf16 unless `fp32`. Workload: `batch` random sequences of `seq-len` tokens
-(prompt 64), random advantages, one optimizer step; median over the steps after the first two. MFU: model FLOPs
-per token = 6 x matmul parameters (LM head included) + 12 x layers x heads x head_dim x seq-len, per GPU, against
-989 TFLOP/s dense bf16 (H100 SXM and H200). A variant that runs out of memory is reported as such: the shape DDP
-cannot hold and FSDP2 (+ offload) can. Ranks are processes on GPUs 0..N-1 over NCCL (--ranks).
+Variants: a parallelism (`ddp`, `fsdp2`) and levers joined with `+`: `ac` (activation_checkpointing: full), `sac`
+(selective), `offload` (fsdp.offload), `head` (logprob_chunk_tokens=4096), `compile` (torch_compile), `mbN`
+(micro_batch_size N; default --micro-batch), `fp32` (train.dtype float32: fp32 master weights, with FSDP2's default bf16
+compute). Without `defaults` a lever not named is off (no compile, the plain head, --micro-batch); `defaults` leaves the
+levers not named at the config's own defaults (`auto`: what a user who sets nothing gets on CUDA), so `ddp+defaults`
+against `ddp+head+compile+mb8` is MFU at defaults beside MFU with every lever; the `settings` column names what each
+variant resolved to. Weights are bf16 unless `fp32`. Workload: `batch` random sequences of `seq-len` tokens (prompt 64),
+random advantages, one optimizer step; median over the steps after the first two. MFU: model FLOPs per token = 6 x
+matmul parameters (LM head included) + 12 x layers x heads x head_dim x seq-len, per GPU, against 989 TFLOP/s dense bf16
+(H100 SXM and H200). A variant that runs out of memory is reported as such: the shape DDP cannot hold and FSDP2 (+
+offload) can. Ranks are processes on GPUs 0..N-1 over NCCL (--ranks).
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ SHAPES = {
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8),
 }
-DEFAULT_VARIANTS = ["ddp", "ddp+head+compile+mb8", "fsdp2", "fsdp2+ac", "fsdp2+sac+head+compile+mb8"]
+DEFAULT_VARIANTS = [
+    "ddp+defaults", "ddp+head+compile+mb8", "fsdp2+defaults", "fsdp2+head+compile+mb8", "fsdp2+ac",
+    "fsdp2+sac+head+compile+mb8",
+]  # fmt: skip
 
 
 def flops_per_token(a: object, seq_len: int) -> float:
@@ -51,17 +57,23 @@ def config(variant: str, ns: argparse.Namespace, world: int) -> object:
     from hpcrl.trainer.config import FSDPConfig, TrainConfig
 
     parallelism, *levers = variant.split("+")
-    known = {"ac", "sac", "offload", "head", "compile", "fp32"}
+    known = {"ac", "sac", "offload", "head", "compile", "fp32", "defaults"}
     unknown = [x for x in levers if x not in known and not (x.startswith("mb") and x[2:].isdigit())]
     if parallelism not in ("ddp", "fsdp2") or unknown:
         raise SystemExit(f"bad variant {variant!r}: ddp|fsdp2 joined with {sorted(known)} or mbN")
-    micro = next((int(x[2:]) for x in levers if x.startswith("mb")), ns.micro_batch)
+    micro = next((int(x[2:]) for x in levers if x.startswith("mb")), None)
     ac = "full" if "ac" in levers else "selective" if "sac" in levers else "none"
+    speed: dict[str, object] = {
+        "micro_batch_size": micro or ns.micro_batch, "logprob_chunk_tokens": 4096 if "head" in levers else None,
+        "torch_compile": "compile" in levers,
+    }  # fmt: skip
+    if "defaults" in levers:  # only the levers the variant names; the others resolve as the config's `auto`
+        named = {"micro_batch_size": micro is not None, "logprob_chunk_tokens": "head" in levers}
+        speed = {k: v for k, v in speed.items() if named.get(k, k == "torch_compile" and "compile" in levers)}
     return TrainConfig(
         parallelism=parallelism, num_ranks=world, device="cuda", dtype="float32" if "fp32" in levers else "bfloat16",
-        micro_batch_size=micro, lr=1e-6, activation_checkpointing=ac, num_threads=8,
-        logprob_chunk_tokens=4096 if "head" in levers else None, torch_compile="compile" in levers,
-        fsdp=FSDPConfig(offload="offload" in levers) if parallelism == "fsdp2" else FSDPConfig(),
+        lr=1e-6, activation_checkpointing=ac, num_threads=8,
+        fsdp=FSDPConfig(offload="offload" in levers) if parallelism == "fsdp2" else FSDPConfig(), **speed,
     )  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -94,6 +106,10 @@ def rank_main(ns: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         step_s = statistics.median(times[2:] if len(times) > 2 else times)
         tokens_per_gpu_s = ns.batch * ns.seq_len / step_s / world
+        cfg = trainer.cfg
+        mb = int(m.get("micro_batch_size", cfg.micro_batch_size))  # type: ignore[call-overload]
+        head = f"head {cfg.chunk_tokens}" if cfg.chunk_tokens else "plain head"
+        out["settings"] = f"compile {'on' if cfg.compiled else 'off'}, {head}, mb {mb}"
         out.update(step_s=step_s, first_step_s=times[0], loss=m["loss"], grad_norm=m["grad_norm"],
                    peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, tokens_per_gpu_s=tokens_per_gpu_s,
                    mfu=flops_per_token(args, ns.seq_len) * tokens_per_gpu_s / (PEAK_TFLOPS * 1e12))  # fmt: skip
@@ -128,7 +144,9 @@ def main() -> int:
         f"{ns.batch} x {ns.seq_len} tokens"
     )
     print(
-        "| variant | step (s) | tokens/s/GPU | MFU | peak memory (GiB) | loss |\n|---|---|---|---|---|---|", flush=True
+        "| variant | settings | step (s) | tokens/s/GPU | MFU | peak memory (GiB) | loss |\n"
+        "|---|---|---|---|---|---|---|",
+        flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="hpcrl-fsdp-") as tmp:
         model_dir = Path(tmp) / "model"
@@ -161,8 +179,8 @@ def main() -> int:
             if "error" in r:
                 print(f"| {variant} | {r['error']} |", flush=True)
                 continue
-            print(f"| {variant} | {r['step_s']:.3f} | {r['tokens_per_gpu_s']:,.0f} | {r['mfu']:.1%} | "
-                  f"{r['peak_mem_gib']:.1f} | {r['loss']:.5f} |", flush=True)  # fmt: skip
+            print(f"| {variant} | {r['settings']} | {r['step_s']:.3f} | {r['tokens_per_gpu_s']:,.0f} | "
+                  f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['loss']:.5f} |", flush=True)  # fmt: skip
     return 0
 
 

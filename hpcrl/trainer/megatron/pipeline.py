@@ -95,14 +95,15 @@ class Pipeline:
         )  # fmt: skip
 
     def _hidden_logprobs(self, model: Any, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        assert self.cfg.logprob_chunk_tokens is not None
+        chunk = self.cfg.chunk_tokens
+        assert chunk is not None
         s, b, h = hidden.shape
         # Rows in the hidden states' own [s, b] order: hidden[:-1] flattens without a copy, the ids are tiny.
         weight = output_weight(model)
         lp, ent = vocab_parallel_hidden_logprobs(
             hidden[:-1].reshape((s - 1) * b, h), weight, ids[:, 1:].t().reshape(-1),
             vocab_start=self.shard.tp_rank * weight.shape[0], vocab_size=self.args.vocab_size, group=self.tp_group,
-            chunk_tokens=self.cfg.logprob_chunk_tokens, compiled=self.cfg.torch_compile,
+            chunk_tokens=chunk, compiled=self.cfg.compiled,
         )  # fmt: skip
         return lp.view(s - 1, b).t(), ent.view(s - 1, b).t()
 
