@@ -109,6 +109,98 @@ def test_the_full_vocabulary_reverse_kl_and_the_expected_gradient_equal_trl_gkd_
     assert torch.allclose(our_grad, trl_grad, rtol=0, atol=1e-7), (our_grad - trl_grad).abs().max()
 
 
+def test_on_a_fixed_batch_of_tiny_models_the_loss_and_gradient_equal_trl_gkd_trainer_lmbda_1_beta_1(
+    tmp_path: Path,
+) -> None:
+    """A student and a bigger teacher (same character tokenizer), one fixed batch of prompts and sampled answers:
+    TRL's `GKDTrainer.compute_loss` (lmbda=1, beta=1: the full-vocabulary reverse KL at each answer position) against
+    hpcrl's distillation loss (the sampled-token advantage `-(log p - log q)` in the policy loss). Per position, the
+    student-weighted mean of hpcrl's per-token loss over every token it could have sampled is TRL's per-token loss;
+    the batch loss and every parameter's gradient equal TRL's to float32 rounding."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from hpcrl.trainer.logprobs import token_logprobs
+
+    small = dict(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)
+    student_dir = init_tiny_model(tmp_path / "student", TinyModelSpec(**small, seed=0))  # type: ignore[arg-type]
+    teacher_dir = init_tiny_model(tmp_path / "teacher", TinyModelSpec(num_layers=2, hidden_size=64, seed=1))
+    tok = AutoTokenizer.from_pretrained(student_dir)
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("3+4=", "12+30=", "7+8=")]
+    torch.manual_seed(0)  # the answers are the student's own samples, as in on-policy distillation
+    responses = []
+    for p in prompts:
+        out = student.generate(
+            torch.tensor([p]), do_sample=True, top_k=0, max_new_tokens=4, pad_token_id=tok.pad_token_id
+        )
+        responses.append(out[0, len(p) :].tolist())
+    args = GKDConfig(
+        output_dir=str(tmp_path / "trl"), lmbda=1.0, beta=1.0, use_cpu=True, report_to=[], max_new_tokens=4
+    )
+    trainer = GKDTrainer(
+        model=student, teacher_model=teacher, args=args, processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": ["3+4="]}), data_collator=lambda rows: rows,
+    )  # fmt: skip
+    # TRL's inputs: prompt + answer, right-padded; labels -100 on the prompt and the padding.
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    input_ids = torch.full((len(prompts), width), tok.pad_token_id)
+    labels = torch.full((len(prompts), width), -100)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+    attention = [[j < len(p) + len(r) for j in range(width)] for p, r in zip(prompts, responses, strict=True)]
+    inputs = {"input_ids": input_ids, "attention_mask": torch.tensor(attention).long(), "labels": labels}
+    params = [q for q in student.parameters() if q.requires_grad]
+    trl_loss = trainer.compute_loss(student, inputs)
+    trl_grads = torch.autograd.grad(trl_loss, params)
+
+    # hpcrl: the trainer's batch, the student's and the teacher's log-probs of each sampled token.
+    batch = TrainBatch.from_sequences(prompts, responses)
+    logits = student(batch.input_ids).logits[:, :-1]
+    with torch.no_grad():
+        teacher_logits = teacher(batch.input_ids).logits[:, :-1]
+    targets = batch.input_ids[:, 1:]
+    sampled_p = token_logprobs(logits.detach(), targets)[0][batch.loss_mask]
+    sampled_q = token_logprobs(teacher_logits, targets)[0][batch.loss_mask]
+    log_p = torch.log_softmax(logits[batch.loss_mask], -1)  # [answer tokens, V]
+    log_q = torch.log_softmax(teacher_logits[batch.loss_mask], -1)
+    assert torch.allclose(log_p.detach().gather(1, targets[batch.loss_mask][:, None])[:, 0], sampled_p, atol=1e-6)
+    positions, vocab = log_p.shape
+    assert positions == int((labels != -100).sum())
+
+    # Every token of the vocabulary as the sampled one at every answer position: one-token rows through hpcrl's
+    # distillation advantage and policy loss, each weighted by the student's probability of that token.
+    rows = TrainBatch.from_sequences(
+        [[1]] * (positions * vocab), [[v] for _ in range(positions) for v in range(vocab)],
+        rollout_logprobs=[[x] for x in log_p.detach().flatten().tolist()],
+    )  # fmt: skip
+    rows, _ = distill_advantages(rows, [[x] for x in log_q.flatten().tolist()], mode="reverse_kl", coef=1.0)
+    lp = log_p.reshape(-1, 1)
+    weights = log_p.detach().exp().reshape(-1, 1)
+    per_token = -(weights * rows.advantages).reshape(positions, vocab).sum(-1)  # E_p[log p - log q] per position
+    trl_per_token = GKDTrainer.generalized_jsd_loss(
+        logits[batch.loss_mask].detach(), teacher_logits[batch.loss_mask], beta=1.0, reduction="none"
+    ).sum(-1)
+    print(f"per-token reverse KL, TRL vs hpcrl: max |diff| {(trl_per_token - per_token).abs().max():.2e}")
+    assert torch.allclose(per_token, trl_per_token, rtol=1e-5, atol=1e-6)
+    ours, _ = policy_loss(
+        lp, lp.detach(), rows.advantages, rows.loss_mask, PolicyLossConfig(), token_weights=weights,
+        loss_scale_tokens=float(positions),
+    )  # fmt: skip
+    assert float(ours.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-5, abs=1e-6)
+    our_grads = torch.autograd.grad(ours, params)
+    gaps = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(our_grads, trl_grads, strict=True)]
+    trl_value = float(trl_loss.detach())
+    print(f"loss TRL {trl_value:.6f} hpcrl {float(ours.detach()):.6f}; worst relative gradient gap {max(gaps):.2e}")
+    for (name, _), a, b in zip(student.named_parameters(), our_grads, trl_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max())), name
+    # The one-sample estimate on the sampled tokens themselves: its batch mean is what distill/reverse_kl logs.
+    print(f"sampled-token estimate {float((sampled_p - sampled_q).mean()):.4f}, full vocabulary {trl_value:.4f}")
+
+
 def test_the_sampled_estimate_averages_to_the_full_vocabulary_reverse_kl() -> None:
     torch.manual_seed(1)
     student_logits, teacher_logits = torch.randn(64), torch.randn(64)
