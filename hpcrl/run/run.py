@@ -168,7 +168,7 @@ class Run:
         if multi_turn:
             self.rollout = EpisodeRollout(
                 cfg.rollout, self.fleet, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed,
-                recover=self.publisher.restore_engines,
+                recover=self.publisher.restore_engines, routes_shape=routes_shape,
             )  # fmt: skip
             self._closers.append(self.rollout.close)
         else:
