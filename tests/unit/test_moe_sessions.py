@@ -113,3 +113,11 @@ def test_each_sampled_token_keeps_the_routes_it_was_sampled_with(
     # Every token's own row is from the request that ran it first: turn 1's through its last but one sampled token.
     assert np.array_equal(replayed[0, :ran_twice].numpy(), engine[0][:ran_twice])
     assert np.array_equal(replayed[0, ran_twice : len(ids) - 1].numpy(), engine[1][ran_twice:])
+
+
+def test_the_embedded_engine_passes_the_start_up_routes_check(moe_engine: EngineProcess) -> None:
+    from hpcrl.engine.sglang import captures_routed_experts, check_routed_experts_capture
+
+    client = EngineClient(moe_engine.url)
+    assert captures_routed_experts(client.server_info()) is True
+    check_routed_experts_capture([client], replay="observe")
