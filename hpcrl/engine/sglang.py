@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.launch import Launch, LaunchSlot, write_private
 
@@ -90,3 +93,38 @@ def sglang_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
         config_file=config_file, seed=slot.seed, weight_version="0", base_gpu_id=slot.position * cfg.tp_size,
     )  # fmt: skip
     return Launch(cmd, {"OMP_NUM_THREADS": str(cfg.num_threads), **sglang_env()})
+
+
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""The SGLang 0.5.16 server flag without which /generate's return_routed_experts answers no routes."""
+
+
+class RoutesNotCapturedError(RuntimeError):
+    """An engine serving a mixture-of-experts model was started without routed-expert capture."""
+
+
+def captures_routed_experts(info: dict[str, Any]) -> bool | None:
+    """Whether a /server_info answer says the server returns routed experts: hpcrl's embedded engine always does;
+    SGLang lists its `enable_return_routed_experts` server argument at the top level and in each scheduler's
+    `internal_states`. None when the answer does not say (an older server)."""
+    if info.get("engine") == "hpcrl-embedded":
+        return True
+    key = "enable_return_routed_experts"
+    if key in info:
+        return bool(info[key])
+    states = [s for s in info.get("internal_states") or () if isinstance(s, dict) and key in s]
+    return all(bool(s[key]) for s in states) if states else None
+
+
+def check_routed_experts_capture(engines: Sequence[EngineClient], *, replay: str, timeout_s: float = 30.0) -> None:
+    """At start-up, before any rollout: each engine must return the routed experts that train.routing_replay
+    (`replay`: observe or rollout) asks of a mixture-of-experts model; a server that says it will not is refused
+    here, naming the flag, rather than at the first step's /generate."""
+    for engine in engines:
+        if captures_routed_experts(engine.server_info(timeout_s=timeout_s)) is False:
+            raise RoutesNotCapturedError(
+                f"the SGLang server at {engine.url} was started without {ROUTED_EXPERTS_FLAG}, so it returns no "
+                f"routed experts, which train.routing_replay: {replay} needs for this mixture-of-experts model: add "
+                f"{ROUTED_EXPERTS_FLAG} to engine.sglang_args (or to the server's command line), or set "
+                "train.routing_replay: off"
+            )

@@ -48,7 +48,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,7 @@ from torch import Tensor
 
 from hpcrl.model import invariant_kernels as kernels
 from hpcrl.model.invariant_config import InvariantKernelsConfig, with_env_overrides
+from hpcrl.model.moe import SparseMoeBlock
 from hpcrl.model.qwen3 import CausalLM, KVCache, ModelArgs, window_band
 from hpcrl.model.rope import RopeScaling
 from hpcrl.model.rope import inv_freq as rope_inv_freq
@@ -438,6 +439,10 @@ def _layer(
     x = add_linear(x, o, at.o_proj.weight)
     mlp, post = layer.mlp, layer.post_attention_layernorm
     h = rms_norm(x, post.weight, post.eps)
+    if a.moe is not None and a.moe.sparse_layers[i]:
+        from hpcrl.model.invariant_moe import sparse_block  # it builds on this module's ops
+
+        return x + sparse_block(cast(SparseMoeBlock, mlp), h, rows)
     if fused is not None:
         gate_up = linear(h, fused[2])
         gate, up = gate_up[:, : a.intermediate_size], gate_up[:, a.intermediate_size :]
@@ -451,7 +456,7 @@ def fusable(args: ModelArgs) -> bool:
     on an output-tile boundary of the CUDA kernel."""
     tile = kernels.SETTINGS.matmul[1]
     widths = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.intermediate_size)
-    return all(w % tile == 0 for w in widths)
+    return args.moe is None and all(w % tile == 0 for w in widths)
 
 
 def _head(model: CausalLM, x: Tensor) -> Tensor:
@@ -497,6 +502,7 @@ def logits(model: CausalLM, input_ids: Tensor, *, kv_out: list[tuple[Tensor, Ten
     on_kernels = kernels.usable(input_ids, a.head_dim)
     row_batch = torch.arange(b, device=device).repeat_interleave(t)
     window: int | None = None  # the layer's, set before each layer
+    model.routing.clear()
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # K and V contiguous as [B, KVH, T, D], the cache's layout: the kernel then sees the same contiguity
@@ -553,6 +559,7 @@ def decode(
     rows = torch.arange(n, device=tokens.device)
     on_kernels = kernels.usable(tokens, a.head_dim)
     layer_i = 0
+    model.routing.clear()
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = cache.k[layer_i], cache.v[layer_i]
@@ -581,7 +588,7 @@ def decode(
 def graphable(model: CausalLM, like: Tensor) -> bool:
     """True when `decode` runs without host syncs on `like`'s device (the CUDA kernels), so a CUDA graph can
     capture it."""
-    return like.is_cuda and kernels.usable(like, model.args.head_dim)
+    return like.is_cuda and kernels.usable(like, model.args.head_dim) and model.args.moe is None
 
 
 def logprob_rows(logits: Tensor) -> Tensor:
@@ -674,8 +681,10 @@ def unsupported_model(args: ModelArgs) -> str | None:
     Odd widths would leave ATen's vectorised loops a scalar tail whose place depends on the row count
     (CHUNK_ROWS x an even width is a multiple of the 32-float loop step); every released dense model is even.
     """
-    if args.moe is not None:
-        return "the batch-invariant forward covers dense models, and this is a mixture-of-experts model"
+    from hpcrl.model.invariant_moe import unsupported
+
+    if unsupported(args) is not None:
+        return unsupported(args)
     widths = {
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,

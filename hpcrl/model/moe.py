@@ -14,7 +14,7 @@ at the forced experts, so the router keeps its gradient and only the discrete ch
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,23 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(flat)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top_p, own = torch.topk(probs, self.moe.top_k, dim=-1)
+        chosen, weights = self.route(logits, probs, own, top_p, b, t)
+        return self._experts(flat, chosen, weights).reshape(b, t, h)
+
+    def route(
+        self,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        own: torch.Tensor,
+        top_p: torch.Tensor,
+        b: int,
+        t: int,
+        row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts [N, k] each of the B*T tokens runs and their gate weights (logits' dtype), from the router's
+        logits [N, E], its fp32 probabilities, its own top-k `own` and their probabilities `top_p`: the replayed
+        experts where `Routing.replay` forces them. Recorded in `routing` for the statistics and the routes.
+        `row_sum` sums each row of k weights for norm_topk_prob (the batch-invariant forward passes its own)."""
         chosen = own
         replay = self.routing.replay
         if replay is not None:
@@ -151,13 +168,13 @@ class SparseMoeBlock(nn.Module):
                 # The forced experts' gate weights from this router's own probabilities: the router keeps its gradient.
                 top_p = probs.gather(1, chosen)
         if self.moe.norm_topk_prob:
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+            top_p = top_p / (row_sum(top_p) if row_sum is not None else top_p.sum(dim=-1))[:, None]
         weights = top_p.to(logits.dtype)
         if self.routing.record_logits:
             self.routing.logits.append(logits)
         self.routing.own.append(own.detach())
         self.routing.chosen.append(chosen.detach())
-        return self._experts(flat, chosen, weights).reshape(b, t, h)
+        return chosen, weights
 
     def _forced(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
         if replay.shape[:2] != (b, t) or replay.shape[3] != self.moe.top_k or replay.dim() != 4:

@@ -15,6 +15,7 @@ from typing import Any
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.fleet import EngineFleet, FleetError
+from hpcrl.model.moe import decode_routes
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.generate import support_stats
 from hpcrl.samples.sample import Example, Group, Sample, sample_seed
@@ -53,9 +54,18 @@ def group_from_episodes(example: Example, results: Sequence[EpisodeResult]) -> G
                     reward_error=result.reward_error,
                     loss_mask=mask[start:],
                     supports=TokenSupports.from_lists(seq["supports"][start:]) if "supports" in seq else None,
+                    routed_experts=_routes(seq),
                 )
             )
     return group
+
+
+def _routes(seq: dict[str, Any]) -> Any:
+    """The sequence's routed experts [tokens - 1, layers, top-k] (the session server's, per turn), None without."""
+    if "routed_experts" not in seq:
+        return None
+    _, layers, top_k = seq["routes_shape"]
+    return decode_routes(seq["routed_experts"], layers, top_k)
 
 
 def rollout_groups(
@@ -135,9 +145,11 @@ class EpisodeRollout:
         tokenizer: Any,
         seed: int,
         recover: Callable[[], None] | None = None,
+        routes_shape: tuple[int, int] | None = None,
     ) -> None:
         """`recover`: restart the fleet's dead engines and give them the served weights (the publisher's
-        restore_engines); None: an episode that no engine could finish stops the run."""
+        restore_engines); None: an episode that no engine could finish stops the run. `routes_shape`: (layers,
+        top-k) of a mixture-of-experts model whose routes the trainer replays (each turn's are kept)."""
         assert cfg.model_family is not None  # RolloutConfig refuses multi_turn without it
         self.cfg, self.seed, self.fleet, self.recover = cfg, seed, fleet, recover
         engines = [slot.client for slot in fleet.slots]
@@ -152,7 +164,9 @@ class EpisodeRollout:
             api_key=self._key,
         )  # fmt: skip
         # The slots' clients as they are now: a restarted engine is a new process behind a new client.
-        self.server = SessionServer(server_cfg, tokenizer=tokenizer, engines=self._engines).start()
+        self.server = SessionServer(
+            server_cfg, tokenizer=tokenizer, engines=self._engines, routes_shape=routes_shape
+        ).start()
         self._metrics: dict[str, float] = {}
 
     def _engines(self) -> list[EngineClient]:

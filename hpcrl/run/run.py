@@ -21,6 +21,7 @@ import torch
 from hpcrl import preemption
 from hpcrl.config import dump_yaml, to_dict
 from hpcrl.engine.fleet import EngineFleet, FleetError
+from hpcrl.engine.sglang import check_routed_experts_capture
 from hpcrl.guard import Guard, OffGuard, ThermalGuard, open_source
 from hpcrl.model.hf import check_model_dir
 from hpcrl.model.moe import replayed_routes_shape
@@ -157,6 +158,8 @@ class Run:
         self._closers.append(self.trainer.close)
         clients = self.placement.start_engines(model_dir)
         self._closers.append(self.placement.stop_engines)
+        if routes_shape is not None:
+            check_routed_experts_capture(clients, replay=cfg.train.routing_replay)
         self.fleet = EngineFleet(cfg.engine, clients, launcher=self.placement.launcher, on_event=self._engine_event)
         self._closers.append(self.fleet.close)
         if teacher is not None:
@@ -168,7 +171,7 @@ class Run:
         if multi_turn:
             self.rollout = EpisodeRollout(
                 cfg.rollout, self.fleet, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed,
-                recover=self.publisher.restore_engines,
+                recover=self.publisher.restore_engines, routes_shape=routes_shape,
             )  # fmt: skip
             self._closers.append(self.rollout.close)
         else:

@@ -33,6 +33,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import numpy as np
+
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.errors import EngineBusyError, EngineError, EngineRequestError, EngineUnreachableError
 from hpcrl.engine.portcheck import bind_error, check_port_free
@@ -40,6 +42,7 @@ from hpcrl.engine.protocol.answers import GenerateResult
 from hpcrl.engine.protocol.requests import SamplingParams
 from hpcrl.engine.supports import checked_supports
 from hpcrl.engine.versions import token_weight_versions
+from hpcrl.model.moe import decode_routes
 from hpcrl.sessions.config import MODES, EpisodeLimits, SessionServerConfig
 from hpcrl.sessions.families import get_family
 from hpcrl.sessions.messages import Message, MessageError, parse_messages, parse_tools
@@ -102,8 +105,13 @@ Engines = list[EngineClient] | Callable[[], Sequence[EngineClient]]
 class SessionService:
     """The HTTP-agnostic core: sessions in memory, each pinned to one engine."""
 
-    def __init__(self, cfg: SessionServerConfig, tokenizer: Any, engines: Engines) -> None:
+    def __init__(
+        self, cfg: SessionServerConfig, tokenizer: Any, engines: Engines, routes_shape: tuple[int, int] | None = None
+    ) -> None:
+        """`routes_shape`: (decoder layers, top-k) of a mixture-of-experts model whose routes the trainer replays:
+        every turn asks its engine for the routed experts and keeps those of the tokens it ran first."""
         self.cfg = cfg
+        self.routes_shape = routes_shape
         self.renderer = Renderer(get_family(cfg.model_family), tokenizer)
         self._engines = engines
         self.sessions: dict[str, Session] = {}
@@ -277,6 +285,7 @@ class SessionService:
         # could keep most of the vocabulary; hpcrl's runs refuse that, and SGLang 0.5.16 will not return it).
         replay = params.top_k > 0
         result = self._generate(session, history + prompt_ids, params, rid=f"{session.id}-{seq}", replay=replay)
+        routes = self._routes(session, result, len(history) + len(prompt_ids), first=max(len(history) - 1, 0))
         if result.aborted or result.output_token_logprobs is None:
             why = "aborted the request" if result.aborted else "returned no log-probs"
             raise SessionError(502, f"the engine {why}; nothing was recorded, the request may be retried")
@@ -304,6 +313,7 @@ class SessionService:
             output_ids=list(result.output_ids),
             logprobs=logprobs,
             supports=supports,
+            routes=routes,
             weight_versions=versions,
             finish_reason=finish,
             message=parsed.message,
@@ -335,7 +345,7 @@ class SessionService:
                 try:
                     result = engine.generate(
                         ids, params, rid=rid if attempt == 0 else f"{rid}-resend", return_sampling_mask=replay,
-                        timeout_s=self.cfg.request_timeout_s,
+                        return_routed_experts=self.routes_shape is not None, timeout_s=self.cfg.request_timeout_s,
                     )  # fmt: skip
                 except EngineUnreachableError as exc:
                     if attempt == 0 and _answers_health(engine):
@@ -363,6 +373,30 @@ class SessionService:
                 session.engine_index = index
                 return result
         raise SessionError(502, f"every engine failed; nothing was recorded, it may be retried: {'; '.join(failures)}")
+
+    def _routes(self, session: Session, result: GenerateResult, num_input: int, *, first: int) -> np.ndarray | None:
+        """The routes of the tokens this request ran first (from `first`), checked to cover every token it ran:
+        [input + output - 1, layers, top-k] in the engine's answer. None when routes are not asked for."""
+        if self.routes_shape is None:
+            return None
+        url = self.engines[session.engine_index].url
+        text = result.meta_info.get("routed_experts")
+        if not isinstance(text, str):
+            raise SessionError(
+                502, f"the engine at {url} answered no meta_info.routed_experts, which routing replay needs: start "
+                "SGLang with --enable-return-routed-experts (or set train.routing_replay: off); nothing was recorded",
+            )  # fmt: skip
+        try:
+            routes = decode_routes(text, *self.routes_shape)
+        except ValueError as exc:
+            raise SessionError(502, f"the engine at {url}: {exc}; nothing was recorded") from None
+        want = (num_input + len(result.output_ids) - 1, *self.routes_shape)
+        if routes.shape != want:
+            raise SessionError(
+                502, f"the engine at {url} answered routed experts of shape {routes.shape}, but this turn's "
+                f"{want[0] + 1} tokens on this model need {want}; nothing was recorded",
+            )  # fmt: skip
+        return routes[first:]
 
     def _completion(self, session: Session, turn: Turn, want_logprobs: bool) -> dict[str, Any]:
         finish = "length" if turn.finish_reason == "length" else "tool_calls" if turn.message.tool_calls else "stop"
@@ -567,10 +601,16 @@ class SessionServer:
     """The HTTP server on a thread; `url` is where it listens (port 0 picks a free one)."""
 
     def __init__(
-        self, cfg: SessionServerConfig, *, tokenizer: Any | None = None, engines: Engines | None = None
+        self,
+        cfg: SessionServerConfig,
+        *,
+        tokenizer: Any | None = None,
+        engines: Engines | None = None,
+        routes_shape: tuple[int, int] | None = None,
     ) -> None:
         """`engines`: clients the caller owns (a run's, with their keys) instead of ones made from cfg.engine_urls,
-        or a function giving them as they are at each turn (a run's fleet, which restarts dead engines)."""
+        or a function giving them as they are at each turn (a run's fleet, which restarts dead engines).
+        `routes_shape`: see SessionService."""
         from hpcrl.sessions.cli import load_tokenizer
 
         check_port_free(cfg.host, cfg.port, what="the session server")  # before the tokenizer loads
@@ -579,7 +619,8 @@ class SessionServer:
             engines = [
                 EngineClient(u, api_key=cfg.engine_api_key, timeout_s=cfg.request_timeout_s) for u in cfg.engine_urls
             ]
-        self.service = SessionService(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.model), engines)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.service = SessionService(cfg, tokenizer, engines, routes_shape)
         handler = type("Handler", (_Handler,), {"service": self.service})
         try:
             self.httpd = _HTTPServer((cfg.host, cfg.port), handler)

@@ -8,6 +8,10 @@ Linear sessions accept only requests that extend the latest turn's history (else
 diverged) and yield one training sequence. Branching sessions attach a request to the deepest turn whose history it
 extends (none: a new root), and yield one sequence per leaf; a turn shared by several leaves is trained in the
 first leaf only, so a shared prefix counts once.
+
+Routed experts (a mixture-of-experts model under routing replay) are kept per turn, for the tokens that turn's
+request ran first: a later turn's request runs the whole history again (a re-prefill, maybe on other weights or in
+another batch), but a token's routes stay those of the forward that sampled the tokens after it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from hpcrl.model.moe import encode_routes
 from hpcrl.sessions.config import EpisodeLimits
 from hpcrl.sessions.messages import Message, same_message
 
@@ -48,6 +55,10 @@ class Turn:
     supports: list[list[int]] | None = None
     """Per output token, the ids top-k let the engine draw from (top-k requests only); `logprobs` are then
     renormalised over them."""
+    routes: np.ndarray | None = None
+    """[tokens, layers, top-k] int32 routed experts of the tokens this turn's request ran first: from the last token
+    of the history (a turn's last sampled token is run by the next turn's request only) through the last but one
+    sampled; a root's from its first token. None when the engine was not asked for routes."""
     children: list[Turn] = field(default_factory=list)
 
     @property
@@ -93,6 +104,9 @@ class TrainingSequence:
     turns: list[int]
     finish_reason: str
     supports: list[list[int]] | None = None
+    routed_experts: np.ndarray | None = None
+    """[len(token_ids) - 1, layers, top-k] int32 (when every turn has routes): each token's routed experts, from the
+    request that ran it first, so every sampled token is scored with the routes it was sampled with."""
 
     @property
     def prompt_length(self) -> int:
@@ -100,14 +114,24 @@ class TrainingSequence:
         return next((i for i, m in enumerate(self.loss_mask) if m), len(self.loss_mask))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "token_ids": self.token_ids,
-            "loss_mask": self.loss_mask,
-            "logprobs": self.logprobs,
-            "weight_versions": self.weight_versions,
-            "turns": self.turns,
-            "finish_reason": self.finish_reason,
-        } | ({"supports": self.supports} if self.supports is not None else {})
+        return (
+            {
+                "token_ids": self.token_ids,
+                "loss_mask": self.loss_mask,
+                "logprobs": self.logprobs,
+                "weight_versions": self.weight_versions,
+                "turns": self.turns,
+                "finish_reason": self.finish_reason,
+            }
+            | ({"supports": self.supports} if self.supports is not None else {})
+            | self._routes_dict()
+        )
+
+    def _routes_dict(self) -> dict[str, Any]:
+        if self.routed_experts is None:
+            return {}
+        # SGLang's wire encoding, with the shape that decode_routes needs.
+        return {"routed_experts": encode_routes(self.routed_experts), "routes_shape": list(self.routed_experts.shape)}
 
 
 class Session:
@@ -207,11 +231,15 @@ class Session:
                 if replayed:
                     supports += [[t] for t in turn.prompt_ids] + list(turn.supports or [])
             turns = [t.seq for t in path]
+            routes = None
+            if all(turn.routes is not None for turn in path):
+                routes = np.concatenate([turn.routes for turn in path if turn.routes is not None])
             out.append(
                 TrainingSequence(
-                    ids, mask, logprobs, versions, turns, leaf.finish_reason, supports=supports if replayed else None
+                    ids, mask, logprobs, versions, turns, leaf.finish_reason, supports=supports if replayed else None,
+                    routed_experts=routes,
                 )
-            )
+            )  # fmt: skip
         return out
 
     def summary(self) -> dict[str, Any]:
