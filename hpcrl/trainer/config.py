@@ -164,8 +164,9 @@ class TrainConfig:
     """Sequences per forward/backward; gradients accumulate over a step's micro-batches. `auto`: 16 off CUDA and
     under backend: megatron; torch backend on CUDA: per batch, the largest of 16, 8, 4, 2, 1 whose activation
     estimate for the batch's padded length fits the GPU memory left after the model state (the memory plan),
-    agreed by every rank. The "trainer plan:" line names the sizes per sequence length, and each step's metrics
-    record the one used (micro_batch_size)."""
+    agreed by every rank and kept in checkpoints (a resume cuts its batches alike). The run's config.yaml keeps
+    `auto` there (the size depends on the GPU and on each batch's length): the "trainer plan:" line names the
+    sizes per sequence length, and each step's metrics record the one used (micro_batch_size)."""
     global_batch_size: int | None = None
     """Samples per optimizer step: one rollout batch (prompts_per_step x n_samples_per_prompt) is split, in its
     order, into batch / global_batch_size mini-batches, each one optimizer step and each split over the ranks.
@@ -412,7 +413,8 @@ class TrainConfig:
 AUTO_CHUNK_TOKENS = 4096
 """logprob_chunk_tokens: auto on CUDA: chunks of 4096 tokens keep the fused head's [chunk x vocab] workspace small
 (2.5 GB in fp32 at a 151,936-token vocabulary) while each chunk's GEMM still fills the GPU."""
-CPU_MICRO_BATCH_SIZE = 16
+FIXED_MICRO_BATCH_SIZE = 16
+"""micro_batch_size: auto where no GPU memory is measured: on a CPU, and under backend: megatron."""
 
 
 def resolve_device_defaults(cfg: TrainConfig) -> None:
@@ -429,7 +431,7 @@ def resolve_device_defaults(cfg: TrainConfig) -> None:
         object.__setattr__(cfg, "logprob_chunk_tokens", AUTO_CHUNK_TOKENS if cuda and plain else None)
         resolved.add("logprob_chunk_tokens")
     if cfg.micro_batch_size == "auto" and not (cuda and cfg.backend == "torch"):
-        object.__setattr__(cfg, "micro_batch_size", CPU_MICRO_BATCH_SIZE)
+        object.__setattr__(cfg, "micro_batch_size", FIXED_MICRO_BATCH_SIZE)
         resolved.add("micro_batch_size")
     object.__setattr__(cfg, "auto_resolved", frozenset(resolved))
 

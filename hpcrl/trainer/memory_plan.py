@@ -148,7 +148,9 @@ def activation_bytes(cfg: TrainConfig, args: ModelArgs, rows: int, seq_len: int)
     size = _BYTES[fsdp_dtypes(cfg)[0] if cfg.parallelism == "fsdp2" else cfg.dtype]
     h, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    whole_layer = 6 * h + 3 * q + 4 * kv + 4 * inter  # norms, residuals, q/k/v before and after RoPE, SwiGLU
+    # Residuals, q/k/v before and after RoPE, attention's output, SwiGLU's four [tokens x intermediate] tensors,
+    # and the RMSNorms' float32 copies of their inputs (eager; compiled layers keep less).
+    whole_layer = 14 * h + 7 * q + 8 * kv + 4 * inter
     kept = {"none": whole_layer, "selective": 2 * h + 2 * q + 2 * kv + 2 * inter, "full": h}
     # Under checkpointing one layer's activations are rebuilt whole during its backward.
     per_token = args.num_layers * kept[cfg.activation_checkpointing] + (

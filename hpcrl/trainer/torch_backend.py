@@ -122,10 +122,13 @@ class TorchTrainer:
             raise ValueError(problem)
         auto_micro_batch = None
         micro_batch = f"micro_batch_size {cfg.micro_batch_size}"
+        self.activation_budget: int | None = None
+        """micro_batch_size: auto: the bytes activations may use, the same on every rank (checkpointed: a resume
+        cuts its batches as the run did)."""
         if cfg.micro_batch_size == "auto":  # CUDA (TrainConfig resolves it elsewhere): measured before the model loads
-            budget = activation_budget(plan, cfg, self.device)
-            auto_micro_batch = functools.partial(micro_batch_for, cfg, args, budget)
-            micro_batch = auto_micro_batch_line(cfg, args, budget)
+            self.activation_budget = activation_budget(plan, cfg, self.device)
+            auto_micro_batch = functools.partial(self._micro_batch_for, args)
+            micro_batch = auto_micro_batch_line(cfg, args, self.activation_budget)
         if rank == 0:
             print(f"{plan.line(cfg.parallelism)}; {settings_line(cfg)}; {micro_batch}", flush=True)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
@@ -171,6 +174,10 @@ class TorchTrainer:
         self.dp_rank, self.dp_size = rank, world_size
         self.nan_guard = NanGuard(cfg.max_nan_steps)
         self.step = TrainStep(self, cfg, self.nan_guard, auto_micro_batch=auto_micro_batch)
+
+    def _micro_batch_for(self, args: ModelArgs, seq_len: int) -> int:
+        assert self.activation_budget is not None
+        return micro_batch_for(self.cfg, args, self.activation_budget, seq_len)
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         optimizer = torch.optim.AdamW(
@@ -283,6 +290,8 @@ class TorchTrainer:
         # Sharded: every tensor gathered whole in turn, kept by rank 0 alone; a checkpoint is the same as DDP's.
         tensors = host_state(named, keep=not self.collective or self.rank == 0)
         state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
+        if self.activation_budget is not None:
+            state["activation_budget_bytes"] = self.activation_budget
         metas = {c.name: c.checkpoint_meta(self.model) for c in self.converters}
         if any(metas.values()):
             state["converters"] = {name: meta for name, meta in metas.items() if meta}
@@ -338,6 +347,11 @@ class TorchTrainer:
                 "with the train.converters and train.freeze_modules the run was started with"
             ) from exc
         self.nan_guard.in_a_row = int(state.get("num_nan_in_a_row", 0))
+        saved = state.get("activation_budget_bytes")
+        if self.activation_budget is not None and saved is not None:
+            # The run's own budget, so its batches get the same micro-batches (bitwise resumes), unless this
+            # machine has less room than the one that wrote the checkpoint.
+            self.activation_budget = min(int(saved), self.activation_budget)
 
     def _check_frozen(self, model_state: dict[str, Tensor]) -> None:
         """A parameter that does not train is left out of pushes, so engines serve the copy they loaded from

@@ -1,4 +1,5 @@
-"""train.parallelism: fsdp2 on one CUDA device (NCCL): the same step as DDP, CPU offload, the memory plan's refusal.
+"""train.parallelism: fsdp2 on one CUDA device (NCCL): the same step as DDP, CPU offload, the memory plan's refusal,
+the CUDA defaults (compiled layers, the fused head, micro-batches sized from free memory).
 
 Skipped without CUDA. On the GPU machine: `PYTHONPATH=. python3 -m pytest tests/gpu/test_fsdp_gpu.py -q`; MFU and
 peak memory against DDP: `python tools/gpu/fsdp_mfu.py --shape qwen3-1.7b` (and --shape qwen3-4b, qwen3-8b).
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.trainer.config import FSDPConfig
+from hpcrl.trainer.config import FSDPConfig, TrainConfig
 from hpcrl.trainer.sharded_state import gather_full
 from hpcrl.trainer.torch_backend import TorchTrainer
 from tests.unit.fsdp_ranks import config, fixed_batch, pushed
@@ -67,3 +68,21 @@ def test_a_model_state_too_big_for_the_gpu_is_refused_with_the_fix(tmp_path: Pat
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"131\.05 GB per GPU.*train\.parallelism: fsdp2"):
         TorchTrainer(config("ddp", 1, device="cuda"), tmp_path)
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_cuda_defaults_compile_fuse_the_head_and_size_micro_batches_from_free_memory(
+    tiny_model_dir: Path, parallelism: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = TrainConfig(device="cuda", dtype="bfloat16", parallelism=parallelism, lr=1e-3)
+    assert (cfg.torch_compile, cfg.logprob_chunk_tokens, cfg.micro_batch_size) == (True, 4096, "auto")
+    trainer = TorchTrainer(cfg, tiny_model_dir)
+    line = capsys.readouterr().out
+    assert "torch_compile on, fused log-prob head in chunks of 4096 tokens" in line
+    assert "micro_batch_size auto (" in line and "1 beyond" in line
+    assert trainer.activation_budget is not None and trainer.activation_budget > 10**9
+    metrics = trainer.train_grpo(fixed_batch(trainer.model.args.vocab_size))
+    assert metrics["micro_batch_size"] == 16  # a tiny model's short sequences: the largest size fits
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    _, state = trainer.state()
+    assert state["activation_budget_bytes"] == trainer.activation_budget  # a resume cuts batches alike

@@ -29,7 +29,11 @@ from hpcrl.trainer.ranks import init_trainer_group
 from hpcrl.trainer.sharded_state import gather_full
 from hpcrl.trainer.torch_backend import TorchTrainer
 
-TRAIN = dict(lr=1e-2, micro_batch_size=2, kl_coef=0.1, entropy_coef=0.01, num_threads=1)
+# The speed settings pinned: on CUDA their `auto` would compile and fuse the head, which these comparisons leave out.
+TRAIN = dict(
+    lr=1e-2, micro_batch_size=2, kl_coef=0.1, entropy_coef=0.01, num_threads=1, torch_compile=False,
+    logprob_chunk_tokens=None,
+)  # fmt: skip
 
 
 def fixed_batch(vocab: int, num_samples: int = 6) -> TrainBatch:

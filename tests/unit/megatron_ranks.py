@@ -39,7 +39,10 @@ from safetensors.torch import load_file, save_file
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 
-TRAIN = dict(lr=1e-2, micro_batch_size=4, kl_coef=0.1, entropy_coef=0.01)
+# The speed settings pinned (their CUDA `auto` compiles and fuses the head; the `levers` scenario sets them).
+TRAIN = dict(
+    lr=1e-2, micro_batch_size=4, kl_coef=0.1, entropy_coef=0.01, torch_compile=False, logprob_chunk_tokens=None
+)
 NO_KL = dict(TRAIN, kl_coef=0.0)  # replay refuses the KL to the reference (a full-vocabulary score)
 PPO_SAMPLES = 8
 PPO_CASES: dict[str, dict] = {

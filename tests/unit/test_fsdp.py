@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,12 @@ from safetensors.torch import load_file
 
 from hpcrl.model.qwen3 import ModelArgs
 from hpcrl.store.checkpoint import checkpoint_file, load_checkpoint, save_checkpoint
+from hpcrl.store.metrics import load_metrics
 from hpcrl.trainer.config import FSDPConfig, TrainConfig
 from hpcrl.trainer.memory_plan import fit_problem_on, plan_memory
 from hpcrl.trainer.torch_backend import TorchTrainer
 from hpcrl.weightwire.finite import first_non_finite
-from tests.support import SMALL, free_port, hpcrl
+from tests.support import SMALL, assert_same_metrics, final_weights, free_port, hpcrl, signal_at_step
 from tests.unit.fsdp_ranks import config, fixed_batch, gradients, pushed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,10 +160,19 @@ def test_the_memory_plan_divides_the_state_by_the_shards_and_refuses_what_cannot
     assert problem is not None and "100.00 GB is available" in problem and "more ranks" in problem
 
 
-def test_two_fsdp2_ranks_run_the_quickstart_and_one_resumes_it(workdir: Path) -> None:
-    args = [*SMALL[1:], "sft.num_steps=0", "checkpoint.every_steps=1", "train.parallelism=fsdp2"]
-    hpcrl("run", "qs.yaml", *args, "num_steps=2", "train.num_ranks=2", "--run-dir", "r", cwd=workdir)
-    assert (workdir / "r" / "logs" / "trainer-rank1.log").is_file()
-    out = hpcrl("run", "qs.yaml", *args, "num_steps=3", "train.num_ranks=1", "--run-dir", "r", cwd=workdir)
-    assert "resumed from" in out.stdout and "step    3/3" in out.stdout
-    assert (workdir / "r" / "model" / "model.safetensors").is_file()
+def test_two_fsdp2_ranks_resume_after_sigterm_bitwise(workdir: Path) -> None:
+    # Resumes on another rank count (2 -> 4 -> 1): test_fsdp2_matches_ddp_and_checkpoints_move_between_rank_counts.
+    two = [*SMALL[1:], "sft.num_steps=0", "checkpoint.every_steps=1", "train.parallelism=fsdp2", "num_steps=2"]
+    two.append("train.num_ranks=2")
+    hpcrl("run", "qs.yaml", *two, "--run-dir", "full", cwd=workdir)
+    assert (workdir / "full" / "logs" / "trainer-rank1.log").is_file()
+    proc = signal_at_step(workdir, two, "cut", 1, signal.SIGTERM)
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    assert "received SIGTERM: checkpointed step" in rest
+    out = hpcrl("run", "qs.yaml", *two, "--run-dir", "cut", cwd=workdir)
+    assert "resumed from" in out.stdout and "step    2/2" in out.stdout
+    # The same rank count: the resumed run is the unbroken one, bit for bit.
+    assert_same_metrics(load_metrics(workdir / "full" / "metrics.h5"), load_metrics(workdir / "cut" / "metrics.h5"))
+    a, b = final_weights(workdir / "full"), final_weights(workdir / "cut")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[name], b[name]) for name in a)
