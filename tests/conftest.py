@@ -95,20 +95,53 @@ def shared_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     eng.stop()
 
 
-@pytest.fixture
-def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
-    """A directory with the quickstart config pointed at the session's tiny model."""
+def quickstart_dir(path: Path, tiny_model_dir: Path) -> Path:
+    """`path` with the quickstart config (qs.yaml) pointed at the tiny model."""
     text = (Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml").read_text()
     lines = [line for line in text.splitlines() if not line.strip().startswith("#")]
     cfg = "\n".join(lines).replace("path: runs/models/tiny-qwen3", f"path: {tiny_model_dir}")
-    (tmp_path / "qs.yaml").write_text(cfg)
-    return tmp_path
+    (path / "qs.yaml").write_text(cfg)
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A directory with the quickstart config pointed at the session's tiny model."""
+    return quickstart_dir(tmp_path, tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, str]:
+    """`hpcrl run qs.yaml SMALL` to its end, once: its run dir (tests read it or change a copy, never it) and
+    its stdout."""
+    from tests.support import SMALL, hpcrl
+
+    workdir = quickstart_dir(tmp_path_factory.mktemp("small"), tiny_model_dir)
+    out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "run", cwd=workdir)
+    return workdir / "run", out.stdout
+
+
+# Session fixtures that make a run: their tests share a worker under xdist, so each is made once.
+SHARED_RUNS = ("small_run",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) the Slurm tests share one worker: they share one
     # cluster, and the preemption tests requeue every job of a partition, a concurrent test's job too.
+    # The tests of a module that use one of its module-scoped fixtures (an engine, a finished run) share a worker
+    # too: spread over both, each worker would start the fixture again.
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.get_closest_marker("xdist_group") is None:
+            group = next((f"fixture:{name}" for name in SHARED_RUNS if name in item.fixturenames), None)
+            if group is None and _uses_a_module_fixture(item):
+                group = f"module-fixture:{item.nodeid.split('::')[0]}"
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())

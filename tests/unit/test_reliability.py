@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from hpcrl.rollout.rewards import ScoringInterrupted, score
 from hpcrl.run_config import load_run_config
 from hpcrl.store import load_events, load_metrics, load_root_attrs
 from hpcrl.store.checkpoint import load_checkpoint, save_checkpoint
+from tests.conftest import quickstart_dir
 from tests.support import signal_at_line
 
 TINY = [
@@ -64,6 +66,19 @@ def refused(out: subprocess.CompletedProcess[str], code: int = 2) -> str:
     return lines[0]
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A finished TINY run (2 steps, a checkpoint each), made once: tests change copies of it, never it."""
+    workdir = quickstart_dir(tmp_path_factory.mktemp("finished"), tiny_model_dir)
+    ok(run(workdir, "r"))
+    return workdir / "r"
+
+
+def finished(finished_run: Path, workdir: Path, name: str = "r") -> Path:
+    """A copy of the finished run as `workdir/name`: what `ok(run(workdir, name))` leaves there."""
+    return Path(shutil.copytree(finished_run, workdir / name, symlinks=True))
+
+
 def snapshot(path: Path) -> dict[str, str]:
     """Every file under `path` with a digest of its bytes."""
     return {
@@ -95,8 +110,8 @@ def test_a_run_dir_without_checkpoints_is_refused_until_restart_moves_it_aside(w
     assert list(load_metrics(workdir / "r" / "metrics.h5")["step"]) == [0, 1, 2]
 
 
-def test_unreadable_checkpoints_are_kept_never_deleted(workdir: Path) -> None:
-    ok(run(workdir, "r"))
+def test_unreadable_checkpoints_are_kept_never_deleted(workdir: Path, finished_run: Path) -> None:
+    finished(finished_run, workdir)
     ckpts = workdir / "r" / "checkpoints"
     for path in ckpts.iterdir():
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated, as by a full disk
@@ -107,7 +122,7 @@ def test_unreadable_checkpoints_are_kept_never_deleted(workdir: Path) -> None:
 
     # Only the newest is damaged: the run resumes from the older one and rewrites step 2 under a name
     # that would overwrite the damaged file; that file is kept aside instead.
-    ok(run(workdir, "s"))
+    finished(finished_run, workdir, "s")
     damaged = (workdir / "s" / "checkpoints" / "step_00000002.h5").read_bytes()[:1000]
     (workdir / "s" / "checkpoints" / "step_00000002.h5").write_bytes(damaged)
     out = ok(run(workdir, "s"))
@@ -154,8 +169,8 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_is_untouched(wo
 # ----- items 4, 5: the config check -----
 
 
-def test_the_config_check_falls_back_to_metrics_h5_and_names_the_keys(workdir: Path) -> None:
-    ok(run(workdir, "r"))
+def test_the_config_check_falls_back_to_metrics_h5_and_names_the_keys(workdir: Path, finished_run: Path) -> None:
+    finished(finished_run, workdir)
     (workdir / "r" / "config.yaml").unlink()
     before = snapshot(workdir / "r")
     message = refused(run(workdir, "r", "train.lr=1e-3", "rollout.temperature=0.5"))
@@ -201,9 +216,9 @@ def test_a_non_finite_config_value_stops_hpcrl_run_before_it_writes(workdir: Pat
     assert not (workdir / "r").exists()
 
 
-def test_nan_weights_are_neither_pushed_nor_checkpointed(workdir: Path) -> None:
+def test_nan_weights_are_neither_pushed_nor_checkpointed(workdir: Path, finished_run: Path) -> None:
     # A checkpoint written with NaN weights (as train.lr=.inf did before it was refused) is resumed.
-    ok(run(workdir, "r"))
+    finished(finished_run, workdir)
     path = workdir / "r" / "checkpoints" / "step_00000001.h5"
     ckpt = load_checkpoint(path)
     ckpt.tensors["model/model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
@@ -360,8 +375,10 @@ def test_user_errors_get_a_message_not_a_traceback(workdir: Path) -> None:
     assert (workdir / "notes.txt").read_text() == "mine\n"
 
 
-def test_fewer_num_steps_than_done_is_refused_and_a_resume_supersedes_finished(workdir: Path) -> None:
-    ok(run(workdir, "r"))
+def test_fewer_num_steps_than_done_is_refused_and_a_resume_supersedes_finished(
+    workdir: Path, finished_run: Path
+) -> None:
+    finished(finished_run, workdir)
     before = snapshot(workdir / "r")
     message = refused(run(workdir, "r", "num_steps=1"))
     assert "holds 2 steps but num_steps=1" in message and "num_steps >= 2" in message

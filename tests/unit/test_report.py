@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,30 +23,15 @@ from hpcrl.report.summary import WINDOW_METRICS, compare, fmt, largest_step_chan
 from hpcrl.store.metrics import MetricsWriter, StoreError, load_events, load_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-NUM_STEPS = 6
-SMALL = [
-    f"num_steps={NUM_STEPS}",
-    "sft.num_steps=20",
-    "sft.batch_size=16",
-    "data.prompts_per_step=4",
-    "rollout.n_samples_per_prompt=4",
-    "rollout.max_new_tokens=6",
-]
+NUM_STEPS = 6  # the steps of the shared run (tests.support.SMALL)
 RUN_PLOTS = {"reward.png", "timing.png", "logprob_gap.png", "train.png", "throughput.png"}
 OPTIONAL_PLOTS = {"thermal.png", "async.png", "memory.png"}
 
 
 @pytest.fixture(scope="module")
-def real_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real 6-step GRPO run (embedded engine, real HDF5), shared by the module: ~10 s on 2 cores."""
-    work = tmp_path_factory.mktemp("report_run")
-    text = (REPO / "experiments" / "quickstart.yaml").read_text()
-    (work / "qs.yaml").write_text(text.replace("path: runs/models/tiny-qwen3", f"path: {tiny_model_dir}"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "hpcrl.cli", "run", "qs.yaml", *SMALL, "--run-dir", "run"]
-    out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return work / "run"
+def real_run(small_run: tuple[Path, str]) -> Path:
+    """One real 6-step GRPO run (embedded engine, real HDF5), shared by the session: the tests only read it."""
+    return small_run[0]
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,9 @@ def test_a_run_whose_reward_exits_stops_with_a_message_and_an_event(
     )
     out = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "experiments" / "quickstart.yaml"),
-         f"model.path={tiny_model_dir}", "num_steps=2", "reward.fn=exiting_reward.reward", "--run-dir", "r"],
+         f"model.path={tiny_model_dir}", "num_steps=2", "reward.fn=exiting_reward.reward", "--run-dir", "r",
+         # The first reward call exits: no SFT warm start and one small step's rollout lead to it.
+         "sft.num_steps=0", "data.prompts_per_step=2", "rollout.n_samples_per_prompt=2"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

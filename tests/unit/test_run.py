@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -21,10 +22,9 @@ from tests.support import (
 )
 
 
-def test_run_writes_metrics_checkpoints_and_model(workdir: Path) -> None:
-    out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
-    assert "step    6/6 | reward" in out.stdout and "ETA" in out.stdout
-    run = workdir / "r"
+def test_run_writes_metrics_checkpoints_and_model(workdir: Path, small_run: tuple[Path, str]) -> None:
+    run, stdout = small_run
+    assert "step    6/6 | reward" in stdout and "ETA" in stdout
     m = load_metrics(run / "metrics.h5")
     assert list(m["step"]) == list(range(6))
     for key in (
@@ -45,12 +45,13 @@ def test_run_writes_metrics_checkpoints_and_model(workdir: Path) -> None:
     exported = AutoModelForCausalLM.from_pretrained(run / "model")
     assert sum(p.numel() for p in exported.parameters()) > 0
     assert (run / "config.yaml").is_file() and (run / "logs" / "engine-0.log").is_file()
+    shutil.copytree(run, workdir / "r", symlinks=True)
     again = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
     assert "already finished" in again.stdout
 
 
-def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
-    hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "full", cwd=workdir)
+def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path, small_run: tuple[Path, str]) -> None:
+    full = small_run[0]
     kill_after = random.Random().randint(1, 4)
     print(f"killing after checkpoint-free progress past step {kill_after}")
     proc = signal_at_step(workdir, SMALL, "cut", kill_after + 1, signal.SIGKILL)
@@ -59,9 +60,9 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
     out = hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "cut", cwd=workdir)
     if kill_after >= 1:
         assert "resumed from" in out.stdout
-    assert_same_metrics(load_metrics(workdir / "full" / "metrics.h5"), load_metrics(workdir / "cut" / "metrics.h5"))
+    assert_same_metrics(load_metrics(full / "metrics.h5"), load_metrics(workdir / "cut" / "metrics.h5"))
     a, b = (
-        load_file(workdir / "full" / "model" / "model.safetensors"),
+        load_file(full / "model" / "model.safetensors"),
         load_file(workdir / "cut" / "model" / "model.safetensors"),
     )
     assert sorted(a) == sorted(b)
@@ -73,8 +74,8 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_run(workdir: Path) -> None:
     assert ps.stdout.strip() == ""
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(workdir: Path) -> None:
-    hpcrl("run", "qs.yaml", *SMALL, "--run-dir", "r", cwd=workdir)
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(workdir: Path, small_run: tuple[Path, str]) -> None:
+    shutil.copytree(small_run[0], workdir / "r", symlinks=True)
     first = load_metrics(workdir / "r" / "metrics.h5")
     latest = workdir / "r" / "checkpoints" / "step_00000006.h5"
     data = bytearray(latest.read_bytes())
