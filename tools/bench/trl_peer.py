@@ -7,7 +7,7 @@ Run by tools/bench/step_time.py --peer trl with the python of a venv that has tr
 FILE is JSON: {"prompts": [...], "answers": [...]}, the prompts of hpcrl's steps in order (16 per step).
 The step is TRL's own training step: transformers `generate` for 16 prompts x 8 samples (<= 8 new tokens,
 temperature 1), the reward, one forward/backward and AdamW step; no reference model (beta 0, as hpcrl's
-kl_coef 0), logging off so only the step is timed.
+kl_coef 0), logging off so only the step is timed; float32 on both sides (GRPOConfig's own default is bf16).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main() -> int:
         cfg = GRPOConfig(
             output_dir=out,
             use_cpu=True,
+            bf16=False,  # GRPOConfig's default is bf16 autocast; hpcrl's side computes in float32
             per_device_train_batch_size=128,
             num_generations=8,
             gradient_accumulation_steps=1,
