@@ -26,6 +26,7 @@ from hpcrl.engine.joined import (
     model_identity,
     refusal_path,
 )
+from hpcrl.report.build import build_report
 from hpcrl.rollout.ledger import ledger_problems
 from hpcrl.slurm.join import check_joinable
 from hpcrl.store import load_events, load_metrics
@@ -83,6 +84,31 @@ def test_joining_needs_a_disk_delta_run_with_the_same_model(tmp_path: Path, tiny
         check_joinable(tmp_path)
 
 
+def test_the_join_job_script_runs_the_runs_engines_on_another_partition(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpcrl.cli import main
+
+    run = tmp_path / "r"
+    run.mkdir()
+    config = f"name: demo\nmodel:\n  path: {tiny_model_dir}\nsync:\n  transport: disk_delta\nslurm:\n  partition: gpu\n"
+    (run / "config.yaml").write_text(config + "  engines:\n    gpus_per_node: 2\n")
+    out = tmp_path / "join.sbatch"
+    argv = ["sbatch", "--engines-only", "--join", str(run), "slurm.partition=scavenger", "-o", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "#SBATCH --partition=scavenger" in text and "#SBATCH --gpus-per-node=2" in text
+    assert "#SBATCH --no-requeue" in text and "#SBATCH --job-name=demo-join" in text
+    assert f"RUN_DIR={run}\n" in text and text.rstrip().endswith('-m hpcrl.cli engine join "$RUN_DIR"')
+    capsys.readouterr()
+    # The engines must be the run's: only the slurm section may change; and only a disk_delta run takes them.
+    assert main(["sbatch", "--engines-only", "--join", str(run), "engine.tp_size=2"]) == 2
+    assert "only slurm.* may be changed (got ['engine.tp_size=2'])" in capsys.readouterr().err
+    (run / "config.yaml").write_text(config.replace("disk_delta", "distributed"))
+    assert main(["submit", "--engines-only", "--join", str(run)]) == 2
+    assert "start the run with sync.transport=disk_delta" in capsys.readouterr().err
+
+
 STEPS = 8
 
 
@@ -136,6 +162,8 @@ def test_an_engine_joins_an_async_run_mid_way_serves_the_current_version_and_its
     ledger = json.loads((tmp_path / "r" / "prompt_ledger.json").read_text())
     assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
     assert not np.isnan(m["fleet/engines_live"]).any()
+    report = build_report(tmp_path / "r", tmp_path / "report")  # `hpcrl report`: engines over time
+    assert any(p.name == "fleet.png" for p in report.plots)
     print(f"joined at version {joined['version']} after {joined['catch_up_s']} s of catch-up; {served} tokens served; "
           f"{int(m['fleet/reissued_requests'].sum())} requests re-issued after its SIGKILL")  # fmt: skip
 

@@ -34,7 +34,7 @@ SMALL = [
     "rollout.max_new_tokens=6",
 ]
 RUN_PLOTS = {"reward.png", "timing.png", "logprob_gap.png", "train.png", "throughput.png"}
-OPTIONAL_PLOTS = {"thermal.png", "async.png", "memory.png"}
+OPTIONAL_PLOTS = {"thermal.png", "async.png", "fleet.png", "memory.png"}
 
 
 @pytest.fixture(scope="module")
