@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,6 +165,9 @@ def test_an_engine_joins_an_async_run_mid_way_serves_the_current_version_and_its
     assert not np.isnan(m["fleet/engines_live"]).any()
     report = build_report(tmp_path / "r", tmp_path / "report")  # `hpcrl report`: engines over time
     assert any(p.name == "fleet.png" for p in report.plots)
+    assert re.search(r"\| engines joined +\| 1 ", report.markdown) and re.search(
+        r"\| engines left +\| 1 ", report.markdown
+    )
     print(f"joined at version {joined['version']} after {joined['catch_up_s']} s of catch-up; {served} tokens served; "
           f"{int(m['fleet/reissued_requests'].sum())} requests re-issued after its SIGKILL")  # fmt: skip
 
