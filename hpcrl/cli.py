@@ -146,6 +146,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def _engine_join(run_dir: str) -> int:
+    from pathlib import Path
+
+    from hpcrl.slurm.join import join_run
+
+    return join_run(Path(run_dir))
+
+
 def _role(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -214,6 +222,17 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     )
     add_engine_flags(p)
     p.set_defaults(func=_engine_serve)
+
+    p = engine.add_parser(
+        "join",
+        help="start one engine that joins a running run (sync.transport=disk_delta) through its run directory",
+        description="Start one engine of the run's engine section on this node, bring it to the newest weight "
+        "version in the run's weight directory and register it in RUN_DIR/engines/joined/; the run routes groups "
+        "to it from its next weight push on. Leaves (registration removed first) on SIGTERM, SIGUSR2 or the run's "
+        "end. In a Slurm job: hpcrl submit --engines-only --join RUN_DIR.",
+    )
+    p.add_argument("run_dir", type=path_arg, help="the running run's directory (shared with the trainer's nodes)")
+    p.set_defaults(func=lambda ns: _engine_join(ns.run_dir))
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:

@@ -12,6 +12,9 @@ restarted engine is routable only after it has the current weights and version (
 `restart_dead` returns the engines that need them and the caller pushes before the next rollout. When an
 engine has used up its restarts, or no engine is left, `FleetError` names the engine, the cause and
 its last log lines. No loop here retries without a bound.
+
+Engines that join from a job of their own (hpcrl/engine/joined.py) are added with `add_joined` between steps and
+are never restarted from here: a dead one has left (its requests re-issued like any dead engine's).
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ class FleetError(RuntimeError):
 class EngineSlot:
     index: int
     client: EngineClient
-    state: str = "live"  # live | dead | starting (a restart under way) | gave_up
+    state: str = "live"  # live | dead | starting (a restart under way) | gave_up | left (a joined engine gone)
     restarts: int = 0
     last_ok_s: float = field(default_factory=time.monotonic)
     died_s: float | None = None
     cause: str = ""
     lent: set[str] = field(default_factory=set)  # memory tags released to a colocated trainer
+    joined: str = ""  # the registration id of an engine that joined from another job ("": one of the run's own)
 
 
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -58,6 +62,7 @@ class EngineFleet:
         self._stop = threading.Event()
         self.num_reissued = 0
         self.num_errors = 0
+        self.num_joined = self.num_left = 0
         self._thread = threading.Thread(target=self._monitor, name="hpcrl-fleet", daemon=True)
         self._thread.start()
 
@@ -68,13 +73,25 @@ class EngineFleet:
 
     def pop_metrics(self) -> dict[str, float]:
         """The fleet's counters since the last call; reading them resets them (one row per step)."""
+        live = float(len(self.live()))
         out = {
-            "fleet/live_engines": float(len(self.live())),
+            "fleet/live_engines": live,
             "fleet/reissued_requests": float(self.num_reissued),
             "fleet/engine_errors": float(self.num_errors),
+            "fleet/engines_live": live,
+            "fleet/engines_joined": float(self.num_joined),
+            "fleet/engines_left": float(self.num_left),
         }
-        self.num_reissued = self.num_errors = 0
+        self.num_reissued = self.num_errors = self.num_joined = self.num_left = 0
         return out
+
+    def add_joined(self, engine_id: str, client: EngineClient) -> EngineSlot:
+        """A joined engine that serves the current weights: routable from the next request on."""
+        with self._lock:
+            slot = EngineSlot(len(self.slots), client, joined=engine_id)
+            self.slots.append(slot)
+        self.num_joined += 1
+        return slot
 
     # ----- detection -----
     def _monitor(self) -> None:
@@ -88,7 +105,7 @@ class EngineFleet:
             self._probe(slot)
 
     def _process_exit(self, slot: EngineSlot) -> int | None:
-        if self.launcher is None:
+        if self.launcher is None or slot.joined:
             return None
         return self.launcher.exit_code(slot.index)
 
@@ -121,7 +138,7 @@ class EngineFleet:
                 return
             slot.state, slot.died_s, slot.cause = "dead", time.monotonic(), cause
         silent_s = time.monotonic() - slot.last_ok_s
-        if self.launcher is not None:
+        if self.launcher is not None and not slot.joined:
             self.launcher.kill(slot.index)  # a hung engine must not linger
         self.num_errors += 1
         self.on_event(
@@ -198,6 +215,9 @@ class EngineFleet:
         for slot in list(self.slots):
             if slot.state != "dead":
                 continue
+            if slot.joined:  # its own job started it and owns it: it has left the run
+                self._left(slot)
+                continue
             if self.launcher is None or slot.restarts >= self.cfg.max_restarts:
                 self._give_up(slot)
             client = self._restart(slot)
@@ -210,6 +230,12 @@ class EngineFleet:
         if not self.live():
             raise FleetError("no engine is left: " + "; ".join(f"engine {s.index}: {s.cause}" for s in self.slots))
         return restarted
+
+    def _left(self, slot: EngineSlot) -> None:
+        with self._lock:
+            slot.state = "left"
+        self.num_left += 1
+        self.on_event("engine_left", {"engine": slot.joined, "url": slot.client.url, "cause": slot.cause})
 
     def _restart(self, slot: EngineSlot) -> EngineClient | None:
         """Up to the remaining restarts of this engine; None when none of them brought it up."""

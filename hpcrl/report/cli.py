@@ -32,7 +32,8 @@ mean of the first N and the last N steps of the raw reward, response length, tru
 trainer-engine log-prob gap; the largest step-to-step reward change; median seconds per phase; rollout
 tokens/s; weight-sync seconds; counts and total time of preemptions, engine restarts and thermal pauses.
 Plots (only those the run has data for): reward.png, timing.png, logprob_gap.png, train.png,
-throughput.png, thermal.png (GPU temperatures, pauses shaded), async.png (queue, staleness), memory.png.
+throughput.png, thermal.png (GPU temperatures, pauses shaded), async.png (queue, staleness), fleet.png
+(engines over time, when engines joined or left), memory.png.
 
 The run may still be running: the report sees every step the writer has flushed (every 10 steps or 5 s).
 

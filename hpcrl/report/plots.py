@@ -340,6 +340,9 @@ METRIC_LABELS: dict[str, tuple[str, str]] = {
     "sync/seconds": ("Weight sync time", "seconds"),
     "timing/total_s": ("Step time", "seconds per step"),
     "rollout/zero_std_group_share": ("Groups without learning signal (equal rewards)", "share of groups"),
+    "fleet/engines_live": ("Live engines", "engines"),
+    "fleet/engines_joined": ("Engines that joined (from jobs of their own)", "engines per step"),
+    "fleet/engines_left": ("Joined engines that left", "engines per step"),
     "eval/accuracy_greedy": ("greedy accuracy", "share of prompts"),
     "eval/pass_at_k": ("pass@k", "share of prompts"),
     "eval/mean_at_k": ("mean reward of k samples", "mean reward"),
@@ -501,6 +504,19 @@ def plot_async(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOT
     return _grid_plot(run, keys, out_dir / "async.png", title, max_points, smooth=smooth)
 
 
+FLEET_KEYS = ("fleet/engines_live", "fleet/engines_joined", "fleet/engines_left")
+
+
+def plot_fleet(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
+    """Engines over time, for a run whose fleet changed (engines joined from other jobs, or left)."""
+    live = run.metrics.get("fleet/engines_live")
+    changed = any(k in run.metrics and not flat_zero(run.metrics[k]) for k in FLEET_KEYS[1:])
+    if live is None or not (changed or np.unique(live[np.isfinite(live)]).size > 1):
+        return None
+    title = "engines over time"
+    return _grid_plot(run, FLEET_KEYS, out_dir / "fleet.png", title, max_points, ncols=1, smooth=0)
+
+
 def plot_eval(run: RunData, out_dir: Path, max_points: int, smooth: int = SMOOTH_AUTO) -> Path | None:
     """The held-out figures at the steps evaluation ran (markers joined by lines; the other rows are NaN).
 
@@ -551,6 +567,7 @@ PLOTTERS = (
     plot_throughput,
     plot_thermal,
     plot_async,
+    plot_fleet,
     plot_eval,
     plot_memory,
 )

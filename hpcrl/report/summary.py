@@ -163,6 +163,9 @@ def interruptions(events: Sequence[Mapping[str, Any]], metrics: Mapping[str, np.
         ),
         "engine restarts failed": Interruption(len(_events_of(events, "engine_restart_failed")), timed=False),
         "engines given up": Interruption(len(_events_of(events, "engine_gave_up")), timed=False),
+        # Engines of other jobs (docs/fleet.md): those that joined, and those that left again (cancelled, died).
+        "engines joined": Interruption(len(_events_of(events, "engine_joined")), timed=False),
+        "engines left": Interruption(len(_events_of(events, "engine_left")), timed=False),
         "thermal pauses": thermal_pauses(events),
         "thermal overheat (run stopped)": Interruption(len(_events_of(events, "thermal_overheat")), timed=False),
         "NaN-skipped steps": Interruption(num_nan, timed=False),

@@ -41,7 +41,7 @@ from hpcrl.run.placement import Placement
 from hpcrl.run.prepare import check_devices, git_commit, held_out, sft_batches
 from hpcrl.run.step_batch import step_batch
 from hpcrl.run.teacher_start import check_teacher, start_teacher_aside
-from hpcrl.run.weights import weight_publisher
+from hpcrl.run.weights import join_watcher, weight_publisher
 from hpcrl.run_config import RunConfig
 from hpcrl.samples.sample import Group
 from hpcrl.sessions.environment import environment_class
@@ -168,6 +168,9 @@ class Run:
             cfg, self.placement, clients, self.fleet, lambda: self.trainer, self.run_dir, on_event=self._event,
             closers=self._closers,
         )  # fmt: skip
+        self.publisher.joins = join_watcher(
+            cfg, model_dir, self.run_dir, on_event=self._engine_event, closers=self._closers
+        )
         if multi_turn:
             self.rollout = EpisodeRollout(
                 cfg.rollout, self.fleet, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed,

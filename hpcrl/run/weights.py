@@ -11,6 +11,7 @@ import torch
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.fleet import EngineFleet
+from hpcrl.engine.joined import JoinWatcher, this_identity
 from hpcrl.run.placement import Placement
 from hpcrl.run_config import RunConfig
 from hpcrl.sync.publisher import WeightPublisher
@@ -47,3 +48,18 @@ def weight_publisher(
         cfg.engine, fleet, sync, lambda: trainer().push_weights(full=full), on_event=on_event,
         every_steps=cfg.sync.every_steps, num_steps=cfg.num_steps,
     )  # fmt: skip
+
+
+def join_watcher(
+    cfg: RunConfig, model_dir: Path, run_dir: Path, *, on_event: Callable[..., Any], closers: list[Callable[[], None]]
+) -> JoinWatcher | None:
+    """With sync.transport disk_delta, engines of other jobs may join (hpcrl/engine/joined.py): the watcher that
+    announces the run to them and admits them; None for the other transports, which cannot reach such engines."""
+    if cfg.sync.transport != "disk_delta":
+        return None
+    weights_dir = Path(cfg.sync.delta_dir).expanduser() if cfg.sync.delta_dir else run_dir / "weights"
+    watcher = JoinWatcher(
+        run_dir, this_identity(model_dir, weights_dir), on_event=on_event, load_timeout_s=cfg.sync.group_timeout_s
+    )
+    closers.append(watcher.close)
+    return watcher

@@ -2,6 +2,7 @@
 
 hpcrl submit experiments/quickstart.yaml [key=value ...] [--run-dir DIR]
 hpcrl sbatch experiments/quickstart.yaml -o sbatch/quickstart.sbatch [--run-dir DIR] [--base-dir DIR] [--dry-run]
+hpcrl submit --engines-only --join RUN_DIR [slurm.key=value ...]   (engines joining a running disk_delta run)
 hpcrl doctor [CONFIG [key=value ...]] [--run-dir DIR]
 """
 
@@ -56,8 +57,54 @@ def render_sbatch(
     )
 
 
+def _join_args(ns: argparse.Namespace) -> bool:
+    """Whether this is an engines-only join (`--engines-only --join RUN_DIR`); its overrides are all positional."""
+    if ns.join is None and not ns.engines_only:
+        if ns.config is None:
+            raise ValueError("a CONFIG is needed (or --engines-only --join RUN_DIR to add engines to a running run)")
+        return False
+    if ns.join is None or not ns.engines_only:
+        raise ValueError("--engines-only and --join RUN_DIR go together: engines that join the run in RUN_DIR")
+    if ns.config is not None:  # argparse took the first override for a config
+        ns.overrides = [ns.config, *ns.overrides]
+        ns.config = None
+    return True
+
+
+def _join_command_line(ns: argparse.Namespace, cmd: str) -> list[str]:
+    argv = ["hpcrl", cmd, "--engines-only", "--join", ns.join, *ns.overrides]
+    if getattr(ns, "output", None):
+        argv += ["-o", ns.output]
+    if getattr(ns, "base_dir", None):
+        argv += ["--base-dir", ns.base_dir]
+    return argv
+
+
+def _submit_join(ns: argparse.Namespace) -> int:
+    from hpcrl.slurm.join_script import render_join_script
+
+    text = render_join_script(Path(ns.join), ns.overrides, command_line=_join_command_line(ns, "submit"))
+    out = subprocess.run(["sbatch", "--parsable"], input=text, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"sbatch refused the join job: {out.stderr.strip() or out.stdout.strip()}")
+    job = out.stdout.strip().split(";")[0]
+    print(f"hpcrl submit: job {job} (engines joining the run in {Path(ns.join).absolute()})")
+    print(f"  registrations: {Path(ns.join).absolute() / 'engines' / 'joined'}   leave: scancel {job}")
+    return 0
+
+
 def _sbatch(ns: argparse.Namespace) -> int:
     from hpcrl.run_config import load_run_config
+
+    if _join_args(ns):
+        from hpcrl.slurm.join_script import render_join_script
+
+        text = render_join_script(
+            Path(ns.join), ns.overrides, command_line=_join_command_line(ns, "sbatch"), base_dir=ns.base_dir
+        )
+        if _write_script(ns, text, "join"):
+            print(f"wrote {ns.output}; submit it (from any directory) with: sbatch {Path(ns.output).absolute()}")
+        return 0
     from hpcrl.slurm.render import check_mpi_launch, job_log_dir, nodes_python
 
     with warnings.catch_warnings(record=True) as caught:
@@ -67,6 +114,18 @@ def _sbatch(ns: argparse.Namespace) -> int:
     notes = [str(note.message) for note in caught] + check_mpi_launch(cfg, nodes_python(cfg))
     for note in notes:
         print(f"hpcrl sbatch: warning: {note}", file=sys.stderr)
+    if not _write_script(ns, text, Path(ns.config).stem):
+        return 0
+    log_dir = job_log_dir(cfg, os.path.abspath(ns.base_dir or os.getcwd()))
+    if log_dir is not None:
+        # Slurm does not create the job log's directory: a job whose log cannot be opened fails without a word.
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    print(f"wrote {ns.output}; submit it (from any directory) with: sbatch {Path(ns.output).absolute()}")
+    return 0
+
+
+def _write_script(ns: argparse.Namespace, text: str, stem: str) -> bool:
+    """Print the script, or write it to -o (then True); bash -n checks it first."""
     # bash -n: the rendered shell parses (quoting bugs show here, on a laptop, not in the queue).
     check = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
     if check.returncode != 0:
@@ -76,12 +135,10 @@ def _sbatch(ns: argparse.Namespace) -> int:
         sys.stdout.flush()
         if ns.dry_run:
             print(f"hpcrl sbatch: dry run: the script is valid ({len(text.splitlines())} lines)", file=sys.stderr)
-        return 0
+        return False
     out = Path(ns.output)
     if out.is_dir():
-        raise ValueError(
-            f"-o {out} is a directory; give the script's file name, e.g. -o {out / (Path(ns.config).stem + '.sbatch')}"
-        )
+        raise ValueError(f"-o {out} is a directory; give the script's file name, e.g. -o {out / (stem + '.sbatch')}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
@@ -91,18 +148,15 @@ def _sbatch(ns: argparse.Namespace) -> int:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {out}: {exc.strerror or exc}; choose another -o path") from None
-    log_dir = job_log_dir(cfg, os.path.abspath(ns.base_dir or os.getcwd()))
-    if log_dir is not None:
-        # Slurm does not create the job log's directory: a job whose log cannot be opened fails without a word.
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-    print(f"wrote {out}; submit it (from any directory) with: sbatch {out.absolute()}")
-    return 0
+    return True
 
 
 def _submit(ns: argparse.Namespace) -> int:
     from hpcrl.run_config import load_run_config
     from hpcrl.slurm.render import check_placement
 
+    if _join_args(ns):
+        return _submit_join(ns)
     cfg = load_run_config(ns.config, ns.overrides)
     for note in check_placement(cfg):
         print(f"hpcrl submit: warning: {note}", file=sys.stderr)
@@ -191,6 +245,18 @@ def add_slurm_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML run config (see experiments/)")
+    p.add_argument("config", nargs="?", default=None, help="YAML run config (see experiments/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. slurm.trainer.nodes=2 num_steps=10")
     p.add_argument("--run-dir", type=path_arg, default=None, help="where the run lives (default: runs/<config name>)")
+    p.add_argument(
+        "--engines-only",
+        action="store_true",
+        help="a job of engines only, that join the running run given by --join (sync.transport=disk_delta)",
+    )
+    p.add_argument(
+        "--join",
+        type=path_arg,
+        default=None,
+        metavar="RUN_DIR",
+        help="with --engines-only: the running run to join; its config.yaml is used, only slurm.* overrides apply",
+    )

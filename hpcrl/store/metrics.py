@@ -18,12 +18,14 @@ import json
 import numbers
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import wraps
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import h5py
 import numpy as np
@@ -102,6 +104,21 @@ def _as_step(step: object, what: str) -> int:
     return int(step)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """One write at a time: the engine fleet's monitor, the async producer and the thermal guard record events from
+    their own threads while the driver logs rows, and interleaved HDF5 writes invalidate the file's handles."""
+
+    @wraps(method)
+    def call(self: MetricsWriter, *args: Any, **kwargs: Any) -> Any:
+        with self._write_lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_F, call)
+
+
 class MetricsWriter:
     """Appends one row of metrics per step, and events, to ``metrics.h5`` (created or appended).
 
@@ -126,6 +143,7 @@ class MetricsWriter:
         sinks: SinkSet | None = None,
     ) -> None:
         """sinks: copies of every row and event (TensorBoard, wandb, MLflow); they never fail a write here."""
+        self._write_lock = threading.RLock()
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
         if not flush_interval_s >= 0:
@@ -202,6 +220,7 @@ class MetricsWriter:
 
     # -- writing -------------------------------------------------------------------------------------
 
+    @_serialized
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Buffers the metrics of one step. Steps must strictly increase; missing keys read as NaN."""
         self._check_open()
@@ -236,6 +255,7 @@ class MetricsWriter:
         self._key_paths[key] = path
         return path
 
+    @_serialized
     def flush(self) -> None:
         """Writes the buffered rows (one resize per dataset) and flushes the file to the OS."""
         self._check_open()
@@ -267,6 +287,7 @@ class MetricsWriter:
         self._last_step = self._rows[-1][0]
         self._rows.clear()
 
+    @_serialized
     def event(
         self,
         kind: str,
@@ -300,6 +321,7 @@ class MetricsWriter:
         if self._sinks is not None:
             self._sinks.event(kind, None if step is None else step_value, json.loads(detail_json))
 
+    @_serialized
     def rename_events(self, kind: str, new_kind: str) -> int:
         """Renames every event of `kind` (a `finished` that a resumed run supersedes); returns how many."""
         if not new_kind:
@@ -313,6 +335,7 @@ class MetricsWriter:
                     self._events["kind"][i] = new_kind
         return len(indices)
 
+    @_serialized
     def truncate_after(self, step: int) -> None:
         """Drops the metric rows after ``step`` (all of them for ``step=-1``); events are kept as history."""
         step = _as_step(step, "step")
@@ -329,6 +352,7 @@ class MetricsWriter:
         self._num_rows = num_rows
         self._last_step = int(steps[num_rows - 1]) if num_rows else None
 
+    @_serialized
     def set_root_attrs(self, attrs: Mapping[str, str]) -> None:
         """Sets (or replaces) string root attributes: config YAML, versions JSON, git commit, hosts."""
         for name, value in attrs.items():
@@ -352,6 +376,7 @@ class MetricsWriter:
         """Rows written to the file plus rows still buffered."""
         return self._num_rows + len(self._rows)
 
+    @_serialized
     def close(self) -> None:
         """Flushes the buffered rows and closes the file; closing twice is harmless."""
         if self._sinks is not None:

@@ -31,6 +31,7 @@ import torch
 
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.fleet import EngineFleet
+from hpcrl.engine.joined import JoinWatcher
 from hpcrl.samples.versions import INITIAL_VERSION, stored_version
 from hpcrl.sync.push import WeightSync, WeightSyncError
 from hpcrl.weightwire.finite import NonFiniteWeightsError, first_non_finite
@@ -60,6 +61,9 @@ class WeightPublisher:
         self.on_event = on_event
         self.version = INITIAL_VERSION  # engines start on the run's initial weights (launched --weight-version 0)
         self._lend_metrics: dict[str, float] = {}
+        # Engines that join from jobs of their own (sync.transport disk_delta): admitted after each push, when
+        # the weight directory holds the version every engine serves.
+        self.joins: JoinWatcher | None = None
 
     def due(self, step: int) -> bool:
         """Whether the weights trained at `step` are pushed after it: every `every_steps` steps, and after the last."""
@@ -81,8 +85,10 @@ class WeightPublisher:
         for attempt in (0, 1):
             # Engines that died with their memory lent are skipped here; restart_dead() restarts them whole.
             self.fleet.resume_memory(["weights"])  # stale until the push below rewrites every weight
-            if self.fleet.restart_dead() or attempt:
-                self.sync.reconnect([s.client for s in self.fleet.live()])
+            restarted = self.fleet.restart_dead()
+            clients = [s.client for s in self.fleet.live()]
+            if restarted or attempt or clients != self.sync.engines:  # engines restarted, joined or left
+                self.sync.reconnect(clients)
             try:
                 pushed = self.sync.push(weights, version)
                 break
@@ -92,6 +98,8 @@ class WeightPublisher:
                 self.fleet.probe_all()  # find out who died; the next attempt restarts them and pushes all
         self.fleet.resume_memory(["kv_cache"])
         self.version = version
+        if self.joins is not None:
+            self.joins.update(self.fleet, version)  # the next push reaches the engines admitted here
         out = pushed | self._lend_metrics
         if self._lend_metrics:
             out["fleet/resume_s"] = time.perf_counter() - t0 - pushed["sync/seconds"]

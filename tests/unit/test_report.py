@@ -25,7 +25,7 @@ from hpcrl.store.metrics import MetricsWriter, StoreError, load_events, load_met
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 6  # the steps of the shared run (tests.support.SMALL)
 RUN_PLOTS = {"reward.png", "timing.png", "logprob_gap.png", "train.png", "throughput.png"}
-OPTIONAL_PLOTS = {"thermal.png", "async.png", "memory.png"}
+OPTIONAL_PLOTS = {"thermal.png", "async.png", "fleet.png", "memory.png"}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,8 @@ def test_report_while_the_writer_still_writes(real_run: Path, tmp_path: Path) ->
     with MetricsWriter(run_dir / "metrics.h5", flush_every_steps=1) as writer:
         for step in range(NUM_STEPS, NUM_STEPS + 8):
             hot = step in (8, 9)
-            writer.log(step, base | {"rollout/reward_mean": step / 20} | guard_row(step, hot))
+            joined = {"fleet/engines_joined": float(step == 11)}  # an engine of another job joins: fleet.png
+            writer.log(step, base | {"rollout/reward_mean": step / 20} | guard_row(step, hot) | joined)
             if step == 8:
                 writer.event("thermal_pause", step=step, detail={"node": "node0", "gpu": 0}, time_s=1000.0)
             if step == 9:
