@@ -168,9 +168,7 @@ class Run:
             cfg, self.placement, clients, self.fleet, lambda: self.trainer, self.run_dir, on_event=self._event,
             closers=self._closers,
         )  # fmt: skip
-        self.publisher.joins = join_watcher(
-            cfg, model_dir, self.run_dir, on_event=self._engine_event, closers=self._closers
-        )
+        self.publisher.joins = join_watcher(cfg, model_dir, self.run_dir, self._engine_event, self._closers)
         if multi_turn:
             self.rollout = EpisodeRollout(
                 cfg.rollout, self.fleet, model_dir=model_dir, tokenizer=formatter.tokenizer, seed=cfg.seed,
@@ -276,8 +274,7 @@ class Run:
         ids = groups[0].samples[0].prompt_ids
         add = str(self.cfg.data.add_special_tokens).lower()
         shown = self.formatter.describe(ids)
-        # The run's log (stdout; the job's output file under Slurm), not an event: it is shown again by every
-        # resumed process, and the event log keeps the run's own history.
+        # The run's log, not an event: every resumed process shows it again; events keep the run's own history.
         self.progress.detail(f"first prompt of this step as token ids (data.add_special_tokens={add}): {shown}")
 
     def step_metrics(self, groups: list[Group], *, rollout_s: float, rollout_version: int) -> dict[str, float]:

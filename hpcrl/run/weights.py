@@ -51,7 +51,7 @@ def weight_publisher(
 
 
 def join_watcher(
-    cfg: RunConfig, model_dir: Path, run_dir: Path, *, on_event: Callable[..., Any], closers: list[Callable[[], None]]
+    cfg: RunConfig, model_dir: Path, run_dir: Path, on_event: Callable[..., Any], closers: list[Callable[[], None]]
 ) -> JoinWatcher | None:
     """With sync.transport disk_delta, engines of other jobs may join (hpcrl/engine/joined.py): the watcher that
     announces the run to them and admits them; None for the other transports, which cannot reach such engines."""

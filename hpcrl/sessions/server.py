@@ -102,6 +102,42 @@ def _number(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
 Engines = list[EngineClient] | Callable[[], Sequence[EngineClient]]
 
 
+def _check_encodable(tokenizer: Any, messages: list[Message], tools: tuple[dict[str, Any], ...]) -> None:
+    """A character the tokenizer cannot encode would reach the model as its unknown token: refused, as a run refuses
+    it in its data."""
+    fields = _chat_fields(messages, tools)
+    bad = first_unencodable(tokenizer, [text for _, text in fields])
+    if bad is not None:
+        raise SessionError(
+            400, f"{fields[bad.index][0]} holds {bad.describe()}; remove or replace it, or serve a model whose "
+            "tokenizer covers it",
+        )  # fmt: skip
+
+
+def _turn_routes(
+    routes_shape: tuple[int, int], url: str, result: GenerateResult, num_input: int, *, first: int
+) -> np.ndarray:
+    """The routes of the tokens a turn's request ran first (from `first`), checked to cover every token it ran:
+    [input + output - 1, layers, top-k] in the engine's answer."""
+    text = result.meta_info.get("routed_experts")
+    if not isinstance(text, str):
+        raise SessionError(
+            502, f"the engine at {url} answered no meta_info.routed_experts, which routing replay needs: start "
+            "SGLang with --enable-return-routed-experts (or set train.routing_replay: off); nothing was recorded",
+        )  # fmt: skip
+    try:
+        routes = decode_routes(text, *routes_shape)
+    except ValueError as exc:
+        raise SessionError(502, f"the engine at {url}: {exc}; nothing was recorded") from None
+    want = (num_input + len(result.output_ids) - 1, *routes_shape)
+    if routes.shape != want:
+        raise SessionError(
+            502, f"the engine at {url} answered routed experts of shape {routes.shape}, but this turn's "
+            f"{want[0] + 1} tokens on this model need {want}; nothing was recorded",
+        )  # fmt: skip
+    return routes[first:]
+
+
 class SessionService:
     """The HTTP-agnostic core: sessions in memory, each pinned to one engine."""
 
@@ -191,7 +227,7 @@ class SessionService:
             tools = parse_tools(body.get("tools"))
         except MessageError as exc:
             raise SessionError(400, str(exc)) from None
-        self._check_encodable(messages, tools)
+        _check_encodable(self.renderer.tokenizer, messages, tools)
         stop = body.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
@@ -215,17 +251,6 @@ class SessionService:
             "max_tokens": max_tokens,
             "want_logprobs": bool(body.get("logprobs")),
         }
-
-    def _check_encodable(self, messages: list[Message], tools: tuple[dict[str, Any], ...]) -> None:
-        """A character the tokenizer cannot encode would reach the model as its unknown token: refused, as a run
-        refuses it in its data."""
-        fields = _chat_fields(messages, tools)
-        bad = first_unencodable(self.renderer.tokenizer, [text for _, text in fields])
-        if bad is not None:
-            raise SessionError(
-                400, f"{fields[bad.index][0]} holds {bad.describe()}; remove or replace it, or serve a model whose "
-                "tokenizer covers it",
-            )  # fmt: skip
 
     def _turn(
         self,
@@ -285,7 +310,10 @@ class SessionService:
         # could keep most of the vocabulary; hpcrl's runs refuse that, and SGLang 0.5.16 will not return it).
         replay = params.top_k > 0
         result = self._generate(session, history + prompt_ids, params, rid=f"{session.id}-{seq}", replay=replay)
-        routes = self._routes(session, result, len(history) + len(prompt_ids), first=max(len(history) - 1, 0))
+        routes = None
+        if self.routes_shape is not None:
+            url, num_input = self.engines[session.engine_index].url, len(history) + len(prompt_ids)
+            routes = _turn_routes(self.routes_shape, url, result, num_input, first=max(len(history) - 1, 0))
         if result.aborted or result.output_token_logprobs is None:
             why = "aborted the request" if result.aborted else "returned no log-probs"
             raise SessionError(502, f"the engine {why}; nothing was recorded, the request may be retried")
@@ -373,30 +401,6 @@ class SessionService:
                 session.engine_index = index
                 return result
         raise SessionError(502, f"every engine failed; nothing was recorded, it may be retried: {'; '.join(failures)}")
-
-    def _routes(self, session: Session, result: GenerateResult, num_input: int, *, first: int) -> np.ndarray | None:
-        """The routes of the tokens this request ran first (from `first`), checked to cover every token it ran:
-        [input + output - 1, layers, top-k] in the engine's answer. None when routes are not asked for."""
-        if self.routes_shape is None:
-            return None
-        url = self.engines[session.engine_index].url
-        text = result.meta_info.get("routed_experts")
-        if not isinstance(text, str):
-            raise SessionError(
-                502, f"the engine at {url} answered no meta_info.routed_experts, which routing replay needs: start "
-                "SGLang with --enable-return-routed-experts (or set train.routing_replay: off); nothing was recorded",
-            )  # fmt: skip
-        try:
-            routes = decode_routes(text, *self.routes_shape)
-        except ValueError as exc:
-            raise SessionError(502, f"the engine at {url}: {exc}; nothing was recorded") from None
-        want = (num_input + len(result.output_ids) - 1, *self.routes_shape)
-        if routes.shape != want:
-            raise SessionError(
-                502, f"the engine at {url} answered routed experts of shape {routes.shape}, but this turn's "
-                f"{want[0] + 1} tokens on this model need {want}; nothing was recorded",
-            )  # fmt: skip
-        return routes[first:]
 
     def _completion(self, session: Session, turn: Turn, want_logprobs: bool) -> dict[str, Any]:
         finish = "length" if turn.finish_reason == "length" else "tool_calls" if turn.message.tool_calls else "stop"
