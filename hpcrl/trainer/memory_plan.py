@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
-from hpcrl.trainer.config import TrainConfig, fsdp_dtypes
+from hpcrl.trainer.config import LORA_ALL_LINEAR, LoRAConfig, TrainConfig, fsdp_dtypes
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 _GB = 1e9
@@ -72,6 +72,21 @@ def count_parameters(args: ModelArgs) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in layer.parameters())
 
 
+def count_adapter_parameters(lora: LoRAConfig, args: ModelArgs) -> int:
+    """Parameters of train.lora's adapters, r x (in + out) per adapted linear layer of every decoder layer (as
+    converters/lora.py picks them; a target the model lacks counts nothing, the converter refuses it)."""
+    model = CausalLM.without_init(args, "meta")
+    total = 0
+    for layer in model.model.decoder_layers:
+        for name, m in layer.named_modules():
+            adapted = lora.targets == (LORA_ALL_LINEAR,) or any(
+                name == t or name.endswith("." + t) for t in lora.targets
+            )
+            if isinstance(m, torch.nn.Linear) and adapted:
+                total += lora.rank * (m.in_features + m.out_features)
+    return total
+
+
 def plan_memory(cfg: TrainConfig, args: ModelArgs) -> MemoryPlan:
     parameters, per_layer = count_parameters(args)
     size = _BYTES[cfg.dtype]
@@ -79,9 +94,13 @@ def plan_memory(cfg: TrainConfig, args: ModelArgs) -> MemoryPlan:
     shards = (cfg.fsdp.shard_group_size or cfg.num_ranks) if fsdp else 1
     per_rank = -(-parameters // shards)
     gathered = 2 * per_layer * _BYTES[fsdp_dtypes(cfg)[0]] if fsdp else 0
+    weights, trained = per_rank * size, per_rank * size
+    if cfg.lora is not None:  # the base is frozen: gradients and AdamW hold the fp32 adapters alone
+        trained = -(-count_adapter_parameters(cfg.lora, args) // shards) * 4
+        weights += trained
     return MemoryPlan(
-        parameters=parameters, ranks=cfg.num_ranks, shards=shards, weights_bytes=per_rank * size,
-        gradient_bytes=per_rank * size, optimizer_bytes=2 * per_rank * size, gathered_bytes=gathered,
+        parameters=parameters, ranks=cfg.num_ranks, shards=shards, weights_bytes=weights,
+        gradient_bytes=trained, optimizer_bytes=2 * trained, gathered_bytes=gathered,
         offload=fsdp and cfg.fsdp.offload,
     )  # fmt: skip
 

@@ -21,6 +21,7 @@ from hpcrl.model.lora import merged_weight
 from hpcrl.model.qwen3 import ModelArgs
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import LoRAConfig, TrainConfig
+from hpcrl.trainer.memory_plan import plan_memory
 from hpcrl.trainer.torch_backend import TorchTrainer
 from tests.support import free_port
 
@@ -125,6 +126,9 @@ def test_only_the_adapters_train_and_the_reference_is_the_model_with_them_off(ti
         if torch.is_tensor(t) and t.dim() > 0
     )
     assert state_bytes == 2 * 4 * adapter_numel and adapter_numel < 0.2 * sum(t.numel() for t in base.values())
+    # The start-up memory plan (and its fit check) counts gradients and AdamW state for the adapters alone.
+    plan = plan_memory(trainer.cfg, ModelArgs.from_dir(tiny_model_dir))
+    assert plan.gradient_bytes == 4 * adapter_numel and plan.optimizer_bytes == state_bytes
 
     # The reference is the model as loaded, with the adapters off; the policy has moved away from it.
     plain = TorchTrainer(TrainConfig(), tiny_model_dir)

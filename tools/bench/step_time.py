@@ -16,6 +16,16 @@ the same model dir and the same prompts (those of hpcrl's steps, in order), alte
 round, and prints s/step of both per round. TRL lives in its own venv (`--trl-venv`, default /tmp/trl-venv),
 made on first use with `pip install trl==1.16.*`; that venv sees this interpreter's site-packages through
 a .pth file, so both sides run the very same torch and transformers builds. Target: hpcrl <= 0.8x TRL.
+
+LoRA: `--lora` trains rank-16 (alpha 32) adapters on every linear layer of the decoder layers instead of the model,
+on both sides: hpcrl's `converters: [lora]`, TRL with a peft LoraConfig of the same rank, alpha and targets, at the
+same learning rate (`--lr`, 1e-3 with --lora, the quickstart's LoRA rate). `--model DIR` runs on an existing model
+dir instead of a random one; the rewards mean something only from a warm start:
+
+    hpcrl run experiments/quickstart.yaml num_steps=0 --run-dir runs/quickstart-sft
+    python tools/bench/step_time.py --peer trl --lora --model runs/quickstart-sft/model --rounds 2 --steps 20
+
+With --peer trl the table also gives each side's mean reward of its first 5 and last 5 steps.
 """
 
 from __future__ import annotations
@@ -63,6 +73,16 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
     ]
     if ns.colocate:
         overrides.append("sync.transport=tensor")
+    if ns.lr is not None:
+        overrides.append(f"train.lr={ns.lr}")
+    if ns.lora:
+        overrides += [
+            "train.converters=[lora]",
+            f"train.lora.rank={ns.lora_rank}",
+            f"train.lora.alpha={ns.lora_alpha}",
+            "train.lora.target_modules="
+            + (ns.lora_targets if ns.lora_targets == "all-linear" else f"[{ns.lora_targets}]"),
+        ]
     overrides += ns.set
     cmd = [
         sys.executable,
@@ -102,6 +122,7 @@ def hpcrl_step_times(model_dir: Path, run_dir: Path, ns: argparse.Namespace) -> 
     covered = sum(np.nan_to_num(m[f"timing/{p}_s"], nan=0.0) for p in tops)
     out["other"] = (m["timing/total_s"] - covered)[warm].tolist()
     print(f"phases summed for the overhead: {', '.join(tops)}")
+    out["reward_mean"] = m["rollout/reward_mean"].tolist()  # every step's, not only the timed ones
     return out
 
 
@@ -167,6 +188,8 @@ def baseline_step_times(model_dir: Path, ns: argparse.Namespace) -> dict[str, li
 
 
 TRL_VERSION = "1.16.*"
+QUICKSTART_LR = 5e-4
+"""train.lr of experiments/quickstart.yaml: hpcrl's rate when --lr is not given, and so TRL's too."""
 
 
 def trl_python(venv: Path) -> Path:
@@ -201,30 +224,52 @@ def trl_step_times(model_dir: Path, tmp: Path, ns: argparse.Namespace) -> dict[s
     here = Path(__file__).resolve()
     cmd = [str(trl_python(Path(ns.trl_venv))), str(here.with_name("trl_peer.py")), "--model", str(model_dir)]
     cmd += ["--prompts", str(prompts), "--steps", str(ns.steps), "--threads", str(ns.threads)]
+    cmd += ["--lr", str(ns.lr if ns.lr is not None else QUICKSTART_LR)]
+    if ns.lora:
+        cmd += ["--lora-rank", str(ns.lora_rank), "--lora-alpha", str(ns.lora_alpha), "--lora-targets", ns.lora_targets]
     env = {**os.environ, "OMP_NUM_THREADS": str(ns.threads), "PYTHONPATH": str(here.parents[2])}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"the TRL peer exited with {out.returncode}:\n{out.stderr[-4000:]}")
-    return {"total": json.loads(out.stdout.strip().splitlines()[-1])["total"]}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"total": result["total"], "reward_mean": result["reward_mean"]}
 
 
 def peer_rounds(model_dir: Path, tmp: Path, ns: argparse.Namespace) -> int:
     rows = []
     for r in range(ns.rounds):
-        ours = statistics.median(hpcrl_step_times(model_dir, tmp / f"run{r}", ns)["total"])
-        trl = statistics.median(trl_step_times(model_dir, tmp, ns)["total"])
+        ours = hpcrl_step_times(model_dir, tmp / f"run{r}", ns)
+        trl = trl_step_times(model_dir, tmp, ns)
         rows.append((r + 1, ours, trl))
-        print(f"round {r + 1}: hpcrl {ours:.3f} s/step, TRL {trl:.3f} s/step", flush=True)
+        print(
+            f"round {r + 1}: hpcrl {statistics.median(ours['total']):.3f} s/step, "
+            f"TRL {statistics.median(trl['total']):.3f} s/step",
+            flush=True,
+        )
+    what = f"LoRA rank {ns.lora_rank} alpha {ns.lora_alpha} on {ns.lora_targets}" if ns.lora else "full fine-tuning"
+    lr = ns.lr if ns.lr is not None else QUICKSTART_LR
     print(
-        f"\nGRPO step, shape={ns.shape} threads={ns.threads}, 16 prompts x 8 samples x <=8 tokens, median over "
-        f"{ns.steps - 3} steps (first 3 dropped), hpcrl and TRL {TRL_VERSION} alternating"
+        f"\nGRPO step, {what}, lr {lr:g}, model {ns.model or 'shape=' + ns.shape}, threads={ns.threads}, 16 prompts x "
+        f"8 samples x <=8 tokens, median over {ns.steps - 3} steps (first 3 dropped), hpcrl and TRL {TRL_VERSION} "
+        "alternating; reward: mean of the step's 128 samples, first 5 and last 5 steps"
     )
-    print("| round | hpcrl (s/step) | TRL GRPOTrainer (s/step) | hpcrl / TRL |\n|---|---|---|---|")
+    print(
+        "| round | hpcrl (s/step) | TRL GRPOTrainer (s/step) | hpcrl / TRL | hpcrl reward first 5 -> last 5 "
+        "| TRL reward first 5 -> last 5 |\n|---|---|---|---|---|---|"
+    )
+    ratios = []
     for r, ours, trl in rows:
-        print(f"| {r} | {ours:.3f} | {trl:.3f} | {ours / trl:.2f} |")
-    ratio = statistics.median(ours / trl for _, ours, trl in rows)
+        a, b = statistics.median(ours["total"]), statistics.median(trl["total"])
+        ratios.append(a / b)
+        print(f"| {r} | {a:.3f} | {b:.3f} | {a / b:.2f} | {_rewards(ours)} | {_rewards(trl)} |")
+    ratio = statistics.median(ratios)
     print(f"median hpcrl / TRL: {ratio:.2f} (target <= 0.80: {'met' if ratio <= 0.8 else 'NOT met'})")
     return 0
+
+
+def _rewards(times: dict[str, list[float]]) -> str:
+    r = times["reward_mean"]
+    return f"{statistics.fmean(r[:5]):.3f} -> {statistics.fmean(r[-5:]):.3f}"
 
 
 def main() -> int:
@@ -246,14 +291,28 @@ def main() -> int:
     ap.add_argument("--peer", choices=["trl"], help="compare with TRL's GRPOTrainer in rounds instead")
     ap.add_argument("--rounds", type=int, default=3, help="--peer: alternating hpcrl/peer rounds")
     ap.add_argument("--trl-venv", default="/tmp/trl-venv", help="--peer trl: venv holding trl (made if missing)")
+    ap.add_argument("--model", type=Path, help="an existing model dir instead of a random one of --shape")
+    ap.add_argument(
+        "--lr", type=float, help=f"learning rate of both sides (default: the quickstart's, {QUICKSTART_LR})"
+    )
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the model (both sides)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--lora-targets", default="all-linear", help="all-linear, or comma-separated names: q_proj,v_proj")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the per-step phase times here")
     ns = ap.parse_args()
+    if ns.lora and ns.lr is None:
+        ns.lr = 1e-3  # experiments/quickstart-lora.yaml's rate: adapters want a larger one
     torch.set_num_threads(ns.threads)
     from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
-        model_dir = init_tiny_model(Path(tmp) / "model", TinyModelSpec(**SHAPES[ns.shape], max_position_embeddings=512))
+        model_dir = (
+            ns.model.resolve()
+            if ns.model
+            else init_tiny_model(Path(tmp) / "model", TinyModelSpec(**SHAPES[ns.shape], max_position_embeddings=512))
+        )
         if ns.peer == "trl":
             if ns.device != "cpu" or ns.dtype != "float32" or ns.backend != "torch":
                 raise SystemExit("--peer trl compares the CPU float32 torch step: drop --device/--dtype/--backend")

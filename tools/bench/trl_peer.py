@@ -2,12 +2,15 @@
 
 Run by tools/bench/step_time.py --peer trl with the python of a venv that has trl (never imported by hpcrl):
 
-    TRL_PYTHON tools/bench/trl_peer.py --model DIR --prompts FILE --steps N --threads 2
+    TRL_PYTHON tools/bench/trl_peer.py --model DIR --prompts FILE --steps N --threads 2 [--lr 5e-4]
+        [--lora-rank 16 --lora-alpha 32 --lora-targets all-linear]
 
 FILE is JSON: {"prompts": [...], "answers": [...]}, the prompts of hpcrl's steps in order (16 per step).
 The step is TRL's own training step: transformers `generate` for 16 prompts x 8 samples (<= 8 new tokens,
 temperature 1), the reward, one forward/backward and AdamW step; no reference model (beta 0, as hpcrl's
-kl_coef 0), logging off so only the step is timed; float32 on both sides (GRPOConfig's own default is bf16).
+kl_coef 0), logging off so only the step is timed; float32 on both sides (GRPOConfig's own default is bf16). With
+--lora-rank, peft adapters (a LoraConfig of that rank, alpha and targets, no dropout) train instead of the model.
+The JSON also holds each step's mean reward.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ def main() -> int:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lora-rank", type=int, help="train peft LoRA adapters of this rank instead of the model")
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--lora-targets", default="all-linear", help="all-linear, or comma-separated module names")
     ns = ap.parse_args()
 
     import torch
@@ -40,8 +47,12 @@ def main() -> int:
     data = json.loads(Path(ns.prompts).read_text())
     dataset = Dataset.from_dict({"prompt": data["prompts"], "answer": data["answers"]})
 
+    step_rewards: list[float] = []  # one call per step: a step generates its 128 completions at once
+
     def reward(completions: list[str], answer: list[str], **_: object) -> list[float]:
-        return [arithmetic_answer(c, a) for c, a in zip(completions, answer, strict=True)]
+        out = [arithmetic_answer(c, a) for c, a in zip(completions, answer, strict=True)]
+        step_rewards.append(sum(out) / len(out))
+        return out
 
     ends: list[float] = []
 
@@ -62,7 +73,7 @@ def main() -> int:
             max_completion_length=8,
             temperature=1.0,
             top_p=1.0,
-            learning_rate=1e-5,
+            learning_rate=ns.lr,
             beta=0.0,
             max_steps=ns.steps,
             shuffle_dataset=False,
@@ -80,13 +91,27 @@ def main() -> int:
             train_dataset=dataset,
             processing_class=tok,
             callbacks=[StepClock()],
+            peft_config=lora_config(ns),
         )
         start = time.perf_counter()
         trainer.train()
     steps_s = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
     warm = steps_s[3:]  # as step_time.py: the first steps pay one-time costs
-    print(json.dumps({"total": warm, "median_s": statistics.median(warm)}))
+    if len(step_rewards) != ns.steps:
+        raise SystemExit(f"expected one reward call per step, got {len(step_rewards)} for {ns.steps} steps")
+    print(json.dumps({"total": warm, "median_s": statistics.median(warm), "reward_mean": step_rewards}))
     return 0
+
+
+def lora_config(ns: argparse.Namespace) -> object | None:
+    if ns.lora_rank is None:
+        return None
+    from peft import LoraConfig
+
+    targets = ns.lora_targets if ns.lora_targets == "all-linear" else ns.lora_targets.split(",")
+    return LoraConfig(
+        r=ns.lora_rank, lora_alpha=ns.lora_alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+    )
 
 
 if __name__ == "__main__":
