@@ -35,6 +35,7 @@ class EngineStartError(RuntimeError):
 
 
 PROGRESS_EVERY_S = 15.0
+PORT_RACE_RETRIES = 3
 
 
 def _free_port() -> int:
@@ -131,17 +132,15 @@ class LocalEngines:
         except EngineStartError:
             self.stop()
             raise
-        for eng in self.engines:
-            self._wait_started(eng)
-            self._write_rendezvous(eng)
+        for position in range(len(self.engines)):
+            self._write_rendezvous(self._wait_started(position))
         return [_client(e.url, e.token) for e in self.engines]
 
     def restart(self, position: int) -> EngineClient:
         """Replace engine `position` (0-based among this launcher's engines) by a fresh process."""
         self.kill(position)
-        eng = self._spawn(self.first_index + position)
-        self.engines[position] = eng
-        self._wait_started(eng, stop_all=False)
+        self.engines[position] = self._spawn(self.first_index + position)
+        eng = self._wait_started(position, stop_all=False)
         self._write_rendezvous(eng)
         return _client(eng.url, eng.token)
 
@@ -190,13 +189,23 @@ class LocalEngines:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
 
-    def _wait_started(self, eng: LocalEngine, *, stop_all: bool = True) -> None:
-        try:
-            wait_started(eng, kind=self.cfg.kind, limit_s=self.cfg.start_timeout_s, say=self.say)
-        except EngineStartError:
-            if stop_all:
-                self.stop()
-            raise
+    def _wait_started(self, position: int, *, stop_all: bool = True) -> LocalEngine:
+        """Engine `position` once it answers /health. With engine.base_port 0 its port is one that was free when
+        picked; another process on the node (runs starting side by side) may bind it before the engine does: the
+        engine is then started again on another free port, up to PORT_RACE_RETRIES times."""
+        for attempt in range(PORT_RACE_RETRIES + 1):
+            eng = self.engines[position]
+            try:
+                wait_started(eng, kind=self.cfg.kind, limit_s=self.cfg.start_timeout_s, say=self.say)
+                return eng
+            except EngineStartError:
+                if self.cfg.base_port or attempt == PORT_RACE_RETRIES or not _lost_port_race(eng):
+                    if stop_all:
+                        self.stop()
+                    raise
+            self.say(f"{eng.engine_id}: its port was taken by another process before it listened; another port")
+            self.engines[position] = self._spawn(self.first_index + position)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _write_rendezvous(self, eng: LocalEngine) -> None:
         record = {
@@ -232,6 +241,11 @@ class LocalEngines:
                 eng.proc.wait()
             (self.run_dir / "engines" / f"{eng.engine_id}.json").unlink(missing_ok=True)
         self.engines = []
+
+
+def _lost_port_race(eng: LocalEngine) -> bool:
+    """The engine exited at start-up because its port was already bound (hpcrl's engine says PortInUseError)."""
+    return eng.proc.poll() is not None and "PortInUseError" in tail(eng.log_path, 5)
 
 
 def _start_hint(kind: str, log: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -382,3 +383,34 @@ def test_a_resume_over_a_damaged_metrics_file_is_an_error_line_naming_the_file(
     assert "the file is truncated or corrupt: move it aside to start a new metrics file" in out.stderr
     assert (tmp_path / "r" / "metrics.h5").read_bytes() == before
     assert (tmp_path / "r" / "checkpoints" / "step_00000001.h5").exists()
+
+
+def test_an_engine_whose_free_port_is_taken_before_it_binds_starts_on_another(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs starting side by side on one node: a port picked free (engine.base_port 0) is bound by another process
+    between the pick and the engine's bind. The engine is started again on another free port, not the run failed."""
+    import hpcrl.engine.local as local
+
+    real_free_port = local._free_port
+    squatter = socket.socket()
+    picks: list[int] = []
+
+    def free_port_then_taken() -> int:
+        port = real_free_port()
+        picks.append(port)
+        if len(picks) == 1:  # taken just after the launcher checked it, while the engine imports torch
+            threading.Timer(0.3, lambda: (squatter.bind(("127.0.0.1", port)), squatter.listen())).start()
+        return port
+
+    monkeypatch.setattr(local, "_free_port", free_port_then_taken)
+    messages: list[str] = []
+    engines = LocalEngines(EngineConfig(num_engines=1), tiny_model_dir, tmp_path / "run", seed=0, say=messages.append)
+    try:
+        (client,) = engines.start()
+        assert len(picks) == 2 and client.url.endswith(f":{picks[1]}")
+        assert client.health()
+        assert any("its port was taken by another process" in m for m in messages), messages
+    finally:
+        engines.stop()
+        squatter.close()
