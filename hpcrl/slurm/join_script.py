@@ -18,13 +18,12 @@ from hpcrl.config import ConfigError
 from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.render import (
     NVLS_OFF,
-    SbatchValue,
     _comment,
     _group_options,
     _module_lines,
     _python_lines,
     directive_lines,
-    job_log_dir,
+    job_placement,
 )
 
 
@@ -57,14 +56,7 @@ def render_join_script(
     run_dir = Path(base_dir) / run_dir
     cfg = join_config(run_dir, overrides)
     slurm, q = cfg.slurm, shlex.quote
-    job: dict[str, SbatchValue] = {"job-name": f"{slurm.job_name or cfg.name}-join", "chdir": base_dir}
-    log_dir = job_log_dir(cfg, base_dir)
-    if log_dir is not None:
-        job["output"] = f"{log_dir}/%x-%j.out"
-    for key in ("partition", "account", "qos", "reservation", "constraint"):
-        value = getattr(slurm, key)
-        if value is not None:
-            job[key] = value
+    job = job_placement(cfg, base_dir, job_name=f"{slurm.job_name or cfg.name}-join")
     options = job | {"time": slurm.time_limit, "no-requeue": True, "open-mode": "append"}
     options |= _group_options(
         slurm.engines, tasks_per_node=1, gpus_per_node=slurm.engines.gpus_per_node, cfg=cfg

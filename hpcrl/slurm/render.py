@@ -154,22 +154,29 @@ def nodes_python(cfg: RunConfig) -> str | None:
 # #SBATCH directives
 
 
-def job_components(cfg: RunConfig, *, base_dir: str | None = None) -> list[dict[str, SbatchValue]]:
-    """The sbatch options of each het component: [engines, trainer], or [one] when colocated.
-
-    base_dir: the absolute directory the job runs in (`--chdir`, where the config's relative paths start), and
-    that a relative slurm.log_dir starts at; None: where sbatch runs (submitit's own submission)."""
-    slurm = cfg.slurm
-    job: dict[str, SbatchValue] = {"job-name": slurm.job_name or cfg.name}
+def job_placement(cfg: RunConfig, base_dir: str | None, *, job_name: str) -> dict[str, SbatchValue]:
+    """The options that say where a job of this config runs and logs: its name, --chdir and the job log
+    (with a base_dir), and the slurm section's partition, account, qos, reservation and constraint."""
+    job: dict[str, SbatchValue] = {"job-name": job_name}
     if base_dir is not None:
         job["chdir"] = base_dir
         log_dir = job_log_dir(cfg, base_dir)
         if log_dir is not None:
             job["output"] = f"{log_dir}/%x-%j.out"
     for key in ("partition", "account", "qos", "reservation", "constraint"):
-        value = getattr(slurm, key)
+        value = getattr(cfg.slurm, key)
         if value is not None:
             job[key] = value
+    return job
+
+
+def job_components(cfg: RunConfig, *, base_dir: str | None = None) -> list[dict[str, SbatchValue]]:
+    """The sbatch options of each het component: [engines, trainer], or [one] when colocated.
+
+    base_dir: the absolute directory the job runs in (`--chdir`, where the config's relative paths start), and
+    that a relative slurm.log_dir starts at; None: where sbatch runs (submitit's own submission)."""
+    slurm = cfg.slurm
+    job = job_placement(cfg, base_dir, job_name=slurm.job_name or cfg.name)
     job["time"] = slurm.time_limit
     job["signal"] = f"B:USR2@{slurm.signal_delay_s}"
     job["requeue" if slurm.requeue else "no-requeue"] = True
