@@ -168,8 +168,7 @@ class LocalEngines:
         if held is not None:
             raise EngineStartError(
                 f"engine-{i} cannot listen on {self.bind_host}:{port}: another process already listens on {held} "
-                "(nothing was sent to it); stop that process, or set engine.base_port to a free range "
-                "(engine.base_port=0 picks free ports)"
+                f"(nothing was sent to it); {_port_fix(self.cfg.base_port)}"
             )
         token = secrets.token_hex(16)
         log_path = self.run_dir / "logs" / f"engine-{i}.log"
@@ -196,7 +195,13 @@ class LocalEngines:
         for attempt in range(PORT_RACE_RETRIES + 1):
             eng = self.engines[position]
             try:
-                wait_started(eng, kind=self.cfg.kind, limit_s=self.cfg.start_timeout_s, say=self.say)
+                wait_started(
+                    eng,
+                    kind=self.cfg.kind,
+                    limit_s=self.cfg.start_timeout_s,
+                    say=self.say,
+                    base_port=self.cfg.base_port,
+                )
                 return eng
             except EngineStartError:
                 if self.cfg.base_port or attempt == PORT_RACE_RETRIES or not _lost_port_race(eng):
@@ -257,16 +262,27 @@ def _start_hint(kind: str, log: str) -> str:
     return ""
 
 
-def _foreign(holder: PortHolder) -> str:
+def _port_fix(base_port: int) -> str:
+    """The fix for a port another process holds: with fixed ports, another range; with picked ports (base_port 0)
+    the port was free when picked and was taken before the engine bound it, so starting again picks another.
+    A negative base_port (the caller does not know) gives the fixed-ports advice."""
+    if base_port:
+        return "stop that process, or set engine.base_port to a free range (engine.base_port=0 picks free ports)"
+    return "it took the free port picked for this engine before the engine bound it; start the run again"
+
+
+def _foreign(holder: PortHolder, base_port: int) -> str:
     if holder.state != "foreign":
         return ""
     return (
-        f"; another process (not this engine) listens on its port ({holder.where}) and was sent nothing: stop it, "
-        "or set engine.base_port to a free range (engine.base_port=0 picks free ports)"
+        f"; another process (not this engine) listens on its port ({holder.where}) and was sent nothing: "
+        f"{_port_fix(base_port)}"
     )
 
 
-def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[str], None]) -> None:
+def wait_started(
+    eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[str], None], base_port: int = -1
+) -> None:
     """Poll until the engine answers /health; it is `starting` meanwhile (a silent port is normal: SGLang takes
     minutes), bounded by `limit_s` from its launch, with a progress line every PROGRESS_EVERY_S."""
     probe = EngineClient(eng.url, api_key=eng.token, timeout_s=2.0, max_retries=0)  # this loop is the retry
@@ -280,8 +296,8 @@ def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[
                 log = tail(eng.log_path)
                 raise EngineStartError(
                     f"{kind} engine {eng.engine_id} exited with code {eng.proc.returncode} while starting "
-                    f"({waited_s:.0f} s after launch){_start_hint(kind, log)}{_foreign(holder)}; last lines of "
-                    f"{eng.log_path}:\n{log}"
+                    f"({waited_s:.0f} s after launch){_start_hint(kind, log)}{_foreign(holder, base_port)}; "
+                    f"last lines of {eng.log_path}:\n{log}"
                 )
             # Nothing (not even the key in a /health probe) goes to a port this engine does not hold.
             holder = port_holder(url.host, url.port or 80, eng.proc.pid)
@@ -297,7 +313,7 @@ def wait_started(eng: LocalEngine, *, kind: str, limit_s: float, say: Callable[[
             if waited_s > limit_s:
                 raise EngineStartError(
                     f"{kind} engine {eng.engine_id} did not answer /health within {limit_s:.0f} s of its launch "
-                    f"(engine.startup_timeout_s; raise it if the engine is merely slow){_foreign(holder)}; "
+                    f"(engine.startup_timeout_s; raise it if the engine is merely slow){_foreign(holder, base_port)}; "
                     f"last lines of {eng.log_path}:\n{tail(eng.log_path)}"
                 )
             if waited_s >= next_say_s:
