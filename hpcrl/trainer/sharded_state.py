@@ -1,9 +1,11 @@
 """The torch backend's state under FSDP2, where parameters and AdamW moments are DTensor shards.
 
 Weights leave a rank whole: a push gathers one tensor at a time as the transport's bucket loop reads them
-(`GatheredWeights`), a checkpoint and an export gather one tensor at a time to rank 0's host memory. A checkpoint so
-holds the same full tensors, in the same layout, as a DDP run's: any rank count, under either parallelism, resumes
-it; loading cuts each full tensor into this rank's shard (`load_full`) with no collective.
+(`GatheredWeights`), an export gathers one tensor at a time to rank 0's host memory. A checkpoint is not gathered:
+each rank writes the pieces it holds (`local_pieces`, hpcrl/store/shards.py), and a rank of any rank count, under
+either parallelism, reads back the box its own shard covers (`read_pieces`), from the files that overlap it alone.
+Checkpoints of whole tensors (a DDP run's, or a sharded run's written before shard files) load too: each whole
+tensor is cut into this rank's shard (`load_full`) with no collective.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hpcrl.store.shards import ShardReader
 
 
 def gather_full(tensor: Tensor) -> Tensor:
@@ -55,6 +60,45 @@ def host_state(named: Mapping[str, Tensor], keep: bool) -> dict[str, Tensor]:
     return out
 
 
+def _box(like: DTensor) -> tuple[list[int], list[int], bool]:
+    """This rank's shard of `like` as a box of the whole tensor (offset, shape), and whether this rank is the one
+    that writes it (the first replica under hybrid sharding, where several ranks hold the same piece)."""
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    coordinate = like.device_mesh.get_coordinate() or []
+    first = all(coordinate[d] == 0 for d, p in enumerate(like.placements) if isinstance(p, Replicate))
+    return list(offset), list(shape), first
+
+
+def local_pieces(named: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, list[int], list[int]]]:
+    """The pieces of `named`'s sharded tensors this rank writes: {name: (host copy of its shard, whole shape,
+    offset)}; no collective."""
+    out: dict[str, tuple[Tensor, list[int], list[int]]] = {}
+    for name, tensor in named.items():
+        if isinstance(tensor, DTensor):
+            offset, _, first = _box(tensor)
+            if first:
+                out[name] = (tensor.to_local().detach().to("cpu", copy=True), list(tensor.shape), offset)
+    return out
+
+
+def read_pieces(reader: ShardReader, likes: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint's shard files, as this rank holds it: a DTensor of its shard where `likes` has a
+    DTensor of that name (read from the overlapping files alone), else the whole tensor (one at a time)."""
+    out: dict[str, Tensor] = {}
+    for name in sorted(reader.names()):
+        like = likes.get(name)
+        if isinstance(like, DTensor) and list(like.shape) == reader.shape(name):
+            offset, shape, _ = _box(like)
+            local = reader.read(name, offset, shape).to(device=like.to_local().device, dtype=like.dtype)
+            out[name] = DTensor.from_local(
+                local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+        else:
+            whole = reader.shape(name)
+            out[name] = reader.read(name, [0] * len(whole), whole)
+    return out
+
+
 def shard_like(whole: Tensor, like: Tensor) -> Tensor:
     """`whole` cut as `like` is sharded: a DTensor of this rank's shard on `like`'s mesh, device and dtype (no
     collective: every rank holds `whole`). A plain `like` gets `whole` itself."""
@@ -84,7 +128,7 @@ def load_full(module: torch.nn.Module, state: Mapping[str, Tensor], what: str) -
                 f"this checkpoint's {what} {name} has shape {list(whole.shape)}, the model's {list(tensor.shape)}; "
                 "resume with the model.path the run was started with"
             )
-        shard = shard_like(whole, tensor)
+        shard = whole if isinstance(whole, DTensor) else shard_like(whole, tensor)
         target = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         target.copy_(shard.to_local() if isinstance(shard, DTensor) else shard)
 
@@ -99,7 +143,9 @@ def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Opt
     for key, moments in state_dict["state"].items():
         param = by_id.get(key)
         out[key] = {
-            k: shard_like(v, param) if param is not None and isinstance(v, Tensor) and v.shape == param.shape else v
+            k: shard_like(v, param)
+            if param is not None and isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == param.shape
+            else v
             for k, v in moments.items()
         }
     return {**state_dict, "state": out}

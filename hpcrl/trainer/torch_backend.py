@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
+from hpcrl.store.checkpoint import CheckpointError
+from hpcrl.store.run_dir import RunDirError
+from hpcrl.store.shards import ShardReader, write_shard
 from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
@@ -39,7 +44,15 @@ from hpcrl.trainer.memory_plan import (
 )
 from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
-from hpcrl.trainer.sharded_state import GatheredWeights, gather_full, host_state, load_full, shard_optimizer_state
+from hpcrl.trainer.sharded_state import (
+    GatheredWeights,
+    gather_full,
+    host_state,
+    load_full,
+    local_pieces,
+    read_pieces,
+    shard_optimizer_state,
+)
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard
 
@@ -277,17 +290,23 @@ class TorchTrainer:
     def _weights(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    def state(self, *, shards_to: Path | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Model and optimizer state as tensors + JSON skeleton (no pickle), for checkpoints.
 
-        Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
+        Host copies (on a CPU run too: the checkpoint is written from them while training goes on). Sharded, with
+        `shards_to` (the run's checkpoints folder; every rank calls it): each rank writes its pieces of the sharded
+        tensors there for the next checkpoint (hpcrl/store/shards.py) and the rest is returned; without it every
+        tensor is gathered whole in turn, kept by rank 0 alone, as a DDP run's.
         """
         named = {f"model/{k}": v for k, v in self._checkpointed(self.model.state_dict()).items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
         named.update(opt_tensors)
         if self.ref_model is not None:
             named.update({f"ref_model/{k}": v for k, v in self.ref_model.state_dict().items()})
-        # Sharded: every tensor gathered whole in turn, kept by rank 0 alone; a checkpoint is the same as DDP's.
+        if self.collective and shards_to is not None:
+            pieces = local_pieces(named)
+            named = {k: v for k, v in named.items() if not isinstance(v, DTensor)}
+            self._write_shard(shards_to, pieces)
         tensors = host_state(named, keep=not self.collective or self.rank == 0)
         state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
         if self.activation_budget is not None:
@@ -297,17 +316,42 @@ class TorchTrainer:
             state["converters"] = {name: meta for name, meta in metas.items() if meta}
         return tensors, state
 
+    def _write_shard(self, ckpt_dir: Path, pieces: dict[str, tuple[Tensor, list[int], list[int]]]) -> None:
+        """Every rank writes its file; all learn whether every file landed (rank 0 refuses the save if not, the
+        others report it in their log and go on)."""
+        failure = ""
+        try:
+            write_shard(ckpt_dir, self.rank, self.world_size, pieces)
+        except (CheckpointError, RunDirError, OSError) as exc:
+            failure = str(exc)
+        failed = torch.tensor([float(bool(failure))])
+        if self.world_size > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failure and self.rank != 0:
+            print(f"trainer rank {self.rank}: {failure}", file=sys.stderr, flush=True)
+        if failed.item():
+            if self.rank == 0:
+                raise CheckpointError(
+                    failure
+                    or "a trainer rank could not write its shard of the checkpoint (its log in run_dir/logs/ "
+                    "says why); free space and rerun to resume from the previous checkpoint"
+                )
+
     def _checkpointed(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         for converter in reversed(self.converters):
             state = converter.checkpoint_state(self.model, state)
         return state
 
-    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any], *, shards: Path | None = None) -> None:
+        """Load a checkpoint's state; `shards`: its shard files' folder, whose pieces this rank reads (the box of
+        each tensor it holds, on any rank count)."""
         if state.get("backend", "torch") != "torch":
             raise ValueError(
                 f"this checkpoint was written by the {state['backend']} trainer backend; resume it with "
                 f"train.backend={state['backend']}"
             )
+        if shards is not None:
+            tensors = {**tensors, **read_pieces(ShardReader(shards), self._shard_likes())}
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         metas = state.get("converters", {})
         for converter in self.converters:
@@ -353,6 +397,20 @@ class TorchTrainer:
             # machine has less room than the one that wrote the checkpoint.
             self.activation_budget = min(int(saved), self.activation_budget)
 
+    def _shard_likes(self) -> dict[str, Tensor | None]:
+        """What each checkpoint tensor is loaded into (its shard box decides what this rank reads)."""
+        likes: dict[str, Tensor | None] = {f"model/{k}": v for k, v in self.model.state_dict().items()}
+        if self.ref_model is not None:
+            likes.update({f"ref_model/{k}": v for k, v in self.ref_model.state_dict().items()})
+        # torch numbers the parameters of an optimizer state dict in order: a checkpoint's that fits this optimizer
+        # numbers them as its own does (one that does not is refused by load_state_dict below).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ids = [i for group in self.optimizer.state_dict()["param_groups"] for i in group["params"]]
+        for key, param in zip(ids, params, strict=True):
+            for moment in ("exp_avg", "exp_avg_sq"):
+                likes[f"optimizer/state/{key}/{moment}"] = param
+        return likes
+
     def _check_frozen(self, model_state: dict[str, Tensor]) -> None:
         """A parameter that does not train is left out of pushes, so engines serve the copy they loaded from
         model.path: a checkpoint must hold that same copy."""
@@ -374,4 +432,4 @@ class TorchTrainer:
 def _same(saved: Tensor, param: Tensor) -> bool:
     """Whether a checkpoint's whole tensor equals a parameter (a shard: gathered, so every rank must ask)."""
     whole = gather_full(param.detach())
-    return torch.equal(saved.to(whole.device), whole)
+    return torch.equal(gather_full(saved).to(whole.device), whole)

@@ -35,16 +35,18 @@ FP32 = {"rtol": 1e-4, "atol": 1e-6}
 STEPS = {"rtol": 1e-4, "atol": 2e-5}
 
 
-def launch(model_dir: Path, out: Path, world: int, *extra: str) -> list[subprocess.Popen[str]]:
+def launch(
+    model_dir: Path, out: Path, world: int, *extra: str, script: str = "fsdp_ranks.py"
+) -> list[subprocess.Popen[str]]:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    script = str(REPO / "tests" / "unit" / "fsdp_ranks.py")
+    path = str(REPO / "tests" / "unit" / script)
     return [
         subprocess.Popen(
-            [sys.executable, script, str(model_dir), str(out), *extra],
+            [sys.executable, path, str(model_dir), str(out), *extra],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
