@@ -23,6 +23,13 @@ checkpointed before an upgrade resumes after it.
 
 A checkpoint is written to ``.step_NNNNNNNN.h5.tmp``, fsynced and renamed, so a file with the final name is
 complete unless the storage damaged it afterwards, which the checksums catch on load.
+
+A sharded trainer's checkpoint also has ``step_NNNNNNNN.shards/``, one file of this format per rank (its pieces of
+the sharded tensors, hpcrl/store/shards.py), and the root attribute ``shards_json`` lists them (name, size, CRC-32
+of each one's checksum table). The ranks write them into ``.pending.shards/`` first; the save moves that folder
+into place and then writes the checkpoint's own file, last: a checkpoint whose file exists has every shard, a
+load refuses one whose shard files are missing, cut short or from another save, and shards that no file names
+(a save killed midway) are deleted by the next resume (`remove_temp_files`).
 """
 
 from __future__ import annotations

@@ -10,15 +10,24 @@ tensor is cut into this rank's shard (`load_full`) with no collective.
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from hpcrl.store.shards import ShardReader
+from hpcrl.model.hf import TOKENIZER_FILES, publish_dir, staging_dir
+from hpcrl.store.checkpoint import CheckpointError
+from hpcrl.store.run_dir import RunDirError
+from hpcrl.store.shards import ShardReader, write_shard
 
 
 def gather_full(tensor: Tensor) -> Tensor:
@@ -60,11 +69,49 @@ def host_state(named: Mapping[str, Tensor], keep: bool) -> dict[str, Tensor]:
     return out
 
 
+def export_gathered(
+    named: Mapping[str, Tensor], out_dir: Path, source_dir: Path, *, keep: bool, max_file_bytes: int
+) -> Path:
+    """Write `named` (sharded) as a Hugging Face directory, gathering one tensor at a time and writing each
+    safetensors file (about `max_file_bytes`, the index naming them when there are several) as soon as it is full,
+    so rank 0's host holds one file's tensors, never the model. Every rank calls it (`keep` True on rank 0 alone,
+    which writes); the tensors are gathered in `named`'s order, as `host_state` gathers them."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    tmp = staging_dir(out_dir) if keep else out_dir
+    weight_map: dict[str, str] = {}
+    for index, names in enumerate(files, start=1):
+        file_name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        part = host_state({name: named[name] for name in names}, keep=keep)
+        if keep:
+            save_file({k: v.contiguous() for k, v in part.items()}, str(tmp / file_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file_name))
+        del part
+    if not keep:
+        return out_dir
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in named.values())
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    shutil.copy2(source_dir / "config.json", tmp / "config.json")
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, tmp / name)
+    return publish_dir(tmp, out_dir)
+
+
 def _box(like: DTensor) -> tuple[list[int], list[int], bool]:
     """This rank's shard of `like` as a box of the whole tensor (offset, shape), and whether this rank is the one
     that writes it (the first replica under hybrid sharding, where several ranks hold the same piece)."""
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    coordinate = like.device_mesh.get_coordinate() or []
+    coordinate = list(like.device_mesh.get_coordinate() or [])
     first = all(coordinate[d] == 0 for d, p in enumerate(like.placements) if isinstance(p, Replicate))
     return list(offset), list(shape), first
 
@@ -79,6 +126,54 @@ def local_pieces(named: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, list[in
             if first:
                 out[name] = (tensor.to_local().detach().to("cpu", copy=True), list(tensor.shape), offset)
     return out
+
+
+def write_rank_shard(
+    ckpt_dir: Path, rank: int, world: int, pieces: dict[str, tuple[Tensor, list[int], list[int]]]
+) -> None:
+    """Every rank writes its shard file for the next checkpoint (hpcrl/store/shards.py); all learn whether every
+    file landed: rank 0 refuses the save if one did not, the others say why in their log and go on."""
+    failure = ""
+    # The run checks the weights a checkpoint gets for NaN and inf; sharded ones are checked here, piece by piece.
+    bad = next((k for k, (t, _, _) in pieces.items() if k.startswith("model/") and not t.isfinite().all()), None)
+    if bad is not None:
+        failure = (
+            f"parameter {bad.removeprefix('model/')!r} of the trainer holds NaN or inf; it was not checkpointed, "
+            "and the last checkpoint is intact: lower train.lr, check the rewards, then rerun to resume"
+        )
+    else:
+        try:
+            write_shard(ckpt_dir, rank, world, pieces)
+        except (CheckpointError, RunDirError, OSError) as exc:
+            failure = str(exc)
+    failed = torch.tensor([float(bool(failure))])
+    if world > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failure and rank != 0:
+        print(f"trainer rank {rank}: {failure}", file=sys.stderr, flush=True)
+    if failed.item() and rank == 0:
+        raise CheckpointError(
+            failure
+            or "a trainer rank could not write its shard of the checkpoint (its log in run_dir/logs/ says why); "
+            "free space and rerun to resume from the previous checkpoint"
+        )
+
+
+def shard_likes(
+    model: torch.nn.Module, ref_model: torch.nn.Module | None, optimizer: torch.optim.Optimizer
+) -> dict[str, Tensor | None]:
+    """What each tensor of a checkpoint is loaded into, by name (its shard's box decides what a rank reads)."""
+    likes: dict[str, Tensor | None] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    if ref_model is not None:
+        likes.update({f"ref_model/{k}": v for k, v in ref_model.state_dict().items()})
+    # torch numbers the parameters of an optimizer state dict in order: a checkpoint's that fits this optimizer
+    # numbers them as its own does (one that does not is refused when the optimizer loads it).
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in optimizer.state_dict()["param_groups"] for i in group["params"]]
+    for key, param in zip(ids, params, strict=True):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            likes[f"optimizer/state/{key}/{moment}"] = param
+    return likes
 
 
 def read_pieces(reader: ShardReader, likes: Mapping[str, Tensor | None]) -> dict[str, Tensor]:

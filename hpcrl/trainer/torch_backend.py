@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,7 @@ from torch.distributed.tensor import DTensor
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
-from hpcrl.store.checkpoint import CheckpointError
-from hpcrl.store.run_dir import RunDirError
-from hpcrl.store.shards import ShardReader, write_shard
+from hpcrl.store.shards import ShardReader
 from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
@@ -46,12 +43,15 @@ from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
 from hpcrl.trainer.sharded_state import (
     GatheredWeights,
+    export_gathered,
     gather_full,
     host_state,
     load_full,
     local_pieces,
     read_pieces,
+    shard_likes,
     shard_optimizer_state,
+    write_rank_shard,
 )
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard
@@ -306,7 +306,7 @@ class TorchTrainer:
         if self.collective and shards_to is not None:
             pieces = local_pieces(named)
             named = {k: v for k, v in named.items() if not isinstance(v, DTensor)}
-            self._write_shard(shards_to, pieces)
+            write_rank_shard(shards_to, self.rank, self.world_size, pieces)
         tensors = host_state(named, keep=not self.collective or self.rank == 0)
         state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
         if self.activation_budget is not None:
@@ -315,27 +315,6 @@ class TorchTrainer:
         if any(metas.values()):
             state["converters"] = {name: meta for name, meta in metas.items() if meta}
         return tensors, state
-
-    def _write_shard(self, ckpt_dir: Path, pieces: dict[str, tuple[Tensor, list[int], list[int]]]) -> None:
-        """Every rank writes its file; all learn whether every file landed (rank 0 refuses the save if not, the
-        others report it in their log and go on)."""
-        failure = ""
-        try:
-            write_shard(ckpt_dir, self.rank, self.world_size, pieces)
-        except (CheckpointError, RunDirError, OSError) as exc:
-            failure = str(exc)
-        failed = torch.tensor([float(bool(failure))])
-        if self.world_size > 1:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failure and self.rank != 0:
-            print(f"trainer rank {self.rank}: {failure}", file=sys.stderr, flush=True)
-        if failed.item():
-            if self.rank == 0:
-                raise CheckpointError(
-                    failure
-                    or "a trainer rank could not write its shard of the checkpoint (its log in run_dir/logs/ "
-                    "says why); free space and rerun to resume from the previous checkpoint"
-                )
 
     def _checkpointed(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         for converter in reversed(self.converters):
@@ -351,7 +330,8 @@ class TorchTrainer:
                 f"train.backend={state['backend']}"
             )
         if shards is not None:
-            tensors = {**tensors, **read_pieces(ShardReader(shards), self._shard_likes())}
+            likes = shard_likes(self.model, self.ref_model, self.optimizer)
+            tensors = {**tensors, **read_pieces(ShardReader(shards), likes)}
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         metas = state.get("converters", {})
         for converter in self.converters:
@@ -397,20 +377,6 @@ class TorchTrainer:
             # machine has less room than the one that wrote the checkpoint.
             self.activation_budget = min(int(saved), self.activation_budget)
 
-    def _shard_likes(self) -> dict[str, Tensor | None]:
-        """What each checkpoint tensor is loaded into (its shard box decides what this rank reads)."""
-        likes: dict[str, Tensor | None] = {f"model/{k}": v for k, v in self.model.state_dict().items()}
-        if self.ref_model is not None:
-            likes.update({f"ref_model/{k}": v for k, v in self.ref_model.state_dict().items()})
-        # torch numbers the parameters of an optimizer state dict in order: a checkpoint's that fits this optimizer
-        # numbers them as its own does (one that does not is refused by load_state_dict below).
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        ids = [i for group in self.optimizer.state_dict()["param_groups"] for i in group["params"]]
-        for key, param in zip(ids, params, strict=True):
-            for moment in ("exp_avg", "exp_avg_sq"):
-                likes[f"optimizer/state/{key}/{moment}"] = param
-        return likes
-
     def _check_frozen(self, model_state: dict[str, Tensor]) -> None:
         """A parameter that does not train is left out of pushes, so engines serve the copy they loaded from
         model.path: a checkpoint must hold that same copy."""
@@ -422,8 +388,18 @@ class TorchTrainer:
                     "with the model.path, train.converters and train.freeze_modules the run was started with"
                 )
 
-    def export(self, out_dir: str | Path) -> Path:
-        out = save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
+    def export(self, out_dir: str | Path, *, max_file_bytes: int = 2 << 30) -> Path:
+        """The whole model as a Hugging Face directory (sharded: rank 0 writes a safetensors file of about
+        `max_file_bytes` at a time, gathered one tensor at a time; the other ranks call `export_weights`)."""
+        if self.collective:
+            state = self._weights()
+            for converter in reversed(self.converters):
+                state = converter.export_state(self.model, state)
+            out = export_gathered(
+                state, Path(out_dir), self.model_dir, keep=self.rank == 0, max_file_bytes=max_file_bytes
+            )
+        else:
+            out = save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
         for converter in self.converters:
             converter.export_files(self.model, out, base_dir=self.model_dir)
         return out

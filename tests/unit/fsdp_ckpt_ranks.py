@@ -3,10 +3,10 @@
     python tests/unit/fsdp_ckpt_ranks.py MODEL_DIR OUT_DIR [FROM_DIR]   (RANK/WORLD_SIZE/... in the env)
 
 Without FROM_DIR the ranks take two GRPO steps from the model, save the checkpoint of step index 1 into
-OUT_DIR/ckpt (each rank its shard file), take a third step (OUT_DIR/unbroken.safetensors: the pushed weights), then
-a fresh trainer resumes OUT_DIR/ckpt and takes the third step again (OUT_DIR/resumed.safetensors). With FROM_DIR the
-ranks resume FROM_DIR/ckpt's newest checkpoint, take one step, save its checkpoint into OUT_DIR/ckpt and write the
-pushed weights (OUT_DIR/resumed.safetensors).
+OUT_DIR/ckpt (each rank its shard file), take a third step (OUT_DIR/unbroken.safetensors: the pushed weights;
+OUT_DIR/export: the export), then a fresh trainer resumes OUT_DIR/ckpt and takes the third step again
+(OUT_DIR/resumed.safetensors). With FROM_DIR the ranks resume FROM_DIR/ckpt's newest checkpoint, take one step,
+save its checkpoint into OUT_DIR/ckpt and write the pushed weights (OUT_DIR/resumed.safetensors).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def main() -> None:
         weights = pushed(trainer)
         if rank == 0:
             save_file(weights, out / "unbroken.safetensors")
+        # Files of 100 kB: the export is written a file at a time, gathered a tensor at a time.
+        trainer.export(out / "export", max_file_bytes=100_000)
         fresh = TorchTrainer(cfg, model_dir, rank=rank, world_size=world)
         resume(fresh, out / "ckpt")
         fresh.train_grpo(batch)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hpcrl.model.hf import iter_safetensors
 from hpcrl.store.checkpoint import (
     PENDING_SHARDS,
     CheckpointError,
@@ -62,6 +63,10 @@ def test_sharded_checkpoints_resume_bitwise_and_on_2_4_1_ranks(tiny_model_dir: P
     unbroken, resumed = load_file(two / "unbroken.safetensors"), load_file(two / "resumed.safetensors")
     assert sorted(resumed) == sorted(unbroken) and all(torch.equal(resumed[n], unbroken[n]) for n in unbroken)
     assert_close(unbroken, after[3], "2 ranks, step 3", STEPS)
+    # The export: safetensors files of about 100 kB each and their index, holding the weights pushed.
+    exported = dict(iter_safetensors(two / "export"))
+    assert len(list((two / "export").glob("model-*-of-*.safetensors"))) >= 3
+    assert sorted(exported) == sorted(unbroken) and all(torch.equal(exported[n], unbroken[n]) for n in unbroken)
 
     # 2 -> 4: each of four ranks reads its quarter from the two files and saves its own quarter.
     wait(launch_ckpt(tiny_model_dir, four, 4, two))
