@@ -6,7 +6,8 @@ Without FROM_DIR the ranks take two GRPO steps from the model, save the checkpoi
 OUT_DIR/ckpt (each rank its shard file), take a third step (OUT_DIR/unbroken.safetensors: the pushed weights;
 OUT_DIR/export: the export), then a fresh trainer resumes OUT_DIR/ckpt and takes the third step again
 (OUT_DIR/resumed.safetensors). With FROM_DIR the ranks resume FROM_DIR/ckpt's newest checkpoint, take one step,
-save its checkpoint into OUT_DIR/ckpt and write the pushed weights (OUT_DIR/resumed.safetensors).
+save its checkpoint into OUT_DIR/ckpt and write the pushed weights (OUT_DIR/resumed.safetensors); four ranks
+do the same under hybrid sharding (2 replicas of 2 shards: OUT_DIR/hybrid_ckpt, OUT_DIR/hybrid.safetensors).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 
 from hpcrl.store.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from hpcrl.store.shards import clear_pending
+from hpcrl.trainer.config import FSDPConfig
 from hpcrl.trainer.ranks import init_trainer_group
 from hpcrl.trainer.torch_backend import TorchTrainer
 from tests.unit.fsdp_ranks import config, fixed_batch, pushed
@@ -56,6 +58,16 @@ def main() -> None:
         weights = pushed(trainer)
         if rank == 0:
             save_file(weights, out / "resumed.safetensors")
+        if world == 4:  # hybrid sharding, 2 replicas of 2 shards: the first replica writes the pieces
+            hybrid = TorchTrainer(
+                config("fsdp2", world, fsdp=FSDPConfig(shard_group_size=2)), model_dir, rank=rank, world_size=world
+            )
+            step = resume(hybrid, Path(sys.argv[3]) / "ckpt")
+            hybrid.train_grpo(batch)
+            save(hybrid, out / "hybrid_ckpt", step + 1)
+            weights = pushed(hybrid)
+            if rank == 0:
+                save_file(weights, out / "hybrid.safetensors")
     else:
         trainer.train_grpo(batch)
         trainer.train_grpo(batch)

@@ -72,6 +72,10 @@ def test_sharded_checkpoints_resume_bitwise_and_on_2_4_1_ranks(tiny_model_dir: P
     wait(launch_ckpt(tiny_model_dir, four, 4, two))
     assert_close(load_file(four / "resumed.safetensors"), after[3], "2 -> 4 ranks, step 3", STEPS)
     assert_about_a_share(shards_dir(list_checkpoints(four / "ckpt")[-1]), 4, total)
+    # Hybrid sharding (2 replicas of 2 shards) resumes the same; its first replica writes the halves.
+    assert_close(load_file(four / "hybrid.safetensors"), after[3], "2 -> 2x2 hybrid, step 3", STEPS)
+    sizes = sorted(p.stat().st_size for p in shards_dir(list_checkpoints(four / "hybrid_ckpt")[-1]).iterdir())
+    assert sizes[1] < 16384 and total / 2 * 0.97 <= sizes[2] <= sizes[3] <= total / 2 * 1.03 + 16384, sizes
 
     # 4 -> 1: one DDP rank reads every piece of the four files.
     single = TorchTrainer(config("ddp", 1), tiny_model_dir)
