@@ -77,7 +77,7 @@ class Placement:
                 rank=0, world_size=world, device=device, timeout_s=self.cfg.sync.group_timeout_s, listener=listener
             )
         trainer = build_trainer(self.cfg.train, model_dir, rank=0, world_size=world, sft_lr=self.cfg.sft.lr)
-        return RankGroup(trainer, followers)
+        return RankGroup(trainer, followers, ckpt_dir=self.run_dir / "checkpoints")
 
     def start_engines(self, model_dir: Path) -> list[EngineClient]:
         n, engine = self.cfg.engine.num_engines, self.cfg.engine

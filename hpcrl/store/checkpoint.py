@@ -23,6 +23,13 @@ checkpointed before an upgrade resumes after it.
 
 A checkpoint is written to ``.step_NNNNNNNN.h5.tmp``, fsynced and renamed, so a file with the final name is
 complete unless the storage damaged it afterwards, which the checksums catch on load.
+
+A sharded trainer's checkpoint also has ``step_NNNNNNNN.shards/``, one file of this format per rank (its pieces of
+the sharded tensors, hpcrl/store/shards.py), and the root attribute ``shards_json`` lists them (name, size, CRC-32
+of each one's checksum table). The ranks write them into ``.pending.shards/`` first; the save moves that folder
+into place and then writes the checkpoint's own file, last: a checkpoint whose file exists has every shard, a
+load refuses one whose shard files are missing, cut short or from another save, and shards that no file names
+(a save killed midway) are deleted by the next resume (`remove_temp_files`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import warnings
 import zlib
@@ -63,6 +71,11 @@ _CHECKSUM_THREADS = 2
 _NAME = re.compile(r"step_(\d{8,})\.h5")
 _TEMP_NAME = re.compile(r"\.step_(\d{8,})\.h5\.tmp")
 _TENSORS = "tensors"
+SHARDS_ATTR = "shards_json"
+# Where the ranks of a sharded trainer write their shard files for the next checkpoint (hpcrl/store/shards.py);
+# the next save moves them beside its file, as step_NNNNNNNN.shards/.
+PENDING_SHARDS = ".pending.shards"
+_SHARDS_DIR = re.compile(r"step_(\d{8,})\.shards")
 
 # Dtypes NumPy lacks, stored as their raw bits.
 _BITS_DTYPES: dict[torch.dtype, tuple[torch.dtype, type[np.unsignedinteger[Any]]]] = {
@@ -105,6 +118,9 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
     path: Path
+    # The folder of its shard files (hpcrl/store/shards.py), checked present and the size they were written with;
+    # None: every tensor is in `tensors`.
+    shards: Path | None = None
 
 
 def checkpoint_path(ckpt_dir: str | os.PathLike[str], step: int) -> Path:
@@ -119,6 +135,11 @@ def checkpoint_file(ckpt_dir: str | os.PathLike[str], step: int) -> Path:
     path = checkpoint_path(ckpt_dir, step)
     old = Path(ckpt_dir) / f"step_{step:08d}.h5"
     return path if path.exists() or not old.exists() else old
+
+
+def shards_dir(path: str | os.PathLike[str]) -> Path:
+    """The folder of a checkpoint file's shard files: step_NNNNNNNN.h5 -> step_NNNNNNNN.shards."""
+    return Path(path).with_suffix(".shards")
 
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
@@ -149,7 +170,70 @@ def remove_temp_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
     removed = sorted(p for p in ckpt_dir.iterdir() if _TEMP_NAME.fullmatch(p.name))
     for path in removed:
         path.unlink(missing_ok=True)
+    # Shards no checkpoint file names: written for a save that a kill cut short before its file landed.
+    orphans = [ckpt_dir / PENDING_SHARDS] + [
+        p
+        for p in ckpt_dir.iterdir()
+        if _SHARDS_DIR.fullmatch(p.name)
+        and not p.with_suffix(".h5").exists()
+        and not p.with_suffix(".h5.unreadable").exists()
+    ]
+    for path in orphans:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            removed.append(path)
     return removed
+
+
+def _commit_pending_shards(ckpt_dir: Path, final_path: Path) -> str | None:
+    """Moves the shard files waiting in PENDING_SHARDS to the checkpoint's shards folder; returns their manifest
+    (JSON: per file its name, size and the CRC-32 of its checksum table), None where none wait."""
+    pending = ckpt_dir / PENDING_SHARDS
+    refuse_link(pending)
+    if not pending.is_dir():
+        return None
+    target = shards_dir(final_path)
+    refuse_link(target)
+    if target.exists():  # an abandoned timeline's save of this step: its file no longer matches these shards
+        shutil.rmtree(target)
+    files = sorted(p for p in pending.iterdir() if p.suffix == ".h5" and not p.name.startswith("."))
+    manifest = [{"name": p.name, "bytes": p.stat().st_size, "crc32_table": _crc_table_digest(p)} for p in files]
+    os.replace(pending, target)
+    fsync_path(ckpt_dir)
+    return json.dumps(manifest)
+
+
+def _crc_table_digest(path: Path) -> int:
+    """The CRC-32 of a checkpoint-format file's checksum table: which write of the file this is, read cheaply."""
+    with h5py.File(path, "r") as f:
+        table = np.asarray(f[_CRC32][()], dtype="<u4") if f[_CRC32].shape[0] else np.zeros(0, dtype="<u4")
+    return zlib.crc32(table.tobytes())
+
+
+def _check_shards(path: Path, manifest_json: str) -> Path:
+    """The shards folder of checkpoint `path`, refused (CheckpointError) unless it holds every file of the manifest,
+    each the size and write it had when the checkpoint was saved."""
+    folder = shards_dir(path)
+    for entry in json.loads(manifest_json):
+        shard = folder / entry["name"]
+        if not shard.is_file():
+            raise CheckpointError(f"shard file {shard} of checkpoint {path} is missing; the checkpoint is incomplete")
+        size = shard.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"shard file {shard} of checkpoint {path} has {size} bytes, {entry['bytes']} when written; it is "
+                "truncated or corrupt"
+            )
+        try:
+            digest = _crc_table_digest(shard)
+        except (OSError, KeyError, ValueError) as error:
+            raise CheckpointError(f"cannot read shard file {shard} of checkpoint {path} ({error})") from error
+        if digest != entry["crc32_table"]:
+            raise CheckpointError(
+                f"shard file {shard} of checkpoint {path} is not the one written with it (its checksums differ); "
+                "it is corrupt or from another save"
+            )
+    return folder
 
 
 # -- saving ------------------------------------------------------------------------------------------
@@ -182,12 +266,26 @@ def save_checkpoint(
     host = {name: _host_tensor(name, tensor) for name, tensor in tensors.items()}
     ckpt_dir = make_subdir(Path(ckpt_dir))
     final_path = checkpoint_path(ckpt_dir, step)
+    # Shards the ranks wrote for this checkpoint move beside it first; the file, written last, names them.
+    shards = _commit_pending_shards(ckpt_dir, final_path)
+    write_checkpoint_file(final_path, step, host, state_json, shards=shards)
+    _prune(ckpt_dir, step, keep_last)
+    return final_path
+
+
+def write_checkpoint_file(
+    final_path: Path, step: int, host: Mapping[str, torch.Tensor], state_json: str, shards: str | None = None
+) -> None:
+    """Writes one checkpoint-format file atomically (a temporary file, fsynced, renamed): a file under the final
+    name is complete. `host`: contiguous host tensors (`_host_tensor`); `shards`: the manifest of the shard files
+    beside it (JSON), if any."""
+    ckpt_dir = final_path.parent
     refuse_link(final_path)
     temp_path = ckpt_dir / f".{final_path.name}.tmp"
     fd = _create_temp(temp_path)
     failure: str | None = None
     try:
-        _write_file(temp_path, fd, step, host, state_json)
+        _write_file(temp_path, fd, step, host, state_json, shards)
         _check_same_file(temp_path, fd)
         os.replace(temp_path, final_path)
         fsync_path(ckpt_dir)
@@ -204,8 +302,6 @@ def save_checkpoint(
             f"could not write checkpoint {final_path} ({failure}); the disk may be full or over quota: free "
             "space and rerun to resume from the previous checkpoint (left intact, if there is one)"
         )
-    _prune(ckpt_dir, step, keep_last)
-    return final_path
 
 
 def _host_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -253,7 +349,9 @@ def _check_same_file(path: Path, fd: int) -> None:
         )
 
 
-def _write_file(path: Path, fd: int, step: int, tensors: Mapping[str, torch.Tensor], state_json: str) -> None:
+def _write_file(
+    path: Path, fd: int, step: int, tensors: Mapping[str, torch.Tensor], state_json: str, shards: str | None
+) -> None:
     if sys.byteorder != "little":
         raise RuntimeError("hpcrl checkpoints are little-endian; this machine is big-endian")
     entries: list[dict[str, Any]] = []
@@ -270,7 +368,7 @@ def _write_file(path: Path, fd: int, step: int, tensors: Mapping[str, torch.Tens
             pool.submit(_crc32, e["name"], e["dtype"], e["shape"], view) for e, view in zip(entries, views, strict=True)
         ]
         by_fd = _by_descriptor(path, fd)
-        blob_offset, crc_offset = _write_layout(by_fd, step, entries, offset, state_json)
+        blob_offset, crc_offset = _write_layout(by_fd, step, entries, offset, state_json, shards)
         if blob_offset is not None:
             write_blob(by_fd, fd, views, blob_offset)
         if crc_offset is not None:
@@ -281,7 +379,7 @@ def _write_file(path: Path, fd: int, step: int, tensors: Mapping[str, torch.Tens
 
 
 def _write_layout(
-    path: Path, step: int, entries: list[dict[str, Any]], blob_nbytes: int, state_json: str
+    path: Path, step: int, entries: list[dict[str, Any]], blob_nbytes: int, state_json: str, shards: str | None
 ) -> tuple[int | None, int | None]:
     """Writes the HDF5 part of a checkpoint (attributes, the blob and crc32 datasets allocated but unfilled);
     returns the file offsets of the two datasets (None for an empty one), where the raw bytes go."""
@@ -297,6 +395,8 @@ def _write_layout(
         f.attrs["num_tensors"] = len(entries)
         f.attrs["state_json"] = state_json
         f.attrs["tensors_json"] = json.dumps(entries)
+        if shards is not None:
+            f.attrs[SHARDS_ATTR] = shards
         # Every object stays open until the flush: one whose write fails inside close() is left half-closed,
         # which crashes the process at exit. Kept open, a failing flush raises here with every object intact
         # for _abandon (the flush is also where HDF5 extends the file over the allocated blob).
@@ -380,6 +480,8 @@ def _prune(ckpt_dir: Path, step: int, keep_last: int) -> None:
         )
     for path in abandoned + older[: max(0, len(older) - (keep_last - 1))]:
         path.unlink(missing_ok=True)
+        if shards_dir(path).is_dir() and not shards_dir(path).is_symlink():
+            shutil.rmtree(shards_dir(path))
 
 
 def _check_json(value: object, where: str) -> None:
@@ -428,6 +530,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             step = int(f.attrs["step"])
             state = json.loads(f.attrs["state_json"])
             num_tensors = int(f.attrs["num_tensors"])
+            shards_json = f.attrs.get(SHARDS_ATTR)
             if version == _V1_TENSORS_FORMAT_VERSION:
                 group = f[_TENSORS]
                 tensors = {unquote(name): _read_v1_tensor(path, unquote(name), ds) for name, ds in group.items()}
@@ -452,7 +555,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     name_match = _NAME.fullmatch(path.name)
     if name_match and int(name_match.group(1)) not in (step + 1, step):  # steps done, or the older step index
         raise CheckpointError(f"checkpoint {path} records step {step}, which does not match its file name")
-    return Checkpoint(step=step, tensors=tensors, state=state, path=path)
+    shards = _check_shards(path, str(shards_json)) if shards_json is not None else None
+    return Checkpoint(step=step, tensors=tensors, state=state, path=path, shards=shards)
 
 
 def _read_blob(

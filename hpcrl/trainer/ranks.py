@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpcrl.store.checkpoint import checkpoint_file, shards_dir
+from hpcrl.store.shards import clear_pending
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.protocol import Trainer
@@ -124,9 +126,13 @@ class RankGroup:
     requests alone; the Megatron backend's are collective (TP shards, pipeline stages), so rank 0
     first tells the followers to take part."""
 
-    def __init__(self, trainer: Trainer, followers: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(
+        self, trainer: Trainer, followers: list[subprocess.Popen[bytes]], ckpt_dir: Path | None = None
+    ) -> None:
         self.trainer = trainer
         self.followers = followers
+        # The run's checkpoints folder: a sharded trainer's ranks write their shards of each checkpoint there.
+        self.ckpt_dir = ckpt_dir
 
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
         self._check_followers()
@@ -170,11 +176,20 @@ class RankGroup:
 
     # ----- a part of the run's checkpointed state (hpcrl/store/run_state.py) -----
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        if isinstance(self.trainer, TorchTrainer) and self.trainer.collective and self.ckpt_dir is not None:
+            # Sharded: every rank writes its own shard file for the checkpoint being saved (hpcrl/store/shards.py).
+            clear_pending(self.ckpt_dir)
+            self._announce(CMD_STATE, extra=1)
+            return self.trainer.state(shards_to=self.ckpt_dir)
         return self.state()
 
     def load_state_dict(self, tensors: dict[str, Tensor], state: dict[str, Any], *, step: int) -> None:
         """Rank 0 loads what it is given; the followers read the checkpoint of `step` themselves."""
-        self.trainer.load_state(tensors, state)
+        if isinstance(self.trainer, TorchTrainer) and self.ckpt_dir is not None:
+            shards = shards_dir(checkpoint_file(self.ckpt_dir, step))
+            self.trainer.load_state(tensors, state, shards=shards if shards.is_dir() else None)
+        else:
+            self.trainer.load_state(tensors, state)
         if self.trainer.world_size > 1:
             _send(CMD_LOAD, None, extra=step)
 
@@ -226,7 +241,7 @@ def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr:
     """Ranks 1..N-1: build the trainer as rank 0 does (the settings of run_dir/config.yaml) and obey rank 0."""
     import signal
 
-    from hpcrl.store.checkpoint import checkpoint_file, load_checkpoint
+    from hpcrl.store.checkpoint import load_checkpoint
 
     # Slurm signals every task on preemption; rank 0 alone decides when to stop (it checkpoints first
     # and then sends STOP), so a follower must not die of TERM/USR2 in the middle of a collective.
@@ -242,14 +257,20 @@ def follow(run_dir: Path, train: TrainConfig, *, model_path: str | Path, sft_lr:
             break
         if cmd == CMD_LOAD:
             ckpt = load_checkpoint(checkpoint_file(run_dir / "checkpoints", extra))
-            trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
+            if isinstance(trainer, TorchTrainer):
+                trainer.load_state(ckpt.tensors, ckpt.state["trainer"], shards=ckpt.shards)
+            else:
+                trainer.load_state(ckpt.tensors, ckpt.state["trainer"])
         elif cmd == CMD_WEIGHTS:
             for _ in trainer.push_weights(full=bool(extra)):  # gathered as iterated, with rank 0's pass
                 pass
         elif cmd == CMD_EXPORT:
             trainer.export_weights()
         elif cmd == CMD_STATE:
-            trainer.state()
+            if isinstance(trainer, TorchTrainer) and extra:
+                trainer.state(shards_to=run_dir / "checkpoints")
+            else:
+                trainer.state()
         elif cmd == CMD_SFT:
             assert batch is not None
             trainer.train_sft(batch)

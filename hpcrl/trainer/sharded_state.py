@@ -1,19 +1,33 @@
 """The torch backend's state under FSDP2, where parameters and AdamW moments are DTensor shards.
 
 Weights leave a rank whole: a push gathers one tensor at a time as the transport's bucket loop reads them
-(`GatheredWeights`), a checkpoint and an export gather one tensor at a time to rank 0's host memory. A checkpoint so
-holds the same full tensors, in the same layout, as a DDP run's: any rank count, under either parallelism, resumes
-it; loading cuts each full tensor into this rank's shard (`load_full`) with no collective.
+(`GatheredWeights`), an export gathers one tensor at a time to rank 0's host memory. A checkpoint is not gathered:
+each rank writes the pieces it holds (`local_pieces`, hpcrl/store/shards.py), and a rank of any rank count, under
+either parallelism, reads back the box its own shard covers (`read_pieces`), from the files that overlap it alone.
+Checkpoints of whole tensors (a DDP run's, or a sharded run's written before shard files) load too: each whole
+tensor is cut into this rank's shard (`load_full`) with no collective.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hpcrl.model.hf import TOKENIZER_FILES, publish_dir, staging_dir
+from hpcrl.store.checkpoint import CheckpointError
+from hpcrl.store.run_dir import RunDirError
+from hpcrl.store.shards import ShardReader, write_shard
 
 
 def gather_full(tensor: Tensor) -> Tensor:
@@ -55,6 +69,131 @@ def host_state(named: Mapping[str, Tensor], keep: bool) -> dict[str, Tensor]:
     return out
 
 
+def export_gathered(
+    named: Mapping[str, Tensor], out_dir: Path, source_dir: Path, *, keep: bool, max_file_bytes: int
+) -> Path:
+    """Write `named` (sharded) as a Hugging Face directory, gathering one tensor at a time and writing each
+    safetensors file (about `max_file_bytes`, the index naming them when there are several) as soon as it is full,
+    so rank 0's host holds one file's tensors, never the model. Every rank calls it (`keep` True on rank 0 alone,
+    which writes); the tensors are gathered in `named`'s order, as `host_state` gathers them."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    tmp = staging_dir(out_dir) if keep else out_dir
+    weight_map: dict[str, str] = {}
+    for index, names in enumerate(files, start=1):
+        file_name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        part = host_state({name: named[name] for name in names}, keep=keep)
+        if keep:
+            save_file({k: v.contiguous() for k, v in part.items()}, str(tmp / file_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file_name))
+        del part
+    if not keep:
+        return out_dir
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in named.values())
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    shutil.copy2(source_dir / "config.json", tmp / "config.json")
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, tmp / name)
+    return publish_dir(tmp, out_dir)
+
+
+def _box(like: DTensor) -> tuple[list[int], list[int], bool]:
+    """This rank's shard of `like` as a box of the whole tensor (offset, shape), and whether this rank is the one
+    that writes it (the first replica under hybrid sharding, where several ranks hold the same piece)."""
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    coordinate = list(like.device_mesh.get_coordinate() or [])
+    first = all(coordinate[d] == 0 for d, p in enumerate(like.placements) if isinstance(p, Replicate))
+    return list(offset), list(shape), first
+
+
+def local_pieces(named: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, list[int], list[int]]]:
+    """The pieces of `named`'s sharded tensors this rank writes: {name: (host copy of its shard, whole shape,
+    offset)}; no collective."""
+    out: dict[str, tuple[Tensor, list[int], list[int]]] = {}
+    for name, tensor in named.items():
+        if isinstance(tensor, DTensor):
+            offset, _, first = _box(tensor)
+            if first:
+                out[name] = (tensor.to_local().detach().to("cpu", copy=True), list(tensor.shape), offset)
+    return out
+
+
+def write_rank_shard(
+    ckpt_dir: Path, rank: int, world: int, pieces: dict[str, tuple[Tensor, list[int], list[int]]]
+) -> None:
+    """Every rank writes its shard file for the next checkpoint (hpcrl/store/shards.py); all learn whether every
+    file landed: rank 0 refuses the save if one did not, the others say why in their log and go on."""
+    failure = ""
+    # The run checks the weights a checkpoint gets for NaN and inf; sharded ones are checked here, piece by piece.
+    bad = next((k for k, (t, _, _) in pieces.items() if k.startswith("model/") and not t.isfinite().all()), None)
+    if bad is not None:
+        failure = (
+            f"parameter {bad.removeprefix('model/')!r} of the trainer holds NaN or inf; it was not checkpointed, "
+            "and the last checkpoint is intact: lower train.lr, check the rewards, then rerun to resume"
+        )
+    else:
+        try:
+            write_shard(ckpt_dir, rank, world, pieces)
+        except (CheckpointError, RunDirError, OSError) as exc:
+            failure = str(exc)
+    failed = torch.tensor([float(bool(failure))])
+    if world > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failure and rank != 0:
+        print(f"trainer rank {rank}: {failure}", file=sys.stderr, flush=True)
+    if failed.item() and rank == 0:
+        raise CheckpointError(
+            failure
+            or "a trainer rank could not write its shard of the checkpoint (its log in run_dir/logs/ says why); "
+            "free space and rerun to resume from the previous checkpoint"
+        )
+
+
+def shard_likes(
+    model: torch.nn.Module, ref_model: torch.nn.Module | None, optimizer: torch.optim.Optimizer
+) -> dict[str, Tensor | None]:
+    """What each tensor of a checkpoint is loaded into, by name (its shard's box decides what a rank reads)."""
+    likes: dict[str, Tensor | None] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    if ref_model is not None:
+        likes.update({f"ref_model/{k}": v for k, v in ref_model.state_dict().items()})
+    # torch numbers the parameters of an optimizer state dict in order: a checkpoint's that fits this optimizer
+    # numbers them as its own does (one that does not is refused when the optimizer loads it).
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in optimizer.state_dict()["param_groups"] for i in group["params"]]
+    for key, param in zip(ids, params, strict=True):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            likes[f"optimizer/state/{key}/{moment}"] = param
+    return likes
+
+
+def read_pieces(reader: ShardReader, likes: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint's shard files, as this rank holds it: a DTensor of its shard where `likes` has a
+    DTensor of that name (read from the overlapping files alone), else the whole tensor (one at a time)."""
+    out: dict[str, Tensor] = {}
+    for name in sorted(reader.names()):
+        like = likes.get(name)
+        if isinstance(like, DTensor) and list(like.shape) == reader.shape(name):
+            offset, shape, _ = _box(like)
+            local = reader.read(name, offset, shape).to(device=like.to_local().device, dtype=like.dtype)
+            out[name] = DTensor.from_local(
+                local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+        else:
+            whole = reader.shape(name)
+            out[name] = reader.read(name, [0] * len(whole), whole)
+    return out
+
+
 def shard_like(whole: Tensor, like: Tensor) -> Tensor:
     """`whole` cut as `like` is sharded: a DTensor of this rank's shard on `like`'s mesh, device and dtype (no
     collective: every rank holds `whole`). A plain `like` gets `whole` itself."""
@@ -84,7 +223,7 @@ def load_full(module: torch.nn.Module, state: Mapping[str, Tensor], what: str) -
                 f"this checkpoint's {what} {name} has shape {list(whole.shape)}, the model's {list(tensor.shape)}; "
                 "resume with the model.path the run was started with"
             )
-        shard = shard_like(whole, tensor)
+        shard = whole if isinstance(whole, DTensor) else shard_like(whole, tensor)
         target = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         target.copy_(shard.to_local() if isinstance(shard, DTensor) else shard)
 
@@ -99,7 +238,9 @@ def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Opt
     for key, moments in state_dict["state"].items():
         param = by_id.get(key)
         out[key] = {
-            k: shard_like(v, param) if param is not None and isinstance(v, Tensor) and v.shape == param.shape else v
+            k: shard_like(v, param)
+            if param is not None and isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == param.shape
+            else v
             for k, v in moments.items()
         }
     return {**state_dict, "state": out}

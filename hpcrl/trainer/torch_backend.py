@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from hpcrl.model import invariant
 from hpcrl.model.hf import load_model, parse_dtype, save_state_dict
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
+from hpcrl.store.shards import ShardReader
 from hpcrl.store.state_tree import flatten_state, unflatten_state
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
@@ -39,7 +41,18 @@ from hpcrl.trainer.memory_plan import (
 )
 from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.parallel import ParallelPlan, apply_activation_checkpointing, apply_compile, parallelize
-from hpcrl.trainer.sharded_state import GatheredWeights, gather_full, host_state, load_full, shard_optimizer_state
+from hpcrl.trainer.sharded_state import (
+    GatheredWeights,
+    export_gathered,
+    gather_full,
+    host_state,
+    load_full,
+    local_pieces,
+    read_pieces,
+    shard_likes,
+    shard_optimizer_state,
+    write_rank_shard,
+)
 from hpcrl.trainer.step import MicroLoss, TrainStep
 from hpcrl.trainer.step_stats import NanGuard
 
@@ -277,17 +290,23 @@ class TorchTrainer:
     def _weights(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    def state(self, *, shards_to: Path | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Model and optimizer state as tensors + JSON skeleton (no pickle), for checkpoints.
 
-        Host copies (on a CPU run too: the checkpoint is written from them while training goes on).
+        Host copies (on a CPU run too: the checkpoint is written from them while training goes on). Sharded, with
+        `shards_to` (the run's checkpoints folder; every rank calls it): each rank writes its pieces of the sharded
+        tensors there for the next checkpoint (hpcrl/store/shards.py) and the rest is returned; without it every
+        tensor is gathered whole in turn, kept by rank 0 alone, as a DDP run's.
         """
         named = {f"model/{k}": v for k, v in self._checkpointed(self.model.state_dict()).items()}
         opt_tensors, skeleton = flatten_state(self.optimizer.state_dict(), prefix="optimizer/")
         named.update(opt_tensors)
         if self.ref_model is not None:
             named.update({f"ref_model/{k}": v for k, v in self.ref_model.state_dict().items()})
-        # Sharded: every tensor gathered whole in turn, kept by rank 0 alone; a checkpoint is the same as DDP's.
+        if self.collective and shards_to is not None:
+            pieces = local_pieces(named)
+            named = {k: v for k, v in named.items() if not isinstance(v, DTensor)}
+            write_rank_shard(shards_to, self.rank, self.world_size, pieces)
         tensors = host_state(named, keep=not self.collective or self.rank == 0)
         state: dict[str, Any] = {"optimizer": skeleton, "num_nan_in_a_row": self.nan_guard.in_a_row}
         if self.activation_budget is not None:
@@ -302,12 +321,17 @@ class TorchTrainer:
             state = converter.checkpoint_state(self.model, state)
         return state
 
-    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any], *, shards: Path | None = None) -> None:
+        """Load a checkpoint's state; `shards`: its shard files' folder, whose pieces this rank reads (the box of
+        each tensor it holds, on any rank count)."""
         if state.get("backend", "torch") != "torch":
             raise ValueError(
                 f"this checkpoint was written by the {state['backend']} trainer backend; resume it with "
                 f"train.backend={state['backend']}"
             )
+        if shards is not None:
+            likes = shard_likes(self.model, self.ref_model, self.optimizer)
+            tensors = {**tensors, **read_pieces(ShardReader(shards), likes)}
         model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         metas = state.get("converters", {})
         for converter in self.converters:
@@ -364,8 +388,18 @@ class TorchTrainer:
                     "with the model.path, train.converters and train.freeze_modules the run was started with"
                 )
 
-    def export(self, out_dir: str | Path) -> Path:
-        out = save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
+    def export(self, out_dir: str | Path, *, max_file_bytes: int = 2 << 30) -> Path:
+        """The whole model as a Hugging Face directory (sharded: rank 0 writes a safetensors file of about
+        `max_file_bytes` at a time, gathered one tensor at a time; the other ranks call `export_weights`)."""
+        if self.collective:
+            state = self._weights()
+            for converter in reversed(self.converters):
+                state = converter.export_state(self.model, state)
+            out = export_gathered(
+                state, Path(out_dir), self.model_dir, keep=self.rank == 0, max_file_bytes=max_file_bytes
+            )
+        else:
+            out = save_state_dict(dict(self.export_weights()), out_dir, source_dir=self.model_dir)
         for converter in self.converters:
             converter.export_files(self.model, out, base_dir=self.model_dir)
         return out
@@ -374,4 +408,4 @@ class TorchTrainer:
 def _same(saved: Tensor, param: Tensor) -> bool:
     """Whether a checkpoint's whole tensor equals a parameter (a shard: gathered, so every rank must ask)."""
     whole = gather_full(param.detach())
-    return torch.equal(saved.to(whole.device), whole)
+    return torch.equal(gather_full(saved).to(whole.device), whole)

@@ -35,16 +35,18 @@ FP32 = {"rtol": 1e-4, "atol": 1e-6}
 STEPS = {"rtol": 1e-4, "atol": 2e-5}
 
 
-def launch(model_dir: Path, out: Path, world: int, *extra: str) -> list[subprocess.Popen[str]]:
+def launch(
+    model_dir: Path, out: Path, world: int, *extra: str, script: str = "fsdp_ranks.py"
+) -> list[subprocess.Popen[str]]:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    script = str(REPO / "tests" / "unit" / "fsdp_ranks.py")
+    path = str(REPO / "tests" / "unit" / script)
     return [
         subprocess.Popen(
-            [sys.executable, script, str(model_dir), str(out), *extra],
+            [sys.executable, path, str(model_dir), str(out), *extra],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -161,7 +163,7 @@ def test_the_memory_plan_divides_the_state_by_the_shards_and_refuses_what_cannot
 
 
 def test_two_fsdp2_ranks_resume_after_sigterm_bitwise(workdir: Path) -> None:
-    # Resumes on another rank count (2 -> 4 -> 1): test_fsdp2_matches_ddp_and_checkpoints_move_between_rank_counts.
+    # Resumes on another rank count (2 -> 4 -> 1): tests/unit/test_fsdp_checkpoints.py.
     two = [*SMALL[1:], "sft.num_steps=0", "checkpoint.every_steps=1", "train.parallelism=fsdp2", "num_steps=2"]
     two.append("train.num_ranks=2")
     hpcrl("run", "qs.yaml", *two, "--run-dir", "full", cwd=workdir)
@@ -172,6 +174,11 @@ def test_two_fsdp2_ranks_resume_after_sigterm_bitwise(workdir: Path) -> None:
     assert "received SIGTERM: checkpointed step" in rest
     out = hpcrl("run", "qs.yaml", *two, "--run-dir", "cut", cwd=workdir)
     assert "resumed from" in out.stdout and "step    2/2" in out.stdout
+    # Each rank wrote its shard file into the checkpoint.
+    assert [p.name for p in sorted((workdir / "cut" / "checkpoints").glob("step_00000002.shards/*"))] == [
+        "rank-00000-of-00002.h5",
+        "rank-00001-of-00002.h5",
+    ]
     # The same rank count: the resumed run is the unbroken one, bit for bit.
     assert_same_metrics(load_metrics(workdir / "full" / "metrics.h5"), load_metrics(workdir / "cut" / "metrics.h5"))
     a, b = final_weights(workdir / "full"), final_weights(workdir / "cut")
