@@ -26,6 +26,7 @@ from hpcrl.engine.joined import (
     joined_dir,
     model_identity,
     refusal_path,
+    this_identity,
 )
 from hpcrl.report.build import build_report
 from hpcrl.rollout.ledger import ledger_problems
@@ -83,6 +84,41 @@ def test_joining_needs_a_disk_delta_run_with_the_same_model(tmp_path: Path, tiny
     RunIdentity("0123abcd", "0.0.9", str(tmp_path / "weights")).write(tmp_path)
     with pytest.raises(JoinError, match=r"model \w+ \(the run's: 0123abcd\) and hpcrl .* \(the run's: 0\.0\.9\)"):
         check_joinable(tmp_path)
+
+
+def test_a_weight_directory_the_engine_node_does_not_share_is_refused_at_start_naming_it_and_the_fix(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Two processes that see different directories at the same path (the second in a mount namespace of its own,
+    with a private tmpfs over the weight directory, as a node-local /tmp would be): the second is refused."""
+    run_dir, weights = tmp_path / "run", tmp_path / "run-weights"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(
+        f"name: x\nmodel:\n  path: {tiny_model_dir}\nsync:\n  transport: disk_delta\n  delta_dir: {weights}\n"
+    )
+    this_identity(tiny_model_dir, weights).write(run_dir)  # what the run writes when it starts
+    check = (
+        "import sys; from pathlib import Path; from hpcrl.slurm.join import check_joinable, JoinError\n"
+        "try:\n    check_joinable(Path(sys.argv[1]), probe_wait_s=0.5)\n"
+        "except JoinError as exc:\n    sys.exit(f'refused: {exc}')\nprint('joinable')"
+    )
+    assert check_joinable(run_dir, probe_wait_s=0)[1].weights_dir == str(weights)  # this process shares it
+    private = f'mount -t tmpfs none "{weights}" && exec "{sys.executable}" -c "$0" "$1"'
+    other = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", private, check, str(run_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other.returncode == 1, other.stderr
+    assert f"refused: the weight directory {weights} is not shared between the trainer's node and this node" in (
+        other.stderr
+    )
+    assert "no probe file there" in other.stderr and "Put sync.delta_dir on a file system both nodes mount" in (
+        other.stderr
+    )
+    # A leftover of another run in a node-local directory at that path is no proof of sharing either.
+    RunIdentity(model_identity(tiny_model_dir), hpcrl.__version__, str(weights), "0" * 32).write(run_dir)
+    with pytest.raises(JoinError, match=r"this node .* sees another run's probe \(written on"):
+        check_joinable(run_dir, probe_wait_s=0)
 
 
 def test_the_join_job_script_runs_the_runs_engines_on_another_partition(
