@@ -57,6 +57,11 @@ def joinable_config(run_dir: Path) -> RunConfig:
             "engines it started; engines join a run whose weights go through shared storage: start the run with "
             "sync.transport=disk_delta"
         )
+    if cfg.engine.kind != "embedded":
+        raise JoinError(
+            f"the run in {run_dir} uses engine.kind {cfg.engine.kind}: only embedded engines join a running run "
+            "(a SGLang engine's disk-delta agent runs with the run's driver, on its node)"
+        )
     return cfg
 
 
