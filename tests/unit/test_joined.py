@@ -29,6 +29,8 @@ from hpcrl.engine.joined import (
     this_identity,
 )
 from hpcrl.report.build import build_report
+from hpcrl.report.plots import DEFAULT_MAX_POINTS, PLOTTERS, plot_fleet
+from hpcrl.report.run import load_run
 from hpcrl.rollout.ledger import ledger_problems
 from hpcrl.slurm.join import check_joinable
 from hpcrl.store import load_events, load_metrics
@@ -159,8 +161,9 @@ def test_an_engine_joins_an_async_run_mid_way_serves_the_current_version_and_its
     lines: list[str] = []
     joiner = None
     try:
-        read_until(proc, "starting 1 embedded engine", lines)  # the run dir is claimed: its config is there
-        # Started with the run: both engines start at once, and the run announces itself once its own is up.
+        # Started with the run, as soon as it has claimed its directory (its config is there, written atomically):
+        # both engines start at once, and the run announces itself once its own is up.
+        _wait_for(lambda: (tmp_path / "r" / "config.yaml").is_file(), 120)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         joiner = subprocess.Popen(
             [sys.executable, "-m", "hpcrl.cli", "engine", "join", "r"], cwd=tmp_path, env=env,
@@ -199,8 +202,12 @@ def test_an_engine_joins_an_async_run_mid_way_serves_the_current_version_and_its
     ledger = json.loads((tmp_path / "r" / "prompt_ledger.json").read_text())
     assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
     assert not np.isnan(m["fleet/engines_live"]).any()
-    report = build_report(tmp_path / "r", tmp_path / "report")  # `hpcrl report`: engines over time
-    assert any(p.name == "fleet.png" for p in report.plots)
+    # `hpcrl report`: its summary counts the engines, and its fleet plot (one of the report's plots, drawn alone
+    # here: the run's other plots take seconds and show nothing about engines) draws them over time.
+    report = build_report(tmp_path / "r", tmp_path / "report", plots=False)
+    assert plot_fleet in PLOTTERS
+    fleet_png = plot_fleet(load_run(tmp_path / "r"), tmp_path / "report", DEFAULT_MAX_POINTS)
+    assert fleet_png is not None and fleet_png.name == "fleet.png" and fleet_png.stat().st_size > 0
     assert re.search(r"\| engines joined +\| 1 ", report.markdown) and re.search(
         r"\| engines left +\| 1 ", report.markdown
     )
