@@ -260,8 +260,10 @@ class SharedCheck:
     engine node's role checks it between its other duties). A requeued run rewrites RUN.json and the probe: the
     pair is read again until it agrees."""
 
-    def __init__(self, run_dir: Path, *, probe_wait_s: float = PROBE_WAIT_S) -> None:
-        self.run_dir, self.probe_wait_s = run_dir, probe_wait_s
+    def __init__(self, run_dir: Path, *, probe_wait_s: float = PROBE_WAIT_S, newer_than: float | None = None) -> None:
+        """`newer_than`: a wall-clock time; an announcement written before it is a previous run's (the engines of
+        a job start before its driver announces the run) and is waited past."""
+        self.run_dir, self.probe_wait_s, self.newer_than = run_dir, probe_wait_s, newer_than
         self.probe_deadline: float | None = None
         self.run: RunIdentity | None = None
 
@@ -269,8 +271,10 @@ class SharedCheck:
         """True once the probe is seen; False while the run has not announced itself or the probe may still show;
         DeltaDirNotShared (the directory, this node, the fix) once `probe_wait_s` passed after the announcement."""
         try:
+            if self.newer_than is not None and (joined_dir(self.run_dir) / RUN_FILE).stat().st_mtime < self.newer_than:
+                return False
             run = RunIdentity.read(self.run_dir)
-        except JoinError:
+        except (JoinError, OSError):
             return False
         if self.probe_deadline is None:
             self.probe_deadline = time.monotonic() + self.probe_wait_s

@@ -63,6 +63,7 @@ def _config(run_dir: Path) -> RunConfig:
 
 
 def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
+    started = time.time()
     env = _slurm_env()
     cfg = _config(run_dir)
     num_nodes = max(1, len(env.step_nodes))
@@ -88,7 +89,8 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
     print(f"node {env.node_name}: engines {first}..{first + count - 1} ready at {host}", flush=True)
     marker = done_marker(run_dir, incarnation)
     # The engines read the weight versions the trainer writes: this node must see its weight directory.
-    shared = SharedCheck(run_dir) if cfg.sync.transport == "disk_delta" else None
+    # The driver announces the run after these engines are up; older announcements (minus clock skew) are stale.
+    shared = SharedCheck(run_dir, newer_than=started - 10.0) if cfg.sync.transport == "disk_delta" else None
     try:
         signalled_at: float | None = None
         while not marker.exists():

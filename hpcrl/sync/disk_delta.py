@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -232,6 +233,8 @@ class DiskDeltaTransport(Transport):
         self.files = []
         for agent in self.agents.values():
             agent.close()
+        if self.agents:
+            shutil.rmtree(self._agent_root(), ignore_errors=True)
         self.agents = {}
 
     # ----- helpers -----
@@ -255,13 +258,18 @@ class DiskDeltaTransport(Transport):
         agent = self.agents.get(engine.url)
         if agent is None:
             assert self.model_dir is not None
-            local = Path(tempfile.gettempdir()) / f"hpcrl-delta-{os.getpid()}" / str(len(self.agents))
+            local = self._agent_root() / str(len(self.agents))
             agent = SglangDeltaAgent(
                 engine, model_dir=self.model_dir, local_dir=local, dtype=getattr(torch, self.engine_dtype),
                 tp_size=self.engine_tp_size, timeout_s=self.cfg.group_timeout_s,
             )  # fmt: skip
             self.agents[engine.url] = agent
         return agent
+
+    @staticmethod
+    def _agent_root() -> Path:
+        """Where this process's SGLang agents keep the weights they hand over (node-local)."""
+        return Path(tempfile.gettempdir()) / f"hpcrl-delta-{os.getpid()}"
 
     def _newest(self, version: int) -> Path:
         """The manifest of `version` already on disk (a push of the version the engines hold)."""

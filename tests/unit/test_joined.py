@@ -23,6 +23,7 @@ from hpcrl.engine.joined import (
     JoinWatcher,
     Registration,
     RunIdentity,
+    SharedCheck,
     joined_dir,
     model_identity,
     refusal_path,
@@ -105,6 +106,9 @@ def test_a_weight_directory_the_engine_node_does_not_share_is_refused_at_start_n
         "except JoinError as exc:\n    sys.exit(f'refused: {exc}')\nprint('joinable')"
     )
     assert check_joinable(run_dir, probe_wait_s=0)[1].weights_dir == str(weights)  # this process shares it
+    # An engine node of the job polls it; an announcement older than its start is a previous run's, not proof.
+    assert SharedCheck(run_dir, probe_wait_s=0).poll()
+    assert not SharedCheck(run_dir, probe_wait_s=0, newer_than=time.time() + 60).poll()
     private = f'mount -t tmpfs none "{weights}" && exec "{sys.executable}" -c "$0" "$1"'
     other = subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", private, check, str(run_dir)],
