@@ -13,7 +13,8 @@ each followed by pushes of the same bf16 weights as version v:
   1. disk_delta into the embedded engine (sync/disk_delta.py writes the delta, the engine patches in place);
   2. the tensor push into the embedded engine (CUDA IPC);
   3. disk_delta into SGLang: the agent patches its copy, then has SGLang load it, alternately from disk
-     (update_weights_from_disk, odd versions) and as tensors (update_weights_from_tensor, even versions);
+     (update_weights_from_disk: odd versions and the last) and as tensors (update_weights_from_tensor: the
+     other even versions);
   4. the tensor push into SGLang (CUDA IPC).
 Version 0 (the launch weights) is pushed first: it writes the first snapshot. Per push: delta bytes (against the
 full bf16 payload), changed share, write seconds, the engine's apply seconds and the push's whole pause (pause
@@ -189,7 +190,8 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                     if not same:
                         failures.append(f"the embedded engine's {name} differs from the trainer's after the deltas")
             results["rows"].append(push_row("embedded tensor", lr, version, e_tensor.push(named, version), full_bytes))
-            agent_mode = "disk" if version % 2 == 1 or version == 0 else "tensor"
+            # The last push, the one checked against the tensor push, goes through update_weights_from_disk.
+            agent_mode = "disk" if version % 2 == 1 or version == 0 or last else "tensor"
             for agent in s_delta.transport.agents.values():  # type: ignore[attr-defined]
                 agent.mode = agent_mode
             metrics = s_delta.push(named, version)
