@@ -23,6 +23,8 @@ holds the trainer's bf16 weights bitwise (several tensors read back whole); the 
 bitwise (every tensor); SGLang's greedy log-probs after the delta load equal those after the tensor push of the
 same weights, and /get_weights_by_name (when 0.5.16 answers it for Qwen3) equals the trainer's values.
 Writes delta_gpu.json and the servers' logs to --out; prints a results table; exits 1 when a check fails.
+`--cpu-smoke` runs the embedded half on a CPU with a small shape (28 layers of width 64; about 2 minutes on 2
+busy cores), which is how the script is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="check the script on a CPU: a small shape, the embedded engine only"
+    )
     ns = ap.parse_args()
     out: Path = ns.out.absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -121,31 +126,40 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
     from hpcrl.model.tiny import QWEN3_0_6B_SHAPE, ModelShape, init_shaped_model
 
     work = Path(tempfile.mkdtemp(prefix="hpcrl-delta-gpu-"))
-    shape = ModelShape(**{**QWEN3_0_6B_SHAPE.__dict__, "max_position_embeddings": 4096})
-    model_dir = init_shaped_model(work / "model", shape, dtype="bfloat16", device="cuda")
+    dev = "cpu" if ns.cpu_smoke else "cuda"
+    if ns.cpu_smoke:
+        shape = ModelShape(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=28, num_heads=4, num_kv_heads=2,
+            head_dim=16, max_position_embeddings=4096,
+        )  # fmt: skip
+    else:
+        shape = ModelShape(**{**QWEN3_0_6B_SHAPE.__dict__, "max_position_embeddings": 4096})
+    model_dir = init_shaped_model(work / "model", shape, dtype="bfloat16", device=dev)
     s_port, e_port = free_port(), free_port()
     s_url, e_url = f"http://127.0.0.1:{s_port}", f"http://127.0.0.1:{e_port}"
-    sglang = launch(
+    sglang = None if ns.cpu_smoke else launch(
         [ns.python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1", "--port",
          str(s_port), *SGLANG_ARGS], out / "sglang.log",
     )  # fmt: skip
     embedded = launch(
         [sys.executable, "-m", "hpcrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(e_port),
-         "--device", "cuda", "--dtype", "bfloat16", "--context-length", "2048", "--max-running-requests", "16"],
+         "--device", dev, "--dtype", "bfloat16", "--context-length", "2048", "--max-running-requests", "16"],
         out / "embedded.log",
     )  # fmt: skip
     results: dict[str, Any] = {"shape": shape.__dict__, "rows": [], "checks": {}}
     failures: list[str] = []
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
         params = dict(model.named_parameters())
         full_bytes = sum(p.numel() * 2 for p in params.values())
         results["full_push_bytes"] = full_bytes
         print(f"model: {sum(p.numel() for p in params.values()) / 1e6:.0f} M parameters, {full_bytes / 2**30:.2f} GiB"
               " in bf16", flush=True)  # fmt: skip
         print(f"embedded engine up after {wait_up(e_url, embedded, out / 'embedded.log', ns.startup_timeout_s):.0f} s")
-        print(f"SGLang up after {wait_up(s_url, sglang, out / 'sglang.log', ns.startup_timeout_s):.0f} s", flush=True)
-        device = torch.device("cuda")
+        if sglang is not None:
+            up_s = wait_up(s_url, sglang, out / "sglang.log", ns.startup_timeout_s)
+            print(f"SGLang up after {up_s:.0f} s", flush=True)
+        device = torch.device(dev)
         e_client, s_client = EngineClient(e_url, timeout_s=600), EngineClient(s_url, timeout_s=600)
         e_delta = WeightSync(
             SyncConfig(transport="disk_delta", delta_dir=str(work / "w-embedded")), [e_client], device=device
@@ -158,9 +172,10 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
         s_tensor = WeightSync(
             SyncConfig(transport="tensor"), [s_client], device=device, colocated=True, engine_kind="sglang"
         )
-        for sync in (e_delta, e_tensor, s_delta, s_tensor):
+        syncs = (e_delta, e_tensor) if sglang is None else (e_delta, e_tensor, s_delta, s_tensor)
+        for sync in syncs:
             sync.connect()
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        gen = torch.Generator(device=dev).manual_seed(0)
         version = 0
         schedule = [(0.0, 0)] + [(1e-6, i) for i in range(ns.pushes)] + [(1e-5, i) for i in range(ns.pushes)]
         optim: torch.optim.Optimizer | None = None
@@ -171,7 +186,7 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                 if lr != lr_now:
                     optim, lr_now = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), lr
                 assert optim is not None
-                ids = torch.randint(100, shape.vocab_size, (ns.batch, ns.seq_len), device="cuda", generator=gen)
+                ids = torch.randint(100, shape.vocab_size, (ns.batch, ns.seq_len), device=dev, generator=gen)
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 optim.step()
@@ -190,6 +205,9 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                     if not same:
                         failures.append(f"the embedded engine's {name} differs from the trainer's after the deltas")
             results["rows"].append(push_row("embedded tensor", lr, version, e_tensor.push(named, version), full_bytes))
+            if sglang is None:
+                print(f"version {version} (lr {lr:g}) pushed 2 ways", flush=True)
+                continue
             # The last push, the one checked against the tensor push, goes through update_weights_from_disk.
             agent_mode = "disk" if version % 2 == 1 or version == 0 or last else "tensor"
             for agent in s_delta.transport.agents.values():  # type: ignore[attr-defined]
@@ -226,14 +244,14 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                 if not same:
                     failures.append("SGLang generates differently after the delta load than after the tensor push")
             print(f"version {version} (lr {lr:g}) pushed 4 ways", flush=True)
-        for sync in (e_delta, e_tensor, s_delta, s_tensor):
+        for sync in syncs:
             sync.close()
     except SystemExit as exc:
         failures.append(str(exc)[:4000])
     except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status
         failures.append(f"{type(exc).__name__}: {exc}"[:4000])
     finally:
-        for proc in (sglang, embedded):
+        for proc in (p for p in (sglang, embedded) if p is not None):
             try:
                 os.killpg(proc.pid, 9)
             except ProcessLookupError:
