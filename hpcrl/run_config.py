@@ -169,11 +169,6 @@ class RunConfig:
             and self.sync.transport == "tensor"
         ):
             raise ValueError("sync.transport=tensor needs the engines and the trainer on the same kind of device")
-        if self.sync.transport == "disk_delta" and self.engine.kind != "embedded":
-            raise ValueError(
-                f"sync.transport disk_delta with engine.kind {self.engine.kind} is not supported yet; use "
-                "sync.transport distributed, tensor or mpi (only the embedded engine patches its weights from disk)"
-            )
         if self.rollout.replays_support:
             _check_replayable(self)
         self._check_async()

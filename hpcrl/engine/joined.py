@@ -1,10 +1,12 @@
 """Engines that join a running run from a job of their own, through the shared run directory.
 
 The run (its driver) writes RUN_DIR/engines/joined/RUN.json when it starts with sync.transport disk_delta: the
-identity of its model, the hpcrl version and the weight directory. A joining process (`hpcrl engine join RUN_DIR`,
-hpcrl/slurm/join.py) checks that identity against its own, starts its engine, brings it to the newest weight version
-on disk, and writes one registration file per engine, atomically: RUN_DIR/engines/joined/<id>.json (URL, API
-token, model identity, hpcrl version, job id, host, pid, time, weight version). It removes the file when it leaves
+identity of its model, the hpcrl version, the weight directory and the nonce of the probe it wrote there (every
+process that reads weights on another node checks it sees that nonce: `SharedCheck`). A joining process
+(`hpcrl engine join RUN_DIR`, hpcrl/slurm/join.py) checks that identity against its own, starts its engine, brings
+it to the newest weight version on disk, and writes one registration file per engine, atomically:
+RUN_DIR/engines/joined/<id>.json (URL, API token, model identity, hpcrl version, job id, host, pid, time, weight
+version). It removes the file when it leaves
 (scancel, preemption, the end of its job).
 
 Between steps (inside the weight push, hpcrl/sync/publisher.py) the run's `JoinWatcher` reads the folder:
@@ -31,7 +33,7 @@ import hpcrl
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.protocol.control import UpdateWeightsFromDelta
 from hpcrl.store.run_dir import make_subdir, write_file_atomically
-from hpcrl.weightwire.delta import manifest_name
+from hpcrl.weightwire.delta import DeltaDirNotShared, check_probe, manifest_name, write_probe
 
 if TYPE_CHECKING:
     from hpcrl.engine.fleet import EngineFleet
@@ -66,6 +68,8 @@ class RunIdentity:
     model: str
     hpcrl_version: str
     weights_dir: str
+    probe_nonce: str = ""
+    """The nonce in the weight directory's probe file ("" when none was written)."""
 
     def write(self, run_dir: Path) -> None:
         folder = make_subdir(joined_dir(run_dir))
@@ -76,7 +80,9 @@ class RunIdentity:
         path = joined_dir(run_dir) / RUN_FILE
         try:
             data = json.loads(path.read_text())
-            return cls(str(data["model"]), str(data["hpcrl_version"]), str(data["weights_dir"]))
+            return cls(
+                str(data["model"]), str(data["hpcrl_version"]), str(data["weights_dir"]), str(data["probe_nonce"])
+            )
         except FileNotFoundError:
             raise JoinError(
                 f"{path} not found: the run in {run_dir} has not started, or does not take joining engines (it "
@@ -237,7 +243,64 @@ class JoinWatcher:
 
 
 def this_identity(model_dir: Path, weights_dir: Path) -> RunIdentity:
-    return RunIdentity(model_identity(model_dir), hpcrl.__version__, str(weights_dir.absolute()))
+    """The run's identity, with a fresh probe written into the weight directory (created if needed)."""
+    weights_dir = weights_dir.absolute()
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    nonce = write_probe(weights_dir)
+    return RunIdentity(model_identity(model_dir), hpcrl.__version__, str(weights_dir), nonce)
+
+
+PROBE_WAIT_S = 30.0
+"""How long a process that sees the run's identity waits to see the probe too (a shared file system may show a
+new file late); past it the weight directory is taken as not shared."""
+
+
+class SharedCheck:
+    """Whether this process sees the probe the run wrote into its weight directory, polled without blocking (an
+    engine node's role checks it between its other duties). A requeued run rewrites RUN.json and the probe: the
+    pair is read again until it agrees."""
+
+    def __init__(self, run_dir: Path, *, probe_wait_s: float = PROBE_WAIT_S, newer_than: float | None = None) -> None:
+        """`newer_than`: a wall-clock time; an announcement written before it is a previous run's (the engines of
+        a job start before its driver announces the run) and is waited past."""
+        self.run_dir, self.probe_wait_s, self.newer_than = run_dir, probe_wait_s, newer_than
+        self.probe_deadline: float | None = None
+        self.run: RunIdentity | None = None
+
+    def poll(self) -> bool:
+        """True once the probe is seen; False while the run has not announced itself or the probe may still show;
+        DeltaDirNotShared (the directory, this node, the fix) once `probe_wait_s` passed after the announcement."""
+        try:
+            if self.newer_than is not None and (joined_dir(self.run_dir) / RUN_FILE).stat().st_mtime < self.newer_than:
+                return False
+            run = RunIdentity.read(self.run_dir)
+        except (JoinError, OSError):
+            return False
+        if self.probe_deadline is None:
+            self.probe_deadline = time.monotonic() + self.probe_wait_s
+        try:
+            check_probe(Path(run.weights_dir), run.probe_nonce)
+        except DeltaDirNotShared:
+            if time.monotonic() >= self.probe_deadline:
+                raise
+            return False
+        self.run = run
+        return True
+
+
+def wait_shared(
+    run_dir: Path, *, wait_s: float, probe_wait_s: float = PROBE_WAIT_S, poll_s: float = 0.5
+) -> RunIdentity:
+    """The run's identity once this process sees its probe (SharedCheck); JoinError when the run does not announce
+    itself within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    check = SharedCheck(run_dir, probe_wait_s=probe_wait_s)
+    while not check.poll():
+        if check.probe_deadline is None and time.monotonic() >= deadline:
+            RunIdentity.read(run_dir)  # raises the JoinError that names the missing file
+        time.sleep(poll_s)
+    assert check.run is not None
+    return check.run
 
 
 def job_id() -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import hpcrl
 from hpcrl import preemption
 from hpcrl.engine.joined import (
+    PROBE_WAIT_S,
     JoinError,
     Registration,
     RunIdentity,
@@ -31,12 +32,14 @@ from hpcrl.engine.joined import (
     model_identity,
     newest_version,
     refusal_path,
+    wait_shared,
 )
 from hpcrl.engine.local import Incarnation, LocalEngines
 from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.env import LaunchEnv
 from hpcrl.store.run_dir import make_subdir
+from hpcrl.weightwire.delta import DeltaDirNotShared
 
 # How long a join started with the run (or before it) waits for the run to announce itself.
 RUN_WAIT_S = 900.0
@@ -54,12 +57,20 @@ def joinable_config(run_dir: Path) -> RunConfig:
             "engines it started; engines join a run whose weights go through shared storage: start the run with "
             "sync.transport=disk_delta"
         )
+    if cfg.engine.kind != "embedded":
+        raise JoinError(
+            f"the run in {run_dir} uses engine.kind {cfg.engine.kind}: only embedded engines join a running run "
+            "(a SGLang engine's disk-delta agent runs with the run's driver, on its node)"
+        )
     return cfg
 
 
-def check_joinable(run_dir: Path, *, wait_s: float = 0.0) -> tuple[RunConfig, RunIdentity]:
+def check_joinable(
+    run_dir: Path, *, wait_s: float = 0.0, probe_wait_s: float = PROBE_WAIT_S
+) -> tuple[RunConfig, RunIdentity]:
     """The run's config and identity, when an engine built here may join it; JoinError with the fix otherwise.
-    `wait_s`: how long to wait for the run to announce itself (RUN.json, written when its engines are up)."""
+    `wait_s`: how long to wait for the run to announce itself (RUN.json, written when its engines are up);
+    `probe_wait_s`: how long then for this node to see the probe the run wrote into its weight directory."""
     cfg = joinable_config(run_dir)
     deadline = time.monotonic() + wait_s
     while True:
@@ -78,6 +89,10 @@ def check_joinable(run_dir: Path, *, wait_s: float = 0.0) -> tuple[RunConfig, Ru
     why = mine.mismatch(run)
     if why is not None:
         raise JoinError(why)
+    try:
+        run = wait_shared(run_dir, wait_s=wait_s, probe_wait_s=probe_wait_s)  # this node's view of its weights
+    except DeltaDirNotShared as exc:
+        raise JoinError(str(exc)) from None
     return cfg, run
 
 

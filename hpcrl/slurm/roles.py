@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Protocol
 
 from hpcrl import preemption
+from hpcrl.engine.joined import SharedCheck
 from hpcrl.engine.local import Incarnation, LocalEngines, done_marker
 from hpcrl.model.prepare import prepare_model_dir
 from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.env import LaunchEnv
+from hpcrl.weightwire.delta import DeltaDirNotShared
 
 
 class RoleError(RuntimeError):
@@ -61,6 +63,7 @@ def _config(run_dir: Path) -> RunConfig:
 
 
 def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
+    started = time.time()
     env = _slurm_env()
     cfg = _config(run_dir)
     num_nodes = max(1, len(env.step_nodes))
@@ -85,9 +88,18 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
     engines.start()
     print(f"node {env.node_name}: engines {first}..{first + count - 1} ready at {host}", flush=True)
     marker = done_marker(run_dir, incarnation)
+    # The engines read the weight versions the trainer writes: this node must see its weight directory.
+    # The driver announces the run after these engines are up; older announcements (minus clock skew) are stale.
+    shared = SharedCheck(run_dir, newer_than=started - 10.0) if cfg.sync.transport == "disk_delta" else None
     try:
         signalled_at: float | None = None
         while not marker.exists():
+            try:
+                if shared is not None and shared.poll():
+                    shared = None
+            except DeltaDirNotShared as exc:
+                print(f"node {env.node_name}: {exc}", file=sys.stderr, flush=True)
+                return 1
             if preemption.received() and signalled_at is None:
                 signalled_at = time.monotonic()
                 sig = preemption.received()

@@ -52,6 +52,8 @@ class TransportContext:
     engine_tp_size: int
     apply_strategy: str = "replace"  # how the engines write the tensors (hpcrl/engine/embedded/apply.py)
     run_dir: Path | None = None  # the run directory (where a transport that writes files keeps them by default)
+    model_dir: Path | None = None  # the engines' launch weights (an agent that keeps a copy for SGLang reads them)
+    engine_dtype: str = "bfloat16"  # the engines' weight dtype
 
 
 class Transport(Protocol):

@@ -18,6 +18,11 @@ file, fsync and a rename, so a version exists exactly when its manifest does: a 
   changed                 how many elements changed
 CRC-32 detects storage and transfer corruption; it authenticates nothing (the directory is the run's own,
 docs/security.md). Per tensor the writer keeps the smaller of "xor" and "index". Nothing here imports from hpcrl.
+
+`.hpcrl-shared-probe.json` holds a random nonce the trainer writes when the run starts (`write_probe`); every
+process that reads versions on another node checks at its start that it sees that nonce there (`check_probe`):
+a directory that is not shared between the nodes (a node-local /tmp, a home that differs per node) is refused
+before the first push instead of failing at it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import socket
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -226,3 +234,61 @@ def read_payloads(path: Path, manifest: Manifest) -> dict[str, memoryview]:
             )
         out[entry.name] = payload
     return out
+
+
+PROBE = ".hpcrl-shared-probe.json"
+
+
+class DeltaDirNotShared(RuntimeError):
+    """The weight directory a process sees is not the one the trainer writes (not shared between their nodes)."""
+
+
+def write_probe(directory: Path) -> str:
+    """Write a fresh nonce into `directory`'s probe file, atomically (a reader sees the old file or the new one);
+    the nonce, for the readers to compare (they learn it through the run directory)."""
+    nonce = secrets.token_hex(16)
+    body = json.dumps({"nonce": nonce, "host": socket.gethostname(), "time_s": time.time()}).encode()
+    path = directory / PROBE
+    tmp = directory / f".{PROBE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return nonce
+
+
+def read_probe(directory: Path) -> dict[str, Any] | None:
+    """The probe file's content as this process sees it (None: none there, or unreadable)."""
+    try:
+        fd = os.open(directory / PROBE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def check_probe(directory: Path, nonce: str, *, wait_s: float = 0.0, poll_s: float = 0.5) -> None:
+    """Return when this process sees `nonce` in `directory`'s probe; DeltaDirNotShared naming the directory, this
+    node and the fix otherwise. `wait_s`: how long a file system that shows writes late may take."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        probe = read_probe(directory)
+        if probe is not None and probe.get("nonce") == nonce:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    if probe is None:
+        seen = "no probe file there" if directory.is_dir() else "no such directory"
+    else:
+        seen = f"another run's probe (written on {probe.get('host')!r})"
+    raise DeltaDirNotShared(
+        f"the weight directory {directory} is not shared between the trainer's node and this node "
+        f"({socket.gethostname()}): this node sees {seen}, not the probe the trainer wrote there. Put sync.delta_dir "
+        "on a file system both nodes mount (e.g. leave it unset: the run directory's weights/ on the cluster's "
+        "shared file system), not a node-local path such as /tmp or a per-node home"
+    )

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from hpcrl.config import ConfigError
 from hpcrl.engine import contract as C
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.contract import GET_WEIGHTS_BY_NAME
@@ -306,12 +305,19 @@ def test_disk_delta_settings_are_checked(tmp_path: Path) -> None:
         cfg=SyncConfig(transport="disk_delta"), engines=[], device=torch.device("cpu"), pool=ThreadPoolExecutor(1),
         each=lambda fn, what: [], engine_kind="sglang", engine_tp_size=1,
     )  # fmt: skip
-    with pytest.raises(WeightSyncError, match="disk_delta with engine.kind sglang is not supported yet; use"):
+    with pytest.raises(WeightSyncError, match="disk_delta with SGLang engines needs the model directory"):
         DiskDeltaTransport(ctx)
+    # SGLang engines are reached through an agent in the driver's process: they must run on its node.
+    remote = TransportContext(
+        cfg=SyncConfig(transport="disk_delta", delta_dir=str(tmp_path / "w")), engines=[EngineClient("http://192.0.2.7:1")],
+        device=torch.device("cpu"), pool=ThreadPoolExecutor(1), each=lambda fn, what: [], engine_kind="sglang",
+        engine_tp_size=1, model_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(WeightSyncError, match=r"needs them on the driver's node .* the engine at http://192.0.2.7:1"):
+        DiskDeltaTransport(remote).connect()
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: {path: m}\n")
-    with pytest.raises(ConfigError, match="disk_delta with engine.kind sglang is not supported yet; use"):
-        load_run_config(cfg, ["sync.transport=disk_delta", "engine.kind=sglang"])
+    assert load_run_config(cfg, ["sync.transport=disk_delta", "engine.kind=sglang"]).engine.kind == "sglang"
 
 
 def test_a_quickstart_run_over_disk_delta_clears_a_killed_writers_leftovers_and_finishes(workdir: Path) -> None:

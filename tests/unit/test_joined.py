@@ -23,11 +23,15 @@ from hpcrl.engine.joined import (
     JoinWatcher,
     Registration,
     RunIdentity,
+    SharedCheck,
     joined_dir,
     model_identity,
     refusal_path,
+    this_identity,
 )
 from hpcrl.report.build import build_report
+from hpcrl.report.plots import DEFAULT_MAX_POINTS, PLOTTERS, plot_fleet
+from hpcrl.report.run import load_run
 from hpcrl.rollout.ledger import ledger_problems
 from hpcrl.slurm.join import check_joinable
 from hpcrl.store import load_events, load_metrics
@@ -85,6 +89,44 @@ def test_joining_needs_a_disk_delta_run_with_the_same_model(tmp_path: Path, tiny
         check_joinable(tmp_path)
 
 
+def test_a_weight_directory_the_engine_node_does_not_share_is_refused_at_start_naming_it_and_the_fix(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Two processes that see different directories at the same path (the second in a mount namespace of its own,
+    with a private tmpfs over the weight directory, as a node-local /tmp would be): the second is refused."""
+    run_dir, weights = tmp_path / "run", tmp_path / "run-weights"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(
+        f"name: x\nmodel:\n  path: {tiny_model_dir}\nsync:\n  transport: disk_delta\n  delta_dir: {weights}\n"
+    )
+    this_identity(tiny_model_dir, weights).write(run_dir)  # what the run writes when it starts
+    check = (
+        "import sys; from pathlib import Path; from hpcrl.slurm.join import check_joinable, JoinError\n"
+        "try:\n    check_joinable(Path(sys.argv[1]), probe_wait_s=0.5)\n"
+        "except JoinError as exc:\n    sys.exit(f'refused: {exc}')\nprint('joinable')"
+    )
+    assert check_joinable(run_dir, probe_wait_s=0)[1].weights_dir == str(weights)  # this process shares it
+    # An engine node of the job polls it; an announcement older than its start is a previous run's, not proof.
+    assert SharedCheck(run_dir, probe_wait_s=0).poll()
+    assert not SharedCheck(run_dir, probe_wait_s=0, newer_than=time.time() + 60).poll()
+    private = f'mount -t tmpfs none "{weights}" && exec "{sys.executable}" -c "$0" "$1"'
+    other = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", private, check, str(run_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other.returncode == 1, other.stderr
+    assert f"refused: the weight directory {weights} is not shared between the trainer's node and this node" in (
+        other.stderr
+    )
+    assert "no probe file there" in other.stderr and "Put sync.delta_dir on a file system both nodes mount" in (
+        other.stderr
+    )
+    # A leftover of another run in a node-local directory at that path is no proof of sharing either.
+    RunIdentity(model_identity(tiny_model_dir), hpcrl.__version__, str(weights), "0" * 32).write(run_dir)
+    with pytest.raises(JoinError, match=r"this node .* sees another run's probe \(written on"):
+        check_joinable(run_dir, probe_wait_s=0)
+
+
 def test_the_join_job_script_runs_the_runs_engines_on_another_partition(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -123,8 +165,9 @@ def test_an_engine_joins_an_async_run_mid_way_serves_the_current_version_and_its
     lines: list[str] = []
     joiner = None
     try:
-        read_until(proc, "starting 1 embedded engine", lines)  # the run dir is claimed: its config is there
-        # Started with the run: both engines start at once, and the run announces itself once its own is up.
+        # Started with the run, as soon as it has claimed its directory (its config is there, written atomically):
+        # both engines start at once, and the run announces itself once its own is up.
+        _wait_for(lambda: (tmp_path / "r" / "config.yaml").is_file(), 120)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         joiner = subprocess.Popen(
             [sys.executable, "-m", "hpcrl.cli", "engine", "join", "r"], cwd=tmp_path, env=env,
@@ -163,8 +206,12 @@ def test_an_engine_joins_an_async_run_mid_way_serves_the_current_version_and_its
     ledger = json.loads((tmp_path / "r" / "prompt_ledger.json").read_text())
     assert ledger_problems(ledger, num_drawn=ledger["next_position"], prompts_per_step=4) == []
     assert not np.isnan(m["fleet/engines_live"]).any()
-    report = build_report(tmp_path / "r", tmp_path / "report")  # `hpcrl report`: engines over time
-    assert any(p.name == "fleet.png" for p in report.plots)
+    # `hpcrl report`: its summary counts the engines, and its fleet plot (one of the report's plots, drawn alone
+    # here: the run's other plots take seconds and show nothing about engines) draws them over time.
+    report = build_report(tmp_path / "r", tmp_path / "report", plots=False)
+    assert plot_fleet in PLOTTERS
+    fleet_png = plot_fleet(load_run(tmp_path / "r"), tmp_path / "report", DEFAULT_MAX_POINTS)
+    assert fleet_png is not None and fleet_png.name == "fleet.png" and fleet_png.stat().st_size > 0
     assert re.search(r"\| engines joined +\| 1 ", report.markdown) and re.search(
         r"\| engines left +\| 1 ", report.markdown
     )
