@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -131,6 +131,7 @@ class SparseMoeBlock(nn.Module):
         self.routing = routing
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts))
+        self._stack_cache: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
@@ -191,7 +192,14 @@ class SparseMoeBlock(nn.Module):
         return forced.long()
 
     def _experts(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each expert over the tokens routed to it (the plain per-expert path, for the CPU and for training)."""
+        """Each expert over the tokens routed to it: grouped GEMMs for bf16 on CUDA (`grouped_experts`), else the
+        plain per-expert path (the CPU, fp32)."""
+        if flat.is_cuda and flat.dtype == torch.bfloat16 and grouped_mm_on(flat.device):
+            return grouped_experts(flat, chosen, weights, *self._stacked())
+        return self._plain_experts(flat, chosen, weights)
+
+    def _plain_experts(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert in turn over the tokens routed to it."""
         out = torch.zeros_like(flat)
         hit = torch.bincount(chosen.reshape(-1), minlength=self.moe.num_experts)
         for e in torch.nonzero(hit).flatten().tolist():
@@ -199,6 +207,64 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[e](flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights as grouped-GEMM operands: gate and up [E, hidden, 2I], down [E, I, hidden]. Stacked
+        on every forward where autograd records (the gradients flow to each expert's parameters); kept between
+        forwards under inference mode (the engine's decode) until a parameter is replaced or written in place."""
+        experts = cast(list[Expert], list(self.experts))
+        inference = torch.is_inference_mode_enabled()
+        key = tuple(
+            (p.data_ptr(), p._version)
+            for ex in experts
+            for p in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)
+        )
+        if inference and self._stack_cache is not None and self._stack_cache[0] == key:
+            return self._stack_cache[1], self._stack_cache[2]
+        gate_up = torch.stack([torch.cat([ex.gate_proj.weight, ex.up_proj.weight]) for ex in experts])
+        down = torch.stack([ex.down_proj.weight for ex in experts])
+        # [E, N, K] transposed to [E, K, N]: the column-major operand the grouped kernel reads without a copy.
+        stacked = gate_up.transpose(1, 2), down.transpose(1, 2)
+        self._stack_cache = (key, *stacked) if inference else None
+        return stacked
+
+
+def grouped_mm_on(device: torch.device) -> bool:
+    """Whether `torch._grouped_mm` (torch >= 2.8, bf16) runs on this CUDA device: compute capability 9.0 or newer."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+GROUP_ROWS = 16
+"""Each expert's rows start on a multiple of 16 (bf16: 32 bytes), the alignment the grouped kernels ask of the
+group offsets, also for the weight gradients where the groups split the contracted dimension."""
+
+
+def grouped_experts(
+    flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The sparse block's expert sum for tokens flat [N, hidden] routed to chosen [N, k] with gate weights [N, k],
+    as two grouped GEMMs over all experts (gate_up [E, hidden, 2I], down [E, I, hidden]): the token x slot rows
+    sorted by expert, each expert's group zero-padded to GROUP_ROWS, no host sync. Equal to the per-expert path up
+    to the GEMMs' rounding (bf16 tolerance, not bitwise: the batch-invariant forward keeps its own path)."""
+    n, k = chosen.shape
+    e = gate_up.shape[0]
+    idx = chosen.reshape(-1)
+    order = torch.argsort(idx, stable=True)
+    sorted_e = idx[order]
+    counts = torch.bincount(idx, minlength=e)
+    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    ends = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = (ends - padded)[sorted_e] + torch.arange(n * k, device=flat.device) - starts[sorted_e]
+    token = order // k
+    rows = n * k + e * (GROUP_ROWS - 1)  # a bound on the padded total that needs no sync
+    x = flat.new_zeros(rows, flat.shape[1]).index_copy(0, pos, flat[token])
+    offs = ends.to(torch.int32)
+    h = torch._grouped_mm(x, gate_up, offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, down, offs=offs)[pos]
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros_like(flat).index_add(0, token, y.to(flat.dtype))
 
 
 def aux_loss(routing: Routing, moe: MoeArgs, token_mask: torch.Tensor | None = None) -> torch.Tensor:

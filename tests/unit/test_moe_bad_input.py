@@ -54,3 +54,16 @@ def test_replay_asked_of_a_dense_model_is_a_no_op_that_says_so(
     with torch.no_grad():
         model(batch.input_ids)
     assert routing.after(model, batch) is None
+
+
+def test_the_megatron_backend_refuses_an_moe_model_naming_the_torch_backend(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from hpcrl.trainer.config import TrainConfig
+    from hpcrl.trainer.megatron.backend import MegatronTrainer
+
+    spec = TinyModelSpec(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
+                         head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+    model_dir = init_tiny_model(tmp_path / "moe", spec)
+    with pytest.raises(ValueError, match=r"mixture-of-experts model \(qwen3_moe\), which the Megatron backend does "
+                       r"not train yet; use train.backend: torch"):  # fmt: skip
+        MegatronTrainer(TrainConfig(backend="megatron"), model_dir)
