@@ -65,7 +65,8 @@ def _sent(replay: _Replay, case: dict[str, Any]) -> None:
 
 
 def _paths(case: dict[str, Any]) -> list[str]:
-    return [e["request"]["body"]["lora_path"] for e in case["exchanges"] if e["request"]["path"] == "/load_lora_adapter"]
+    loads = [e["request"] for e in case["exchanges"] if e["request"]["path"] == "/load_lora_adapter"]
+    return [request["body"]["lora_path"] for request in loads]
 
 
 def _generate(adapters: SGLangAdapters, body: dict[str, Any]) -> tuple[list[int], list[float]]:
