@@ -97,8 +97,11 @@ def section_push(workdir: Path) -> dict[str, Any]:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     full, full_collect_s = timed(lambda: list(lora.export_state(model, state).items()))
     adapters, lora_collect_s = timed(lambda: list(lora.push_state(model, state).items()))
-    served = {n: t.detach().clone() for n, t in full}  # the engine's copy, as it loaded the model
-    _, replace_s = timed(lambda: Replace().apply(served, full))
+    with lora.reference(model):  # the weights as loaded: what an engine serves before its first push
+        loaded = [(n, t.detach().clone()) for n, t in lora.export_state(model, state).items()]
+    replaced = {n: t.clone() for n, t in loaded}
+    _, replace_s = timed(lambda: Replace().apply(replaced, full))
+    served = dict(loaded)  # the lora strategy keeps a host copy of each adapted weight as loaded, merges into it
     merge = MergeLoRA()
     _, merge_first_s = timed(lambda: merge.apply(served, adapters))
     steady = [timed(lambda: merge.apply(served, adapters))[1] for _ in range(3)]
@@ -168,20 +171,27 @@ def section_sglang(workdir: Path, out: Path) -> dict[str, Any]:
     from hpcrl.trainer.converters.lora import write_peft_adapter
 
     model_dir = shaped_model(workdir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    url = f"http://127.0.0.1:{port}"
-    flags = [*LORA_SERVER_ARGS, "--max-lora-rank", str(RANK), "--max-loras-per-batch", "1", "--enable-memory-saver"]
-    proc = launch_sglang(model_dir, port, out / "sglang_lora_server.log", flags)
+    # Two servers, started at once: one with SGLang's LoRA path, one as a run starts it (the merged push).
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+    lora_url, plain_url = (f"http://127.0.0.1:{p}" for p in ports)
+    flags = [*LORA_SERVER_ARGS, "--max-lora-rank", str(RANK), "--max-loras-per-batch", "1"]
+    procs = [
+        launch_sglang(model_dir, ports[0], out / "sglang_lora_server.log", flags),
+        launch_sglang(model_dir, ports[1], out / "sglang_plain_server.log", ["--enable-memory-saver"]),
+    ]
     report: dict[str, Any] = {}
     try:
         model, lora = lora_model(model_dir)  # while SGLang starts
         model.eval()
-        report["startup_s"] = wait_up(url, proc)
-        adapters = SGLangAdapters(url)
+        report["startup_s"] = [wait_up(lora_url, procs[0]), wait_up(plain_url, procs[1])]
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 99, (16,), generator=gen).tolist() for _ in range(8)]
+
+        adapters = SGLangAdapters(lora_url)
 
         def adapter_path(version: int) -> list[str]:
             path = write_peft_adapter(lora, workdir / "adapters" / f"v{version}", base_model=str(model_dir))
@@ -193,26 +203,30 @@ def section_sglang(workdir: Path, out: Path) -> dict[str, Any]:
         report["adapter_bytes_mib"] = (workdir / "adapters" / "v2" / "adapter_model.safetensors").stat().st_size / MIB
         report["adapter_gap"] = gap_of(model, adapters, "policy-v2", prompts)
         print(f"sglang adapter path: {report['adapter_gap']}", flush=True)
+        adapters.close()
 
-        client = EngineClient(url, timeout_s=300)
-        sync_ = WeightSync(SyncConfig(transport="tensor"), [client], device=torch.device("cuda"), colocated=True,
-                           engine_kind="sglang")  # fmt: skip
-        sync_.connect()
+        client = EngineClient(plain_url, timeout_s=300)
+        weights = WeightSync(SyncConfig(transport="tensor"), [client], device=torch.device("cuda"), colocated=True,
+                             engine_kind="sglang")  # fmt: skip
+        weights.connect()
         state = {k: v.detach() for k, v in model.state_dict().items()}
         merged = list(lora.export_state(model, state).items())
         report["merged_bytes_mib"] = sum(t.numel() * t.element_size() for _, t in merged) / MIB
-        pushes = [timed(lambda v=v: sync_.push(merged, v))[1] for v in (1, 2)]
+        pushes = [timed(lambda v=v: weights.push(merged, v))[1] for v in (1, 2)]
         report["merged_push_first_s"], report["merged_push_s"] = pushes
-        report["merged_gap"] = gap_of(model, adapters, None, prompts)
+        plain = SGLangAdapters(plain_url)  # its generate with no adapter named: the served (merged) weights
+        report["merged_gap"] = gap_of(model, plain, None, prompts)
         print(f"sglang merged push: {report['merged_gap']}", flush=True)
-        sync_.close()
-        adapters.close()
+        weights.close()
+        plain.close()
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        for proc in procs:
+            os.killpg(proc.pid, 15)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
     return report
 
 
