@@ -45,10 +45,12 @@ RANK, ALPHA = 16, 32.0
 SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                 "--max-total-tokens", "65536"]  # fmt: skip
 MIB = 2**20
+DEVICE = "cuda"  # every section runs on the GPU (a CPU smoke run of the push section may set "cpu")
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -64,7 +66,7 @@ def shaped_model(workdir: Path) -> Path:
 
     model_dir = workdir / "qwen3-0.6b-shape"
     if not (model_dir / "config.json").is_file():
-        init_shaped_model(model_dir, QWEN3_0_6B_SHAPE, dtype="bfloat16", device="cuda", overwrite=True)
+        init_shaped_model(model_dir, QWEN3_0_6B_SHAPE, dtype="bfloat16", device=DEVICE, overwrite=True)
     return model_dir
 
 
@@ -74,15 +76,15 @@ def lora_model(model_dir: Path, seed: int = 1) -> tuple[Any, Any]:
     from hpcrl.trainer.config import LoRAConfig, TrainConfig
     from hpcrl.trainer.converters.lora import LoRA
 
-    cfg = TrainConfig(dtype="bfloat16", device="cuda", converters=("lora",), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
-    model = load_model(model_dir, dtype=torch.bfloat16, device=torch.device("cuda"))
+    cfg = TrainConfig(dtype="bfloat16", device=DEVICE, converters=("lora",), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+    model = load_model(model_dir, dtype=torch.bfloat16, device=torch.device(DEVICE))
     lora = LoRA(cfg)
     lora.convert(model)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     with torch.no_grad():
         for layer in lora.layers.values():
             w = layer.lora_B.weight
-            w.copy_(torch.randn(w.shape, generator=gen, device="cuda") * 0.01)
+            w.copy_(torch.randn(w.shape, generator=gen, device=DEVICE) * 0.01)
     return model, lora
 
 
@@ -109,7 +111,8 @@ def section_push(workdir: Path) -> dict[str, Any]:
     exact = torch.equal(served[f"{name}.weight"], lora.layers[name].weight.detach())
     nbytes = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
     return {
-        "device": torch.cuda.get_device_name(), "model": "Qwen3-0.6B shape, bf16, random", "rank": RANK,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, 
+        "model": "Qwen3-0.6B shape, bf16, random", "rank": RANK,
         "adapted_layers": len(lora.layers), "full_push_mib": nbytes(full) / MIB,
         "lora_push_mib": nbytes(adapters) / MIB,
         "full_collect_s": full_collect_s, "lora_collect_s": lora_collect_s, "engine_replace_s": replace_s,
@@ -147,7 +150,7 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -
 
 
 def trainer_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + output], device="cuda")
+    ids = torch.tensor([prompt + output], device=DEVICE)
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1 : -1].float()
     lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
@@ -206,7 +209,7 @@ def section_sglang(workdir: Path, out: Path) -> dict[str, Any]:
         adapters.close()
 
         client = EngineClient(plain_url, timeout_s=300)
-        weights = WeightSync(SyncConfig(transport="tensor"), [client], device=torch.device("cuda"), colocated=True,
+        weights = WeightSync(SyncConfig(transport="tensor"), [client], device=torch.device(DEVICE), colocated=True,
                              engine_kind="sglang")  # fmt: skip
         weights.connect()
         state = {k: v.detach() for k, v in model.state_dict().items()}
