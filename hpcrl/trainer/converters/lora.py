@@ -9,6 +9,10 @@ model, a checkpoint the adapters and the base's identity (a hash).
 The training forward computes the adapter beside the frozen GEMM (the cheap way: no gradient of W's size), but a
 layer's `weight` is the merged W + B' A, which is what the batch-invariant forward reads (train.logprobs:
 invariant): the trainer then scores with the very weights the engine serves, bit for bit.
+
+Under parallelism fsdp2 the base and the adapters are DTensor shards: a push gathers each adapter as it is read,
+the merged weights (`export_state`) are computed on the shards, the base's hash and the peft export's adapters are
+gathered whole (collectively, on every rank).
 """
 
 from __future__ import annotations
