@@ -45,6 +45,7 @@ RANK, ALPHA = 16, 32.0
 SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                 "--max-total-tokens", "65536"]  # fmt: skip
 MIB = 2**20
+DEADLINE = time.monotonic() + 400.0  # main() sets it from --budget-s: runs get what is left, the JSON is written
 DEVICE = "cuda"  # every section runs on the GPU (a CPU smoke run of the push section may set "cpu")
 
 
@@ -237,6 +238,7 @@ def section_sglang(workdir: Path, out: Path) -> dict[str, Any]:
 
 
 def hpcrl_run(args: list[str], log: Path, timeout_s: float) -> int:
+    timeout_s = max(10.0, min(timeout_s, DEADLINE - time.monotonic()))
     with open(log, "wb") as f:
         try:
             return subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", *args], stdout=f, stderr=subprocess.STDOUT,
@@ -299,7 +301,11 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/hpcrl-lora-gpu"), help="models and runs")
     ap.add_argument("--sections", default="push,sglang,quickstart", help="comma-separated: push, sglang, quickstart")
     ap.add_argument("--steps", type=int, default=8, help="GRPO steps of each quickstart run (default 8)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="the quickstart runs stop by then (default 420)")
     ns = ap.parse_args()
+    global DEADLINE
+    DEADLINE = time.monotonic() + ns.budget_s
+    out: Path = ns.out
     sections = ns.sections.split(",")
     unknown = sorted(set(sections) - {"push", "sglang", "quickstart"})
     if unknown:
@@ -309,11 +315,15 @@ def main() -> int:
     shaped_model(ns.workdir)  # once, before the sections that share it start
     report: dict[str, Any] = {}
     failed: list[str] = []
+    lock = threading.Lock()
 
     def guarded(name: str, fn: Any) -> None:
         t0 = time.monotonic()
         try:
-            report[name] = fn()
+            result = fn()
+            with lock:  # the sections finished so far, in case a later one is cut off
+                report[name] = result
+                (out / "lora_gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
         except Exception as exc:  # noqa: BLE001 - a section's failure is reported and the others go on
             report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             failed.append(name)
