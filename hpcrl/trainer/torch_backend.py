@@ -397,6 +397,8 @@ class TorchTrainer:
             state = self._weights()
             for converter in reversed(self.converters):
                 state = converter.export_state(self.model, state)
+            for converter in self.converters:  # as export_weights does on the other ranks, in the same order
+                converter.gather_for_export(self.model)
             out = export_gathered(
                 state, Path(out_dir), self.model_dir, keep=self.rank == 0, max_file_bytes=max_file_bytes
             )
