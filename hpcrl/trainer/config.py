@@ -519,11 +519,6 @@ def check_fsdp(cfg: TrainConfig) -> None:
                 "or remove the fsdp settings"
             )
         return
-    if cfg.lora is not None:
-        raise ValueError(
-            "lora with parallelism: fsdp2 is not supported yet (the adapters' push, checkpoint and export read whole "
-            "tensors); train adapters with parallelism: ddp, which holds only the adapters' optimizer state anyway"
-        )
     size = cfg.fsdp.shard_group_size
     if size is not None and cfg.num_ranks % size:
         raise ValueError(

@@ -207,9 +207,10 @@ def shard_like(whole: Tensor, like: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def load_full(module: torch.nn.Module, state: Mapping[str, Tensor], what: str) -> None:
-    """Load whole tensors into a module whose parameters may be sharded, strictly (the same names)."""
-    own = module.state_dict()
+def load_full(module: torch.nn.Module, state: Mapping[str, Tensor], what: str, *, only: set[str] | None = None) -> None:
+    """Load whole tensors into a module whose parameters may be sharded, strictly (the same names); `only`: the
+    module's tensors a checkpoint holds (the others no step changes, and stay as loaded)."""
+    own = {k: v for k, v in module.state_dict().items() if only is None or k in only}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise ValueError(

@@ -284,6 +284,8 @@ class TorchTrainer:
         for converter in reversed(self.converters):
             state = converter.export_state(self.model, state)
         if self.collective:
+            for converter in self.converters:
+                converter.gather_for_export(self.model)
             return list(host_state(state, keep=self.rank == 0).items())
         return list(state.items())
 
@@ -354,7 +356,7 @@ class TorchTrainer:
         opt = {k: v for k, v in tensors.items() if k.startswith("optimizer/")}
         opt_state = unflatten_state(opt, state["optimizer"])
         if self.collective:  # whole tensors, each cut into this rank's shard
-            load_full(self.model, model_state, "model")
+            load_full(self.model, model_state, "model", only=expected)
             if self.ref_model is not None:
                 load_full(self.ref_model, ref, "reference model")
             opt_state = shard_optimizer_state(opt_state, self.optimizer)
@@ -395,6 +397,8 @@ class TorchTrainer:
             state = self._weights()
             for converter in reversed(self.converters):
                 state = converter.export_state(self.model, state)
+            for converter in self.converters:  # as export_weights does on the other ranks, in the same order
+                converter.gather_for_export(self.model)
             out = export_gathered(
                 state, Path(out_dir), self.model_dir, keep=self.rank == 0, max_file_bytes=max_file_bytes
             )

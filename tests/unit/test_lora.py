@@ -263,3 +263,72 @@ def test_the_export_is_a_peft_adapter_that_gives_the_trainers_logprobs(tiny_mode
             logits = plain(input_ids=scored.input_ids).logits.float()
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, scored.input_ids[:, 1:, None])[..., 0]
     assert (lp - mine).abs().max() > 1e-3
+
+
+# ----- FSDP2 over two gloo ranks -----
+
+
+def _fsdp2_rank(rank: int, model_dir: str, out: str, port: int) -> None:
+    from hpcrl.trainer.sharded_state import gather_full
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        vocab = ModelArgs.from_dir(model_dir).vocab_size
+        cfg = TrainConfig(lr=1e-2, parallelism="fsdp2", num_ranks=2, **lora_cfg())
+        trainer = TorchTrainer(cfg, model_dir, rank=rank, world_size=2)
+        metrics = trainer.train_grpo(batch(vocab))
+        grads = {f"grad/{n}": gather_full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
+        pushed = {k: v.contiguous() for k, v in trainer.push_weights()}
+        merged = {f"merged/{k}": v.contiguous() for k, v in trainer.push_weights(full=True)}  # what SGLang gets
+        trainer.export(Path(out) / "export") if rank == 0 else trainer.export_weights()  # rank 0 writes
+        tensors, state = trainer.state()
+        # The checkpoint resumes on two fresh FSDP2 ranks: the next step is the same, bit for bit.
+        resumed = TorchTrainer(cfg, model_dir, rank=rank, world_size=2)
+        shared = [tensors, state]  # whole tensors on rank 0 alone: each rank cuts its shard from them
+        dist.broadcast_object_list(shared, src=0)
+        resumed.load_state(*shared)
+        after = [t.train_grpo(batch(vocab, seed=1)) for t in (trainer, resumed)]
+        if rank == 0:
+            save_file(pushed | grads | merged, f"{out}/pushed.safetensors")
+            save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out}/ckpt.safetensors")
+            (Path(out) / "metrics.json").write_text(json.dumps({"step": metrics, "after": after, "state": state}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_fsdp2_ranks_train_the_adapters_as_ddp_does(tiny_model_dir: Path, tmp_path: Path) -> None:
+    torch.multiprocessing.start_processes(
+        _fsdp2_rank, args=(str(tiny_model_dir), str(tmp_path), free_port()), nprocs=2, start_method="spawn"
+    )
+    one = TorchTrainer(TrainConfig(lr=1e-2, **lora_cfg()), tiny_model_dir)
+    metrics = one.train_grpo(batch(ModelArgs.from_dir(tiny_model_dir).vocab_size))
+    grads = {f"grad/{n}": p.grad for n, p in one.model.named_parameters() if p.grad is not None}
+    expected = dict(one.push_weights())
+    got = load_file(str(tmp_path / "pushed.safetensors"))
+    merged = {k.removeprefix("merged/"): got.pop(k) for k in list(got) if k.startswith("merged/")}
+    assert set(merged) == {k for k, _ in one.push_weights(full=True)}  # the whole model, merged
+    for name, tensor in one.push_weights(full=True):
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-3)
+    one_dir = one.export(tmp_path / "one_export")
+    exported = load_file(str(tmp_path / "export" / "adapter" / "adapter_model.safetensors"))
+    for name, tensor in load_file(str(one_dir / "adapter" / "adapter_model.safetensors")).items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=3e-2)
+    sharded = json.loads((tmp_path / "metrics.json").read_text())
+    assert sharded["step"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+    assert sharded["step"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+    # Only the adapters train (their gradients are DDP's) and only they are pushed.
+    assert set(got) == set(expected) | set(grads)
+    assert all(".lora_A" in k or ".lora_B" in k for k in got)
+    for name in grads:
+        torch.testing.assert_close(got[name], grads[name], rtol=1e-4, atol=1e-6)
+    for name in expected:  # one Adam step of lr 1e-2: float noise in a gradient near 0 moves its value by ~2 lr
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=3e-2)
+    # The checkpoint: the adapters (whole, as DDP's) and their AdamW state, the base by its hash.
+    ckpt = load_file(str(tmp_path / "ckpt.safetensors"))
+    model_keys = {k for k in ckpt if k.startswith("model/")}
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    assert all(k.startswith(("model/", "optimizer/")) for k in ckpt)
+    assert sharded["state"]["converters"]["lora"]["base_sha256"] == one.state()[1]["converters"]["lora"]["base_sha256"]
+    after, resumed = sharded["after"]
+    assert (after["loss"], after["grad_norm"]) == (resumed["loss"], resumed["grad_norm"])

@@ -48,6 +48,11 @@ class ModelConverter(abc.ABC):
         """The tensors an export writes (a whole model in Hugging Face names), given the previous converter's."""
         return state
 
+    def gather_for_export(self, model: CausalLM) -> None:
+        """Sharded model (parallelism: fsdp2): called on every rank as an export gathers the weights, so that
+        rank 0's `export_files` can then write whole tensors alone; default: nothing."""
+        return None
+
     def export_files(self, model: CausalLM, out_dir: Path, *, base_dir: Path) -> None:
         """Write files of the converter's own into the exported model directory (LoRA: the peft adapter of the
         model loaded from `base_dir`); default: nothing."""

@@ -9,6 +9,10 @@ model, a checkpoint the adapters and the base's identity (a hash).
 The training forward computes the adapter beside the frozen GEMM (the cheap way: no gradient of W's size), but a
 layer's `weight` is the merged W + B' A, which is what the batch-invariant forward reads (train.logprobs:
 invariant): the trainer then scores with the very weights the engine serves, bit for bit.
+
+Under parallelism fsdp2 the base and the adapters are DTensor shards: a push gathers each adapter as it is read,
+the merged weights (`export_state`) are computed on the shards, the base's hash and the peft export's adapters are
+gathered whole (collectively, on every rank).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from hpcrl.model.lora import LORA_A, LORA_B, merged_weight
 from hpcrl.model.qwen3 import CausalLM
 from hpcrl.trainer.config import LORA_ALL_LINEAR, LoRAConfig, TrainConfig
 from hpcrl.trainer.converters.base import ModelConverter, ServesReference
+from hpcrl.trainer.sharded_state import gather_full, host_state
 
 INIT_SEED = 0x10A
 """A's initial values come from this seed and the layer's index, so every data-parallel rank starts the same."""
@@ -89,6 +94,7 @@ class LoRA(ModelConverter, ServesReference):
         self.layers: dict[str, LoRALinear] = {}  # module name (model.layers.N.self_attn.q_proj) -> its layer
         self.all_linear: list[str] = []  # every linear layer of the decoder layers, adapted or not
         self._base_hash: str | None = None
+        self._gathered: dict[str, Tensor] | None = None  # the adapters gathered whole for an export's files
 
     def convert(self, model: CausalLM) -> None:
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")}
@@ -149,8 +155,14 @@ class LoRA(ModelConverter, ServesReference):
                 out[key] = value
         return out
 
+    def gather_for_export(self, model: CausalLM) -> None:
+        self._gathered = host_state(self.adapter_state(), keep=True)  # megabytes: every rank keeps them
+
     def adapter_state(self) -> dict[str, Tensor]:
-        """A and B (unscaled) of every adapted layer, in the model's state-dict names."""
+        """A and B (unscaled) of every adapted layer, in the model's state-dict names (sharded: the whole copies
+        `gather_for_export` took)."""
+        if self._gathered is not None:
+            return self._gathered
         return {
             f"{name}.{part}.weight": getattr(layer, part).weight.detach()
             for name, layer in self.layers.items()
@@ -190,7 +202,10 @@ class LoRA(ModelConverter, ServesReference):
         """`out_dir/adapter`: peft's format (adapter_config.json, adapter_model.safetensors), which
         `PeftModel.from_pretrained(base, out_dir / "adapter")` loads onto the base model (model.path, not the
         merged model beside it)."""
-        write_peft_adapter(self, out_dir / "adapter", base_model=str(base_dir))
+        try:
+            write_peft_adapter(self, out_dir / "adapter", base_model=str(base_dir))
+        finally:
+            self._gathered = None  # stale after the next step
 
     def base_hash(self, model: CausalLM) -> str:
         """The identity of the frozen base: a sha256 of every tensor that is not an adapter (name, dtype, shape,
@@ -200,9 +215,9 @@ class LoRA(ModelConverter, ServesReference):
             for key, value in sorted(model.state_dict().items()):
                 if ".lora_A." in key or ".lora_B." in key:
                     continue
-                t = value.detach().to("cpu").contiguous()
+                t = gather_full(value.detach()).to("cpu").contiguous()  # a shard: gathered (every rank asks)
                 digest.update(f"{key}|{t.dtype}|{list(t.shape)}|".encode())
-                digest.update(t.view(torch.uint8).numpy())  # the buffer itself, no copy
+                digest.update(t.view(torch.uint8).numpy().data)  # the buffer itself, no copy
             self._base_hash = digest.hexdigest()
         return self._base_hash
 
