@@ -93,3 +93,18 @@ def test_top_k_is_validated() -> None:
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="top_k must be"):
             DistillConfig(teacher=teacher, top_k=bad)  # type: ignore[arg-type]
+
+
+def test_a_teacher_whose_output_has_another_size_is_refused_under_top_k(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from hpcrl.model.tiny import ModelShape, init_shaped_model
+    from hpcrl.run.errors import RunError
+    from hpcrl.run.teacher_start import check_teacher
+
+    # The same character tokenizer, a wider output head.
+    shape = ModelShape(vocab_size=163, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=16, max_position_embeddings=64)  # fmt: skip
+    teacher = init_shaped_model(tmp_path / "teacher", shape, dtype="float32")
+    d = DistillConfig(teacher=TeacherConfig(model=str(teacher)), top_k=4)
+    with pytest.raises(RunError, match="must index the student's vocabulary"):
+        check_teacher(d, tiny_model_dir, True, "arithmetic_answer", print)
+    check_teacher(DistillConfig(teacher=TeacherConfig(model=str(teacher))), tiny_model_dir, True, "f", print)
