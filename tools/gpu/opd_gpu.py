@@ -36,7 +36,7 @@ def make(model_dir: Path, which: str) -> None:
     from hpcrl.model.tiny import ModelShape, init_shaped_model
 
     if not (model_dir / "config.json").exists():
-        shape = ModelShape(vocab_size=151936, head_dim=128, max_position_embeddings=4096, **SHAPES[which])
+        shape = ModelShape(vocab_size=151936, head_dim=128, max_position_embeddings=512, **SHAPES[which])
         init_shaped_model(model_dir, shape, dtype="bfloat16", device="cuda", overwrite=True)
 
 
@@ -49,6 +49,7 @@ def run(name: str, student: Path, teacher: Path | None, ns: argparse.Namespace) 
         f"rollout.max_new_tokens={ns.max_new_tokens}", "train.micro_batch_size=32", "train.lr=1e-6",
         "engine.device=cuda", "train.device=cuda", "engine.dtype=bfloat16", "train.dtype=bfloat16",
         "engine.offload_during_train=false", "checkpoint.every_steps=1000000", "engine.kind=embedded",
+        f"engine.max_running_requests={ns.prompts * ns.samples}",
     ]  # fmt: skip
     if teacher is None:
         overrides.append("distill=null")
@@ -57,6 +58,7 @@ def run(name: str, student: Path, teacher: Path | None, ns: argparse.Namespace) 
             f"distill.teacher.model={teacher}", "distill.mode=reverse_kl", f"distill.top_k={ns.top_k}",
             "distill.teacher.engine.device=cuda", "distill.teacher.engine.dtype=bfloat16",
             "distill.teacher.engine.kind=embedded",
+            f"distill.teacher.engine.max_running_requests={ns.prompts * ns.samples}",
         ]  # fmt: skip
     cmd = [sys.executable, "-m", "hpcrl.cli", "run", "experiments/distill-quickstart.yaml", *overrides,
            "--run-dir", str(run_dir)]  # fmt: skip
