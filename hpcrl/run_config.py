@@ -307,6 +307,17 @@ def _check_distill(cfg: RunConfig) -> None:
             f"rollout.top_k={cfg.rollout.top_k} / rollout.top_p={cfg.rollout.top_p:g} make the engine report "
             "log-probs renormalised over the sampling support; set rollout.top_k=-1 and rollout.top_p=1"
         )
+    top_k = cfg.distill.top_k if cfg.distill is not None else None
+    if top_k is not None and cfg.train.backend != "torch":
+        raise ValueError(
+            f"distill.top_k={top_k}: the sparse forward KL scores the teacher's top-k ids with the torch trainer "
+            f"backend's head; train.backend={cfg.train.backend} does not; set train.backend=torch or distill.top_k=null"
+        )
+    if top_k is not None and cfg.train.logprobs != "plain":
+        raise ValueError(
+            f"distill.top_k={top_k}: train.logprobs={cfg.train.logprobs} scores only the sampled id of each position; "
+            "set train.logprobs=plain or distill.top_k=null"
+        )
 
 
 def _check_multi_turn(cfg: RunConfig) -> None:

@@ -41,8 +41,20 @@ class DistillConfig:
     """`reverse_kl`: each model token's advantage is `-coef * (log p_student - log p_teacher)`, the reward is
     scored and logged but not trained on; `mixed`: that term is added to the sample's GRPO advantage."""
     coef: float = 1.0
-    """Weight of the reverse-KL term in the advantage (> 0)."""
+    """Weight of the reverse-KL term in the advantage (> 0), and of the sparse forward-KL term (`top_k`)."""
+    top_k: int | None = None
+    """Also ask the teacher for its `top_k` most likely ids at every response position and add a sparse forward KL
+    `coef * sum_{v in top-k} p_T(v) (log p_T(v) - log p_S(v))` per model token to the loss (a token mean, added
+    to the policy loss in both modes; the teacher's mass outside its top-k is dropped). null: off. Needs the torch
+    trainer backend and train.logprobs=plain."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.coef) and self.coef > 0):
             raise ValueError(f"coef must be a finite number > 0, got {self.coef}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ValueError(f"top_k must be an integer >= 1 or null, got {self.top_k!r}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(
+                f"top_k must be >= 1 (the teacher ids per position of the sparse forward KL) or null for none, got "
+                f"{self.top_k}"
+            )

@@ -2,7 +2,9 @@
 
 Each sample (prompt + response) goes to a teacher engine as a scoring request: `max_new_tokens=0`, `return_logprob`
 with `logprob_start_len` at the response's first token, so the answer's `input_token_logprobs` hold the teacher's
-log-prob of every response token (SGLang's fields; the embedded engine answers them too). Samples with one prompt
+log-prob of every response token (SGLang's fields; the embedded engine answers them too). With `distill.top_k` the
+request also sets `top_logprobs_num`, and `input_top_logprobs` holds the teacher's k most likely (log-prob, id) at
+each of those positions. Samples with one prompt
 length share a request. The teacher's engines are started, watched and restarted by the same launcher and
 `EngineFleet` as the student's; a request that fails on a dead engine is sent again once the fleet restarted it
 (bounded by the fleet's `max_restarts`). Nothing is ever pushed to them: their weights are the teacher's, always.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +23,13 @@ from hpcrl.engine.client import EngineClient
 from hpcrl.engine.errors import EngineRequestError
 from hpcrl.engine.fleet import EngineFleet, EngineSlot, FleetError
 from hpcrl.engine.local import LocalEngines
-from hpcrl.engine.protocol.answers import GenerateResult, input_token_logprobs
+from hpcrl.engine.protocol.answers import GenerateResult, input_token_logprobs, input_top_logprobs
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
 from hpcrl.rollout.distill_config import DistillConfig
 from hpcrl.samples.sample import Group, Sample
 from hpcrl.store.run_dir import make_subdir
 
-__all__ = ["Teacher", "TeacherError", "check_same_vocabulary", "start_teacher"]
+__all__ = ["Teacher", "TeacherError", "TeacherScores", "check_same_vocabulary", "start_teacher"]
 
 SAMPLES_PER_REQUEST = 64
 """Sequences of one scoring request: enough to batch the teacher's forward, few enough to spread over engines."""
@@ -66,25 +69,48 @@ def check_same_vocabulary(student_dir: str | Path, teacher_dir: str | Path) -> N
     )
 
 
+TopK = list[list[tuple[float, int]]]
+"""One sample's teacher top-k: per response token, its (log-prob, id) pairs, most likely first."""
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """One step's scoring, in the groups' sample order."""
+
+    logprobs: list[list[float]]
+    """The teacher's log-prob of every response token of every sample."""
+    top: list[TopK] | None
+    """With `top_k`: the teacher's top-k at every response token of every sample; else None."""
+    stats: dict[str, float]
+    """`distill/teacher_s` (the scoring's wall time) and `distill/teacher_retries` (requests sent again)."""
+
+
 class Teacher:
-    """Scores samples on the teacher's fleet; `close` stops its engines."""
+    """Scores samples on the teacher's fleet; `close` stops its engines. `top_k`: also its top-k ids per token."""
 
     def __init__(
-        self, fleet: EngineFleet, *, timeout_s: float, launcher: LocalEngines | None = None, max_attempts: int = 0
+        self,
+        fleet: EngineFleet,
+        *,
+        timeout_s: float,
+        launcher: LocalEngines | None = None,
+        max_attempts: int = 0,
+        top_k: int | None = None,
     ) -> None:
         self.fleet = fleet
+        self.top_k = top_k
         self.launcher = launcher
         self.timeout_s = timeout_s
         # Every restart the fleet may make, plus the first try: a request never waits on an engine without bound.
         self.max_attempts = max_attempts or fleet.cfg.max_restarts * max(len(fleet.slots), 1) + 1
 
-    def score(self, groups: list[Group]) -> tuple[list[list[float]], dict[str, float]]:
-        """The teacher's log-prob of every response token of every sample (groups' order), and the step's figures:
-        `distill/teacher_s` (the scoring's wall time) and `distill/teacher_retries` (requests sent again)."""
+    def score(self, groups: list[Group]) -> TeacherScores:
+        """The teacher's log-prob (and top-k) of every response token of every sample, in the groups' order."""
         t0 = time.perf_counter()
         samples = [s for g in groups for s in g.samples]
         out: list[list[float] | None] = [None if s.output_ids else [] for s in samples]
-        todo = _requests(samples)
+        self._top: list[TopK] = [[] for _ in samples]
+        todo = _requests(samples, self.top_k)
         retries = 0
         for _ in range(self.max_attempts):
             failed = self._send(todo, samples, out)
@@ -100,7 +126,8 @@ class Teacher:
             )
         scored = [lps for lps in out if lps is not None]
         assert len(scored) == len(samples)
-        return scored, {"distill/teacher_s": time.perf_counter() - t0, "distill/teacher_retries": float(retries)}
+        stats = {"distill/teacher_s": time.perf_counter() - t0, "distill/teacher_retries": float(retries)}
+        return TeacherScores(scored, self._top if self.top_k else None, stats)
 
     def _send(
         self, todo: list[tuple[list[int], GenerateRequest]], samples: list[Sample], out: list[list[float] | None]
@@ -134,6 +161,14 @@ class Teacher:
                         f"{len(samples[i].output_ids)}: an engine that ignores logprob_start_len cannot be a teacher"
                     )
                 out[i] = [float(lp) for lp in lps if lp is not None]
+                if self.top_k:
+                    top = input_top_logprobs(result)
+                    if len(top) != len(lps) or any(not pairs for pairs in top):
+                        raise TeacherError(
+                            f"the teacher's engine {client.url} returned top-k log-probs for {len(top)} response "
+                            f"tokens of a sample with {len(lps)} (or an empty entry): it ignored top_logprobs_num"
+                        )
+                    self._top[i] = [list(pairs) for pairs in top if pairs]
 
         with ThreadPoolExecutor(max_workers=min(len(todo), 4 * len(live)) or 1) as pool:
             for future in [pool.submit(one, k) for k in range(len(todo))]:
@@ -157,7 +192,7 @@ class Teacher:
             self.launcher.stop()
 
 
-def _requests(samples: list[Sample]) -> list[tuple[list[int], GenerateRequest]]:
+def _requests(samples: list[Sample], top_k: int | None = None) -> list[tuple[list[int], GenerateRequest]]:
     """Scoring requests: one `logprob_start_len` per request, so the samples of one prompt length go together."""
     by_prompt: dict[int, list[int]] = {}
     for i, s in enumerate(samples):
@@ -172,6 +207,7 @@ def _requests(samples: list[Sample]) -> list[tuple[list[int], GenerateRequest]]:
                 sampling_params=SamplingParams(max_new_tokens=0),
                 return_logprob=True,
                 logprob_start_len=prompt_len,
+                top_logprobs_num=top_k or 0,
             )
             todo.append((chunk, request))
     return todo
@@ -206,4 +242,4 @@ def start_teacher(
         on_event(f"teacher_{kind}", detail)
 
     fleet = EngineFleet(engine, clients, launcher=launcher, on_event=event)
-    return Teacher(fleet, timeout_s=timeout_s, launcher=launcher)
+    return Teacher(fleet, timeout_s=timeout_s, launcher=launcher, top_k=cfg.top_k)

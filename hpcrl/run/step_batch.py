@@ -9,7 +9,7 @@ from hpcrl.run_config import RunConfig
 from hpcrl.samples.sample import Group
 from hpcrl.trainer.advantage import Overlong, batch_from_groups
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.distill import distill_advantages
+from hpcrl.trainer.distill import distill_advantages, with_teacher_topk
 
 
 def step_batch(cfg: RunConfig, groups: list[Group], teacher: Teacher | None) -> tuple[TrainBatch, dict[str, float]]:
@@ -21,6 +21,8 @@ def step_batch(cfg: RunConfig, groups: list[Group], teacher: Teacher | None) -> 
     batch = batch_from_groups(groups, normalize_std=bool(train.normalize_advantage_std), overlong=overlong)
     if teacher is None or cfg.distill is None:
         return batch, {}
-    teacher_logprobs, distilled = teacher.score(groups)
-    batch, stats = distill_advantages(batch, teacher_logprobs, mode=cfg.distill.mode, coef=cfg.distill.coef)
-    return batch, distilled | {f"distill/{k}": v for k, v in stats.items()}
+    scores = teacher.score(groups)
+    batch, stats = distill_advantages(batch, scores.logprobs, mode=cfg.distill.mode, coef=cfg.distill.coef)
+    if scores.top is not None:
+        batch = with_teacher_topk(batch, scores.top, coef=cfg.distill.coef)
+    return batch, scores.stats | {f"distill/{k}": v for k, v in stats.items()}

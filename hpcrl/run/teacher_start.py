@@ -3,6 +3,7 @@ a thread beside the trainer's and the student engines' (hpcrl/rollout/teacher.py
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,15 @@ def check_teacher(
         )
     check_model_dir(teacher_dir)
     check_same_vocabulary(model_dir, teacher_dir)
+    if d.top_k is not None:
+        # The sparse forward KL looks the teacher's top-k ids up in the student's output head.
+        sizes = [json.loads((m / "config.json").read_text()).get("vocab_size") for m in (model_dir, teacher_dir)]
+        if sizes[0] != sizes[1]:
+            raise RunError(
+                f"distill.top_k={d.top_k}: the teacher's output has {sizes[1]} entries and the student's {sizes[0]}: "
+                "its top-k ids must index the student's vocabulary; pick a teacher of the same vocab_size or set "
+                "distill.top_k=null"
+            )
     if d.mode == "reverse_kl":
         say(
             f"distill.mode=reverse_kl trains on the teacher's log-probs alone: reward.fn={reward_fn} is "

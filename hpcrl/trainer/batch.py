@@ -31,6 +31,11 @@ class TrainBatch:
     support_sizes: Tensor | None = None  # [N, T-1] int32: support size per target position (0 off the response)
     support_ids: Tensor | None = None  # [support_sizes.sum()] int32, row-major over (row, position)
     routed_experts: Tensor | None = None  # [N, T, layers, k] int32: the rollout's experts per token, -1 where unknown
+    # Distillation with distill.top_k = K: the teacher's K most likely ids at each target position, their
+    # log-probs, and the forward-KL weights coef * p_teacher (0 off the loss mask): hpcrl/trainer/distill.py.
+    teacher_topk_ids: Tensor | None = None  # [N, T-1, K] long
+    teacher_topk_logprobs: Tensor | None = None  # [N, T-1, K] float32
+    teacher_topk_weights: Tensor | None = None  # [N, T-1, K] float32
 
     @classmethod
     def from_sequences(
@@ -122,6 +127,9 @@ class TrainBatch:
             support_sizes=sizes,
             support_ids=support_ids,
             routed_experts=None if self.routed_experts is None else self.routed_experts[index, :width],
+            teacher_topk_ids=_rows(self.teacher_topk_ids, index, width - 1),
+            teacher_topk_logprobs=_rows(self.teacher_topk_logprobs, index, width - 1),
+            teacher_topk_weights=_rows(self.teacher_topk_weights, index, width - 1),
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -148,6 +156,10 @@ class TrainBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+
+def _rows(t: Tensor | None, index: Tensor | slice, width: int) -> Tensor | None:
+    return None if t is None else t[index, :width]
 
 
 def _padded_routes(routes: Sequence[np.ndarray | None], lengths: Sequence[int], width: int) -> Tensor:

@@ -5,6 +5,12 @@ the same token. `log p(x_t) - log q(x_t)` is a one-sample estimate of KL(p || q)
 over x_t ~ p is the full-vocabulary reverse KL). As an advantage, `-(log p - log q)` pushes up the tokens the teacher
 likes more than the student does and down the others: the policy gradient of that advantage is the gradient of the
 reverse KL (with the estimate held constant), which is what on-policy distillation minimises.
+
+With `distill.top_k = K` the teacher also returns its K most likely ids at each response position, and the loss adds
+a sparse forward KL, `coef * sum_{v in top-K} p_T(v) (log p_T(v) - log p_S(v))` per model token (token mean over the
+update). The teacher's mass outside its top K is dropped, not renormalised: each term is exactly that token's share
+of the full forward KL KL(p_T || p_S), so the gradient, `-coef * sum_{v in top-K} p_T(v) grad log p_S(v)`, is the
+full forward KL's gradient restricted to the teacher's K most likely tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from torch import Tensor
 
 from hpcrl.trainer.batch import TrainBatch
 
-__all__ = ["distill_advantages", "reverse_kl_expectation"]
+__all__ = ["distill_advantages", "reverse_kl_expectation", "sparse_forward_kl", "with_teacher_topk"]
 
 
 def distill_advantages(
@@ -70,3 +76,44 @@ def reverse_kl_expectation(student_logits: Tensor, teacher_logits: Tensor) -> Te
     log_p = torch.log_softmax(student_logits.to(dtype), dim=-1)
     log_q = torch.log_softmax(teacher_logits.to(dtype), dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def with_teacher_topk(
+    batch: TrainBatch,
+    top: Sequence[Sequence[Sequence[tuple[float, int]]]],
+    *,
+    coef: float,
+) -> TrainBatch:
+    """`batch` carrying the teacher's top-k for the sparse forward KL: `top[i][j]` holds the (log-prob, id) pairs of
+    response token j of row i. The weights `coef * p_T(v)` are 0 off the loss mask (prompts, tool results,
+    padding) and on the slots of a position with fewer than K pairs."""
+    n = len(batch)
+    if len(top) != n:
+        raise ValueError(f"{n} sequences but teacher top-k log-probs for {len(top)}")
+    k = max((len(pairs) for rows in top for pairs in rows), default=1)
+    shape = (*batch.rollout_logprobs.shape, k)
+    ids = torch.zeros(shape, dtype=torch.long)
+    lps = torch.zeros(shape, dtype=torch.float32)
+    valid = torch.zeros(shape, dtype=torch.bool)
+    for i, rows in enumerate(top):
+        start, end = int(batch.prompt_lens[i]) - 1, int(batch.lengths[i]) - 1
+        if len(rows) != end - start:
+            raise ValueError(f"sequence {i}: teacher top-k for {len(rows)} positions, {end - start} response tokens")
+        for j, pairs in enumerate(rows):
+            if pairs:
+                lps[i, start + j, : len(pairs)] = torch.tensor([lp for lp, _ in pairs], dtype=torch.float32)
+                ids[i, start + j, : len(pairs)] = torch.tensor([t for _, t in pairs], dtype=torch.long)
+                valid[i, start + j, : len(pairs)] = True
+    valid &= batch.loss_mask[..., None]
+    weights = torch.where(valid, coef * lps.exp(), torch.zeros((), dtype=lps.dtype))
+    return replace(batch, teacher_topk_ids=ids, teacher_topk_logprobs=lps, teacher_topk_weights=weights)
+
+
+def sparse_forward_kl(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor, weights: Tensor) -> Tensor:
+    """Per-position `sum_k w_k (log p_T(v_k) - log p_S(v_k))` ([b, T, K] -> [b, T]), `w = coef * p_T` (0 where a slot
+    is off the loss): the sparse forward KL of `with_teacher_topk`'s batch. Its gradient reaches the student through
+    `student_topk_logprobs` alone; the teacher's are data."""
+    zero = torch.zeros((), dtype=student_topk_logprobs.dtype, device=student_topk_logprobs.device)
+    diff = teacher_topk_logprobs.to(student_topk_logprobs.dtype) - student_topk_logprobs
+    # where, not multiply: a slot off the loss (weight 0) may hold a student log-prob of -inf.
+    return torch.where(weights > 0, weights.to(diff.dtype) * diff, zero).sum(dim=-1)

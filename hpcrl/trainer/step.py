@@ -24,11 +24,19 @@ from torch import Tensor
 
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
+from hpcrl.trainer.distill import sparse_forward_kl
 from hpcrl.trainer.loss import PolicyLossConfig, importance_weights, policy_loss, sft_loss
 from hpcrl.trainer.step_stats import NanGuard, SteppableOptimizer, StepSums
 
-MicroLoss = Callable[[int, Tensor, Tensor | None], Tensor]
-"""`loss(i, logprobs, entropy)` of micro-batch i: the scalar to differentiate (the step records its statistics)."""
+
+class MicroLoss(Protocol):
+    """`loss(i, logprobs, entropy, topk_logprobs)` of micro-batch i: the scalar to differentiate (the step records
+    its statistics). `topk_logprobs` [b, T-1, K]: the policy's log-probs of the teacher's top-k ids (distill.top_k);
+    a backend that does not score them leaves it out."""
+
+    def __call__(self, i: int, lp: Tensor, entropy: Tensor | None, topk: Tensor | None = None, /) -> Tensor: ...
+
+
 SizeRule = Callable[[int], int]
 
 PEAK = "train_rollout_logprob_max_abs_diff"
@@ -191,7 +199,7 @@ class TrainStep:
         scales = {"loss_scale_sequences": scale} if by_sequence else {"loss_scale_tokens": scale}
         sums = StepSums()
 
-        def loss(i: int, lp: Tensor, entropy: Tensor | None) -> Tensor:
+        def loss(i: int, lp: Tensor, entropy: Tensor | None, topk: Tensor | None = None, /) -> Tensor:
             mb, tokens = mbs[i], float(mbs[i].num_response_tokens)
             if sft:
                 out, stats = sft_loss(lp, mb.loss_mask, loss_scale_tokens=scale)
@@ -214,6 +222,14 @@ class TrainStep:
                     # pg_loss is this micro-batch's per-sequence figure and the step's sums weigh by tokens: weigh
                     # it by its sequences instead, so the step's value does not depend on how rows were split.
                     stats["pg_loss"] *= _num_sequences(mb) / tokens * global_tokens / global_sequences
+            if not sft and mb.teacher_topk_weights is not None and mb.teacher_topk_logprobs is not None:
+                if topk is None:
+                    raise ValueError("distill.top_k: this trainer backend does not score the teacher's top-k ids")
+                # A token mean over the update's response tokens, whatever train.aggregation (docs/distillation.md).
+                per_token = sparse_forward_kl(topk, mb.teacher_topk_logprobs, mb.teacher_topk_weights)
+                token_scale = global_tokens / b.dp_size if b.averages_gradients else global_tokens
+                out = out + per_token.sum() / token_scale
+                stats["distill_forward_kl_topk"] = float(per_token.detach().sum().item()) / max(tokens, 1.0)
             sums.sums["loss"] += float(out.detach().item())
             sums.add(stats, tokens)
             return out

@@ -68,47 +68,66 @@ class LogProbs(nn.Module):
         self.cfg = cfg
 
     def forward(
-        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of every target position [b, T-1] (and entropy), as tensors of their own: FSDP2 hooks its
+        self,
+        input_ids: Tensor,
+        supports: tuple[Tensor, Tensor] | None,
+        with_entropy: bool,
+        topk_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Log-probs of every target position [b, T-1] (and entropy; and with `topk_ids` [b, T-1, K] the log-probs
+        of those ids at each position, the distillation teacher's top-k), as tensors of their own: FSDP2 hooks its
         backward onto a module's outputs, which must not be views ([b, T-1] floats: the copy costs nothing)."""
-        lp, ent = self._logprobs(input_ids, supports, with_entropy)
-        return lp.clone(), (ent.clone() if ent is not None else None)
+        lp, ent, top = self._logprobs(input_ids, supports, with_entropy, topk_ids)
+        return lp.clone(), (ent.clone() if ent is not None else None), (top.clone() if top is not None else None)
 
     def _logprobs(
-        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
+        self, input_ids: Tensor, supports: tuple[Tensor, Tensor] | None, with_entropy: bool, topk_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         if self.cfg.logprobs == "invariant":
+            if topk_ids is not None:
+                raise ValueError("distill.top_k needs train.logprobs=plain (the invariant forward scores one id)")
             # The forward the batch-invariant engine sampled from: these are its log-probs bit for bit, so
             # the loss ratio's denominator and the gap compare the trainer with the sampler itself; under
             # top-k/top-p replay, renormalised over each token's support as the engine did.
             if supports is not None:
-                return invariant.support_token_logprobs(self.lm, input_ids, *supports), None
-            return invariant.token_logprobs(self.lm, input_ids), None
+                return invariant.support_token_logprobs(self.lm, input_ids, *supports), None, None
+            return invariant.token_logprobs(self.lm, input_ids), None, None
         chunk = self.cfg.chunk_tokens
         if chunk is not None and supports is None:
             # The fused head: log-probs straight from the hidden states, no [tokens x vocab] logits in memory.
             hidden = self.lm(input_ids, hidden=True)[:, :-1]
             b, t = hidden.shape[:2]
-            lp, ent = hidden_token_logprobs(
-                hidden.reshape(b * t, -1),
-                self.lm.output_weight,
-                input_ids[:, 1:].reshape(-1),
-                chunk_tokens=chunk,
-                with_entropy=with_entropy,
-                compiled=self.cfg.compiled,
+            flat = hidden.reshape(b * t, -1)
+
+            def head(targets: Tensor, entropy: bool) -> tuple[Tensor, Tensor | None]:
+                return hidden_token_logprobs(
+                    flat, self.lm.output_weight, targets.reshape(-1), chunk_tokens=chunk, with_entropy=entropy,
+                    compiled=self.cfg.compiled,
+                )  # fmt: skip
+
+            lp, ent = head(input_ids[:, 1:], with_entropy)
+            # The teacher's top-k: one more pass of the fused head per slot, still no [tokens x vocab] in memory.
+            top = None if topk_ids is None else torch.stack([head(ids, False)[0] for ids in topk_ids.unbind(-1)], -1)
+            return (
+                lp.view(b, t),
+                (ent.view(b, t) if ent is not None else None),
+                (top.view(b, t, -1) if top is not None else None),
             )
-            return lp.view(b, t), (ent.view(b, t) if ent is not None else None)
         logits = self.lm(input_ids)
+        top = None
+        if topk_ids is not None:
+            scores = logits[:, :-1].float()
+            top = scores.gather(-1, topk_ids) - torch.logsumexp(scores, dim=-1, keepdim=True)
         if supports is not None:  # top-k/top-p: score over the ids each token was drawn from
-            return support_token_logprobs(logits[:, :-1], input_ids[:, 1:], *supports, with_entropy=with_entropy)
+            lp, ent = support_token_logprobs(logits[:, :-1], input_ids[:, 1:], *supports, with_entropy=with_entropy)
+            return lp, ent, top
         # Score all T positions of the contiguous logits (the last one against a dummy target) and drop
         # the last: token_logprobs walks a [:, :-1] slice one sequence at a time (it has no flat view),
         # i.e. a few kernels per sequence in forward and backward, which on CPU costs more than the
         # extra row of softmax.
         targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
         lp, ent = token_logprobs(logits, targets, with_entropy=with_entropy)
-        return lp[:, :-1], (ent[:, :-1] if ent is not None else None)
+        return lp[:, :-1], (ent[:, :-1] if ent is not None else None), top
 
 
 class TorchTrainer:
@@ -242,9 +261,9 @@ class TorchTrainer:
         for i, mb in enumerate(mbs):
             t0 = time.perf_counter()
             self.moe.before(self.model, mb)
-            lp, entropy = self.train_forward(mb.input_ids, mb.padded_supports(), True)
+            lp, entropy, top = self.train_forward(mb.input_ids, mb.padded_supports(), True, mb.teacher_topk_ids)
             forward_s += time.perf_counter() - t0
-            out = loss(i, lp, entropy)
+            out = loss(i, lp, entropy, top)
             aux = self.moe.after(self.model, mb)
             # The load-balancing term once per optimizer step, as the loss's micro-batch parts add up to one.
             (out if aux is None else out + aux / len(mbs)).backward()

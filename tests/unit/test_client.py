@@ -648,7 +648,11 @@ def test_generate_request_from_dict_validation():
         "n must be the same for every item": {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
         "rid must be a list of 2 ids": {"input_ids": [[1], [2]], "rid": "x"},
         "per-item return_logprob values differ": {"input_ids": [[1], [2]], "return_logprob": [True, False]},
-        "top_logprobs_num=5 is not supported by the embedded engine": {"input_ids": [1], "top_logprobs_num": 5},
+        r"token_ids_logprob=\[3\] is not supported by the embedded engine": {
+            "input_ids": [1],
+            "token_ids_logprob": [3],
+        },
+        "top_logprobs_num must be >= 0": {"input_ids": [1], "top_logprobs_num": -1},
         "unknown key 'prompt' in the /generate body; valid keys": {"input_ids": [1], "prompt": "x"},
         "logprob_start_len must be >= -1": {"input_ids": [1], "logprob_start_len": -2},
         r"return_sampling_mask needs a truncated sampling support, but sampling_params\[1\]": {

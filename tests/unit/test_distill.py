@@ -246,7 +246,8 @@ def test_a_tiny_distillation_run_scores_with_its_teacher_engine_and_survives_the
     teacher = init_tiny_model(workdir / "teacher", TinyModelSpec(num_layers=3, hidden_size=96, seed=1))
     args = [
         "run", "qs.yaml", "num_steps=2", "sft.num_steps=0", "data.prompts_per_step=2", "rollout.n_samples_per_prompt=4",
-        "rollout.max_new_tokens=6", "checkpoint.every_steps=2", f"distill.teacher.model={teacher}", "--run-dir", "r",
+        "rollout.max_new_tokens=6", "checkpoint.every_steps=2", f"distill.teacher.model={teacher}", "distill.top_k=4",
+        "--run-dir", "r",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -269,7 +270,10 @@ def test_a_tiny_distillation_run_scores_with_its_teacher_engine_and_survives_the
     for key in ("distill/reverse_kl", "distill/teacher_logprob_mean", "distill/teacher_s"):
         assert torch.isfinite(torch.as_tensor(m[key])).all(), key
     assert (m["distill/teacher_logprob_mean"] < 0).all() and (m["distill/teacher_s"] > 0).all()
-    # One update a step, ratio 1: the loss is the batch's mean reverse-KL estimate.
-    assert m["train/loss"] == pytest.approx(m["distill/reverse_kl"], rel=1e-5, abs=1e-6)
+    # One update a step, ratio 1: the loss is the batch's mean reverse-KL estimate plus the sparse forward KL of the
+    # teacher's top-4 (distill.top_k), each a token mean.
+    forward = m["train/distill_forward_kl_topk"]
+    assert torch.isfinite(torch.as_tensor(forward)).all() and (forward > 0).all()
+    assert m["train/loss"] == pytest.approx(m["distill/reverse_kl"] + forward, rel=1e-5, abs=1e-6)
     kinds = [e["kind"] for e in load_events(workdir / "r" / "metrics.h5")]
     assert "teacher_engine_dead" in kinds and "teacher_engine_restarted" in kinds, kinds

@@ -31,14 +31,18 @@ def test_the_distill_section_parses_with_the_teacher_engine_as_an_engine_section
         ("distill.bogus=1", "unknown key 'distill.bogus'; valid keys of distill: teacher, mode, coef"),
         ("distill.coef=0", "coef must be a finite number > 0, got 0.0"),
         ("distill.mode=forward_kl", "distill.mode: expected one of 'reverse_kl', 'mixed'"),
-        ("distill.top_k=8", "unknown key 'distill.top_k'; valid keys of distill: teacher, mode, coef"),
+        ("distill.top_k=0", "top_k must be >= 1"),
+        (
+            "distill.top_k=4 train.logprobs=invariant engine.batch_invariant=true",
+            "set train.logprobs=plain or distill.top_k=null",
+        ),
         ("rollout.top_k=5", "set rollout.top_k=-1 and rollout.top_p=1"),
         ("distill.teacher.engine.offload_during_train=true", "never paused for the trainer"),
     ],
 )
 def test_bad_distill_settings_are_refused_naming_the_key(override: str, message: str) -> None:
     with pytest.raises((ConfigError, ValueError)) as error:
-        load_run_config(QUICKSTART, [*TEACHER, override])
+        load_run_config(QUICKSTART, [*TEACHER, *override.split()])
     assert message in str(error.value)
 
 

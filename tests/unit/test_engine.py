@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hpcrl.engine.client import EngineClient
-from hpcrl.engine.protocol.answers import GenerateResult, input_token_logprobs
+from hpcrl.engine.protocol.answers import GenerateResult, input_token_logprobs, input_top_logprobs
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
 from hpcrl.model.hf import load_model
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
@@ -829,6 +829,23 @@ def test_a_scoring_request_returns_the_prompt_logprobs_of_the_teacher_forced_for
     assert [t for _, t, _ in full.meta_info["input_token_logprobs"]] == SEQUENCE[start:]
     assert max(abs(a - b) for a, b in zip(teacher, ref[start - 1 :], strict=True)) < 1e-4  # type: ignore[operator]
     assert len(input_token_logprobs(short)) == 1
+
+    # top_logprobs_num: the k best (log-prob, id) of each scored position, the topk of the forward's log_softmax.
+    topk = client.generate_request(
+        GenerateRequest(
+            input_ids=SEQUENCE,
+            sampling_params=SamplingParams(max_new_tokens=0),
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=3,
+        )  # fmt: skip
+    )
+    assert isinstance(topk, GenerateResult)
+    best = torch.log_softmax(logits.float(), -1)[start - 1 :].topk(3, -1)
+    top = input_top_logprobs(topk)
+    assert [[t for _, t in pairs] for pairs in top] == best.indices.tolist()  # type: ignore[union-attr]
+    got = torch.tensor([[lp for lp, _ in pairs] for pairs in top])  # type: ignore[union-attr]
+    assert torch.allclose(got, best.values, atol=1e-4)
 
     # From 0 the first entry is null: nothing predicts the first token (SGLang's layout).
     whole = client.generate([SEQUENCE], SamplingParams(max_new_tokens=0), logprob_start_len=0)

@@ -3,13 +3,15 @@
 # CPU quickstarts: no GPU is used). Figures go to the benchmarks/ reports of each capability.
 #   SWEEPS="lora moe fsdp2" bash tools/gpu/run_seed_sweeps.sh      # from the repo root; tables go to $OUT
 # Sweeps: quickstart (as shipped), lora, moe, moe-noreplay (seed 0: the curve without routing replay, for hpcrl compare), fsdp2 (2 ranks),
-# gspo, cispo, dr_grpo, dapo (the quickstart with that objective). Each sweep runs its seeds in parallel, one torch
+# gspo, cispo, dr_grpo, dapo (the quickstart with that objective), distill (on-policy distillation from the
+# GRPO-trained quickstart policy, trained first if runs/quickstart/model is absent) and distill-grpo (the same
+# student, GRPO alone: compare its curves with distill's). Each sweep runs its seeds in parallel, one torch
 # thread a process (tools/bench/quickstart_rewards.py --parallel 3).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/hpcrl-seeds-out}
 RUNS=${RUNS:-/tmp/hpcrl-seeds}
-SWEEPS=${SWEEPS:-"quickstart lora moe moe-noreplay fsdp2 gspo cispo dr_grpo dapo"}
+SWEEPS=${SWEEPS:-"quickstart lora moe moe-noreplay fsdp2 gspo cispo dr_grpo dapo distill distill-grpo"}
 mkdir -p "$OUT" "$RUNS"
 nproc | sed 's/^/cpus: /' | tee "$OUT/seeds.log"
 sweep() {  # name, seeds, config, overrides...
@@ -36,6 +38,12 @@ for name in $SWEEPS; do
     gspo | cispo | dr_grpo) sweep "$name" "0 1 2" experiments/quickstart.yaml train.loss="$name" & ;;
     dapo) sweep dapo "0 1 2" experiments/quickstart.yaml rollout.dynamic_sampling=true \
       train.overlong_window_tokens=2 train.mask_truncated=true & ;;
+    distill) (  # the teacher: the GRPO-trained quickstart policy (experiments/distill-quickstart.yaml)
+      [[ -f runs/quickstart/model/config.json ]] || python3 -m hpcrl.cli run experiments/quickstart.yaml \
+        --run-dir runs/quickstart >"$OUT/distill-teacher.log" 2>&1
+      sweep distill "0 1 2" experiments/distill-quickstart.yaml
+    ) & ;;
+    distill-grpo) sweep distill-grpo "0 1 2" experiments/distill-quickstart.yaml distill=null name=distill-grpo & ;;
     *) echo "unknown sweep $name" >&2 ;;
   esac
 done

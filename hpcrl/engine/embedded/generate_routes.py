@@ -19,6 +19,7 @@ from hpcrl.engine.embedded.http_server import _error, _json_body, _json_response
 from hpcrl.engine.embedded.requests import SeqRequest
 from hpcrl.engine.protocol.answers import (
     INPUT_LOGPROBS_KEY,
+    INPUT_TOP_LOGPROBS_KEY,
     GrowingPackedColumn,
     logprob_triples,
     pack_logprobs,
@@ -71,6 +72,15 @@ class GenerateRoutes(EngineCore):
                 raise ValueError(
                     f"logprob_start_len={req.logprob_start_len} is not inside prompt {i} of {len(prompt)} tokens; "
                     "send a position before its end (0: the whole prompt), or -1 for no prompt log-probs"
+                )
+            if (
+                req.return_logprob
+                and req.top_logprobs_num
+                and (req.logprob_start_len < 0 or req.params_for(i if req.is_batch else 0).max_new_tokens)
+            ):
+                raise ValueError(
+                    "top_logprobs_num: the embedded engine answers top-k log-probs for prompt scoring only; send "
+                    "max_new_tokens=0 with logprob_start_len >= 0, or top_logprobs_num=0"
                 )
             need = len(prompt) + req.params_for(i if req.is_batch else 0).max_new_tokens
             if need > limit:
@@ -190,6 +200,7 @@ class GenerateRoutes(EngineCore):
                 )
                 seq.logprob_scaled = logprob_scaled
                 seq.logprob_start_len = req.logprob_start_len if req.return_logprob else -1
+                seq.top_logprobs_num = req.top_logprobs_num if req.return_logprob else 0
                 if req.return_logprob and req.return_logprob_packed:
                     seq.packed_column = GrowingPackedColumn()
                 seqs.append(seq)
@@ -265,6 +276,10 @@ def _extra_meta(r: SeqRequest) -> dict[str, Any] | None:
     if r.input_logprobs is not None:
         start = max(r.logprob_start_len, 0)
         meta[INPUT_LOGPROBS_KEY] = [(lp, t, None) for lp, t in zip(r.input_logprobs, r.prompt_ids[start:], strict=True)]
+    if r.input_top_logprobs is not None:
+        meta[INPUT_TOP_LOGPROBS_KEY] = [
+            None if e is None else [(lp, t, None) for lp, t in e] for e in r.input_top_logprobs
+        ]
     if r.return_routed_experts:
         kept = r.num_tokens - 1
         routes = np.concatenate(r.routes)[:kept] if r.routes else np.zeros((0, 0, 0), dtype=np.int32)

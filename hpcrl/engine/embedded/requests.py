@@ -42,6 +42,9 @@ class SeqRequest:
     # prompt token from there, None for the first token of the prompt, which nothing predicts.
     logprob_start_len: int = -1
     input_logprobs: list[float | None] | None = None
+    # top_logprobs_num > 0: input_top_logprobs holds, per entry of input_logprobs, the k most likely (logprob, id).
+    top_logprobs_num: int = 0
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_ids: list[int] = field(default_factory=list)
     # Doubles stored inline, not float objects: a row's log-probs arrive one a step, between every other row's, so
     # as list items they lie scattered over the heap and the answer that walks them waits on memory. H200 host,

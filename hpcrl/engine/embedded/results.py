@@ -119,6 +119,11 @@ class Results(SchedulerState):
                     head: list[float | None] = [None] if r.logprob_start_len == 0 else []
                     lps = torch.log_softmax(logits[k, start - 1 : end - 1].float(), dim=-1)
                     r.input_logprobs = head + lps.gather(-1, ids[k, start:end, None])[:, 0].tolist()
+                    if r.top_logprobs_num > 0:
+                        top = lps.topk(min(r.top_logprobs_num, lps.shape[-1]), dim=-1)
+                        vals, idx = top.values.tolist(), top.indices.tolist()
+                        pairs = [list(zip(v, t, strict=True)) for v, t in zip(vals, idx, strict=True)]
+                        r.input_top_logprobs = [None] * len(head) + pairs
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

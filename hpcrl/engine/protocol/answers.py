@@ -30,6 +30,9 @@ PACKED_LOGPROBS_KEY = "output_token_logprobs_packed"
 INPUT_LOGPROBS_KEY = "input_token_logprobs"
 """meta_info's prompt log-probs from the request's logprob_start_len: [logprob, token id, text] per prompt token,
 the logprob null for the prompt's first token (SGLang's field; a scoring request with max_new_tokens=0 reads it)."""
+INPUT_TOP_LOGPROBS_KEY = "input_top_logprobs"
+"""meta_info's top-k prompt log-probs (request's top_logprobs_num): one entry per position of input_token_logprobs,
+a list of [logprob, token id, text] (most likely first) or null where input_token_logprobs has null."""
 FinishType = Literal["stop", "length", "abort"]
 FINISH_TYPES: tuple[str, ...] = get_args(FinishType)
 # SGLang's `--weight-version` default: what an engine reports before its first weight update.
@@ -280,6 +283,31 @@ def input_token_logprobs(result: GenerateResult) -> list[float | None]:
         if not triple:
             raise ValueError(f"meta_info.{INPUT_LOGPROBS_KEY}[{index}] must be [logprob, token_id, text]")
         out.append(None if triple[0] is None else _float(f"meta_info.{INPUT_LOGPROBS_KEY}[{index}][0]", triple[0]))
+    return out
+
+
+def input_top_logprobs(result: GenerateResult) -> list[list[tuple[float, int]] | None]:
+    """The top-k prompt log-probs a request with top_logprobs_num > 0 asked for (meta_info.input_top_logprobs): per
+    position from logprob_start_len, (logprob, token id) pairs, or None where nothing predicts the token."""
+    raw = result.meta_info.get(INPUT_TOP_LOGPROBS_KEY)
+    if raw is None:
+        raise ValueError(
+            f"the /generate result has no meta_info.{INPUT_TOP_LOGPROBS_KEY}: the engine did not return the prompt's "
+            "top-k log-probs; send return_logprob=true, logprob_start_len >= 0 and top_logprobs_num > 0"
+        )
+    out: list[list[tuple[float, int]] | None] = []
+    for index, entry in enumerate(_list(f"meta_info.{INPUT_TOP_LOGPROBS_KEY}", raw)):
+        if entry is None:
+            out.append(None)
+            continue
+        where = f"meta_info.{INPUT_TOP_LOGPROBS_KEY}[{index}]"
+        pairs = []
+        for j, item in enumerate(_list(where, entry)):
+            triple = _list(f"{where}[{j}]", item)
+            if len(triple) < 2:
+                raise ValueError(f"{where}[{j}] must be [logprob, token_id, text]")
+            pairs.append((_float(f"{where}[{j}][0]", triple[0]), _int(f"{where}[{j}][1]", triple[1], minimum=0)))
+        out.append(pairs)
     return out
 
 

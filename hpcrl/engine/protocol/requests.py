@@ -150,7 +150,6 @@ _UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
     "image_data": None,
     "video_data": None,
     "audio_data": None,
-    "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_hidden_states": False,
     "routed_experts_start_len": 0,
@@ -199,6 +198,10 @@ class GenerateRequest(Message):
     rid: str | list[str] | None = None
     return_sampling_mask: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    """With `return_logprob`: the k most likely ids and their log-probs at every scored position
+    (`meta_info.input_top_logprobs` from `logprob_start_len`; the embedded engine answers it on scoring requests,
+    `max_new_tokens=0`, only). 0: none."""
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_logprob_packed: bool = False
@@ -277,6 +280,7 @@ class GenerateRequest(Message):
                         "top_p=1 and min_p=0; set top_k, top_p < 1 or min_p > 0, or drop return_sampling_mask"
                     )
         _int("logprob_start_len", self.logprob_start_len, minimum=-1)
+        _int("top_logprobs_num", self.top_logprobs_num, minimum=0)
         _bool("return_text_in_logprobs", self.return_text_in_logprobs)
         _bool("stream", self.stream)
         _bool("return_logprob_packed", self.return_logprob_packed)
@@ -332,6 +336,8 @@ class GenerateRequest(Message):
         if self.return_logprob:
             # Explicit because 0 (whole prompt) defeats the prefix cache and older servers defaulted to None.
             out["logprob_start_len"] = self.logprob_start_len
+            if self.top_logprobs_num:
+                out["top_logprobs_num"] = self.top_logprobs_num
         if self.rid is not None:
             out["rid"] = self.rid
         # Extensions and non-default flags only: older upstream servers may reject keys they do not know.
