@@ -37,20 +37,20 @@ def test_bad_eval_settings_are_refused_at_load(tmp_path: Path) -> None:
             load_run_config(cfg)
 
 
-def test_a_run_with_evaluation_trains_exactly_as_one_without(workdir: Path) -> None:
-    steps = [a for a in SMALL if not a.startswith("num_steps")] + ["num_steps=4"]
+def test_a_run_with_evaluation_trains_exactly_as_one_without(workdir: Path, small_run: tuple[Path, str]) -> None:
+    # The run without evaluation is the session's shared SMALL run (6 steps): the same command less `eval.*`.
     evals = ["eval.every_steps=2", "eval.num_prompts=8", "eval.num_samples=3"]
-    out = hpcrl("run", "qs.yaml", *steps, *evals, "--run-dir", "with", cwd=workdir)
-    hpcrl("run", "qs.yaml", *steps, "--run-dir", "without", cwd=workdir)
+    out = hpcrl("run", "qs.yaml", *SMALL, *evals, "--run-dir", "with", cwd=workdir)
     assert "eval after step 2: greedy accuracy" in out.stdout and "pass@3" in out.stdout
-    with_eval, without = load_metrics(workdir / "with" / "metrics.h5"), load_metrics(workdir / "without" / "metrics.h5")
-    # Evaluated after steps 2 and 4 (rows 1 and 3); every figure a share of 8 prompts (of 3 samples for mean@k).
+    with_eval, without = load_metrics(workdir / "with" / "metrics.h5"), load_metrics(small_run[0] / "metrics.h5")
+    # Evaluated after steps 2, 4 and 6 (rows 1, 3, 5); every figure a share of 8 prompts (of 3 samples for mean@k).
+    evaluated, skipped = [1, 3, 5], [0, 2, 4]
     for key in ("eval/accuracy_greedy", "eval/pass_at_k", "eval/mean_at_k"):
         values = with_eval.pop(key)
-        assert np.isnan(values[[0, 2]]).all() and np.isfinite(values[[1, 3]]).all(), key
-        assert ((values[[1, 3]] * 8 * (3 if key == "eval/mean_at_k" else 1)) % 1 == 0).all(), key
-        assert ((0 <= values[[1, 3]]) & (values[[1, 3]] <= 1)).all(), key
-    assert list(with_eval.pop("eval/num_prompts")[[1, 3]]) == [8, 8]
+        assert np.isnan(values[skipped]).all() and np.isfinite(values[evaluated]).all(), key
+        assert ((values[evaluated] * 8 * (3 if key == "eval/mean_at_k" else 1)) % 1 == 0).all(), key
+        assert ((0 <= values[evaluated]) & (values[evaluated] <= 1)).all(), key
+    assert list(with_eval.pop("eval/num_prompts")[evaluated]) == [8, 8, 8]
     with_eval.pop("eval/k")
     with_eval.pop("timing/eval_s", None)
     without.pop("timing/eval_s", None)

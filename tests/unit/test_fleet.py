@@ -48,7 +48,8 @@ def test_sigkill_mid_rollout_is_detected_restarted_and_loses_nothing(tmp_path: P
 
 
 def test_sigstop_is_detected_as_hung(tmp_path: Path, tiny_model_dir: Path) -> None:
-    proc = start_run(tmp_path, tiny_model_dir, "num_steps=4")
+    # Hung after 10 s without an answer instead of the default 20 s: the test waits that long for the verdict.
+    proc = start_run(tmp_path, tiny_model_dir, "num_steps=4", "engine.hung_after_s=10")
     lines: list[str] = []
     read_until(proc, "step    1/4", lines)
     stopped_s = time.time()

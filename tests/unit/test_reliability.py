@@ -91,13 +91,14 @@ def snapshot(path: Path) -> dict[str, str]:
 # ----- item 2: no silent start over; nothing unreadable is deleted -----
 
 
-def test_a_run_dir_without_checkpoints_is_refused_until_restart_moves_it_aside(workdir: Path) -> None:
-    ok(run(workdir, "r", "num_steps=3"))
-    for path in (workdir / "r" / "checkpoints").iterdir():
+def test_a_run_dir_without_checkpoints_is_refused_until_restart_moves_it_aside(
+    workdir: Path, finished_run: Path
+) -> None:
+    for path in (finished(finished_run, workdir) / "checkpoints").iterdir():
         path.unlink()
     before = snapshot(workdir / "r")
     message = refused(run(workdir, "r", "num_steps=3"))
-    assert "3 metric rows" in message and "model/" in message and "no checkpoint to resume from" in message
+    assert "2 metric rows" in message and "model/" in message and "no checkpoint to resume from" in message
     assert "--restart" in message and "--run-dir" in message
     assert snapshot(workdir / "r") == before
 
@@ -307,16 +308,17 @@ def _file_size_limit() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (700 * 1024, 700 * 1024))
 
 
-def test_a_checkpoint_write_error_ends_the_run_cleanly_and_keeps_the_previous(workdir: Path) -> None:
-    ok(run(workdir, "r", "num_steps=1"))
-    before = snapshot(workdir / "r" / "checkpoints")
-    assert (workdir / "r" / "checkpoints" / "step_00000001.h5").stat().st_size > 700 * 1024
-    message = refused(run(workdir, "r", preexec_fn=_file_size_limit), code=1)
-    assert "could not write checkpoint r/checkpoints/step_00000002.h5 (File too large)" in message
+def test_a_checkpoint_write_error_ends_the_run_cleanly_and_keeps_the_previous(
+    workdir: Path, finished_run: Path
+) -> None:
+    before = snapshot(finished(finished_run, workdir) / "checkpoints")
+    assert (workdir / "r" / "checkpoints" / "step_00000002.h5").stat().st_size > 700 * 1024
+    message = refused(run(workdir, "r", "num_steps=3", preexec_fn=_file_size_limit), code=1)
+    assert "could not write checkpoint r/checkpoints/step_00000003.h5 (File too large)" in message
     assert "free space and rerun to resume" in message
-    assert snapshot(workdir / "r" / "checkpoints") == before  # no partial file, the previous one intact
-    ok(run(workdir, "r"))
-    assert list(load_metrics(workdir / "r" / "metrics.h5")["step"]) == [0, 1]
+    assert snapshot(workdir / "r" / "checkpoints") == before  # no partial file, the previous ones intact
+    ok(run(workdir, "r", "num_steps=3"))
+    assert list(load_metrics(workdir / "r" / "metrics.h5")["step"]) == [0, 1, 2]
 
 
 # ----- items 9, 10: hpcrl: error instead of a traceback -----
