@@ -25,7 +25,7 @@ if [[ $SECTIONS == *record* ]]; then
   for topic in disk lora moe distill; do
     [[ -f tools/gpu/record_sglang_$topic.py ]] || continue
     (
-      timeout 480 python3 tools/gpu/record_sglang_$topic.py --out "$WORK/golden/$topic" --startup-timeout-s 360 \
+      timeout 470 python3 tools/gpu/record_sglang_$topic.py --out "$WORK/golden/$topic" --startup-timeout-s 360 \
         > "$WORK/record_$topic.log" 2>&1
       echo "record $topic exit $?" >> "$WORK/record_$topic.log"
     ) &
@@ -34,15 +34,15 @@ if [[ $SECTIONS == *record* ]]; then
 fi
 for section in lora moe delta opd; do
   if [[ $SECTIONS == *$section* ]]; then
-    ( timeout 540 python3 tools/gpu/${section}_gpu.py --out "$WORK/$section" > "$WORK/$section.log" 2>&1
+    ( timeout 500 python3 tools/gpu/${section}_gpu.py --out "$WORK/$section" > "$WORK/$section.log" 2>&1
       echo "$section exit $?" >> "$WORK/$section.log" ) &
     pids+=($!)
   fi
 done
 if [[ $SECTIONS == *fsdp* ]]; then
-  timeout 300 python3 tools/gpu/fsdp_mfu.py --shape qwen3-4b --steps 4 --timeout-s 150 \
+  timeout 280 python3 tools/gpu/fsdp_mfu.py --shape qwen3-4b --steps 4 --timeout-s 150 \
     --variants ddp+defaults fsdp2+defaults fsdp2+ac fsdp2+ac+head+compile+mb8 2>&1 | tee "$WORK/fsdp_4b.txt"
-  timeout 240 python3 tools/gpu/fsdp_mfu.py --shape qwen3-8b --steps 2 --timeout-s 200 \
+  timeout 215 python3 tools/gpu/fsdp_mfu.py --shape qwen3-8b --steps 2 --timeout-s 200 \
     --variants ddp+defaults fsdp2+ac+offload 2>&1 | tee "$WORK/fsdp_8b.txt"
 fi
 for p in "${pids[@]}"; do wait "$p"; done
