@@ -7,7 +7,8 @@
 #         tests/golden/sglang-0.5.16/<topic>/
 # fsdp:   tools/gpu/fsdp_mfu.py: the Qwen3-4B shape (DDP against FSDP2, with and without activation checkpointing,
 #         defaults against every lever), then the Qwen3-8B shape that DDP cannot hold, with FSDP2 + offload
-# lora, moe, delta, opd: tools/gpu/{lora,moe,delta,opd}_gpu.py --out $OUT/<section>
+# lora, moe, delta, opd: tools/gpu/{lora,moe,delta,opd}_gpu.py --out $OUT/<section> $LORA_ARGS (MOE_ARGS, ...)
+# RECORD_S and SECTION_S (default 400 each) bound the recorders and those scripts.
 # Sections run at once where they can share the GPU (the recorders' servers are tiny); fsdp's timings are the
 # GPU's share left by the others, which the report states. Everything lands in $OUT/results.tgz and $OUT/summary.log.
 set -u
@@ -25,7 +26,7 @@ if [[ $SECTIONS == *record* ]]; then
   for topic in disk lora moe distill; do
     [[ -f tools/gpu/record_sglang_$topic.py ]] || continue
     (
-      timeout 470 python3 tools/gpu/record_sglang_$topic.py --out "$WORK/golden/$topic" --startup-timeout-s 360 \
+      timeout ${RECORD_S:-400} python3 tools/gpu/record_sglang_$topic.py --out "$WORK/golden/$topic" --startup-timeout-s 360 \
         > "$WORK/record_$topic.log" 2>&1
       echo "record $topic exit $?" >> "$WORK/record_$topic.log"
     ) &
@@ -34,15 +35,17 @@ if [[ $SECTIONS == *record* ]]; then
 fi
 for section in lora moe delta opd; do
   if [[ $SECTIONS == *$section* ]]; then
-    ( timeout 500 python3 tools/gpu/${section}_gpu.py --out "$WORK/$section" > "$WORK/$section.log" 2>&1
+    args_var=${section^^}_ARGS  # e.g. LORA_ARGS="--sections push,sglang"
+    ( timeout ${SECTION_S:-400} python3 tools/gpu/${section}_gpu.py --out "$WORK/$section" ${!args_var:-} \
+        > "$WORK/$section.log" 2>&1
       echo "$section exit $?" >> "$WORK/$section.log" ) &
     pids+=($!)
   fi
 done
 if [[ $SECTIONS == *fsdp* ]]; then
-  timeout 280 python3 tools/gpu/fsdp_mfu.py --shape qwen3-4b --steps 4 --timeout-s 150 \
-    --variants ddp+defaults fsdp2+defaults fsdp2+ac fsdp2+ac+head+compile+mb8 2>&1 | tee "$WORK/fsdp_4b.txt"
-  timeout 215 python3 tools/gpu/fsdp_mfu.py --shape qwen3-8b --steps 2 --timeout-s 200 \
+  timeout 200 python3 tools/gpu/fsdp_mfu.py --shape qwen3-4b --steps 4 --timeout-s 120 \
+    --variants ddp+defaults fsdp2+ac fsdp2+ac+head+compile+mb8 2>&1 | tee "$WORK/fsdp_4b.txt"
+  timeout 200 python3 tools/gpu/fsdp_mfu.py --shape qwen3-8b --steps 2 --timeout-s 180 \
     --variants ddp+defaults fsdp2+ac+offload 2>&1 | tee "$WORK/fsdp_8b.txt"
 fi
 for p in "${pids[@]}"; do wait "$p"; done
