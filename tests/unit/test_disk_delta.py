@@ -32,7 +32,7 @@ from hpcrl.sync.disk_delta import DiskDeltaError, DiskDeltaTransport
 from hpcrl.sync.errors import WeightSyncError
 from hpcrl.sync.push import WeightSync
 from hpcrl.sync.transport import TransportContext
-from hpcrl.weightwire.delta import DeltaFormatError, published
+from hpcrl.weightwire.delta import PROBE, DeltaFormatError, published
 from tests.conftest import EngineProcess, start_engine
 from tests.support import hpcrl
 
@@ -329,9 +329,9 @@ def test_a_quickstart_run_over_disk_delta_clears_a_killed_writers_leftovers_and_
     steps = ["num_steps=3", "sft.num_steps=0", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4"]
     hpcrl("run", "qs.yaml", *steps, "rollout.max_new_tokens=6", "sync.transport=disk_delta", "--run-dir", "run",
           cwd=workdir)  # fmt: skip
-    assert sorted(p.name for p in weights.iterdir()) == [
+    assert sorted(p.name for p in weights.iterdir()) == [PROBE] + [
         f"{kind}-{v:08d}.{ext}" for kind, v in (("delta", 2), ("delta", 3), ("snapshot", 1)) for ext in ("bin", "json")
-    ]
+    ]  # the leftovers are gone; the shared-directory probe the run wrote at its start stays
     metrics = load_metrics(workdir / "run" / "metrics.h5")
     # The first push is a snapshot; later ones write what changed (the untrained tiny model's rewards are all
     # equal, so its steps may change nothing: the 50-push test above has real changes).
