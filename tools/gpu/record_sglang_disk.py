@@ -13,7 +13,7 @@ on A (`--mem-fraction-static 0.15 --max-total-tokens 65536`: other recorders sha
   update_weights_from_disk_weight_version   the agent's body (load_format, weight_version, ...) with A; then
                                             model_info (the version) and generate (A's tokens again)
 The greedy generation on A before the first case is part of that case. The files go to
-tests/golden/sglang-0.5.16/disk/ (manifest.json included), read by tests/unit/test_sglang_disk_golden.py; the
+tests/golden/sglang-0.5.16/disk/ (manifest.json included), for a replay test to read; the
 format is tests/golden/sglang-0.5.16/README.md's. The embedded engine has no /update_weights_from_disk: with
 --embedded the cases record its 404s, which checks the script end to end and nothing else.
 """

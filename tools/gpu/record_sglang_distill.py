@@ -8,7 +8,7 @@ A teacher scores the student's tokens with a /generate of `max_new_tokens: 0`, `
 `logprob_start_len` at the response's first token and, with distill.top_k, `top_logprobs_num`; the answer's
 `meta_info.input_token_logprobs` and `meta_info.input_top_logprobs` hold the teacher's log-probs. The cases are
 exactly the requests hpcrl.rollout.teacher builds. Copy the *.json files (manifest.json included) to
-tests/golden/sglang-0.5.16/distill/, where tests/unit/test_sglang_golden_distill.py replays them through hpcrl's
+tests/golden/sglang-0.5.16/distill/, where a replay test can read them through hpcrl's
 client and parsers (same format as tools/gpu/record_sglang.py's, described in tests/golden/sglang-0.5.16/README.md).
 
 The server runs with `--mem-fraction-static 0.15 --max-total-tokens 65536` (other recorders may share the GPU);

@@ -4,8 +4,8 @@
     python3 tools/gpu/record_sglang_moe.py --out DIR                  # SGLang (GPU): ~2 server starts, < 6 min
     python3 tools/gpu/record_sglang_moe.py --out DIR --embedded       # the same cases, hpcrl's embedded engine (CPU)
 
-Copy DIR/*.json (manifest.json included) to tests/golden/sglang-0.5.16/moe/, where tests/unit/test_sglang_moe_golden.py
-replays them (format: tests/golden/sglang-0.5.16/README.md). The model is `hpcrl model init-tiny --moe` (2 layers,
+Copy DIR/*.json (manifest.json included) to tests/golden/sglang-0.5.16/moe/, where a replay test
+can read them (format: tests/golden/sglang-0.5.16/README.md). The model is `hpcrl model init-tiny --moe` (2 layers,
 8 experts, top-2). First server: started with --enable-return-routed-experts; cases server_info (the top-level
 `enable_return_routed_experts` key kept), generate_routed_experts_single (one prompt, `return_routed_experts: true`,
 log-probs) and generate_routed_experts_batch (2 prompts). Second server, the same model WITHOUT the flag (skipped
