@@ -11,7 +11,13 @@ import torch
 
 from hpcrl.model.moe import MoeArgs, Routing, SparseMoeBlock, grouped_mm_on
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not grouped_mm_on(torch.device("cuda")),
+        reason="needs CUDA with torch._grouped_mm (torch >= 2.8, compute capability 9.0+)",
+    ),
+]
 
 
 def _ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
@@ -26,8 +32,6 @@ def _ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("tokens", [64, 2048])
 def test_grouped_experts_match_plain_and_are_timed(tokens: int) -> None:
-    if not grouped_mm_on(torch.device("cuda")):
-        pytest.skip("torch._grouped_mm needs torch >= 2.8 on a compute capability 9.0+ GPU")
     torch.manual_seed(0)
     args = MoeArgs(num_experts=128, top_k=8, moe_intermediate_size=768, sparse_layers=(True,))
     block = SparseMoeBlock(2048, args, 0, Routing()).to(device="cuda", dtype=torch.bfloat16)
