@@ -49,6 +49,7 @@ from hpcrl.engine.protocol.control import (
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams
 
 FORMAT_VERSION = 1
+PROG = Path(__file__).stem
 # "12+34=" in the tiny model's character tokenizer; any ids below its vocabulary (99) would do.
 PROMPT = [20, 21, 14, 22, 23, 32]
 PROMPTS = [PROMPT, [20, 14, 21], [23, 22, 14, 20, 32]]
@@ -568,9 +569,10 @@ def summarise(exchange: Exchange) -> str:
         return f"{exchange.method} {exchange.path}: {exchange.error}"
     body = r.get("body")
     bits = [f"{exchange.path} {r['status']}"]
-    results = body if isinstance(body, list) else [body] if isinstance(body, dict) and "meta_info" in body else []
-    for result in results[:3]:
-        meta = result.get("meta_info", {}) if isinstance(result, dict) else {}
+    # Generate answers (one, or a batch) get a summary each; other bodies (a weight's values, ...) only the status.
+    results = [x for x in body if isinstance(x, dict)] if isinstance(body, list) else [body]
+    for result in [x for x in results if isinstance(x, dict) and "meta_info" in x][:3]:
+        meta = result["meta_info"]
         reason = meta.get("finish_reason") or {}
         bits.append(
             f"{len(result.get('output_ids') or [])} tok {reason.get('type')} v={meta.get('weight_version')}"
@@ -672,6 +674,82 @@ def server_command(args: argparse.Namespace, model_dir: Path, port: int) -> list
     ]
 
 
+def start_server(server: Server, what: str, startup_timeout_s: float, prog: str) -> bool:
+    """Start `server` with a line before and after; False, with the error on stderr, if it never answers /health."""
+    try:
+        print(f"starting {what} on {server.url} ...", flush=True)
+        print(f"server up after {server.start(startup_timeout_s):.1f} s", flush=True)
+    except RuntimeError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def new_manifest(*, embedded: bool, version: str | None, **fields: Any) -> dict[str, Any]:
+    """manifest.json's head (the README's format); `cases` fills as the cases are written."""
+    return {
+        "format": FORMAT_VERSION,
+        "engine": "hpcrl-embedded" if embedded else "sglang",
+        "version": version,
+        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **fields,
+        "cases": {},
+    }
+
+
+def record_case(
+    out: Path,
+    manifest: dict[str, Any],
+    name: str,
+    description: str,
+    run: Callable[[Recorder, Ctx], None],
+    *,
+    server: Server,
+    request_timeout_s: float,
+    ctx: Ctx,
+    extra: dict[str, Any] | None = None,
+    width: int = 48,
+) -> tuple[Recorder, bool]:
+    """Run one case against `server`, write CASE.json (with `extra` fields), list it in the manifest and print its
+    line and problems; the recorder (for its cleanup) and whether the server survived the case."""
+    rec = Recorder(server.url, request_timeout_s)
+    t0 = time.monotonic()
+    try:
+        run(rec, ctx)
+    except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
+        ctx.problems.append(f"{type(exc).__name__}: {exc}")
+    survived = server.alive()
+    ctx.notes["server_survived"] = survived
+    if not survived and not ctx.notes.get("may_kill_server"):
+        ctx.problems.append("the server died or stopped answering /health during this case")
+    record = {
+        "format": FORMAT_VERSION,
+        "case": name,
+        "description": description,
+        "recorded": True,
+        "engine": manifest["engine"],
+        "version": manifest["version"],
+        **(extra or {}),
+        "problems": ctx.problems,
+        "notes": ctx.notes,
+        "exchanges": [e.to_json() for e in rec.exchanges],
+    }
+    (out / f"{name}.json").write_text(dumps(record) + "\n")
+    manifest["cases"][name] = description
+    status = "ok" if not ctx.problems else "FAILED"
+    detail = " | ".join(summarise(e) for e in rec.exchanges)
+    print(f"case {name:<{width}} {status:<6} {time.monotonic() - t0:6.1f} s  {detail}", flush=True)
+    for problem in ctx.problems:
+        print(f"    problem: {problem}", flush=True)
+    return rec, survived
+
+
+def write_manifest(out: Path, manifest: dict[str, Any], failed: list[str]) -> None:
+    manifest["failed"] = failed
+    (out / "manifest.json").write_text(dumps(manifest) + "\n")
+    print(f"{len(manifest['cases'])} case(s) written to {out}, {len(failed)} with problems: {failed}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.out
@@ -684,56 +762,20 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(server_command(args, model_dir, port), url, out / "server.log")
     atexit.register(server.stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        print(f"starting {'the embedded engine' if args.embedded else 'SGLang'} on {url} ...", flush=True)
-        print(f"server up after {server.start(args.startup_timeout_s):.1f} s", flush=True)
-    except RuntimeError as exc:
-        print(f"record_sglang: error: {exc}", file=sys.stderr)
+    if not start_server(server, "the embedded engine" if args.embedded else "SGLang", args.startup_timeout_s, PROG):
         return 1
-    version = engine_version(url)
     names = args.cases.split(",") if args.cases else list(CASES)
-    manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "engine": "hpcrl-embedded" if args.embedded else "sglang",
-        "version": version,
-        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": server.cmd[1:],
-        "long_new_tokens": long_new_tokens,
-        "cases": {},
-    }
+    manifest = new_manifest(
+        embedded=args.embedded, version=engine_version(url), command=server.cmd[1:], long_new_tokens=long_new_tokens
+    )
     failed: list[str] = []
     restarts = 0
     for name in names:
         description, run = CASES[name]
-        rec = Recorder(url, args.request_timeout_s)
         ctx = Ctx(long_new_tokens=long_new_tokens)
-        t0 = time.monotonic()
-        try:
-            run(rec, ctx)
-        except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
-            ctx.problems.append(f"{type(exc).__name__}: {exc}")
-        survived = server.alive()
-        ctx.notes["server_survived"] = survived
-        if not survived and not ctx.notes.get("may_kill_server"):
-            ctx.problems.append("the server died or stopped answering /health during this case")
-        record = {
-            "format": FORMAT_VERSION,
-            "case": name,
-            "description": description,
-            "recorded": True,
-            "engine": manifest["engine"],
-            "version": version,
-            "problems": ctx.problems,
-            "notes": ctx.notes,
-            "exchanges": [e.to_json() for e in rec.exchanges],
-        }
-        (out / f"{name}.json").write_text(dumps(record) + "\n")
-        manifest["cases"][name] = description
-        status = "ok" if not ctx.problems else "FAILED"
-        detail = " | ".join(summarise(e) for e in rec.exchanges)
-        print(f"case {name:<48} {status:<6} {time.monotonic() - t0:6.1f} s  {detail}", flush=True)
-        for problem in ctx.problems:
-            print(f"    problem: {problem}", flush=True)
+        rec, survived = record_case(
+            out, manifest, name, description, run, server=server, request_timeout_s=args.request_timeout_s, ctx=ctx
+        )
         if ctx.problems:
             failed.append(name)
         if survived:
@@ -742,17 +784,15 @@ def main(argv: list[str] | None = None) -> int:
         print(server.log_tail(), flush=True)
         server.stop()
         if restarts >= args.max_restarts:
-            print("record_sglang: error: the server died too often; stopping", file=sys.stderr)
+            print(f"{PROG}: error: the server died too often; stopping", file=sys.stderr)
             break
         restarts += 1
         try:
             print(f"restarted after {server.start(args.startup_timeout_s):.1f} s", flush=True)
         except RuntimeError as exc:
-            print(f"record_sglang: error: {exc}", file=sys.stderr)
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
             break
-    manifest["failed"] = failed
-    (out / "manifest.json").write_text(dumps(manifest) + "\n")
-    print(f"{len(manifest['cases'])} case(s) written to {out}, {len(failed)} with problems: {failed}", flush=True)
+    write_manifest(out, manifest, failed)
     server.stop()
     return 1 if failed or len(manifest["cases"]) < len(names) else 0
 

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,15 +33,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record_sglang import (  # noqa: E402 - the sibling recorder, found through the path above
-    FORMAT_VERSION,
     PROMPT,
     Ctx,
     Recorder,
     Server,
-    dumps,
     engine_version,
     free_port,
     make_model,
+    new_manifest,
+    record_case,
+    start_server,
+    write_manifest,
 )
 
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams  # noqa: E402
@@ -165,51 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(cmd, url, out / "server.log")
     atexit.register(server.stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        print(f"starting {'the embedded engine' if args.embedded else 'SGLang'} on {url} ...", flush=True)
-        print(f"server up after {server.start(args.startup_timeout_s):.1f} s", flush=True)
-    except RuntimeError as exc:
-        print(f"record_sglang_disk: error: {exc}", file=sys.stderr)
+    what = "the embedded engine" if args.embedded else "SGLang"
+    if not start_server(server, what, args.startup_timeout_s, "record_sglang_disk"):
         return 1
-    version = engine_version(url)
-    engine = "hpcrl-embedded" if args.embedded else "sglang"
-    manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION, "engine": engine, "version": version,
-        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": cmd[1:], "cases": {},
-    }  # fmt: skip
+    manifest = new_manifest(embedded=args.embedded, version=engine_version(url), command=cmd[1:])
     failed: list[str] = []
     for name, (description, run) in CASES.items():  # in order: each case starts from the weights the last left
-        rec = Recorder(url, args.request_timeout_s)
         ctx = Ctx(long_new_tokens=0)
-        t0 = time.monotonic()
-        try:
-            run(rec, ctx, dirs)
-        except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
-            ctx.problems.append(f"{type(exc).__name__}: {exc}")
-        ctx.notes["server_survived"] = server.alive()
-        if not ctx.notes["server_survived"]:
-            ctx.problems.append("the server died or stopped answering /health during this case")
-        record = {
-            "format": FORMAT_VERSION, "case": name, "description": description, "recorded": True, "engine": engine,
-            "version": version, "problems": ctx.problems, "notes": ctx.notes,
-            "exchanges": [e.to_json() for e in rec.exchanges],
-        }  # fmt: skip
-        (out / f"{name}.json").write_text(dumps(record) + "\n")
-        manifest["cases"][name] = description
-        status = "ok" if not ctx.problems else "FAILED"
-        detail = " | ".join(f"{e.path} {(e.response or {}).get('status', e.error)}" for e in rec.exchanges)
-        print(f"case {name:<42} {status:<6} {time.monotonic() - t0:6.1f} s  {detail}", flush=True)
-        for problem in ctx.problems:
-            print(f"    problem: {problem}", flush=True)
+        _, survived = record_case(
+            out, manifest, name, description, lambda rec, ctx, run=run: run(rec, ctx, dirs), server=server,
+            request_timeout_s=args.request_timeout_s, ctx=ctx, width=42,
+        )  # fmt: skip
         if ctx.problems:
             failed.append(name)
-        if not ctx.notes["server_survived"]:
+        if not survived:
             print(server.log_tail(), flush=True)
             break
-    manifest["failed"] = failed
-    (out / "manifest.json").write_text(dumps(manifest) + "\n")
-    print(f"{len(manifest['cases'])} case(s) written to {out}, {len(failed)} with problems: {failed}", flush=True)
+    write_manifest(out, manifest, failed)
     print(f"copy them: cp {out}/*.json tests/golden/sglang-0.5.16/disk/", flush=True)
     server.stop()
     return 1 if failed or len(manifest["cases"]) < len(CASES) else 0

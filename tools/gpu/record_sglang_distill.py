@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from record_sglang import (  # noqa: E402 - the sibling recorder, found through the path above
-    FORMAT_VERSION,
     Ctx,
     Recorder,
     Server,
-    dumps,
     engine_version,
     free_port,
     make_model,
-    summarise,
+    new_manifest,
+    record_case,
+    start_server,
+    write_manifest,
 )
 
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams  # noqa: E402
@@ -123,44 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(cmd, url, out / "server.log")
     atexit.register(server.stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        print(f"starting {'the embedded engine' if args.embedded else 'SGLang'} on {url} ...", flush=True)
-        print(f"server up after {server.start(args.startup_timeout_s):.1f} s", flush=True)
-    except RuntimeError as exc:
-        print(f"record_sglang_distill: error: {exc}", file=sys.stderr)
+    what = "the embedded engine" if args.embedded else "SGLang"
+    if not start_server(server, what, args.startup_timeout_s, "record_sglang_distill"):
         return 1
-    version = engine_version(url)
-    manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "engine": "hpcrl-embedded" if args.embedded else "sglang",
-        "version": version,
-        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": cmd[1:],
-        "cases": {},
-    }
+    manifest = new_manifest(embedded=args.embedded, version=engine_version(url), command=cmd[1:])
     failed = []
     for name, (description, run) in CASES.items():
-        rec, ctx, t0 = Recorder(url, args.request_timeout_s), Ctx(long_new_tokens=0), time.monotonic()
-        try:
-            run(rec, ctx)
-        except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
-            ctx.problems.append(f"{type(exc).__name__}: {exc}")
-        record = {
-            "format": FORMAT_VERSION, "case": name, "description": description, "recorded": True,
-            "engine": manifest["engine"], "version": version, "problems": ctx.problems, "notes": ctx.notes,
-            "exchanges": [e.to_json() for e in rec.exchanges],
-        }  # fmt: skip
-        (out / f"{name}.json").write_text(dumps(record) + "\n")
-        manifest["cases"][name] = description
-        detail = " | ".join(summarise(e) for e in rec.exchanges)
-        print(f"case {name:<28} {'ok' if not ctx.problems else 'FAILED':<6} {time.monotonic() - t0:5.1f} s  {detail}")
-        for problem in ctx.problems:
-            print(f"    problem: {problem}", flush=True)
+        ctx = Ctx(long_new_tokens=0)
+        record_case(
+            out, manifest, name, description, run, server=server, request_timeout_s=args.request_timeout_s, ctx=ctx,
+            width=28,
+        )  # fmt: skip
         if ctx.problems:
             failed.append(name)
-    manifest["failed"] = failed
-    (out / "manifest.json").write_text(dumps(manifest) + "\n")
-    print(f"{len(CASES)} case(s) written to {out}, {len(failed)} with problems: {failed}", flush=True)
+    write_manifest(out, manifest, failed)
     server.stop()
     return 1 if failed else 0
 

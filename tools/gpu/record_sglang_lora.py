@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,16 +29,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record_sglang import (  # noqa: E402 - the sibling script, found through the path above
-    FORMAT_VERSION,
     PROMPT,
     Ctx,
     Recorder,
     Server,
-    dumps,
     engine_version,
     free_port,
     make_model,
-    summarise,
+    new_manifest,
+    record_case,
+    start_server,
+    write_manifest,
 )
 
 RANK = 8
@@ -150,48 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(cmd, url, out / "server.log")
     atexit.register(server.stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        print(f"starting SGLang with --enable-lora on {url} ...", flush=True)
-        print(f"server up after {server.start(args.startup_timeout_s):.1f} s", flush=True)
-    except RuntimeError as exc:
-        print(f"record_sglang_lora: error: {exc}", file=sys.stderr)
+    if not start_server(server, "SGLang with --enable-lora", args.startup_timeout_s, "record_sglang_lora"):
         return 1
-    version = engine_version(url)
-    manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION, "engine": "sglang", "version": version,
-        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": server.cmd[1:], "adapter_rank": RANK, "cases": {},
-    }  # fmt: skip
+    manifest = new_manifest(embedded=False, version=engine_version(url), command=server.cmd[1:], adapter_rank=RANK)
     failed: list[str] = []
     for name, (description, run) in CASES.items():
-        rec, ctx = Recorder(url, args.request_timeout_s), Ctx(long_new_tokens=0)
-        t0 = time.monotonic()
-        try:
-            run(rec, ctx, paths)
-        except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
-            ctx.problems.append(f"{type(exc).__name__}: {exc}")
-        ctx.notes["server_survived"] = survived = server.alive()
-        if not survived:
-            ctx.problems.append("the server died or stopped answering /health during this case")
-        record = {
-            "format": FORMAT_VERSION, "case": name, "description": description, "recorded": True,
-            "engine": "sglang", "version": version, "problems": ctx.problems, "notes": ctx.notes,
-            "exchanges": [e.to_json() for e in rec.exchanges],
-        }  # fmt: skip
-        (out / f"{name}.json").write_text(dumps(record) + "\n")
-        manifest["cases"][name] = description
-        detail = " | ".join(summarise(e) for e in rec.exchanges)
-        print(f"case {name:<30} {'ok' if not ctx.problems else 'FAILED':<6} {time.monotonic() - t0:6.1f} s  {detail}")
-        for problem in ctx.problems:
-            print(f"    problem: {problem}", flush=True)
+        ctx = Ctx(long_new_tokens=0)
+        _, survived = record_case(
+            out, manifest, name, description, lambda rec, ctx, run=run: run(rec, ctx, paths), server=server,
+            request_timeout_s=args.request_timeout_s, ctx=ctx, width=30,
+        )  # fmt: skip
         if ctx.problems:
             failed.append(name)
         if not survived:
             print(server.log_tail(), flush=True)
             break
-    manifest["failed"] = failed
-    (out / "manifest.json").write_text(dumps(manifest) + "\n")
-    print(f"{len(manifest['cases'])} case(s) written to {out}, {len(failed)} with problems: {failed}", flush=True)
+    write_manifest(out, manifest, failed)
     server.stop()
     return 1 if failed or len(manifest["cases"]) < len(CASES) else 0
 

@@ -18,27 +18,26 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record_sglang import (  # noqa: E402 - the sibling recorder's server and recording helpers
-    FORMAT_VERSION,
     PROMPT,
     PROMPTS,
     SERVER_INFO_KEYS,
     Ctx,
     Recorder,
     Server,
-    dumps,
     engine_version,
     free_port,
-    summarise,
+    new_manifest,
+    record_case,
+    start_server,
+    write_manifest,
 )
 
 from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams  # noqa: E402
@@ -149,45 +148,18 @@ def record(
     url = f"http://127.0.0.1:{port}"
     server = Server(command(args, model_dir, port, capture), url, out / "server.log")
     atexit.register(server.stop)
-    print(f"starting {'the embedded engine' if args.embedded else 'SGLang'} on {url} ...", flush=True)
-    try:
-        print(f"server up after {server.start(args.startup_timeout_s):.1f} s", flush=True)
-    except RuntimeError as exc:
-        print(f"record_sglang_moe: error: {exc}", file=sys.stderr)
+    if not start_server(server, "the embedded engine" if args.embedded else "SGLang", args.startup_timeout_s,
+                        "record_sglang_moe"):  # fmt: skip
         return list(cases)
-    version = engine_version(url)
-    manifest["version"] = manifest.get("version") or version
+    manifest["version"] = manifest.get("version") or engine_version(url)
     manifest["commands"].append(server.cmd[1:])
     failed = []
     for name, (description, run) in cases.items():
-        rec = Recorder(url, args.request_timeout_s)
         ctx = Ctx(long_new_tokens=NEW_TOKENS)
-        t0 = time.monotonic()
-        try:
-            run(rec, ctx)
-        except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
-            ctx.problems.append(f"{type(exc).__name__}: {exc}")
-        if not server.alive():
-            ctx.problems.append("the server died or stopped answering /health during this case")
-        doc = {
-            "format": FORMAT_VERSION,
-            "case": name,
-            "description": description,
-            "recorded": True,
-            "engine": manifest["engine"],
-            "version": version,
-            "server_flags": [FLAG] if capture else [],
-            "problems": ctx.problems,
-            "notes": ctx.notes,
-            "exchanges": [e.to_json() for e in rec.exchanges],
-        }
-        (out / f"{name}.json").write_text(dumps(doc) + "\n")
-        manifest["cases"][name] = description
-        status = "ok" if not ctx.problems else "FAILED"
-        detail = " | ".join(summarise(e) for e in rec.exchanges)
-        print(f"case {name:<34} {status:<6} {time.monotonic() - t0:6.1f} s  {detail}", flush=True)
-        for problem in ctx.problems:
-            print(f"    problem: {problem}", flush=True)
+        record_case(
+            out, manifest, name, description, run, server=server, request_timeout_s=args.request_timeout_s, ctx=ctx,
+            extra={"server_flags": [FLAG] if capture else []}, width=34,
+        )  # fmt: skip
         if ctx.problems:
             failed.append(name)
     server.stop()
@@ -206,20 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model_dir = make_moe_model(args.out / "model")
-    manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "engine": "hpcrl-embedded" if args.embedded else "sglang",
-        "version": None,
-        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commands": [],
-        "cases": {},
-    }
+    manifest = new_manifest(embedded=args.embedded, version=None, commands=[])
     failed = record(args, model_dir, True, CAPTURE_CASES, manifest)
     if not args.no_second_server and not args.embedded:  # the embedded engine always captures
         failed += record(args, model_dir, False, PLAIN_CASES, manifest)
-    manifest["failed"] = failed
-    (args.out / "manifest.json").write_text(dumps(manifest) + "\n")
-    print(f"{len(manifest['cases'])} case(s) written to {args.out}, {len(failed)} with problems: {failed}", flush=True)
+    write_manifest(args.out, manifest, failed)
     return 1 if failed else 0
 
 
