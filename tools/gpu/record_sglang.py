@@ -702,20 +702,22 @@ def record_case(
     manifest: dict[str, Any],
     name: str,
     description: str,
-    run: Callable[[Recorder, Ctx], None],
+    run: Callable[..., None],
     *,
     server: Server,
     request_timeout_s: float,
     ctx: Ctx,
+    case_args: tuple[Any, ...] = (),
     extra: dict[str, Any] | None = None,
     width: int = 48,
 ) -> tuple[Recorder, bool]:
-    """Run one case against `server`, write CASE.json (with `extra` fields), list it in the manifest and print its
-    line and problems; the recorder (for its cleanup) and whether the server survived the case."""
+    """Run one case, `run(recorder, ctx, *case_args)`, against `server`, write CASE.json (with `extra` fields), list it
+    in the manifest and print its line and problems; the recorder (for its cleanup) and whether the server survived
+    the case."""
     rec = Recorder(server.url, request_timeout_s)
     t0 = time.monotonic()
     try:
-        run(rec, ctx)
+        run(rec, ctx, *case_args)
     except Exception as exc:  # noqa: BLE001 - a broken case is reported and the next one runs
         ctx.problems.append(f"{type(exc).__name__}: {exc}")
     survived = server.alive()

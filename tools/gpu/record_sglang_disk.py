@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (description, run) in CASES.items():  # in order: each case starts from the weights the last left
         ctx = Ctx(long_new_tokens=0)
         _, survived = record_case(
-            out, manifest, name, description, lambda rec, ctx, run=run: run(rec, ctx, dirs), server=server,
+            out, manifest, name, description, run, server=server, case_args=(dirs,),
             request_timeout_s=args.request_timeout_s, ctx=ctx, width=42,
         )  # fmt: skip
         if ctx.problems:

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (description, run) in CASES.items():
         ctx = Ctx(long_new_tokens=0)
         _, survived = record_case(
-            out, manifest, name, description, lambda rec, ctx, run=run: run(rec, ctx, paths), server=server,
+            out, manifest, name, description, run, server=server, case_args=(paths,),
             request_timeout_s=args.request_timeout_s, ctx=ctx, width=30,
         )  # fmt: skip
         if ctx.problems:
