@@ -170,14 +170,18 @@ def save_state_dict(state: Mapping[str, torch.Tensor], out_dir: str | Path, *, s
     """Write HF-named tensors as an HF dir (config and tokenizer copied from `source_dir`), atomically."""
     out_dir = Path(out_dir)
     tmp = staging_dir(out_dir)
-    source_dir = Path(source_dir)
+    copy_config_and_tokenizer(Path(source_dir), tmp)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return publish_dir(tmp, out_dir)
+
+
+def copy_config_and_tokenizer(source_dir: Path, tmp: Path) -> None:
+    """The files of an HF dir besides its weights: config.json, and the tokenizer's files that `source_dir` has."""
     shutil.copy2(source_dir / "config.json", tmp / "config.json")
     for name in TOKENIZER_FILES:
         if (source_dir / name).is_file():
             shutil.copy2(source_dir / name, tmp / name)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    return publish_dir(tmp, out_dir)
 
 
 def staging_dir(out_dir: Path) -> Path:

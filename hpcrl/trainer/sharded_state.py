@@ -11,7 +11,6 @@ tensor is cut into this rank's shard (`load_full`) with no collective.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from hpcrl.model.hf import TOKENIZER_FILES, publish_dir, staging_dir
+from hpcrl.model.hf import copy_config_and_tokenizer, publish_dir, staging_dir
 from hpcrl.store.checkpoint import CheckpointError
 from hpcrl.store.run_dir import RunDirError
 from hpcrl.store.shards import ShardReader, write_shard
@@ -100,10 +99,7 @@ def export_gathered(
         total = sum(t.numel() * t.element_size() for t in named.values())
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
-    shutil.copy2(source_dir / "config.json", tmp / "config.json")
-    for name in TOKENIZER_FILES:
-        if (source_dir / name).is_file():
-            shutil.copy2(source_dir / name, tmp / name)
+    copy_config_and_tokenizer(source_dir, tmp)
     return publish_dir(tmp, out_dir)
 
 
