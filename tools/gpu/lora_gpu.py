@@ -169,10 +169,12 @@ def gap_of(model: Any, adapters: Any, lora_name: str | None, prompts: list[list[
 
 def section_sglang(workdir: Path, out: Path) -> dict[str, Any]:
     from hpcrl.engine.client import EngineClient
-    from hpcrl.engine.sglang_lora import LORA_SERVER_ARGS, SGLangAdapters
     from hpcrl.sync.config import SyncConfig
     from hpcrl.sync.push import WeightSync
     from hpcrl.trainer.converters.lora import write_peft_adapter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling client
+    from sglang_lora_client import LORA_SERVER_ARGS, SGLangAdapters
 
     model_dir = shaped_model(workdir)
     # Two servers, started at once: one with SGLang's LoRA path, one as a run starts it (the merged push).

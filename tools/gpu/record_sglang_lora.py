@@ -13,7 +13,7 @@ with other recorders; start-up takes 130-150 s). The adapters are hpcrl's peft e
 - lora_error_unknown_adapter: generate naming an adapter never loaded; unload one never loaded.
 The files go to tests/golden/sglang-0.5.16/lora/ (manifest.json with them; the format of record_sglang.py, whose
 server handling this script reuses), where a replay test can read them through
-hpcrl.engine.sglang_lora. `--embedded` is not offered: hpcrl's embedded engine has no adapter endpoints.
+tools/gpu/sglang_lora_client.py. `--embedded` is not offered: hpcrl's embedded engine has no adapter endpoints.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ POST /unload_lora_adapter {lora_name}; both answer {success, error_message, load
 
 A run does not serve its adapters this way: SGLang computes W x + B' (A x) with its own LoRA kernels, which is not
 the merged W + B' A the trainer scores with, so a run pushes the merged weights (docs/lora.md says why, with the
-figures of tools/gpu/lora_gpu.py). This client is what that script and tools/gpu/record_sglang_lora.py measure.
+figures of tools/gpu/lora_gpu.py). This client is what that script measures,
+and what a replay test of tools/gpu/record_sglang_lora.py's recording would read through.
 """
 
 from __future__ import annotations
