@@ -6,7 +6,7 @@
     python3 tools/gpu/delta_gpu.py --out $OUT/delta          # about 5-6 minutes on one H100, 2.5 of them start-up
 
 What it does: a random-weight model of Qwen3-0.6B's shape (hpcrl.model.tiny.init_shaped_model, bf16, tied
-embeddings); one SGLang server (`--mem-fraction-static 0.15 --max-total-tokens 65536`: other scripts may share
+embeddings); one SGLang server (`--mem-fraction-static 0.9 --max-total-tokens 16384`: other scripts may share
 the GPU) and one embedded engine start on it while the trainer (transformers' Qwen3 in fp32 on the GPU, AdamW,
 a next-token loss on random token batches) takes its steps: --pushes steps at lr 1e-6, then --pushes at 1e-5,
 each followed by pushes of the same bf16 weights as version v:
@@ -52,7 +52,7 @@ from hpcrl.sync.push import WeightSync  # noqa: E402
 
 SGLANG_ARGS = (
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-    "--skip-server-warmup", "--mem-fraction-static", "0.15", "--max-total-tokens", "65536",
+    "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "16384",
     "--dtype", "bfloat16", "--random-seed", "0", "--disable-cuda-graph", "--max-running-requests", "16",
 )  # fmt: skip
 CHECKED = ("model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.27.self_attn.k_proj.weight")
@@ -244,6 +244,10 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                 if not same:
                     failures.append("SGLang generates differently after the delta load than after the tensor push")
             print(f"version {version} (lr {lr:g}) pushed 4 ways", flush=True)
+            for row in results["rows"][-4:]:
+                print("   ", json.dumps(row), flush=True)
+            # Written after every version: a run stopped by its time limit still leaves what it measured.
+            (out / "delta_gpu.json").write_text(json.dumps({**results, "failures": failures}, indent=1))
         for sync in syncs:
             sync.close()
     except SystemExit as exc:

@@ -94,7 +94,8 @@ def server_command(ns: argparse.Namespace, engine: str, model_dir: Path, port: i
             "--host", "127.0.0.1", "--dtype", ns.dtype, "--attention-backend", "triton", "--sampling-backend",
             "pytorch", "--grammar-backend", "none", "--skip-server-warmup", "--mem-fraction-static",
             str(ns.mem_fraction), "--random-seed", "0", "--max-running-requests", str(ns.num_seqs),
-            "--context-length", context, "--enable-return-routed-experts"]  # fmt: skip
+            "--max-total-tokens", str(ns.num_seqs * int(context)), "--context-length", context,
+            "--enable-return-routed-experts"]  # fmt: skip
 
 
 def sample(ns: argparse.Namespace, engine: str, model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
@@ -197,7 +198,10 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--score-batch", type=int, default=8, help="sequences per trainer forward")
     p.add_argument("--port", type=int, default=31171)
-    p.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang --mem-fraction-static")
+    # SGLang refuses to start unless the free memory left after its weights load is at least (1 - fraction) of what
+    # was free before, and other processes loading beside it eat into that; --max-total-tokens caps the K/V pool, so
+    # a high fraction costs no memory.
+    p.add_argument("--mem-fraction", type=float, default=0.9, help="SGLang --mem-fraction-static")
     p.add_argument("--python", default=sys.executable, help="the interpreter that has sglang")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--device", default="cuda")

@@ -7,7 +7,7 @@
 
 Two model directories: A (a tiny model made like `hpcrl model init-tiny`) and B (A with every weight perturbed,
 written as the agent writes its copy: one model.safetensors, the other files linked from A). The server starts
-on A (`--mem-fraction-static 0.15 --max-total-tokens 65536`: other recorders share the GPU). Cases:
+on A (`--mem-fraction-static 0.9 --max-total-tokens 65536`: other recorders share the GPU). Cases:
   update_weights_from_disk                  {model_path: B}; then model_info, a greedy generate, get_weights_by_name
   update_weights_from_disk_missing_path     the agent's body with a path that does not exist; then generate
   update_weights_from_disk_weight_version   the agent's body (load_format, weight_version, ...) with A; then
@@ -50,7 +50,7 @@ from hpcrl.engine.protocol.requests import GenerateRequest, SamplingParams  # no
 
 SGLANG_ARGS = (
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-    "--skip-server-warmup", "--mem-fraction-static", "0.15", "--max-total-tokens", "65536",
+    "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "65536",
 )  # fmt: skip
 PROBE = "model.embed_tokens.weight"
 PROBE_SIZE = 2  # rows of it that get_weights_by_name answers

@@ -5,13 +5,13 @@
     python3 tools/gpu/record_sglang_distill.py --out /tmp/embedded-distill --embedded  # hpcrl's embedded engine (CPU)
 
 A teacher scores the student's tokens with a /generate of `max_new_tokens: 0`, `return_logprob: true`,
-`logprob_start_len` at the response's first token and, with distill.top_k, `top_logprobs_num`; the answer's
-`meta_info.input_token_logprobs` and `meta_info.input_top_logprobs` hold the teacher's log-probs. The cases are
+`logprob_start_len` at the prompt's last token (its entry is null) and, with distill.top_k, `top_logprobs_num`; the
+answer's `meta_info.input_token_logprobs` and `meta_info.input_top_logprobs` hold the teacher's log-probs. The cases are
 exactly the requests hpcrl.rollout.teacher builds. Copy the *.json files (manifest.json included) to
 tests/golden/sglang-0.5.16/distill/, where a replay test can read them through hpcrl's
 client and parsers (same format as tools/gpu/record_sglang.py's, described in tests/golden/sglang-0.5.16/README.md).
 
-The server runs with `--mem-fraction-static 0.15 --max-total-tokens 65536` (other recorders may share the GPU);
+The server runs with `--mem-fraction-static 0.9 --max-total-tokens 65536` (other recorders may share the GPU);
 start-up takes 130-150 s on an H100, the cases a few seconds: under 4 minutes in all.
 """
 
@@ -48,7 +48,7 @@ PROMPT_LEN = 6
 TOP_K = 4
 SGLANG_ARGS = (
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-    "--skip-server-warmup", "--mem-fraction-static", "0.15", "--max-total-tokens", "65536",
+    "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "65536",
 )  # fmt: skip
 
 
@@ -69,21 +69,30 @@ def _results(response: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def case_distill_scoring(rec: Recorder, ctx: Ctx) -> None:
-    answer = rec.send("teacher scoring, no top-k", "POST", "/generate", _scoring(0))
+    # hpcrl.rollout.teacher's start: the prompt's last token, whose entry is null, then one per response token.
+    answer = rec.send("teacher scoring, no top-k", "POST", "/generate", _scoring(0, PROMPT_LEN - 1))
     ctx.expect(answer["status"] == 200, f"generate answered {answer['status']}")
     for seq, result in zip(SEQUENCES, _results(answer), strict=False):
-        meta = result.get("meta_info", {})
-        ctx.expect(len(meta.get("input_token_logprobs") or []) == len(seq) - PROMPT_LEN, "input_token_logprobs")
+        lps = result.get("meta_info", {}).get("input_token_logprobs") or []
+        ctx.expect(len(lps) == len(seq) - PROMPT_LEN + 1, f"{len(lps)} input_token_logprobs entries")
+        ctx.expect(bool(lps) and lps[0][0] is None, "the first entry is not null")
+        ctx.expect(all(isinstance(e[0], float) for e in lps[1:]), "a response token without a log-prob")
         ctx.expect(result.get("output_ids") == [], "output_ids not empty with max_new_tokens=0")
+    # From the response's first token the first response token gets null: why the teacher starts one earlier.
+    late = rec.send("teacher scoring from the response's first token", "POST", "/generate", _scoring(0))
+    ctx.notes["first_entry_from_response_start"] = [
+        (r.get("meta_info", {}).get("input_token_logprobs") or [[None]])[0][0] for r in _results(late)
+    ]
 
 
 def case_distill_scoring_top_k(rec: Recorder, ctx: Ctx) -> None:
-    answer = rec.send("teacher scoring with top_logprobs_num", "POST", "/generate", _scoring(TOP_K))
+    answer = rec.send("teacher scoring with top_logprobs_num", "POST", "/generate", _scoring(TOP_K, PROMPT_LEN - 1))
     ctx.expect(answer["status"] == 200, f"generate answered {answer['status']}")
     for seq, result in zip(SEQUENCES, _results(answer), strict=False):
         top = result.get("meta_info", {}).get("input_top_logprobs") or []
-        ctx.expect(len(top) == len(seq) - PROMPT_LEN, f"{len(top)} input_top_logprobs entries")
-        ctx.expect(all(isinstance(e, list) and len(e) == TOP_K for e in top), "an entry without top_k pairs")
+        ctx.expect(len(top) == len(seq) - PROMPT_LEN + 1, f"{len(top)} input_top_logprobs entries")
+        ctx.expect(bool(top) and top[0] is None, "the first entry is not null")
+        ctx.expect(all(isinstance(e, list) and len(e) == TOP_K for e in top[1:]), "an entry without top_k pairs")
     whole = rec.send("top_logprobs_num from the prompt's first token", "POST", "/generate", _scoring(TOP_K, 0))
     ctx.expect(whole["status"] == 200, f"generate answered {whole['status']}")
     first = [r.get("meta_info", {}).get("input_top_logprobs", [None])[0] for r in _results(whole)]
@@ -91,7 +100,7 @@ def case_distill_scoring_top_k(rec: Recorder, ctx: Ctx) -> None:
 
 
 CASES = {
-    "distill_scoring": ("a teacher's scoring request: max_new_tokens=0 from the response start", case_distill_scoring),
+    "distill_scoring": ("a teacher's scoring: max_new_tokens=0 from the prompt's last token", case_distill_scoring),
     "distill_scoring_top_k": ("the same with top_logprobs_num (distill.top_k)", case_distill_scoring_top_k),
 }
 

@@ -4,7 +4,7 @@
     python3 tools/gpu/record_sglang_lora.py --out DIR       # starts SGLang with --enable-lora on a tiny model
 
 The server runs with `--enable-lora --max-lora-rank 8 --lora-target-modules all --max-loras-per-batch 2` on a tiny
-model made like `hpcrl model init-tiny` (`--mem-fraction-static 0.15 --max-total-tokens 65536`: it shares the GPU
+model made like `hpcrl model init-tiny` (`--mem-fraction-static 0.9 --max-total-tokens 65536`: it shares the GPU
 with other recorders; start-up takes 130-150 s). The adapters are hpcrl's peft export (`write_peft_adapter` of the
 `lora` converter on that model, B drawn at random so that an adapter changes the log-probs), two versions. Cases:
 - lora_load_generate: load v1 from its directory, generate with lora_path v1 and with the base (log-probs);
@@ -45,7 +45,7 @@ from record_sglang import (  # noqa: E402 - the sibling script, found through th
 RANK = 8
 LORA_ARGS = (
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-    "--skip-server-warmup", "--mem-fraction-static", "0.15", "--max-total-tokens", "65536",
+    "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "65536",
     "--enable-lora", "--max-lora-rank", str(RANK), "--lora-target-modules", "all", "--max-loras-per-batch", "2",
 )  # fmt: skip
 

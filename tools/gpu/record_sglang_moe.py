@@ -10,7 +10,7 @@ can read them (format: tests/golden/sglang-0.5.16/README.md). The model is `hpcr
 `enable_return_routed_experts` key kept), generate_routed_experts_single (one prompt, `return_routed_experts: true`,
 log-probs) and generate_routed_experts_batch (2 prompts). Second server, the same model WITHOUT the flag (skipped
 with --no-second-server): server_info_no_capture and generate_no_capture (the same request: what it answers).
-Each server is started with --mem-fraction-static 0.15 and --max-total-tokens 65536 (other recorders may share the
+Each server is started with --mem-fraction-static 0.9 and --max-total-tokens 65536 (other recorders may share the
 GPU); a case with a transport error or a dead server is written with its `problems` and makes the exit status 1.
 """
 
@@ -52,7 +52,7 @@ SGLANG_ARGS = (
     "none",
     "--skip-server-warmup",
     "--mem-fraction-static",
-    "0.15",
+    "0.9",
     "--max-total-tokens",
     "65536",
 )

@@ -8,7 +8,7 @@
 # fsdp:   tools/gpu/fsdp_mfu.py: the Qwen3-4B shape (DDP against FSDP2, with and without activation checkpointing,
 #         defaults against every lever), then the Qwen3-8B shape that DDP cannot hold, with FSDP2 + offload
 # lora, moe, delta, opd: tools/gpu/{lora,moe,delta,opd}_gpu.py --out $OUT/<section> $LORA_ARGS (MOE_ARGS, ...)
-# RECORD_S and SECTION_S (default 400 each) bound the recorders and those scripts.
+# RECORD_S and SECTION_S (default 400 each) bound the recorders and those scripts; RECORD_TOPICS picks recorders.
 # Sections run at once where they can share the GPU (the recorders' servers are tiny); fsdp's timings are the
 # GPU's share left by the others, which the report states. Everything lands in $OUT/results.tgz and $OUT/summary.log.
 set -u
@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.log"
 pids=()
 if [[ $SECTIONS == *record* ]]; then
-  for topic in disk lora moe distill; do
+  for topic in ${RECORD_TOPICS:-disk lora moe distill}; do
     [[ -f tools/gpu/record_sglang_$topic.py ]] || continue
     (
       timeout ${RECORD_S:-400} python3 tools/gpu/record_sglang_$topic.py --out "$WORK/golden/$topic" --startup-timeout-s 360 \
