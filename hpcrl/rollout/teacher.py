@@ -1,10 +1,11 @@
 """The distillation teacher: a frozen model on engines of its own that scores the tokens the student sampled.
 
 Each sample (prompt + response) goes to a teacher engine as a scoring request: `max_new_tokens=0`, `return_logprob`
-with `logprob_start_len` at the response's first token, so the answer's `input_token_logprobs` hold the teacher's
-log-prob of every response token (SGLang's fields; the embedded engine answers them too). With `distill.top_k` the
-request also sets `top_logprobs_num`, and `input_top_logprobs` holds the teacher's k most likely (log-prob, id) at
-each of those positions. Samples with one prompt
+with `logprob_start_len` at the prompt's last token, so the answer's `input_token_logprobs` hold null for that token
+(SGLang computes logits from `logprob_start_len` on: nothing it computed predicts the token there) and then the
+teacher's log-prob of every response token (SGLang's fields; the embedded engine answers them alike). With
+`distill.top_k` the request also sets `top_logprobs_num`, and `input_top_logprobs` holds the teacher's k most likely
+(log-prob, id) at each of those positions. Samples with one prompt
 length share a request. The teacher's engines are started, watched and restarted by the same launcher and
 `EngineFleet` as the student's; a request that fails on a dead engine is sent again once the fleet restarted it
 (bounded by the fleet's `max_restarts`). Nothing is ever pushed to them: their weights are the teacher's, always.
@@ -154,7 +155,7 @@ class Teacher:
                 self._failed(slot, exc, client, failed, todo[k])
                 return
             for i, result in zip(rows, results, strict=True):
-                lps = input_token_logprobs(result)
+                lps = input_token_logprobs(result)[1:]  # the first entry is the prompt's last token: null
                 if len(lps) != len(samples[i].output_ids) or any(lp is None for lp in lps):
                     raise TeacherError(
                         f"the teacher's engine {client.url} scored {len(lps)} response tokens of a sample with "
@@ -162,7 +163,7 @@ class Teacher:
                     )
                 out[i] = [float(lp) for lp in lps if lp is not None]
                 if self.top_k:
-                    top = input_top_logprobs(result)
+                    top = input_top_logprobs(result)[1:]
                     if len(top) != len(lps) or any(not pairs for pairs in top):
                         raise TeacherError(
                             f"the teacher's engine {client.url} returned top-k log-probs for {len(top)} response "
@@ -206,7 +207,7 @@ def _requests(samples: list[Sample], top_k: int | None = None) -> list[tuple[lis
                 input_ids=[samples[i].prompt_ids + samples[i].output_ids for i in chunk],
                 sampling_params=SamplingParams(max_new_tokens=0),
                 return_logprob=True,
-                logprob_start_len=prompt_len,
+                logprob_start_len=prompt_len - 1,
                 top_logprobs_num=top_k or 0,
             )
             todo.append((chunk, request))

@@ -827,8 +827,10 @@ def test_a_scoring_request_returns_the_prompt_logprobs_of_the_teacher_forced_for
     assert isinstance(full, GenerateResult) and full.output_ids == [] and full.prompt_tokens == len(SEQUENCE)
     teacher = input_token_logprobs(full)
     assert [t for _, t, _ in full.meta_info["input_token_logprobs"]] == SEQUENCE[start:]
-    assert max(abs(a - b) for a, b in zip(teacher, ref[start - 1 :], strict=True)) < 1e-4  # type: ignore[operator]
-    assert len(input_token_logprobs(short)) == 1
+    # SGLang's layout: null at logprob_start_len (its logits start there), then the tokens after it.
+    assert teacher[0] is None
+    assert max(abs(a - b) for a, b in zip(teacher[1:], ref[start:], strict=True)) < 1e-4  # type: ignore[operator]
+    assert input_token_logprobs(short) == [None]
 
     # top_logprobs_num: the k best (log-prob, id) of each scored position, the topk of the forward's log_softmax.
     topk = client.generate_request(
@@ -841,10 +843,11 @@ def test_a_scoring_request_returns_the_prompt_logprobs_of_the_teacher_forced_for
         )  # fmt: skip
     )
     assert isinstance(topk, GenerateResult)
-    best = torch.log_softmax(logits.float(), -1)[start - 1 :].topk(3, -1)
+    best = torch.log_softmax(logits.float(), -1)[start:].topk(3, -1)
     top = input_top_logprobs(topk)
-    assert [[t for _, t in pairs] for pairs in top] == best.indices.tolist()  # type: ignore[union-attr]
-    got = torch.tensor([[lp for lp, _ in pairs] for pairs in top])  # type: ignore[union-attr]
+    assert top[0] is None
+    assert [[t for _, t in pairs] for pairs in top[1:]] == best.indices.tolist()  # type: ignore[union-attr]
+    got = torch.tensor([[lp for lp, _ in pairs] for pairs in top[1:]])  # type: ignore[union-attr]
     assert torch.allclose(got, best.values, atol=1e-4)
 
     # From 0 the first entry is null: nothing predicts the first token (SGLang's layout).

@@ -39,7 +39,7 @@ class SeqRequest:
     on_done: Callable[[SeqRequest], object]
     logprob_scaled: bool = False  # report the temperature-scaled log-probs (return_scaled_logprob)
     # Score the prompt from this position (logprob_start_len; -1: not asked): input_logprobs holds one entry per
-    # prompt token from there, None for the first token of the prompt, which nothing predicts.
+    # prompt token from there, None for that first one (SGLang's layout: its logits start there).
     logprob_start_len: int = -1
     input_logprobs: list[float | None] | None = None
     # top_logprobs_num > 0: input_top_logprobs holds, per entry of input_logprobs, the k most likely (logprob, id).

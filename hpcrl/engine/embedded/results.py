@@ -96,7 +96,9 @@ class Results(SchedulerState):
         """The prompt log-probs of the rows that asked for them (logprob_start_len >= 0; a teacher's scoring request,
         max_new_tokens=0), by the standard forward of right-padded batches of at most max_prefill_tokens tokens
         (causal attention: the padding after a row never reaches it). As SGLang's input_token_logprobs: one per
-        prompt token from logprob_start_len, None for the prompt's first token, which nothing predicts."""
+        prompt token from logprob_start_len, None for that first one: SGLang computes logits from logprob_start_len
+        on, so nothing it computed predicts the token there (0.5.16's recorded answers show it), and a client that
+        relied on a value there would break on SGLang."""
         rows = [r for r in rows if r.logprob_start_len >= 0 and r.return_logprob]
         if not rows or self.weights_released:
             return
@@ -115,10 +117,10 @@ class Results(SchedulerState):
             with torch.inference_mode():
                 logits = self.model(ids)
                 for k, r in enumerate(chunk):
-                    start, end = max(r.logprob_start_len, 1), len(r.prompt_ids)
-                    head: list[float | None] = [None] if r.logprob_start_len == 0 else []
-                    lps = torch.log_softmax(logits[k, start - 1 : end - 1].float(), dim=-1)
-                    r.input_logprobs = head + lps.gather(-1, ids[k, start:end, None])[:, 0].tolist()
+                    start, end = r.logprob_start_len, len(r.prompt_ids)
+                    head: list[float | None] = [None]
+                    lps = torch.log_softmax(logits[k, start : end - 1].float(), dim=-1)
+                    r.input_logprobs = head + lps.gather(-1, ids[k, start + 1 : end, None])[:, 0].tolist()
                     if r.top_logprobs_num > 0:
                         top = lps.topk(min(r.top_logprobs_num, lps.shape[-1]), dim=-1)
                         vals, idx = top.values.tolist(), top.indices.tolist()
