@@ -6,9 +6,11 @@ their model here; it loads through the same code path as Qwen3-0.6B.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,20 @@ def qwen3_moe_config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int, pad_i
     return config
 
 
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers draws a "Writing model shards" bar for a one-file model; the CLI's own line says what was made."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, overwrite: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir."""
     import torch
@@ -159,7 +175,8 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    with _quiet_progress():
+        model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
     (tmp / "hpcrl_tiny_spec.json").write_text(json.dumps(asdict(spec)))
