@@ -7,8 +7,8 @@ POST /unload_lora_adapter {lora_name}; both answer {success, error_message, load
 
 A run does not serve its adapters this way: SGLang computes W x + B' (A x) with its own LoRA kernels, which is not
 the merged W + B' A the trainer scores with, so a run pushes the merged weights (docs/lora.md says why, with the
-figures of tools/gpu/lora_gpu.py). This client is what that script measures,
-and what a replay test of tools/gpu/record_sglang_lora.py's recording would read through.
+figures of tools/gpu/lora_gpu.py). This client is what that script measures, and what
+tests/unit/test_sglang_lora_golden.py replays tools/gpu/record_sglang_lora.py's recording through.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class SGLangAdapters:
         return self._update("/load_lora_adapter", {"lora_name": name, "lora_path": path}, f"load {name!r}")
 
     def unload(self, name: str) -> list[str]:
-        """Drop the adapter `name` (once the requests that use it finish); the names still loaded."""
+        """Drop the adapter `name` (once the requests that use it finish); the names still loaded. Not final: a later
+        /generate that names it has SGLang 0.5.16 load it again from the directory it was loaded from (recorded)."""
         return self._update("/unload_lora_adapter", {"lora_name": name}, f"unload {name!r}")
 
     def generate(

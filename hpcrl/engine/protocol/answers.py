@@ -29,7 +29,7 @@ LOGPROB_WIRES = ("triples", "packed")
 PACKED_LOGPROBS_KEY = "output_token_logprobs_packed"
 INPUT_LOGPROBS_KEY = "input_token_logprobs"
 """meta_info's prompt log-probs from the request's logprob_start_len: [logprob, token id, text] per prompt token,
-the logprob null for the prompt's first token (SGLang's field; a scoring request with max_new_tokens=0 reads it)."""
+the first one's logprob null (SGLang's field; a scoring request with max_new_tokens=0 reads it)."""
 INPUT_TOP_LOGPROBS_KEY = "input_top_logprobs"
 """meta_info's top-k prompt log-probs (request's top_logprobs_num): one entry per position of input_token_logprobs,
 a list of [logprob, token id, text] (most likely first) or null where input_token_logprobs has null."""
@@ -270,7 +270,8 @@ class GenerateResult:
 
 def input_token_logprobs(result: GenerateResult) -> list[float | None]:
     """The prompt log-probs a request with logprob_start_len >= 0 asked for (meta_info.input_token_logprobs), one
-    per prompt token from that position; None for the prompt's first token. Raises when the engine sent none."""
+    per prompt token from that position; None for the first (SGLang 0.5.16 answers null at logprob_start_len,
+    whatever it is). Raises when the engine sent none."""
     raw = result.meta_info.get(INPUT_LOGPROBS_KEY)
     if raw is None:
         raise ValueError(
