@@ -85,6 +85,7 @@ def sglang_command(
 
 def sglang_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
     """A stock SGLang server for one slot: its key in a 0600 --config file, /health without generation."""
+    check_sglang_loads_head(slot.model_dir)
     config_file = write_sglang_config(
         slot.run_dir / "engines" / f"engine-{slot.index}.sglang.yaml", api_key=slot.api_key
     )
@@ -93,6 +94,23 @@ def sglang_launch(cfg: EngineConfig, slot: LaunchSlot) -> Launch:
         config_file=config_file, seed=slot.seed, weight_version="0", base_gpu_id=slot.position * cfg.tp_size,
     )  # fmt: skip
     return Launch(cmd, {"OMP_NUM_THREADS": str(cfg.num_threads), **sglang_env()})
+
+
+def check_sglang_loads_head(model_dir: str | Path) -> None:
+    """Refuse a tied Qwen3-MoE checkpoint: SGLang 0.5.16's Qwen3MoeForCausalLM builds its own lm_head whatever
+    tie_word_embeddings says and loads it only from an `lm_head.weight` a tied checkpoint does not store, so it would
+    sample from all-equal logits (every log-prob -ln(vocab)) while its routes look right."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return  # not readable from here; SGLang reports a missing model itself
+    config = json.loads(config_file.read_text())
+    if "Qwen3MoeForCausalLM" in (config.get("architectures") or []) and config.get("tie_word_embeddings", False):
+        raise ValueError(
+            f"{model_dir} is a Qwen3-MoE checkpoint with tie_word_embeddings: true, whose output head SGLang 0.5.16 "
+            "leaves unloaded (every token's log-prob would be -ln(vocab)): write it untied (tie_word_embeddings: "
+            "false and an lm_head.weight, e.g. a copy of model.embed_tokens.weight), as published Qwen3-MoE models "
+            "and `hpcrl model init-tiny --moe` are, or serve it with engine.kind: embedded"
+        )
 
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"

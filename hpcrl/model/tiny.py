@@ -120,11 +120,15 @@ def qwen3_config(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> Any
 
 
 def qwen3_moe_config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int, pad_id: int) -> Any:
-    """A transformers Qwen3MoeConfig (tied embeddings, every layer sparse) for `spec`."""
+    """A transformers Qwen3MoeConfig (untied embeddings, every layer sparse) for `spec`.
+
+    Untied as every published Qwen3-MoE checkpoint is: SGLang 0.5.16's Qwen3MoeForCausalLM never ties its head to the
+    embeddings, so a tied checkpoint (which stores no lm_head.weight) is served with an unloaded head, whose logits
+    are all equal (every log-prob -ln(vocab), tokens drawn uniformly) while the routes stay right."""
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
-        **_config_fields(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id),
+        **(_config_fields(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id) | {"tie_word_embeddings": False}),
         moe_intermediate_size=spec.moe_intermediate_size,
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.num_experts_per_tok,
@@ -169,6 +173,8 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
 
         config = qwen3_moe_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
         model = Qwen3MoeForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
+        with torch.no_grad():  # the untied head starts as the embeddings: the same logits a tied model would give
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     else:
         config = qwen3_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=tokenizer.pad_token_id)
         model = Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to badly

@@ -9,11 +9,12 @@ engine's routes replayed and without.
 
 The model: Qwen3-30B-A3B's layer shape (128 experts, top-8, norm_topk_prob, hidden 2048, expert width 768, 32 query
 / 4 key-value heads of 128, vocabulary 151,936) with 4 decoder layers instead of 48, random weights (std 0.02),
-bf16, ~2.7 B parameters (5.4 GB). Each engine decodes --num-seqs x --max-new-tokens tokens (default 64 x 256, random
-64-token prompts, temperature 1, ignore_eos) in one /generate after a short warm-up; decode tok/s is output tokens
-over that request's wall time. For each engine's samples the trainer (hpcrl's model on the same weights, bf16, the
-grouped-GEMM expert path) computes the sampled tokens' log-probs twice: its own routes (route agreement measured
-against the engine's: the share of token x layer top-k sets that are equal) and the engine's routes forced (R3).
+bf16, an untied head as the real model's (SGLang's Qwen3-MoE never ties it), ~3.1 B parameters (6.2 GB). Each engine
+decodes --num-seqs x --max-new-tokens tokens (default 64 x 256, random 64-token prompts, temperature 1, ignore_eos)
+in one /generate after a short warm-up; decode tok/s is output tokens over that request's wall time. For each
+engine's samples the trainer (hpcrl's model on the same weights, bf16, the grouped-GEMM expert path) computes the
+sampled tokens' log-probs twice: its own routes (route agreement measured against the engine's: the share of token x
+layer top-k sets that are equal) and the engine's routes forced (R3).
 The gap is |trainer - engine| per sampled token, max and mean. Results: a table on stdout and moe_gpu.json in --out.
 """
 
@@ -57,7 +58,8 @@ def make_model(model_dir: Path, shape: dict[str, int], layers: int, dtype: str, 
     from hpcrl.model.qwen3 import CausalLM, ModelArgs
     from hpcrl.model.tiny import TinyModelSpec, build_tokenizer, qwen3_moe_config
 
-    if (model_dir / "config.json").is_file():
+    config_file = model_dir / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("tie_word_embeddings") is False:
         return model_dir
     spec = TinyModelSpec(num_layers=layers, max_position_embeddings=4096,
                          **{k: v for k, v in shape.items() if k != "vocab_size"})  # fmt: skip
@@ -80,6 +82,7 @@ def make_model(model_dir: Path, shape: dict[str, int], layers: int, dtype: str, 
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
     GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+    shutil.rmtree(model_dir, ignore_errors=True)  # a tied checkpoint from an older run of this script
     os.rename(tmp, model_dir)
     return model_dir
 
@@ -184,6 +187,12 @@ def score(
         g = torch.cat(parts)
         out[f"gap_{mode}_max"], out[f"gap_{mode}_mean"] = float(g.max()), float(g.mean())
     out["route_agreement"] = agree / max(total, 1)
+    # An engine whose head did not load (a tied checkpoint on SGLang's Qwen3-MoE) gives every token the same log-prob.
+    engine_lps = torch.tensor([lp for r in results for lp in r.output_token_logprobs], dtype=torch.float64)
+    out["engine_logprob_std"] = float(engine_lps.std())
+    if out["engine_logprob_std"] < 1e-6:
+        print(f"{url}: every sampled token has log-prob {float(engine_lps[0]):.6f}: the engine's logits are constant "
+              "(its lm_head did not load), so the gaps measure that, not the routes", flush=True)  # fmt: skip
     return out
 
 

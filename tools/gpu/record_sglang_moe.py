@@ -4,20 +4,22 @@
     python3 tools/gpu/record_sglang_moe.py --out DIR                  # SGLang (GPU): ~2 server starts, < 6 min
     python3 tools/gpu/record_sglang_moe.py --out DIR --embedded       # the same cases, hpcrl's embedded engine (CPU)
 
-Copy DIR/*.json (manifest.json included) to tests/golden/sglang-0.5.16/moe/, where a replay test
-can read them (format: tests/golden/sglang-0.5.16/README.md). The model is `hpcrl model init-tiny --moe` (2 layers,
-8 experts, top-2). First server: started with --enable-return-routed-experts; cases server_info (the top-level
-`enable_return_routed_experts` key kept), generate_routed_experts_single (one prompt, `return_routed_experts: true`,
-log-probs) and generate_routed_experts_batch (2 prompts). Second server, the same model WITHOUT the flag (skipped
-with --no-second-server): server_info_no_capture and generate_no_capture (the same request: what it answers).
-Each server is started with --mem-fraction-static 0.9 and --max-total-tokens 65536 (other recorders may share the
-GPU); a case with a transport error or a dead server is written with its `problems` and makes the exit status 1.
+Copy DIR/*.json (manifest.json included) to tests/golden/sglang-0.5.16/moe/, where a replay test can read them
+(format: tests/golden/sglang-0.5.16/README.md). The model is `hpcrl model init-tiny --moe` (2 layers, 8 experts,
+top-2, float32, an untied head: SGLang's Qwen3-MoE loads no head from a tied checkpoint). First server: started with
+--enable-return-routed-experts; cases server_info (the top-level `enable_return_routed_experts` key kept),
+generate_routed_experts_single (one prompt, `return_routed_experts: true`, log-probs) and
+generate_routed_experts_batch (2 prompts). Second server, the same model WITHOUT the flag (skipped with
+--no-second-server): server_info_no_capture and generate_no_capture (the same request: what it answers). Each server
+is started with --mem-fraction-static 0.9 and --max-total-tokens 65536 (other recorders may share the GPU); a case
+with a transport error or a dead server is written with its `problems` and makes the exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import signal
 import sys
 from collections.abc import Callable
@@ -126,9 +128,11 @@ PLAIN_CASES: dict[str, tuple[str, Callable[[Recorder, Ctx], None]]] = {
 def make_moe_model(model_dir: Path) -> Path:
     from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
 
-    if (model_dir / "config.json").is_file():
+    config_file = model_dir / "config.json"
+    # A tied checkpoint from an older recorder stores no lm_head.weight, which SGLang's Qwen3-MoE then leaves unloaded.
+    if config_file.is_file() and json.loads(config_file.read_text()).get("tie_word_embeddings") is False:
         return model_dir
-    return init_tiny_model(model_dir, TinyModelSpec(num_experts=8, num_experts_per_tok=2))
+    return init_tiny_model(model_dir, TinyModelSpec(num_experts=8, num_experts_per_tok=2), overwrite=True)
 
 
 def command(args: argparse.Namespace, model_dir: Path, port: int, capture: bool) -> list[str]:
