@@ -60,7 +60,8 @@ def join_watcher(
         return None
     weights_dir = Path(cfg.sync.delta_dir).expanduser() if cfg.sync.delta_dir else run_dir / "weights"
     watcher = JoinWatcher(
-        run_dir, this_identity(model_dir, weights_dir), on_event=on_event, load_timeout_s=cfg.sync.group_timeout_s
-    )
+        run_dir, this_identity(model_dir, weights_dir), on_event=on_event, load_timeout_s=cfg.sync.group_timeout_s,
+        engine_kind=cfg.engine.kind,
+    )  # fmt: skip
     closers.append(watcher.close)
     return watcher
