@@ -24,10 +24,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import hpcrl
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.delta_agent_client import AgentRecord, DeltaAgentUnreachable, agent_record_path, find_agent
-from hpcrl.engine.joined import catch_up
+from hpcrl.engine.fleet import EngineFleet
+from hpcrl.engine.joined import JoinWatcher, Registration, RunIdentity, model_identity
 from hpcrl.engine.local import LocalEngines
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.disk_delta import DiskDeltaTransport
@@ -203,7 +205,24 @@ def test_an_sglang_engine_catches_up_and_takes_pushes_through_its_agent_on_its_n
     history = [weights, step(weights, 1), step(step(weights, 1), 2)]
     for offset, w in enumerate(history):
         push(writer, w, 100 + offset)
-    catch_up(engine.client, tmp_path / "earlier", 102, timeout_s=60.0, engine_kind="sglang", run_dir=engine.run_dir)
+    # The run's watcher admits its registration: catch-up through the agent, then the version check.
+    identity = RunIdentity(model_identity(tiny_model_dir), hpcrl.__version__, str(tmp_path / "earlier"))
+    events: list[tuple[str, dict]] = []
+    watcher = JoinWatcher(
+        engine.run_dir, identity, on_event=lambda kind, detail: events.append((kind, detail)), load_timeout_s=60.0,
+        engine_kind="sglang",
+    )  # fmt: skip
+    Registration(
+        id="job-0", url=engine.client.url, token=engine.launcher.engines[0].token, model=identity.model,
+        hpcrl_version=hpcrl.__version__, job_id="job", host="node", pid=os.getpid(), time_s=0.0, weight_version=None,
+    ).write(engine.run_dir)  # fmt: skip
+    fleet = EngineFleet(EngineConfig(kind="sglang"), [], launcher=None, on_event=lambda kind, detail: None)
+    try:
+        assert watcher.update(fleet, 102), events
+    finally:
+        fleet.close()
+    assert [s.joined for s in fleet.slots] == ["job-0"] and events[-1][0] == "engine_joined"
+    assert events[-1][1]["version"] == 102
     assert_serves(engine, history[-1], 102)
 
     # The driver's push: it writes the delta and asks the engine's agent to load it, waiting for the answer.
