@@ -6,15 +6,20 @@ answers /update_weights_from_disk with SGLang 0.5.16's recorded bodies (tests/go
 success body when the model directory holds weights (it then keeps a copy of what it loaded, as SGLang would serve
 it, and reports the body's weight_version in /model_info, as recorded), the recorded 400 body when the directory
 is missing or when the test tells it to refuse a version (SGLang then keeps the weights it had, as recorded).
-Everything of hpcrl's is real: the launcher, the agent process and its HTTP endpoint, the driver's transport.
+Everything of hpcrl's is real: `hpcrl engine join` as a join job runs it (its launcher, the agent process and its
+HTTP endpoint), the run's join watcher and the driver's disk_delta transport.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +29,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import hpcrl
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
 from hpcrl.engine.delta_agent_client import AgentRecord, DeltaAgentUnreachable, agent_record_path, find_agent
 from hpcrl.engine.fleet import EngineFleet
-from hpcrl.engine.joined import JoinWatcher, Registration, RunIdentity, model_identity
-from hpcrl.engine.local import LocalEngines
+from hpcrl.engine.joined import JoinWatcher, Registration, joined_dir, this_identity
 from hpcrl.sync.config import SyncConfig
 from hpcrl.sync.disk_delta import DiskDeltaTransport
 from hpcrl.sync.errors import WeightSyncError
@@ -109,14 +112,13 @@ def recorded(case: str) -> dict:
 
 @dataclass
 class Engine:
-    launcher: LocalEngines
     client: EngineClient
     run_dir: Path
     state: Path
 
 
-@pytest.fixture
-def sglang_engine(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Engine]:
+def standin_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The environment under which `python -m sglang.launch_server` is the stand-in, and its state directory."""
     for case in ("update_weights_from_disk_weight_version", "update_weights_from_disk_missing_path"):
         recorded(case)
     package = tmp_path / "standin" / "sglang"
@@ -125,20 +127,20 @@ def sglang_engine(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Engine]:
     (package / "launch_server.py").write_text(STANDIN)
     state = tmp_path / "state"
     state.mkdir()
-    run_dir = tmp_path / "run"
-    launcher = LocalEngines(
-        EngineConfig(kind="sglang", num_engines=1), tiny_model_dir, run_dir, seed=0, delta_agent=True,
-        say=lambda line: None,
-    )  # fmt: skip
-    launcher.extra_env = {
+    env = {
         "PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")]),
-        "STANDIN_GOLDEN": str(GOLDEN), "STANDIN_STATE": str(state),
+        "STANDIN_GOLDEN": str(GOLDEN), "STANDIN_STATE": str(state), "OMP_NUM_THREADS": "1",
     }  # fmt: skip
-    (client,) = launcher.start()
-    try:
-        yield Engine(launcher, client, run_dir, state)
-    finally:
-        launcher.stop()
+    return env, state
+
+
+def wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[str], timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{what} did not happen; the join process said:\n{proc.communicate()[0]}")
+        time.sleep(0.1)
 
 
 def trainer_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
@@ -157,7 +159,8 @@ def step(weights: list[tuple[str, torch.Tensor]], seed: int) -> list[tuple[str, 
     return out
 
 
-def transport(engine: Engine, engines: list[EngineClient], delta_dir: Path, kind: str = "sglang") -> DiskDeltaTransport:
+def transport(run_dir: Path, engines: list[EngineClient], delta_dir: Path) -> DiskDeltaTransport:
+    """The driver's disk_delta transport to SGLang engines (`engines` may grow: the fleet's live ones)."""
     t = DiskDeltaTransport(
         TransportContext(
             cfg=SyncConfig(transport="disk_delta", delta_dir=str(delta_dir), snapshot_every=10, group_timeout_s=60.0),
@@ -165,9 +168,9 @@ def transport(engine: Engine, engines: list[EngineClient], delta_dir: Path, kind
             device=torch.device("cpu"),
             pool=ThreadPoolExecutor(1),
             each=lambda fn, what: [fn(e) for e in engines],
-            engine_kind=kind,
+            engine_kind="sglang",
             engine_tp_size=1,
-            run_dir=engine.run_dir,
+            run_dir=run_dir,
         )  # fmt: skip
     )
     t.connect()
@@ -188,73 +191,95 @@ def assert_serves(engine: Engine, weights: list[tuple[str, torch.Tensor]], versi
         assert torch.equal(loaded[name].view(torch.int32), tensor.view(torch.int32)), name
 
 
-def test_an_sglang_engine_catches_up_and_takes_pushes_through_its_agent_on_its_node(
-    sglang_engine: Engine, tiny_model_dir: Path, tmp_path: Path
+def test_an_sglang_engine_joins_a_run_from_its_own_process_and_takes_pushes_through_its_agent(
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    engine = sglang_engine
-    record = AgentRecord.read(agent_record_path(engine.run_dir, "engine-0"))
-    assert record.engine_url == engine.client.url and record.pid in {p.pid for p in [engine.launcher.engines[0].agent]}
-    assert oct(agent_record_path(engine.run_dir, "engine-0").stat().st_mode & 0o777) == "0o600"
-    # The agent answers only with its token.
-    assert httpx.get(record.url + "/health", trust_env=False).status_code == 401
-
-    # A joining engine: the run wrote versions 100..102 before it came; it catches up from the snapshot and the
-    # deltas through its agent, and serves exactly the newest version.
-    weights = trainer_weights(tiny_model_dir)
-    writer = transport(engine, [], tmp_path / "earlier", kind="embedded")
-    history = [weights, step(weights, 1), step(step(weights, 1), 2)]
-    for offset, w in enumerate(history):
-        push(writer, w, 100 + offset)
-    # The run's watcher admits its registration: catch-up through the agent, then the version check.
-    identity = RunIdentity(model_identity(tiny_model_dir), hpcrl.__version__, str(tmp_path / "earlier"))
+    env, state = standin_env(tmp_path)
+    run_dir, weights_dir = tmp_path / "run", tmp_path / "run" / "weights"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(
+        f"name: x\nmodel:\n  path: {tiny_model_dir}\nengine:\n  kind: sglang\nsync:\n  transport: disk_delta\n"
+    )
+    # The run: it announces itself (identity, probe) and has pushed versions 100..102 before the engine comes.
     events: list[tuple[str, dict]] = []
     watcher = JoinWatcher(
-        engine.run_dir, identity, on_event=lambda kind, detail: events.append((kind, detail)), load_timeout_s=60.0,
-        engine_kind="sglang",
+        run_dir, this_identity(tiny_model_dir, weights_dir), load_timeout_s=60.0, engine_kind="sglang",
+        on_event=lambda kind, detail: events.append((kind, detail)),
     )  # fmt: skip
-    Registration(
-        id="job-0", url=engine.client.url, token=engine.launcher.engines[0].token, model=identity.model,
-        hpcrl_version=hpcrl.__version__, job_id="job", host="node", pid=os.getpid(), time_s=0.0, weight_version=None,
-    ).write(engine.run_dir)  # fmt: skip
-    fleet = EngineFleet(EngineConfig(kind="sglang"), [], launcher=None, on_event=lambda kind, detail: None)
+    engines: list[EngineClient] = []
+    t = transport(run_dir, engines, weights_dir)
+    history = [trainer_weights(tiny_model_dir)]
+    push(t, history[0], 100)
+    for version in (101, 102):
+        history.append(step(history[-1], version))
+        push(t, history[-1], version)
+
+    # The engine's own process (as a join job runs it): the launcher starts the server and its agent beside it; the
+    # agent brings the server to version 102 from the snapshot and the deltas before it registers.
+    joiner = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "engine", "join", str(run_dir)], env={**os.environ, **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
-        assert watcher.update(fleet, 102), events
+        wait_for(
+            "a registration", lambda: any(p.name != "RUN.json" for p in joined_dir(run_dir).glob("*.json")), joiner
+        )
+        (reg_path,) = [p for p in joined_dir(run_dir).glob("*.json") if p.name != "RUN.json"]
+        reg = Registration.from_file(reg_path)
+        assert reg.weight_version == 102
+        engine = Engine(EngineClient(reg.url, api_key=reg.token), run_dir, state)
+        assert_serves(engine, history[-1], 102)
+        record_path = agent_record_path(run_dir, "engine-1")  # the run's own engine is engine-0
+        record = AgentRecord.read(record_path)
+        assert record.engine_url == reg.url and oct(record_path.stat().st_mode & 0o777) == "0o600"
+        assert httpx.get(record.url + "/health", trust_env=False).status_code == 401  # its token only
+
+        # The run pushed 103 meanwhile: its watcher catches the engine up through the agent, checks the version the
+        # engine reports, and only then routes to it.
+        history.append(step(history[-1], 103))
+        push(t, history[-1], 103)
+        fleet = EngineFleet(EngineConfig(kind="sglang"), [], launcher=None, on_event=lambda kind, detail: None)
+        try:
+            assert watcher.update(fleet, 103), events
+        finally:
+            fleet.close()
+        assert [s.joined for s in fleet.slots] == [reg.id] and events[-1][0] == "engine_joined"
+        assert events[-1][1]["version"] == 103
+        assert_serves(engine, history[-1], 103)
+
+        # The driver's pushes: each writes the delta and asks the engine's agent to load it, waiting for the answer.
+        engines.append(engine.client)
+        t.reconnect(engines)
+        current = history[-1]
+        for version in (104, 105):
+            current = step(current, version)
+            metrics = push(t, current, version)
+            assert_serves(engine, current, version)
+            assert 0 < metrics["sync/delta_bytes"] < sum(w.numel() * 4 for _, w in current) / 4
+            assert 0 < metrics["sync/delta_changed_share"] < 0.1 and metrics["sync/engine_apply_s"] > 0
+
+        # SGLang refuses version 106 (its recorded 400): the push fails naming the engine and SGLang's answer, after
+        # trying a snapshot too; the engine keeps serving 105, and the next push brings it to 107.
+        (state / "refuse").write_text("106")
+        with pytest.raises(WeightSyncError, match=rf"{engine.client.url}.*HTTP 502.*Failed to get weights iterator"):
+            push(t, step(current, 106), 106)
+        assert engine.client.weight_version() == 105
+        (state / "refuse").unlink()
+        current = step(current, 107)
+        push(t, current, 107)
+        assert_serves(engine, current, 107)
+
+        # scancel: the registration goes, then the server and its agent (its record and node-local copies too).
+        joiner.send_signal(signal.SIGTERM)
+        assert joiner.wait(timeout=30) == 0
     finally:
-        fleet.close()
-    assert [s.joined for s in fleet.slots] == ["job-0"] and events[-1][0] == "engine_joined"
-    assert events[-1][1]["version"] == 102
-    assert_serves(engine, history[-1], 102)
-
-    # The driver's push: it writes the delta and asks the engine's agent to load it, waiting for the answer.
-    t = transport(engine, [engine.client], tmp_path / "weights")
-    metrics = push(t, weights, 1)
-    assert_serves(engine, weights, 1)
-    current = weights
-    for version in (2, 3):
-        current = step(current, version)
-        metrics = push(t, current, version)
-        assert_serves(engine, current, version)
-        assert 0 < metrics["sync/delta_bytes"] < sum(w.numel() * 4 for _, w in current) / 4
-        assert 0 < metrics["sync/delta_changed_share"] < 0.1 and metrics["sync/engine_apply_s"] > 0
-
-    # SGLang refuses version 4 (its recorded 400): the push fails naming the engine and SGLang's answer, after
-    # trying a snapshot too; the engine keeps serving version 3, and the next push brings it to version 5.
-    (engine.state / "refuse").write_text("4")
-    with pytest.raises(WeightSyncError, match=rf"{engine.client.url}.*HTTP 502.*Failed to get weights iterator"):
-        push(t, step(current, 4), 4)
-    assert engine.client.weight_version() == 3
-    (engine.state / "refuse").unlink()
-    current = step(current, 5)
-    push(t, current, 5)
-    assert_serves(engine, current, 5)
-
-    # The launcher stops the agent with its server: its record and node-local copies go with it.
-    agent = engine.launcher.engines[0].agent
-    assert agent is not None
-    engine.launcher.stop()
-    assert agent.poll() is not None and not agent_record_path(engine.run_dir, "engine-0").exists()
+        if joiner.poll() is None:
+            joiner.kill()
+    assert not reg_path.exists() and not record_path.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(record.pid, 0)
     with pytest.raises(DeltaAgentUnreachable, match="no disk-delta agent announced itself .*`hpcrl engine join`"):
-        find_agent(engine.run_dir, record.engine_url, timeout_s=0.0)
+        find_agent(run_dir, record.engine_url, timeout_s=0.0)
 
 
 def test_an_agent_that_does_not_answer_is_a_clear_error_naming_the_engine(tmp_path: Path) -> None:
@@ -267,8 +292,7 @@ def test_an_agent_that_does_not_answer_is_a_clear_error_naming_the_engine(tmp_pa
     record = AgentRecord(engine_url, dead, "token", 123, "node-a")
     agent_record_path(run_dir, "engine-0").write_bytes(record.to_json())
     assert find_agent(run_dir, engine_url + "/", timeout_s=0.0) == record
-    engine = Engine(launcher=None, client=EngineClient(engine_url), run_dir=run_dir, state=tmp_path)  # type: ignore[arg-type]
-    t = transport(engine, [engine.client], tmp_path / "weights")
+    t = transport(run_dir, [EngineClient(engine_url)], tmp_path / "weights")
     with pytest.raises(
         WeightSyncError, match=rf"agent of the SGLang engine at {engine_url} .*pid 123 on node-a.*cannot be reached"
     ):
