@@ -154,8 +154,13 @@ class LocalEngines:
 
     # ----- what the fleet and the guard may know of the processes -----
     def exit_code(self, position: int) -> int | None:
-        """The exit code of engine `position`'s process, None while it runs."""
-        return self.engines[position].proc.poll()
+        """The exit code of engine `position`'s process, None while it runs. An engine whose disk-delta agent exited
+        takes no more weights: its agent's code counts as the engine's (the fleet restarts both)."""
+        eng = self.engines[position]
+        code = eng.proc.poll()
+        if code is None and eng.agent is not None:
+            code = eng.agent.poll()
+        return code
 
     def kill(self, position: int) -> None:
         """SIGKILL engine `position`'s process group (a hung engine must not linger) and reap it."""
@@ -288,7 +293,7 @@ class LocalEngines:
 
     def exited(self) -> list[str]:
         """Ids of engines whose process has exited."""
-        return [e.engine_id for e in self.engines if e.proc.poll() is not None]
+        return [e.engine_id for i, e in enumerate(self.engines) if self.exit_code(i) is not None]
 
     def stop(self) -> None:
         procs = [p for eng in self.engines for p in (eng.proc, eng.agent) if p is not None]
