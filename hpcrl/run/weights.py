@@ -37,8 +37,7 @@ def weight_publisher(
     sync = WeightSync(
         placement.sync_config(), clients, device=torch.device(cfg.train.device),
         colocated=placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
-        apply_strategy="lora" if adapters else "replace", run_dir=run_dir, model_dir=Path(cfg.model.path),
-        engine_dtype=cfg.engine.dtype,
+        apply_strategy="lora" if adapters else "replace", run_dir=run_dir,
     )  # fmt: skip
     closers.append(sync.close)
     sync.connect()
