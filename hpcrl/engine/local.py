@@ -245,6 +245,8 @@ class LocalEngines:
                     f"(within {limit_s:.0f} s); last lines of {log}:\n{tail(log)}"
                 )
             time.sleep(0.1)
+        # The agent read the server's key before it announced itself: the copy need not outlive that.
+        (self.run_dir / "engines" / f"{eng.engine_id}.agent-key").unlink(missing_ok=True)
 
     def _wait_started(self, position: int, *, stop_all: bool = True) -> LocalEngine:
         """Engine `position` once it answers /health. With engine.base_port 0 its port is one that was free when

@@ -232,6 +232,7 @@ def test_an_sglang_engine_joins_a_run_from_its_own_process_and_takes_pushes_thro
         record_path = agent_record_path(run_dir, "engine-1")  # the run's own engine is engine-0
         record = AgentRecord.read(record_path)
         assert record.engine_url == reg.url and oct(record_path.stat().st_mode & 0o777) == "0o600"
+        assert not (run_dir / "engines" / "engine-1.agent-key").exists()  # the server's key, read and removed
         assert httpx.get(record.url + "/health", trust_env=False).status_code == 401  # its token only
 
         # The run pushed 103 meanwhile: its watcher catches the engine up through the agent, checks the version the
