@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import hpcrl
 from hpcrl.engine.client import EngineClient
+from hpcrl.engine.delta_agent_client import apply_version, find_agent
 from hpcrl.engine.protocol.control import UpdateWeightsFromDelta
 from hpcrl.store.run_dir import make_subdir, write_file_atomically
 from hpcrl.weightwire.delta import DeltaDirNotShared, check_probe, manifest_name, write_probe
@@ -148,15 +149,30 @@ def refusal_path(run_dir: Path, engine_id: str) -> Path:
     return joined_dir(run_dir) / f"{engine_id}.refused"
 
 
-def catch_up(client: EngineClient, weights_dir: Path, version: int, *, timeout_s: float) -> None:
+def catch_up(
+    client: EngineClient,
+    weights_dir: Path,
+    version: int,
+    *,
+    timeout_s: float,
+    engine_kind: str = "embedded",
+    run_dir: Path | None = None,
+) -> None:
     """Bring an engine to weight `version` from the weight directory: the newest snapshot at or before it and the
-    deltas after it (hpcrl/engine/embedded/delta_load.py plans the order and checks every checksum)."""
+    deltas after it (hpcrl/engine/embedded/delta_load.py plans the order and checks every checksum). A SGLang engine
+    is brought there by its disk-delta agent (found through `run_dir`, hpcrl/engine/delta_agent_client.py), which
+    stamps the version as SGLang loads it."""
     for kind in ("delta", "snapshot"):
         manifest = weights_dir / manifest_name(kind, version)
         if manifest.exists():
             break
     else:
         raise JoinError(f"weight version {version} has no manifest in {weights_dir}")
+    if engine_kind == "sglang":
+        if run_dir is None:
+            raise JoinError("a SGLang engine catches up through its agent, which the run directory names")
+        apply_version(find_agent(run_dir, client.url), manifest, version, timeout_s=timeout_s)
+        return
     request = UpdateWeightsFromDelta(manifest=str(manifest), weight_version=str(version))
     client.call(request.endpoint, request, timeout_s=timeout_s)
     client.update_weight_version(version, abort_all_requests=False)
@@ -175,9 +191,16 @@ class JoinWatcher:
     """The run's side: admits registered engines into the fleet between steps and notices those that left."""
 
     def __init__(
-        self, run_dir: Path, identity: RunIdentity, *, on_event: EventFn, load_timeout_s: float, probe_s: float = 5.0
+        self,
+        run_dir: Path,
+        identity: RunIdentity,
+        *,
+        on_event: EventFn,
+        load_timeout_s: float,
+        probe_s: float = 5.0,
+        engine_kind: str = "embedded",
     ) -> None:
-        self.run_dir, self.identity, self.on_event = run_dir, identity, on_event
+        self.run_dir, self.identity, self.on_event, self.engine_kind = run_dir, identity, on_event, engine_kind
         self.load_timeout_s, self.probe_s = load_timeout_s, probe_s
         self.refused: set[str] = set()
         identity.write(run_dir)
@@ -225,7 +248,10 @@ class JoinWatcher:
         try:
             held = client.weight_version(timeout_s=self.probe_s)
             if held != version:
-                catch_up(client, Path(self.identity.weights_dir), version, timeout_s=self.load_timeout_s)
+                catch_up(
+                    client, Path(self.identity.weights_dir), version, timeout_s=self.load_timeout_s,
+                    engine_kind=self.engine_kind, run_dir=self.run_dir,
+                )  # fmt: skip
                 held = client.weight_version(timeout_s=self.probe_s)
         except Exception as exc:  # noqa: BLE001 - an engine that cannot be brought to the version does not join now
             self.on_event("engine_join_skipped", {"engine": reg.id, "cause": f"{type(exc).__name__}: {exc}"[:2000]})

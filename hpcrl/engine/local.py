@@ -25,7 +25,8 @@ import httpx
 
 from hpcrl.engine.client import EngineClient
 from hpcrl.engine.config import EngineConfig
-from hpcrl.engine.launch import API_KEY_ENV, LaunchSlot, launch_for
+from hpcrl.engine.delta_agent_client import agent_record_path
+from hpcrl.engine.launch import API_KEY_ENV, LaunchSlot, launch_for, write_private
 from hpcrl.engine.portcheck import PortHolder, port_holder, port_in_use
 from hpcrl.store.run_dir import RunDirError, make_subdir, open_no_follow
 
@@ -35,6 +36,8 @@ class EngineStartError(RuntimeError):
 
 
 PROGRESS_EVERY_S = 15.0
+AGENT_START_S = 120.0
+_APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
 PORT_RACE_RETRIES = 3
 
 
@@ -67,6 +70,7 @@ class LocalEngine:
     proc: subprocess.Popen[bytes]
     log_path: Path
     started_s: float = field(default_factory=time.monotonic)
+    agent: subprocess.Popen[bytes] | None = None  # its disk-delta agent (SGLang, sync.transport disk_delta)
 
 
 def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -100,8 +104,11 @@ class LocalEngines:
         advertise_host: str = "127.0.0.1",
         incarnation: Incarnation = Incarnation(),
         ignore_sigterm: bool = False,
+        delta_agent: bool = False,
         say: Callable[[str], None] = print,
     ) -> None:
+        """`delta_agent`: start a disk-delta agent beside each SGLang server (hpcrl/engine/delta_agent_client.py),
+        for a run with sync.transport disk_delta; embedded engines read the deltas themselves."""
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.run_dir = run_dir
@@ -112,6 +119,7 @@ class LocalEngines:
         self.advertise_host = advertise_host
         self.incarnation = incarnation
         self.ignore_sigterm = ignore_sigterm
+        self.delta_agent = delta_agent and cfg.kind == "sglang"
         self.say = say
         self.engines: list[LocalEngine] = []
         # For fault-injection tests: extra environment of the engine processes.
@@ -146,15 +154,23 @@ class LocalEngines:
 
     # ----- what the fleet and the guard may know of the processes -----
     def exit_code(self, position: int) -> int | None:
-        """The exit code of engine `position`'s process, None while it runs."""
-        return self.engines[position].proc.poll()
+        """The exit code of engine `position`'s process, None while it runs. An engine whose disk-delta agent exited
+        takes no more weights: its agent's code counts as the engine's (the fleet restarts both)."""
+        eng = self.engines[position]
+        code = eng.proc.poll()
+        if code is None and eng.agent is not None:
+            code = eng.agent.poll()
+        return code
 
     def kill(self, position: int) -> None:
         """SIGKILL engine `position`'s process group (a hung engine must not linger) and reap it."""
-        proc = self.engines[position].proc
-        if proc.poll() is None:
-            signal_group(proc, signal.SIGKILL)
-            proc.wait()
+        eng = self.engines[position]
+        for proc in (eng.proc, eng.agent):
+            if proc is not None and proc.poll() is None:
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        if eng.agent is not None:
+            agent_record_path(self.run_dir, eng.engine_id).unlink(missing_ok=True)
 
     def log_path(self, position: int) -> Path:
         return self.engines[position].log_path
@@ -186,7 +202,51 @@ class LocalEngines:
             raise EngineStartError(str(exc)) from None
         with os.fdopen(log_fd, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
+        eng = LocalEngine(f"engine-{i}", f"http://{self.advertise_host}:{port}", token, proc, log_path)
+        if self.delta_agent:
+            try:
+                eng.agent = self._spawn_agent(eng, env)
+            except (OSError, RunDirError) as exc:
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                raise EngineStartError(f"{eng.engine_id}: its disk-delta agent could not start: {exc}") from None
+        return eng
+
+    def _spawn_agent(self, eng: LocalEngine, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The engine's disk-delta agent, on this node like the server (its protocol: engine/delta_agent_client.py).
+        Its key file and record are 0600: they hold the server's key and the agent's token."""
+        engines = self.run_dir / "engines"
+        key_file = write_private(engines / f"{eng.engine_id}.agent-key", eng.token)
+        record = agent_record_path(self.run_dir, eng.engine_id)
+        record.unlink(missing_ok=True)  # a previous life's: found only once this agent wrote its own
+        cmd = [
+            sys.executable, "-m", "hpcrl.sync.delta_agent_server", "--engine-url", eng.url, "--key-file", str(key_file),
+            "--model-dir", self.model_dir, "--record", str(record), "--host", self.advertise_host,
+            "--dtype", self.cfg.dtype, "--tp-size", str(self.cfg.tp_size),
+        ]  # fmt: skip
+        if self.ignore_sigterm:
+            cmd.append("--ignore-sigterm")
+        log_fd = open_no_follow(self.run_dir / "logs" / f"{eng.engine_id}.agent.log", _APPEND, 0o600)
+        with os.fdopen(log_fd, "ab") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _wait_agent(self, eng: LocalEngine, limit_s: float = AGENT_START_S) -> None:
+        """Until the engine's agent announced itself (it reads no weights before its first request: seconds)."""
+        if eng.agent is None:
+            return
+        record = agent_record_path(self.run_dir, eng.engine_id)
+        deadline = time.monotonic() + limit_s
+        while not record.exists():
+            log = self.run_dir / "logs" / f"{eng.engine_id}.agent.log"
+            if eng.agent.poll() is not None or time.monotonic() > deadline:
+                state = f"exited with code {eng.agent.returncode}" if eng.agent.poll() is not None else "is silent"
+                raise EngineStartError(
+                    f"the disk-delta agent of {eng.engine_id} {state} without announcing itself in {record} "
+                    f"(within {limit_s:.0f} s); last lines of {log}:\n{tail(log)}"
+                )
+            time.sleep(0.1)
+        # The agent read the server's key before it announced itself: the copy need not outlive that.
+        (self.run_dir / "engines" / f"{eng.engine_id}.agent-key").unlink(missing_ok=True)
 
     def _wait_started(self, position: int, *, stop_all: bool = True) -> LocalEngine:
         """Engine `position` once it answers /health. With engine.base_port 0 its port is one that was free when
@@ -202,6 +262,7 @@ class LocalEngines:
                     say=self.say,
                     base_port=self.cfg.base_port,
                 )
+                self._wait_agent(eng)
                 return eng
             except EngineStartError:
                 if self.cfg.base_port or attempt == PORT_RACE_RETRIES or not _lost_port_race(eng):
@@ -209,6 +270,9 @@ class LocalEngines:
                         self.stop()
                     raise
             self.say(f"{eng.engine_id}: its port was taken by another process before it listened; another port")
+            if eng.agent is not None and eng.agent.poll() is None:
+                signal_group(eng.agent, signal.SIGKILL)
+                eng.agent.wait()
             self.engines[position] = self._spawn(self.first_index + position)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -231,20 +295,24 @@ class LocalEngines:
 
     def exited(self) -> list[str]:
         """Ids of engines whose process has exited."""
-        return [e.engine_id for e in self.engines if e.proc.poll() is not None]
+        return [e.engine_id for i, e in enumerate(self.engines) if self.exit_code(i) is not None]
 
     def stop(self) -> None:
-        for eng in self.engines:
-            if eng.proc.poll() is None:
+        procs = [p for eng in self.engines for p in (eng.proc, eng.agent) if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
                 # SIGINT: an aiohttp server shuts down on it, also when it was told to ignore SIGTERM.
-                signal_group(eng.proc, signal.SIGINT)
-        for eng in self.engines:
+                signal_group(proc, signal.SIGINT)
+        for proc in procs:
             try:
-                eng.proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                signal_group(eng.proc, signal.SIGKILL)
-                eng.proc.wait()
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for eng in self.engines:
             (self.run_dir / "engines" / f"{eng.engine_id}.json").unlink(missing_ok=True)
+            if eng.agent is not None:
+                agent_record_path(self.run_dir, eng.engine_id).unlink(missing_ok=True)
         self.engines = []
 
 

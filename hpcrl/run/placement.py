@@ -89,7 +89,10 @@ class Placement:
             job = self.incarnation.job_id
             self.progress.say(f"waiting for {n} {engine.kind} engine(s) of job {job} to write run_dir/engines/*.json")
             return wait_for_rendezvous(self.run_dir, n, self.incarnation, timeout_s=engine.start_timeout_s)
-        self.launcher = LocalEngines(engine, model_dir, self.run_dir, seed=self.cfg.seed, say=self.progress.say)
+        self.launcher = LocalEngines(
+            engine, model_dir, self.run_dir, seed=self.cfg.seed, say=self.progress.say,
+            delta_agent=self.cfg.sync.transport == "disk_delta",
+        )  # fmt: skip
         self.progress.say(f"starting {n} {engine.kind} engine(s) on {engine.device}")
         return self.launcher.start()
 

@@ -37,8 +37,7 @@ def weight_publisher(
     sync = WeightSync(
         placement.sync_config(), clients, device=torch.device(cfg.train.device),
         colocated=placement.colocated, engine_kind=cfg.engine.kind, engine_tp_size=cfg.engine.tp_size,
-        apply_strategy="lora" if adapters else "replace", run_dir=run_dir, model_dir=Path(cfg.model.path),
-        engine_dtype=cfg.engine.dtype,
+        apply_strategy="lora" if adapters else "replace", run_dir=run_dir,
     )  # fmt: skip
     closers.append(sync.close)
     sync.connect()
@@ -60,7 +59,8 @@ def join_watcher(
         return None
     weights_dir = Path(cfg.sync.delta_dir).expanduser() if cfg.sync.delta_dir else run_dir / "weights"
     watcher = JoinWatcher(
-        run_dir, this_identity(model_dir, weights_dir), on_event=on_event, load_timeout_s=cfg.sync.group_timeout_s
-    )
+        run_dir, this_identity(model_dir, weights_dir), on_event=on_event, load_timeout_s=cfg.sync.group_timeout_s,
+        engine_kind=cfg.engine.kind,
+    )  # fmt: skip
     closers.append(watcher.close)
     return watcher

@@ -5,8 +5,9 @@
 
 It reads RUN_DIR/config.yaml and the run's identity (RUN_DIR/engines/joined/RUN.json, hpcrl/engine/joined.py),
 refuses to start when the run's weights do not travel through shared storage (sync.transport disk_delta) or when
-its model or hpcrl version differs from the run's (naming both), starts one engine of the run's engine section,
-brings it to the newest weight version on disk, and registers it. It then serves until the run ends (DONE), the run
+its model or hpcrl version differs from the run's (naming both), starts one engine of the run's engine section
+(a SGLang server with its disk-delta agent beside it, hpcrl/engine/delta_agent_client.py), brings it to the newest
+weight version on disk, and registers it. It then serves until the run ends (DONE), the run
 refuses it, its engine exits, or a signal comes (scancel, preemption): the registration goes first, so that the
 run stops routing to it, then the engine. The run re-issues whatever the engine still had in flight.
 """
@@ -56,11 +57,6 @@ def joinable_config(run_dir: Path) -> RunConfig:
             f"the run in {run_dir} pushes weights with sync.transport={cfg.sync.transport}, which reaches only the "
             "engines it started; engines join a run whose weights go through shared storage: start the run with "
             "sync.transport=disk_delta"
-        )
-    if cfg.engine.kind != "embedded":
-        raise JoinError(
-            f"the run in {run_dir} uses engine.kind {cfg.engine.kind}: only embedded engines join a running run "
-            "(a SGLang engine's disk-delta agent runs with the run's driver, on its node)"
         )
     return cfg
 
@@ -118,7 +114,7 @@ def join_run(run_dir: Path, *, poll_s: float = 0.5) -> int:
     index = claim_index(run_dir, cfg.engine.num_engines)
     engines = LocalEngines(
         cfg.engine, cfg.model.path, run_dir, seed=cfg.seed, first_index=index, count=1, bind_host=host,
-        advertise_host=host, incarnation=Incarnation(job, 0), ignore_sigterm=True,
+        advertise_host=host, incarnation=Incarnation(job, 0), ignore_sigterm=True, delta_agent=True,
     )  # fmt: skip
     (client,) = engines.start()  # meanwhile the run may still be starting: its identity is checked after
     reg_path: Path | None = None
@@ -127,7 +123,10 @@ def join_run(run_dir: Path, *, poll_s: float = 0.5) -> int:
         weights_dir = Path(run.weights_dir)
         version = newest_version(weights_dir)
         if version is not None:  # the run checks again before the first request, and catches up what came since
-            catch_up(client, weights_dir, version, timeout_s=cfg.sync.group_timeout_s)
+            catch_up(
+                client, weights_dir, version, timeout_s=cfg.sync.group_timeout_s, engine_kind=cfg.engine.kind,
+                run_dir=run_dir,
+            )  # fmt: skip
         engine_id = f"{job}-{index}"
         reg = Registration(
             id=engine_id, url=engines.engines[0].url, token=engines.engines[0].token, model=run.model,

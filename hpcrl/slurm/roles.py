@@ -84,6 +84,7 @@ def engines_role(run_dir: Path, *, poll_s: float = 1.0) -> int:
     engines = LocalEngines(
         cfg.engine, cfg.model.path, run_dir, seed=cfg.seed, first_index=first, count=count,
         bind_host=host, advertise_host=host, incarnation=incarnation, ignore_sigterm=True,
+        delta_agent=cfg.sync.transport == "disk_delta",
     )  # fmt: skip
     engines.start()
     print(f"node {env.node_name}: engines {first}..{first + count - 1} ready at {host}", flush=True)

@@ -19,7 +19,7 @@ class SyncConfig:
     device (colocated), else `distributed`; `mpi`: MPI broadcast to one agent per engine node
     (`hpcrl role mpi-agent`), see hpcrl/sync/mpi.py; `disk_delta`: each version's changed bits as files on a
     shared file system that every engine patches its weights from (no network path between trainer and engines
-    needed; embedded engines only), see hpcrl/sync/disk_delta.py."""
+    needed; a SGLang engine through an agent process beside it), see hpcrl/sync/disk_delta.py."""
     bucket_mb: float = 512.0
     """Upper bound on the bytes of one bucket (one HTTP call + its broadcasts)."""
     flattened: bool = True

@@ -12,8 +12,10 @@ SGLang reads no hpcrl delta. Per version the agent:
                {success, message, num_paused_requests} and keeps its old weights when it fails;
      "tensor"  the tensors whose bits changed, through `POST /update_weights_from_tensor` (CUDA IPC, as the tensor
                transport's handover), then `/update_weight_version`.
-The trainer's DiskDeltaTransport calls `load` once per push, after the manifest is written (the push has paused
-the engine). The agent checks at start that it sees the trainer's weight directory (its probe) when given a nonce.
+It runs in the agent process beside its server (hpcrl/sync/delta_agent_server.py), which calls `load` once per
+`POST /apply`: the trainer's DiskDeltaTransport asks after the manifest is written (the push has paused the engine),
+a joining engine's catch-up before it serves. Given a nonce, it checks at start that it sees the trainer's weight
+directory (its probe).
 """
 
 from __future__ import annotations

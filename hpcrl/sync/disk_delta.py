@@ -12,9 +12,10 @@ a file system. Per push:
                  snapshots beyond sync.keep_snapshots and the deltas they cover are removed; then every engine is
                  asked to load the manifest (`/update_weights_from_delta`). An engine that fails to (a corrupt
                  delta) is asked once more with a snapshot of v, written then if there is none.
-Stock SGLang engines read no delta: for them an agent in this process (hpcrl/sync/delta_agent.py), one per engine,
-patches a copy of the weights and has SGLang load it from a node-local directory (`/update_weights_from_disk`);
-such engines must run on this node (the driver's).
+Stock SGLang engines read no delta: beside each of them, on its node, the launcher that started it runs an agent
+process (hpcrl/sync/delta_agent_server.py) that patches a copy of the weights and has SGLang load it from a
+node-local directory (`/update_weights_from_disk`); this transport asks each agent over HTTP to apply version v
+and waits for its answer (hpcrl/engine/delta_agent_client.py), bounded by sync.group_timeout_s.
 A failed write (disk full) raises DiskDeltaError with the fix and publishes nothing: the engines keep serving the
 version before, and the next push writes a snapshot. A manifest is never written through a link.
 """
@@ -23,24 +24,19 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
-import torch
 
 from hpcrl.engine.client import EngineClient
+from hpcrl.engine.delta_agent_client import AgentRecord, DeltaAgentUnreachable, apply_version, find_agent
 from hpcrl.engine.protocol.control import UpdateWeightsFromDelta
-from hpcrl.sync.delta_agent import SglangDeltaAgent
 from hpcrl.sync.errors import WeightSyncError
 from hpcrl.sync.transport import Transport, TransportContext
 from hpcrl.weightwire.buckets import Bucket
 from hpcrl.weightwire.delta import (
-    DeltaFormatError,
     Manifest,
     TensorEntry,
     bits,
@@ -108,11 +104,14 @@ class VersionFile:
 
 class DiskDeltaTransport(Transport):
     def __init__(self, ctx: TransportContext) -> None:
-        if ctx.engine_kind == "sglang" and ctx.model_dir is None:
-            raise WeightSyncError("sync.transport disk_delta with SGLang engines needs the model directory")
-        self.engine_kind, self.model_dir, self.engine_dtype = ctx.engine_kind, ctx.model_dir, ctx.engine_dtype
-        self.engine_tp_size = ctx.engine_tp_size
-        self.agents: dict[str, SglangDeltaAgent] = {}  # SGLang engines' agents, by engine URL
+        if ctx.engine_kind == "sglang" and ctx.run_dir is None:
+            raise WeightSyncError(
+                "sync.transport disk_delta with SGLang engines needs the run directory (where the agents beside "
+                "the engines announce themselves)"
+            )
+        self.engine_kind, self.run_dir = ctx.engine_kind, ctx.run_dir
+        self.agents: dict[str, AgentRecord] = {}  # SGLang engines' agents, by engine URL
+        self.agent_mode: str | None = None  # how they hand weights to SGLang (None: theirs, "disk"); benchmarks set it
         self.cfg = ctx.cfg
         if ctx.cfg.delta_dir:
             self.directory = Path(ctx.cfg.delta_dir).expanduser().absolute()
@@ -141,12 +140,9 @@ class DiskDeltaTransport(Transport):
         if not os.access(self.directory, os.W_OK):
             raise DiskDeltaError(f"the weight directory {self.directory} is not writable; set sync.delta_dir")
 
-        if self.engine_kind == "sglang":
-            for engine in self.engines:
-                check_same_node(engine.url)
-
     def reconnect(self, engines: Any) -> None:
         self.engines = list(engines)
+        self.agents = {}  # a restarted engine has a new agent
 
     def begin(self, version: int) -> None:
         self._metrics, self._changed, self._numel, self._write_s = {}, 0, 0, 0.0
@@ -231,10 +227,6 @@ class DiskDeltaTransport(Transport):
         for file in self.files:
             file.abort()
         self.files = []
-        for agent in self.agents.values():
-            agent.close()
-        if self.agents:
-            shutil.rmtree(self._agent_root(), ignore_errors=True)
         self.agents = {}
 
     # ----- helpers -----
@@ -244,9 +236,13 @@ class DiskDeltaTransport(Transport):
         def load(engine: EngineClient) -> float:
             if self.engine_kind == "sglang":
                 try:
-                    return float(self._agent(engine).load(manifest, str(version))["seconds"])
-                except DeltaFormatError as exc:
+                    done = apply_version(
+                        self._agent(engine), manifest, version, timeout_s=self.cfg.group_timeout_s, mode=self.agent_mode
+                    )
+                except DeltaAgentUnreachable as exc:
+                    self.agents.pop(engine.url, None)  # looked up again: its engine may have been restarted
                     raise WeightSyncError(str(exc)) from exc
+                return float(done.get("seconds", 0.0))
             # Rebuilding from a snapshot reads the whole model: bounded as a broadcast is, not as a control call.
             reply = engine.call(request.endpoint, request, timeout_s=self.cfg.group_timeout_s)
             return float(reply.get("seconds", 0.0)) if isinstance(reply, dict) else 0.0
@@ -254,22 +250,12 @@ class DiskDeltaTransport(Transport):
         out: list[float] = self.each(load, f"loading {manifest.name}")
         return out
 
-    def _agent(self, engine: EngineClient) -> SglangDeltaAgent:
-        agent = self.agents.get(engine.url)
-        if agent is None:
-            assert self.model_dir is not None
-            local = self._agent_root() / str(len(self.agents))
-            agent = SglangDeltaAgent(
-                engine, model_dir=self.model_dir, local_dir=local, dtype=getattr(torch, self.engine_dtype),
-                tp_size=self.engine_tp_size, timeout_s=self.cfg.group_timeout_s,
-            )  # fmt: skip
-            self.agents[engine.url] = agent
-        return agent
-
-    @staticmethod
-    def _agent_root() -> Path:
-        """Where this process's SGLang agents keep the weights they hand over (node-local)."""
-        return Path(tempfile.gettempdir()) / f"hpcrl-delta-{os.getpid()}"
+    def _agent(self, engine: EngineClient) -> AgentRecord:
+        record = self.agents.get(engine.url)
+        if record is None:
+            assert self.run_dir is not None
+            record = self.agents[engine.url] = find_agent(Path(self.run_dir), engine.url)
+        return record
 
     def _newest(self, version: int) -> Path:
         """The manifest of `version` already on disk (a push of the version the engines hold)."""
@@ -337,24 +323,6 @@ class DiskDeltaTransport(Transport):
             # The manifest first: a version without one is never read, so its data can go after it.
             (self.directory / manifest_name(kind, v)).unlink(missing_ok=True)
             (self.directory / data_name(kind, v)).unlink(missing_ok=True)
-
-
-def check_same_node(url: str) -> None:
-    """WeightSyncError unless the engine at `url` runs on this node (its agent here writes node-local files)."""
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url).hostname or ""
-    try:
-        address = socket.gethostbyname(host)
-        mine = {"127.0.0.1", *socket.gethostbyname_ex(socket.gethostname())[2]}
-    except OSError:
-        address, mine = host, {"127.0.0.1"}
-    if not (address.startswith("127.") or address in mine):
-        raise WeightSyncError(
-            f"sync.transport disk_delta with SGLang engines needs them on the driver's node (their agent runs "
-            f"there), but the engine at {url} is on {host}: use the embedded engine (engine.kind embedded), whose "
-            "engines patch their own weights on any node, or sync.transport mpi"
-        )
 
 
 def _create(path: Path) -> int:

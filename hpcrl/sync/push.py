@@ -36,8 +36,6 @@ class WeightSync:
         engine_tp_size: int = 1,
         apply_strategy: str = "replace",
         run_dir: Path | None = None,
-        model_dir: Path | None = None,
-        engine_dtype: str = "bfloat16",
     ) -> None:
         self.cfg = cfg
         self.transport_name = cfg.transport
@@ -58,8 +56,6 @@ class WeightSync:
             engine_tp_size=engine_tp_size,
             apply_strategy=apply_strategy,
             run_dir=run_dir,
-            model_dir=model_dir,
-            engine_dtype=engine_dtype,
         )
         self.transport: Transport = make_transport(self.transport_name, ctx)
         self.last_metrics: dict[str, float] = {}

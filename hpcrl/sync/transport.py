@@ -51,9 +51,7 @@ class TransportContext:
     engine_kind: str  # "embedded" | "sglang": the request format an engine reads
     engine_tp_size: int
     apply_strategy: str = "replace"  # how the engines write the tensors (hpcrl/engine/embedded/apply.py)
-    run_dir: Path | None = None  # the run directory (where a transport that writes files keeps them by default)
-    model_dir: Path | None = None  # the engines' launch weights (an agent that keeps a copy for SGLang reads them)
-    engine_dtype: str = "bfloat16"  # the engines' weight dtype
+    run_dir: Path | None = None  # the run directory (files a transport writes by default; SGLang's delta agents)
 
 
 class Transport(Protocol):

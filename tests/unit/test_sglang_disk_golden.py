@@ -1,12 +1,17 @@
-"""sync.transport=disk_delta into stock SGLang: the engine-node agent (hpcrl/sync/delta_agent.py) patches its copy of
-the weights and has SGLang load it with `/update_weights_from_disk`, replayed against what SGLang 0.5.16 answered
+"""sync.transport=disk_delta into stock SGLang: the engine-node agent (its own process,
+hpcrl/sync/delta_agent_server.py, as the launcher starts it beside the server) patches its copy of the weights and
+has SGLang load it with `/update_weights_from_disk`, replayed against what SGLang 0.5.16 answered
 (tests/golden/sglang-0.5.16/disk/, recorded by tools/gpu/record_sglang_disk.py). SGLang 0.5.16 answers 400 to
 /get_weights_by_name for this Qwen3 model (recorded), so nothing on this path asks it."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,7 +60,7 @@ def logprobs(case: dict[str, Any], label: str) -> torch.Tensor:
     return torch.tensor([float(t[0]) for t in meta["output_token_logprobs"]])
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def replay() -> Iterator[_Replay]:
     server = _Replay()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -64,7 +69,35 @@ def replay() -> Iterator[_Replay]:
     server.server_close()
 
 
-def sglang_transport(replay: _Replay, model_dir: Path, weights: Path) -> DiskDeltaTransport:
+@pytest.fixture(scope="module")
+def agent_run_dir(replay: _Replay, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A run directory where the replayed server's disk-delta agent (a real process, as the launcher starts it)
+    announced itself."""
+    run_dir = tmp_path_factory.mktemp("run")
+    (run_dir / "engines").mkdir()
+    (run_dir / "engine.key").write_text("")  # the replayed server takes no key
+    host, port = replay.server_address[:2]
+    record = run_dir / "engines" / "engine-0.agent.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.sync.delta_agent_server", "--engine-url", f"http://{host}:{port}",
+         "--key-file", str(run_dir / "engine.key"), "--model-dir", str(tiny_model_dir), "--record", str(record),
+         "--dtype", "bfloat16", "--local-dir", str(run_dir / "agent")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not record.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the disk-delta agent did not start:\n{proc.communicate()[0]}")
+            time.sleep(0.1)
+        yield run_dir
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def sglang_transport(replay: _Replay, run_dir: Path, weights: Path) -> DiskDeltaTransport:
     host, port = replay.server_address[:2]
     engine = EngineClient(f"http://{host}:{port}", timeout_s=10.0, max_retries=0)
 
@@ -77,7 +110,7 @@ def sglang_transport(replay: _Replay, model_dir: Path, weights: Path) -> DiskDel
     ctx = TransportContext(
         cfg=SyncConfig(transport="disk_delta", delta_dir=str(weights)), engines=[engine],
         device=torch.device("cpu"), pool=ThreadPoolExecutor(1), each=each, engine_kind="sglang", engine_tp_size=1,
-        model_dir=model_dir, engine_dtype="bfloat16",
+        run_dir=run_dir,
     )  # fmt: skip
     transport = DiskDeltaTransport(ctx)
     transport.connect()
@@ -92,11 +125,11 @@ def push(transport: DiskDeltaTransport, named: list[tuple[str, torch.Tensor]], v
 
 
 def test_the_agent_has_sglang_load_its_patched_copy_and_sglang_serves_it(
-    replay: _Replay, tiny_model_dir: Path, tmp_path: Path
+    replay: _Replay, agent_run_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     case = load_case("update_weights_from_disk_weight_version")
     replay.load(case["exchanges"])
-    transport = sglang_transport(replay, tiny_model_dir, tmp_path / "weights")
+    transport = sglang_transport(replay, agent_run_dir, tmp_path / "weights")
     trainer = Trainer(tiny_model_dir, lr=1e-4)
     try:
         push(transport, trainer.pushed(), 6)  # a snapshot
@@ -136,13 +169,13 @@ def test_the_agent_has_sglang_load_its_patched_copy_and_sglang_serves_it(
 
 
 def test_a_path_sglang_cannot_load_fails_the_push_with_sglangs_message_and_it_keeps_serving(
-    replay: _Replay, tiny_model_dir: Path, tmp_path: Path
+    replay: _Replay, agent_run_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     case = load_case("update_weights_from_disk_missing_path")
     replay.load(case["exchanges"])
     answer = exchange(case, "load a missing path")["response"]
     assert answer["status"] != 200 and answer["body"]["success"] is False
-    transport = sglang_transport(replay, tiny_model_dir, tmp_path / "weights")
+    transport = sglang_transport(replay, agent_run_dir, tmp_path / "weights")
     try:
         with pytest.raises(WeightSyncError, match=r"did not take the weights .*update_weights_from_disk") as err:
             push(transport, Trainer(tiny_model_dir).pushed(), 1)

@@ -12,16 +12,18 @@ a next-token loss on random token batches) takes its steps: --pushes steps at lr
 each followed by pushes of the same bf16 weights as version v:
   1. disk_delta into the embedded engine (sync/disk_delta.py writes the delta, the engine patches in place);
   2. the tensor push into the embedded engine (CUDA IPC);
-  3. disk_delta into SGLang: the agent patches its copy, then has SGLang load it, alternately from disk
+  3. disk_delta into SGLang: the agent (its own process beside the server, as hpcrl's launcher starts it:
+     `python -m hpcrl.sync.delta_agent_server`) patches its copy, then has SGLang load it, alternately from disk
      (update_weights_from_disk: odd versions and the last) and as tensors (update_weights_from_tensor: the
      other even versions);
   4. the tensor push into SGLang (CUDA IPC).
 Version 0 (the launch weights) is pushed first: it writes the first snapshot. Per push: delta bytes (against the
 full bf16 payload), changed share, write seconds, the engine's apply seconds and the push's whole pause (pause
 to continue, `sync/seconds`). Checks: after the last delta push (before its tensor push) the embedded engine
-holds the trainer's bf16 weights bitwise (several tensors read back whole); the SGLang agent's copy equals them
-bitwise (every tensor); SGLang's greedy log-probs after the delta load equal those after the tensor push of the
-same weights, and /get_weights_by_name (when 0.5.16 answers it for Qwen3) equals the trainer's values.
+holds the trainer's bf16 weights bitwise (several tensors read back whole); the SGLang agent's copy (the
+safetensors file it had SGLang load) equals them bitwise (every tensor); SGLang's greedy log-probs after the delta
+load equal those after the tensor push of the same weights, and /get_weights_by_name (when 0.5.16 answers it for
+Qwen3) equals the trainer's values.
 Writes delta_gpu.json and the servers' logs to --out; prints a results table; exits 1 when a check fails.
 `--cpu-smoke` runs the embedded half on a CPU with a small shape (28 layers of width 64; about 2 minutes on 2
 busy cores), which is how the script is checked without a GPU.
@@ -148,6 +150,8 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
     )  # fmt: skip
     results: dict[str, Any] = {"shape": shape.__dict__, "rows": [], "checks": {}}
     failures: list[str] = []
+    agent: subprocess.Popen[bytes] | None = None
+    run_dir, agent_dir = work / "run", work / "agent"
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
         params = dict(model.named_parameters())
@@ -159,6 +163,19 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
         if sglang is not None:
             up_s = wait_up(s_url, sglang, out / "sglang.log", ns.startup_timeout_s)
             print(f"SGLang up after {up_s:.0f} s", flush=True)
+            (run_dir / "engines").mkdir(parents=True)
+            (work / "sglang.key").write_text("")  # this server was started without an API key
+            record = run_dir / "engines" / "engine-0.agent.json"
+            agent = launch(
+                [sys.executable, "-m", "hpcrl.sync.delta_agent_server", "--engine-url", s_url, "--key-file",
+                 str(work / "sglang.key"), "--model-dir", str(model_dir), "--record", str(record),
+                 "--dtype", "bfloat16", "--local-dir", str(agent_dir)], out / "agent.log",
+            )  # fmt: skip
+            t0 = time.monotonic()
+            while not record.exists():
+                if agent.poll() is not None or time.monotonic() - t0 > 120:
+                    raise SystemExit(f"the delta agent did not start:\n{(out / 'agent.log').read_text()[-4000:]}")
+                time.sleep(0.2)
         device = torch.device(dev)
         e_client, s_client = EngineClient(e_url, timeout_s=600), EngineClient(s_url, timeout_s=600)
         e_delta = WeightSync(
@@ -167,7 +184,7 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
         e_tensor = WeightSync(SyncConfig(transport="tensor"), [e_client], device=device, colocated=True)
         s_delta = WeightSync(
             SyncConfig(transport="disk_delta", delta_dir=str(work / "w-sglang")), [s_client], device=device,
-            engine_kind="sglang", model_dir=model_dir, engine_dtype="bfloat16",
+            engine_kind="sglang", run_dir=run_dir,
         )  # fmt: skip
         s_tensor = WeightSync(
             SyncConfig(transport="tensor"), [s_client], device=device, colocated=True, engine_kind="sglang"
@@ -210,16 +227,15 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                 continue
             # The last push, the one checked against the tensor push, goes through update_weights_from_disk.
             agent_mode = "disk" if version % 2 == 1 or version == 0 or last else "tensor"
-            for agent in s_delta.transport.agents.values():  # type: ignore[attr-defined]
-                agent.mode = agent_mode
+            s_delta.transport.agent_mode = agent_mode  # type: ignore[attr-defined]
             metrics = s_delta.push(named, version)
             row = push_row(f"sglang disk_delta ({agent_mode})", lr, version, metrics, full_bytes)
-            (agent,) = s_delta.transport.agents.values()  # type: ignore[attr-defined]
             results["rows"].append(row)
             if last:
-                copy_same = all(
-                    torch.equal(agent.params[n].view(torch.int16), t.cpu().view(torch.int16)) for n, t in named
-                )
+                from safetensors.torch import load_file
+
+                copy = load_file(str(agent_dir / f"v{version:08d}" / "model.safetensors"))
+                copy_same = all(torch.equal(copy[n].view(torch.int16), t.cpu().view(torch.int16)) for n, t in named)
                 results["checks"]["sglang agent copy bitwise"] = copy_same
                 if not copy_same:
                     failures.append("the SGLang agent's copy differs from the trainer's weights")
@@ -255,7 +271,7 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
     except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status
         failures.append(f"{type(exc).__name__}: {exc}"[:4000])
     finally:
-        for proc in (p for p in (sglang, embedded) if p is not None):
+        for proc in (p for p in (agent, sglang, embedded) if p is not None):
             try:
                 os.killpg(proc.pid, 9)
             except ProcessLookupError:
