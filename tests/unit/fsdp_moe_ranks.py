@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
 
 from hpcrl.store.checkpoint import save_checkpoint
 from hpcrl.trainer.batch import TrainBatch
@@ -29,7 +30,9 @@ from tests.unit.fsdp_ranks import config, fixed_batch, pushed
 
 
 def replayed_batch(layers: int, experts: int, top_k: int, vocab: int) -> TrainBatch:
-    """The fixed batch with rollout routes: per token and layer, top_k distinct experts drawn at random."""
+    """The fixed batch with rollout routes: per token and layer, top_k distinct experts drawn at random, the last
+    expert never and the one before it only in odd rows (rank 1's of two). Only a sequence's last token (which has
+    no rollout route) goes where the model's own router sends it: some experts run on one rank and not the other."""
     batch = fixed_batch(vocab)
     g = np.random.default_rng(0)
     prompts, responses, routes = [], [], []
@@ -38,7 +41,8 @@ def replayed_batch(layers: int, experts: int, top_k: int, vocab: int) -> TrainBa
         ids = batch.input_ids[row, :length].tolist()
         prompts.append(ids[:prompt])
         responses.append(ids[prompt:])
-        picks = np.argsort(g.random((length - 1, layers, experts)), axis=-1)[..., :top_k]
+        pool = experts - 1 if row % 2 else experts - 2
+        picks = np.argsort(g.random((length - 1, layers, pool)), axis=-1)[..., :top_k]
         routes.append(picks.astype(np.int32))
     return TrainBatch.from_sequences(
         prompts,
@@ -63,6 +67,8 @@ def main() -> None:
         trainer = TorchTrainer(
             config(parallelism, world, routing_replay="rollout"), model_dir, rank=rank, world_size=world
         )
+        if parallelism == "fsdp2":  # each MoE layer's experts a unit of their own
+            assert all(isinstance(layer.mlp.experts, FSDPModule) for layer in trainer.model.model.layers)
         metrics = trainer.train_grpo(batch_for(trainer))
         weights = pushed(trainer)
         if parallelism == "fsdp2":

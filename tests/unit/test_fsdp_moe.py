@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from hpcrl.model.tiny import TinyModelSpec, init_tiny_model
@@ -48,7 +49,8 @@ def test_fsdp2_trains_moe_as_ddp_and_its_checkpoint_resumes_on_one_rank(tmp_path
     assert fsdp2["moe/aux_loss"] > 0
     after_ddp, after_fsdp2 = load_file(out / "ddp.safetensors"), load_file(out / "fsdp2.safetensors")
     assert_close(after_fsdp2, after_ddp, "fsdp2 x2 after one step", FP32)
-    assert any(not (after_ddp[n] == load_file(model_dir / "model.safetensors")[n]).all() for n in after_ddp)
+    before = load_file(model_dir / "model.safetensors")
+    assert sum(not torch.equal(after_ddp[n], before[n]) for n in before) > len(before) // 2  # the step moved them
     assert_close(
         load_file(out / "fsdp2_export" / "model.safetensors"),
         load_file(out / "ddp_export" / "model.safetensors"),
