@@ -120,6 +120,59 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.ModuleList):
+    """One sparse layer's experts (`mlp.experts.E.*`, a module list, so the parameter names stay the checkpoints'),
+    called as one module: FSDP2 shards them as a unit of their own (`train.parallelism: fsdp2`), gathered only
+    while they run."""
+
+    def __init__(self, hidden_size: int, moe: MoeArgs) -> None:
+        super().__init__(Expert(hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts))
+        self.num_experts = moe.num_experts
+        self._stack_cache: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert over the tokens routed to it: grouped GEMMs for bf16 on CUDA (`grouped_experts`), else the
+        plain per-expert path (the CPU, fp32)."""
+        if flat.is_cuda and flat.dtype == torch.bfloat16 and grouped_mm_on(flat.device):
+            return grouped_experts(flat, chosen, weights, *self.stacked())
+        return self.plain(flat, chosen, weights)
+
+    def plain(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert in turn over the tokens routed to it. Where autograd records, an expert no token was routed
+        to runs too, over zero rows: every expert then has a gradient (zeros), as under the grouped GEMMs, so DDP
+        and FSDP2 reduce the same set of gradients on every rank and AdamW treats the expert alike under both."""
+        out = torch.zeros_like(flat)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self[0].parameters()):
+            experts: list[int] = list(range(self.num_experts))
+        else:
+            experts = torch.nonzero(torch.bincount(chosen.reshape(-1), minlength=self.num_experts)).flatten().tolist()
+        for e in experts:
+            token, slot = torch.where(chosen == e)
+            y = self[e](flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights as grouped-GEMM operands: gate and up [E, hidden, 2I], down [E, I, hidden]. Stacked
+        on every forward where autograd records (the gradients flow to each expert's parameters); kept between
+        forwards under inference mode (the engine's decode) until a parameter is replaced or written in place."""
+        experts = cast(list[Expert], list(self))
+        inference = torch.is_inference_mode_enabled()
+        key = tuple(
+            (p.data_ptr(), p._version)
+            for ex in experts
+            for p in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)
+        )
+        if inference and self._stack_cache is not None and self._stack_cache[0] == key:
+            return self._stack_cache[1], self._stack_cache[2]
+        gate_up = torch.stack([torch.cat([ex.gate_proj.weight, ex.up_proj.weight]) for ex in experts])
+        down = torch.stack([ex.down_proj.weight for ex in experts])
+        # [E, N, K] transposed to [E, K, N]: the column-major operand the grouped kernel reads without a copy.
+        stacked = gate_up.transpose(1, 2), down.transpose(1, 2)
+        self._stack_cache = (key, *stacked) if inference else None
+        return stacked
+
+
 class SparseMoeBlock(nn.Module):
     """Softmax over the router's logits, the top-k experts per token (renormalised with norm_topk_prob), the
     weighted sum of those experts' SwiGLU outputs: transformers' Qwen3MoeSparseMoeBlock, op for op in fp32."""
@@ -130,8 +183,7 @@ class SparseMoeBlock(nn.Module):
         self.layer = layer
         self.routing = routing
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts))
-        self._stack_cache: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+        self.experts = Experts(hidden_size, moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
@@ -140,7 +192,7 @@ class SparseMoeBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top_p, own = torch.topk(probs, self.moe.top_k, dim=-1)
         chosen, weights = self.route(logits, probs, own, top_p, b, t)
-        return self._experts(flat, chosen, weights).reshape(b, t, h)
+        return self.experts(flat, chosen, weights).reshape(b, t, h)
 
     def route(
         self,
@@ -190,43 +242,6 @@ class SparseMoeBlock(nn.Module):
                 f"routes name expert {int(forced.max())}, but layer {self.layer} has {self.moe.num_experts} experts"
             )
         return forced.long()
-
-    def _experts(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each expert over the tokens routed to it: grouped GEMMs for bf16 on CUDA (`grouped_experts`), else the
-        plain per-expert path (the CPU, fp32)."""
-        if flat.is_cuda and flat.dtype == torch.bfloat16 and grouped_mm_on(flat.device):
-            return grouped_experts(flat, chosen, weights, *self._stacked())
-        return self._plain_experts(flat, chosen, weights)
-
-    def _plain_experts(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each expert in turn over the tokens routed to it."""
-        out = torch.zeros_like(flat)
-        hit = torch.bincount(chosen.reshape(-1), minlength=self.moe.num_experts)
-        for e in torch.nonzero(hit).flatten().tolist():
-            token, slot = torch.where(chosen == e)
-            y = self.experts[e](flat[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
-
-    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' weights as grouped-GEMM operands: gate and up [E, hidden, 2I], down [E, I, hidden]. Stacked
-        on every forward where autograd records (the gradients flow to each expert's parameters); kept between
-        forwards under inference mode (the engine's decode) until a parameter is replaced or written in place."""
-        experts = cast(list[Expert], list(self.experts))
-        inference = torch.is_inference_mode_enabled()
-        key = tuple(
-            (p.data_ptr(), p._version)
-            for ex in experts
-            for p in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)
-        )
-        if inference and self._stack_cache is not None and self._stack_cache[0] == key:
-            return self._stack_cache[1], self._stack_cache[2]
-        gate_up = torch.stack([torch.cat([ex.gate_proj.weight, ex.up_proj.weight]) for ex in experts])
-        down = torch.stack([ex.down_proj.weight for ex in experts])
-        # [E, N, K] transposed to [E, K, N]: the column-major operand the grouped kernel reads without a copy.
-        stacked = gate_up.transpose(1, 2), down.transpose(1, 2)
-        self._stack_cache = (key, *stacked) if inference else None
-        return stacked
 
 
 def grouped_mm_on(device: torch.device) -> bool:

@@ -125,8 +125,9 @@ class TrainConfig:
     parallelism: Literal["ddp", "fsdp2"] = "ddp"
     """torch backend: how the ranks share the model. `ddp`: every rank holds the whole model, its gradients and AdamW
     state (16 bytes a parameter in fp32). `fsdp2`: each rank holds 1/num_ranks of them and gathers one decoder layer's
-    weights at a time for its forward and backward (train.fsdp), for models that do not fit one GPU
-    (docs/fsdp2.md). Same loss and gradients to fp32 rounding; checkpoints of either resume under the other."""
+    weights at a time for its forward and backward (a mixture-of-experts layer's experts as a group of their own;
+    train.fsdp), for models that do not fit one GPU (docs/fsdp2.md). Same loss and gradients to fp32 rounding;
+    checkpoints of either resume under the other."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """parallelism: fsdp2: mixed precision, CPU offload and hybrid sharding."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"

@@ -1,9 +1,11 @@
 """What the torch backend's model state costs each rank, and whether it fits: `hpcrl doctor` and the start-up line.
 
 Per rank: the weights, their gradients and AdamW's two moments, all in train.dtype, each divided by the ranks a
-copy is sharded over (parallelism: fsdp2; 1 under ddp), plus, under FSDP2, two decoder layers gathered whole in
-the compute dtype (the one running and the one prefetched). Activations come on top and depend on the batch
-(train.micro_batch_size, sequence lengths, train.activation_checkpointing), so the check leaves them a margin.
+copy is sharded over (parallelism: fsdp2; 1 under ddp), plus, under FSDP2, two groups gathered whole in the
+compute dtype (the one running and the one prefetched: decoder layers; for a mixture-of-experts model, whose
+experts are groups of their own, one layer and the next one's non-expert weights). Activations come on top and
+depend on the batch (train.micro_batch_size, sequence lengths, train.activation_checkpointing), so the check leaves
+them a margin.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpcrl.model.moe import SparseMoeBlock
 from hpcrl.model.qwen3 import CausalLM, ModelArgs
 from hpcrl.trainer.config import LORA_ALL_LINEAR, LoRAConfig, TrainConfig, fsdp_dtypes
 
@@ -33,7 +36,8 @@ class MemoryPlan:
     gradient_bytes: int
     optimizer_bytes: int
     gathered_bytes: int
-    """FSDP2: two decoder layers gathered whole on the device while they run."""
+    """FSDP2: the groups gathered whole on the device at once: two decoder layers (one running, one prefetched); for
+    a mixture-of-experts model one layer and the next one's non-expert weights (its experts are a group apart)."""
     offload: bool
 
     @property
@@ -66,10 +70,18 @@ def _size(n: int) -> str:
 
 
 def count_parameters(args: ModelArgs) -> tuple[int, int]:
-    """(all parameters, those of one decoder layer), from the model's structure (built on meta: no memory)."""
+    """(all parameters, those FSDP2 holds gathered at once at most), from the model's structure (built on meta: no
+    memory). FSDP2 gathers a group while it runs and prefetches the next one: a dense model holds two decoder layers.
+    A mixture-of-experts layer's experts are a group of their own (hpcrl.trainer.parallel.apply_fsdp2), and the
+    group prefetched beside a whole layer is then the next layer without its experts (attention, norms, router)."""
     model = CausalLM.without_init(args, "meta")
-    layer = model.model.decoder_layers[0]
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in layer.parameters())
+    whole = rest = 0
+    for layer in model.model.decoder_layers:
+        params = sum(p.numel() for p in layer.parameters())
+        mlp = layer.mlp
+        experts = sum(p.numel() for p in mlp.experts.parameters()) if isinstance(mlp, SparseMoeBlock) else 0
+        whole, rest = max(whole, params), max(rest, params - experts)
+    return sum(p.numel() for p in model.parameters()), whole + rest
 
 
 def count_adapter_parameters(lora: LoRAConfig, args: ModelArgs) -> int:
@@ -88,12 +100,12 @@ def count_adapter_parameters(lora: LoRAConfig, args: ModelArgs) -> int:
 
 
 def plan_memory(cfg: TrainConfig, args: ModelArgs) -> MemoryPlan:
-    parameters, per_layer = count_parameters(args)
+    parameters, gathered_parameters = count_parameters(args)
     size = _BYTES[cfg.dtype]
     fsdp = cfg.parallelism == "fsdp2"
     shards = (cfg.fsdp.shard_group_size or cfg.num_ranks) if fsdp else 1
     per_rank = -(-parameters // shards)
-    gathered = 2 * per_layer * _BYTES[fsdp_dtypes(cfg)[0]] if fsdp else 0
+    gathered = gathered_parameters * _BYTES[fsdp_dtypes(cfg)[0]] if fsdp else 0
     weights, trained = per_rank * size, per_rank * size
     if cfg.lora is not None:  # the base is frozen: gradients and AdamW hold the fp32 adapters alone
         trained = -(-count_adapter_parameters(cfg.lora, args) // shards) * 4

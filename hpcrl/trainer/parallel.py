@@ -10,6 +10,7 @@ torch backend looks the name up and knows nothing else about it.
 - `fsdp2`: torch's `fully_shard` on every decoder layer and on the root: parameters, gradients and AdamW state
   are DTensors sharded over the ranks (over a group of `fsdp.shard_group_size` ranks and replicated across the
   groups: hybrid sharding), each layer's weights gathered (and cast to the compute dtype) just before it runs.
+  A mixture-of-experts layer's experts are a unit of their own, gathered only while they run.
 
 Activation checkpointing and layer compilation live here too: they are applied per decoder layer before the model
 is wrapped, as torchtitan's `parallelize` functions apply them.
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from hpcrl.model.moe import SparseMoeBlock
 from hpcrl.model.qwen3 import CausalLM
 from hpcrl.trainer.config import TrainConfig, fsdp_dtypes
 
@@ -57,19 +59,19 @@ def apply_ddp(root: nn.Module, model: CausalLM, plan: ParallelPlan) -> nn.Module
     if plan.world_size == 1 or not plan.trains:
         return root  # nothing to average: a wrapper would only cost a copy of every gradient
     device = plan.device
-    # An expert no token of a rank's micro-batch was routed to gets no gradient there: DDP must look for such
-    # parameters each backward (a dense model has none, and skips that walk).
-    return DistributedDataParallel(
-        root, device_ids=None if device.type == "cpu" else [device], find_unused_parameters=model.args.moe is not None
-    )
+    # Every parameter gets a gradient, an expert no token was routed to too (zeros: hpcrl.model.moe.Experts).
+    return DistributedDataParallel(root, device_ids=None if device.type == "cpu" else [device])
 
 
 def apply_fsdp2(root: nn.Module, model: CausalLM, plan: ParallelPlan) -> nn.Module:
-    """`fully_shard` each decoder layer, then the root (the embedding, final norm and LM head are its group).
+    """`fully_shard` each decoder layer, then the root (the embedding, final norm and LM head are its group); in a
+    mixture-of-experts layer its experts first, as a group of their own (the layer's group keeps the attention,
+    the norms and the router).
 
     Sharded in place: `model`'s parameters become DTensors, `root` becomes an FSDP module and is returned. One
-    layer's weights are whole at a time in forward and backward (prefetch aside), so a rank holds 1/N of the
-    model, its gradients and AdamW state plus one layer gathered."""
+    group's weights are whole at a time in forward and backward (prefetch aside), so a rank holds 1/N of the
+    model, its gradients and AdamW state plus one group gathered: for an MoE layer the larger of its attention
+    with the router and its experts, never both (hpcrl.trainer.memory_plan counts it)."""
     param_dtype, reduce_dtype = fsdp_dtypes(plan.cfg)
     offload: OffloadPolicy = CPUOffloadPolicy() if plan.cfg.fsdp.offload else OffloadPolicy()
     kwargs: dict[str, Any] = {
@@ -78,6 +80,8 @@ def apply_fsdp2(root: nn.Module, model: CausalLM, plan: ParallelPlan) -> nn.Modu
         "offload_policy": offload,
     }
     for layer in model.model.decoder_layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            fully_shard(layer.mlp.experts, **kwargs)
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
     return root

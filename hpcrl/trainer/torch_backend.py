@@ -165,11 +165,6 @@ class TorchTrainer:
             print(f"{plan.line(cfg.parallelism)}; {settings_line(cfg)}; {micro_batch}", flush=True)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
-        if self.model.args.moe is not None and cfg.parallelism == "fsdp2":
-            raise ValueError(
-                "parallelism: fsdp2 does not shard mixture-of-experts models yet (its per-layer groups would gather "
-                "every expert at once); train this model with parallelism: ddp"
-            )
         self.moe = MoeRouting(self.model, cfg.routing_replay)
         if cfg.logprobs == "invariant":
             reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)

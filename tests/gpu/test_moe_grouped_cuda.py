@@ -43,18 +43,18 @@ def test_grouped_experts_match_plain_and_are_timed(tokens: int) -> None:
         top_p, chosen = torch.topk(probs, 8, dim=-1)
         weights = top_p.to(torch.bfloat16)
     with torch.inference_mode():  # the engine's decode: the stacked weights are kept between forwards
-        grouped = block._experts(x, chosen, weights)
-        plain = block._plain_experts(x, chosen, weights)
-        grouped_ms = _ms(lambda: block._experts(x, chosen, weights))
-        plain_ms = _ms(lambda: block._plain_experts(x, chosen, weights))
+        grouped = block.experts(x, chosen, weights)
+        plain = block.experts.plain(x, chosen, weights)
+        grouped_ms = _ms(lambda: block.experts(x, chosen, weights))
+        plain_ms = _ms(lambda: block.experts.plain(x, chosen, weights))
     print(f"\n{tokens} tokens x top-8 of 128 experts: grouped {grouped_ms:.3f} ms, per-expert {plain_ms:.3f} ms "
           f"({plain_ms / grouped_ms:.1f}x)")  # fmt: skip
     scale = float(plain.float().abs().max())
     assert float((grouped.float() - plain.float()).abs().max()) <= 2e-2 * scale + 1e-3
     # The trainer's path (autograd records: the weights are stacked in the forward) matches too, gradients included.
     xg = x.clone().requires_grad_(True)
-    out_g = block._experts(xg, chosen, weights)
-    out_p = block._plain_experts(xg, chosen, weights)
+    out_g = block.experts(xg, chosen, weights)
+    out_p = block.experts.plain(xg, chosen, weights)
     torch.testing.assert_close(out_g.float(), out_p.float(), atol=2e-2 * scale + 1e-3, rtol=2e-2)
     (gx_g, gw_g) = torch.autograd.grad(out_g.float().sum(), (xg, block.experts[0].up_proj.weight), allow_unused=True)
     (gx_p, gw_p) = torch.autograd.grad(out_p.float().sum(), (xg, block.experts[0].up_proj.weight), allow_unused=True)

@@ -20,8 +20,8 @@ def test_grouped_experts_equal_the_per_expert_path() -> None:
     chosen = torch.randint(0, 5, (37, 2))
     chosen[:, 1] = (chosen[:, 0] + 1) % 5
     weights = torch.rand(37, 2).to(torch.bfloat16)
-    plain = block._plain_experts(flat, chosen, weights)
-    gate_up, down = block._stacked()
+    plain = block.experts.plain(flat, chosen, weights)
+    gate_up, down = block.experts.stacked()
     grouped = grouped_experts(flat, chosen, weights, gate_up, down)
     assert grouped.shape == plain.shape
     torch.testing.assert_close(grouped.float(), plain.float(), atol=2e-2, rtol=2e-2)
@@ -35,9 +35,9 @@ def test_stacked_weights_follow_in_place_updates_under_inference_mode() -> None:
     args = MoeArgs(num_experts=4, top_k=2, moe_intermediate_size=8, sparse_layers=(True,))
     block = SparseMoeBlock(16, args, 0, Routing()).to(torch.bfloat16)
     with torch.inference_mode():
-        first = block._stacked()[1].clone()
-        assert block._stacked()[1].data_ptr() == block._stacked()[1].data_ptr()  # kept between forwards
+        first = block.experts.stacked()[1].clone()
+        assert block.experts.stacked()[1].data_ptr() == block.experts.stacked()[1].data_ptr()  # kept between forwards
     with torch.no_grad():
         block.experts[2].down_proj.weight.add_(1.0)
     with torch.inference_mode():
-        assert torch.equal(block._stacked()[1][2], first[2] + 1.0)
+        assert torch.equal(block.experts.stacked()[1][2], first[2] + 1.0)
