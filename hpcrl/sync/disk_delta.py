@@ -5,9 +5,11 @@ For clusters where the trainer and the engines share no NCCL, gloo or MPI path (
 a file system. Per push:
   begin(v)       the first push of this process (a fresh run, a resume) removes versions >= v and leftovers of a
                  writer killed midway: they belong to a trajectory this process does not continue
-  send(bucket)   per tensor, its bits against the last pushed version's (kept on the CPU): the smaller of XOR and
-                 index+value encodings, zlib-compressed, CRC-checked; every sync.snapshot_every versions (and on
-                 the first push) also the whole tensor, for engines that start, restart or find a delta corrupt
+  send(bucket)   per tensor, its bits against the last pushed version's (kept on the CPU): XOR or index+value
+                 encoding (whichever the changed share makes smaller), zlib-compressed, CRC-checked; every
+                 sync.snapshot_every versions (and on the first push) also the whole tensor, uncompressed, for
+                 engines that start, restart or find a delta corrupt. A bucket's tensors are encoded on threads
+                 (zlib and numpy release the GIL) and written in order
   finish(v)      data files fsynced and renamed, then each manifest, written last and atomically; older
                  snapshots beyond sync.keep_snapshots and the deltas they cover are removed; then every engine is
                  asked to load the manifest (`/update_weights_from_delta`). An engine that fails to (a corrupt
@@ -27,6 +29,7 @@ import shutil
 import socket
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -42,6 +45,7 @@ from hpcrl.weightwire.buckets import Bucket
 from hpcrl.weightwire.delta import (
     DeltaFormatError,
     Manifest,
+    Payload,
     TensorEntry,
     bits,
     crc32,
@@ -51,6 +55,9 @@ from hpcrl.weightwire.delta import (
     parse_manifest_name,
     published,
 )
+
+RAW_ALIGN = 64
+ENCODE_THREADS = min(8, os.cpu_count() or 1)
 
 
 class DiskDeltaError(RuntimeError):
@@ -70,15 +77,23 @@ class VersionFile:
         self._fd = _create(self.tmp)
 
     def add(
-        self, name: str, dtype: str, shape: list[int], encoding: str, payload: bytes, result: int, changed: int
+        self, name: str, dtype: str, shape: list[int], encoding: str, payload: Payload, result: int, changed: int
     ) -> None:
+        view = memoryview(payload).cast("B")
+        if encoding == "raw" and self.offset % RAW_ALIGN:  # readers use raw bits in place: keep them aligned
+            pad = RAW_ALIGN - self.offset % RAW_ALIGN
+            self._write(memoryview(bytes(pad)))
+            self.offset += pad
+        checksum = result if encoding == "raw" else crc32(view)  # raw bits are the result: one CRC for both
         self.entries.append(
-            TensorEntry(name, dtype, shape, encoding, self.offset, len(payload), crc32(payload), result, changed)
+            TensorEntry(name, dtype, shape, encoding, self.offset, len(view), checksum, result, changed)
         )
-        view = memoryview(payload)
+        self._write(view)
+        self.offset += len(view)
+
+    def _write(self, view: memoryview) -> None:
         while view:
             view = view[os.write(self._fd, view) :]
-        self.offset += len(payload)
 
     def commit(self) -> Path:
         os.fsync(self._fd)
@@ -130,6 +145,7 @@ class DiskDeltaTransport(Transport):
         self._changed = self._numel = 0
         self._write_s = 0.0
         self._metrics: dict[str, float] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def connect(self) -> None:
         if self.directory.is_symlink():
@@ -169,15 +185,17 @@ class DiskDeltaTransport(Transport):
             return
         t0 = time.perf_counter()
         try:
-            for name, tensor in bucket:
-                new = bits(tensor).copy()  # a CPU tensor's bits alias the trainer's storage
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="disk-delta")
+            kinds = [file.kind for file in self.files]
+            for name, _ in bucket:
+                if "delta" in kinds and name not in self.prev:
+                    raise DiskDeltaError(f"weight {name!r} was not in version {self.prev_version}")
+            jobs = [self._pool.submit(self._encode, name, tensor, kinds) for name, tensor in bucket]
+            for (name, tensor), job in zip(bucket, jobs, strict=True):
+                new, result, encoded = job.result()  # in bucket order: the data file's layout is deterministic
                 dtype = str(tensor.dtype).removeprefix("torch.")
-                result = crc32(new)
-                for file in self.files:
-                    old = self.prev.get(name) if file.kind == "delta" else None
-                    if file.kind == "delta" and old is None:
-                        raise DiskDeltaError(f"weight {name!r} was not in version {self.prev_version}")
-                    encoding, payload, changed = encode(old, new)
+                for file, (encoding, payload, changed) in zip(self.files, encoded, strict=True):
                     file.add(name, dtype, list(tensor.shape), encoding, payload, result, changed)
                     if file.kind == "delta":
                         self._changed += changed
@@ -187,6 +205,15 @@ class DiskDeltaTransport(Transport):
         except Exception as exc:
             self._fail(self.files[0].version, exc)
         self._write_s += time.perf_counter() - t0
+
+    def _encode(
+        self, name: str, tensor: torch.Tensor, kinds: list[str]
+    ) -> tuple[np.ndarray, int, list[tuple[str, Payload, int]]]:
+        """A tensor's bits, their CRC and its payload per file being written (on a pool thread)."""
+        new = bits(tensor)
+        if tensor.device.type == "cpu":
+            new = new.copy()  # a CPU tensor's bits alias the trainer's storage; a device's were copied by bits()
+        return new, crc32(new), [encode(self.prev[name] if kind == "delta" else None, new) for kind in kinds]
 
     def finish(self, version: int) -> None:
         t0 = time.perf_counter()
@@ -228,6 +255,9 @@ class DiskDeltaTransport(Transport):
         return dict(self._metrics)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for file in self.files:
             file.abort()
         self.files = []
