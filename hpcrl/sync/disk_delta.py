@@ -191,7 +191,12 @@ class DiskDeltaTransport(Transport):
             for name, _ in bucket:
                 if "delta" in kinds and name not in self.prev:
                     raise DiskDeltaError(f"weight {name!r} was not in version {self.prev_version}")
-            jobs = [self._pool.submit(self._encode, name, tensor, kinds) for name, tensor in bucket]
+            # A device tensor is copied out here, on the caller's stream (a pool thread's stream would not wait
+            # for the kernels that produced it); a CPU one is copied on the pool (its bits alias the trainer's).
+            jobs = [
+                self._pool.submit(self._encode, name, tensor if tensor.device.type == "cpu" else bits(tensor), kinds)
+                for name, tensor in bucket
+            ]
             for (name, tensor), job in zip(bucket, jobs, strict=True):
                 new, result, encoded = job.result()  # in bucket order: the data file's layout is deterministic
                 dtype = str(tensor.dtype).removeprefix("torch.")
@@ -207,12 +212,11 @@ class DiskDeltaTransport(Transport):
         self._write_s += time.perf_counter() - t0
 
     def _encode(
-        self, name: str, tensor: torch.Tensor, kinds: list[str]
+        self, name: str, source: torch.Tensor | np.ndarray, kinds: list[str]
     ) -> tuple[np.ndarray, int, list[tuple[str, Payload, int]]]:
-        """A tensor's bits, their CRC and its payload per file being written (on a pool thread)."""
-        new = bits(tensor)
-        if tensor.device.type == "cpu":
-            new = new.copy()  # a CPU tensor's bits alias the trainer's storage; a device's were copied by bits()
+        """A tensor's bits (a CPU tensor, or a device tensor's bits already copied out), their CRC and its payload
+        per file being written (on a pool thread)."""
+        new = bits(source).copy() if isinstance(source, torch.Tensor) else source
         return new, crc32(new), [encode(self.prev[name] if kind == "delta" else None, new) for kind in kinds]
 
     def finish(self, version: int) -> None:

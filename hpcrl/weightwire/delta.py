@@ -156,39 +156,36 @@ def encode(old: np.ndarray | None, new: np.ndarray) -> tuple[str, Payload, int]:
     return "index", _compress(gaps.tobytes() + new[index].tobytes()), changed
 
 
-def inflate(entry: TensorEntry, payload: Payload) -> bytes:
-    """A delta entry's payload decompressed (for `decode_xor`; thread-safe, the GIL released while it runs)."""
+XorPatch = np.ndarray
+"""A delta entry's patch as the XOR of old and new bits, flat, every element."""
+IndexPatch = tuple[np.ndarray, np.ndarray]
+"""A delta entry's patch as the changed elements' flat indices (int64, ascending) and their new bits."""
+
+
+def decode_patch(entry: TensorEntry, payload: Payload, dtype: torch.dtype) -> XorPatch | IndexPatch:
+    """A delta entry's patch for a parameter of `dtype` (CPU arrays; thread-safe, the GIL mostly released).
+    `payload` has passed its CRC; every size and index is checked here, before the patch reaches a parameter."""
     if entry.encoding not in ("xor", "index"):
         raise DeltaFormatError(f"{entry.name}: encoding {entry.encoding!r} is not a patch")
     try:
-        return zlib.decompress(payload)
+        raw = zlib.decompress(payload)
     except zlib.error as exc:
         raise DeltaFormatError(f"{entry.name}: the payload does not decompress ({exc})") from exc
-
-
-def decode_xor(entry: TensorEntry, raw: bytes, current: torch.Tensor) -> torch.Tensor:
-    """The XOR patch (on `current`'s device, its integer bit dtype, flat) that turns `current` into the entry's new
-    bits. `raw` is the payload (passed its CRC) through `inflate`; `current` is the flat integer view of the
-    parameter."""
-    np_dtype = _NP_BITS[current.dtype]
+    np_dtype = _NP_BITS[_BITS[dtype]]
     if entry.encoding == "xor":
         xor = np.frombuffer(raw, dtype=np_dtype)
         if xor.size != entry.numel:
             raise DeltaFormatError(f"{entry.name}: the xor payload holds {xor.size} elements, not {entry.numel}")
-        return torch.from_numpy(xor.copy()).to(current.device)
-    if entry.encoding == "index":
-        count = len(raw) // (4 + np.dtype(np_dtype).itemsize)
-        gaps = np.frombuffer(raw, dtype=np.uint32, count=count)
-        values = np.frombuffer(raw, dtype=np_dtype, offset=4 * count)
-        if values.size != count:
-            raise DeltaFormatError(f"{entry.name}: the index payload is cut short")
-        index = torch.from_numpy(np.cumsum(gaps, dtype=np.int64)).to(current.device)
-        if count and int(index[-1]) >= entry.numel:
-            raise DeltaFormatError(f"{entry.name}: an index lies past the tensor's {entry.numel} elements")
-        patch = torch.zeros_like(current)
-        patch[index] = torch.from_numpy(values.copy()).to(current.device) ^ current[index]
-        return patch
-    raise DeltaFormatError(f"{entry.name}: encoding {entry.encoding!r} is not a patch")
+        return xor.copy()  # writable, for torch.from_numpy (a copy on the pool thread, not the scheduler's)
+    count = len(raw) // (4 + np.dtype(np_dtype).itemsize)
+    gaps = np.frombuffer(raw, dtype=np.uint32, count=count)
+    values = np.frombuffer(raw, dtype=np_dtype, offset=4 * count)
+    if values.size != count:
+        raise DeltaFormatError(f"{entry.name}: the index payload is cut short")
+    index = np.cumsum(gaps, dtype=np.int64)
+    if count and int(index[-1]) >= entry.numel:
+        raise DeltaFormatError(f"{entry.name}: an index lies past the tensor's {entry.numel} elements")
+    return index, values.copy()
 
 
 def decode_full(entry: TensorEntry, payload: Payload, dtype: torch.dtype) -> torch.Tensor:
