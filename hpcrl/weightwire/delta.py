@@ -144,14 +144,15 @@ def encode(old: np.ndarray | None, new: np.ndarray) -> tuple[str, Payload, int]:
         raise ValueError(
             f"the previous version holds {old.dtype}{list(old.shape)}, this one {new.dtype}{list(new.shape)}"
         )
-    diff = np.bitwise_xor(old, new)
-    changed = int(np.count_nonzero(diff))
+    differs = np.not_equal(old, new)
+    changed = int(np.count_nonzero(differs))
     if changed == 0:
         return "same", b"", 0
     if changed >= INDEX_SHARE * new.size or new.size >= 2**32:
-        return "xor", _compress(diff.data.cast("B")), changed
-    index = np.flatnonzero(diff != 0)  # on booleans: twice as fast as on the integers
-    del diff
+        del differs
+        return "xor", _compress(np.bitwise_xor(old, new).data.cast("B")), changed
+    index = np.flatnonzero(differs)  # on booleans: twice as fast as on the integers
+    del differs
     gaps = np.diff(index, prepend=0).astype(np.uint32)
     return "index", _compress(gaps.tobytes() + new[index].tobytes()), changed
 
