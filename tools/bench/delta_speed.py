@@ -11,7 +11,8 @@ and goes out as a delta. Both are written by the real transport (hpcrl/sync/disk
 directory and applied by the embedded engine's loader (hpcrl/engine/embedded/delta_load.py) to CPU tensors: the
 snapshot by a fresh loader, the delta by one that holds version 1; the result is checked to equal version 2 bit
 for bit. `--before REF` runs the same measurement with the hpcrl of git revision REF (in a subprocess, from
-`git archive`) first, for a before/after table in one run. Takes about 2 minutes with --layers 4 on 2 idle cores.
+`git archive`) first, for a before/after table in one run. On 2 idle cores the full shape takes about 1.5
+minutes, 6 with `--before main` (fewer `--layers`: less).
 """
 
 from __future__ import annotations
