@@ -191,10 +191,11 @@ class DiskDeltaTransport(Transport):
             for name, _ in bucket:
                 if "delta" in kinds and name not in self.prev:
                     raise DiskDeltaError(f"weight {name!r} was not in version {self.prev_version}")
-            # A device tensor is copied out here, on the caller's stream (a pool thread's stream would not wait
-            # for the kernels that produced it); a CPU one is copied on the pool (its bits alias the trainer's).
+            # The bits are read here, on the caller's stream (a pool thread's stream would not wait for the kernels
+            # that produced a device tensor); a CPU tensor's bits alias the trainer's storage and are copied on the
+            # pool.
             jobs = [
-                self._pool.submit(self._encode, name, tensor if tensor.device.type == "cpu" else bits(tensor), kinds)
+                self._pool.submit(self._encode, name, bits(tensor), tensor.device.type != "cpu", kinds)
                 for name, tensor in bucket
             ]
             for (name, tensor), job in zip(bucket, jobs, strict=True):
@@ -212,11 +213,12 @@ class DiskDeltaTransport(Transport):
         self._write_s += time.perf_counter() - t0
 
     def _encode(
-        self, name: str, source: torch.Tensor | np.ndarray, kinds: list[str]
+        self, name: str, new: np.ndarray, private: bool, kinds: list[str]
     ) -> tuple[np.ndarray, int, list[tuple[str, Payload, int]]]:
-        """A tensor's bits (a CPU tensor, or a device tensor's bits already copied out), their CRC and its payload
-        per file being written (on a pool thread)."""
-        new = bits(source).copy() if isinstance(source, torch.Tensor) else source
+        """A tensor's bits (`private`: already a copy of their own), their CRC and its payload per file being
+        written (on a pool thread)."""
+        if not private:
+            new = new.copy()
         return new, crc32(new), [encode(self.prev[name] if kind == "delta" else None, new) for kind in kinds]
 
     def finish(self, version: int) -> None:
