@@ -5,9 +5,11 @@ For clusters where the trainer and the engines share no NCCL, gloo or MPI path (
 a file system. Per push:
   begin(v)       the first push of this process (a fresh run, a resume) removes versions >= v and leftovers of a
                  writer killed midway: they belong to a trajectory this process does not continue
-  send(bucket)   per tensor, its bits against the last pushed version's (kept on the CPU): the smaller of XOR and
-                 index+value encodings, zlib-compressed, CRC-checked; every sync.snapshot_every versions (and on
-                 the first push) also the whole tensor, for engines that start, restart or find a delta corrupt
+  send(bucket)   per tensor, its bits against the last pushed version's (kept on the CPU): XOR or index+value
+                 encoding (whichever the changed share makes smaller), zlib-compressed, CRC-checked; every
+                 sync.snapshot_every versions (and on the first push) also the whole tensor, uncompressed, for
+                 engines that start, restart or find a delta corrupt. A bucket's tensors are encoded on threads
+                 (zlib and numpy release the GIL) and written in order
   finish(v)      data files fsynced and renamed, then each manifest, written last and atomically; older
                  snapshots beyond sync.keep_snapshots and the deltas they cover are removed; then every engine is
                  asked to load the manifest (`/update_weights_from_delta`). An engine that fails to (a corrupt
@@ -25,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,6 +41,7 @@ from hpcrl.sync.transport import Transport, TransportContext
 from hpcrl.weightwire.buckets import Bucket
 from hpcrl.weightwire.delta import (
     Manifest,
+    Payload,
     TensorEntry,
     bits,
     crc32,
@@ -47,6 +51,9 @@ from hpcrl.weightwire.delta import (
     parse_manifest_name,
     published,
 )
+
+RAW_ALIGN = 64
+ENCODE_THREADS = min(8, os.cpu_count() or 1)
 
 
 class DiskDeltaError(RuntimeError):
@@ -66,15 +73,23 @@ class VersionFile:
         self._fd = _create(self.tmp)
 
     def add(
-        self, name: str, dtype: str, shape: list[int], encoding: str, payload: bytes, result: int, changed: int
+        self, name: str, dtype: str, shape: list[int], encoding: str, payload: Payload, result: int, changed: int
     ) -> None:
+        view = memoryview(payload).cast("B")
+        if encoding == "raw" and self.offset % RAW_ALIGN:  # readers use raw bits in place: keep them aligned
+            pad = RAW_ALIGN - self.offset % RAW_ALIGN
+            self._write(memoryview(bytes(pad)))
+            self.offset += pad
+        checksum = result if encoding == "raw" else crc32(view)  # raw bits are the result: one CRC for both
         self.entries.append(
-            TensorEntry(name, dtype, shape, encoding, self.offset, len(payload), crc32(payload), result, changed)
+            TensorEntry(name, dtype, shape, encoding, self.offset, len(view), checksum, result, changed)
         )
-        view = memoryview(payload)
+        self._write(view)
+        self.offset += len(view)
+
+    def _write(self, view: memoryview) -> None:
         while view:
             view = view[os.write(self._fd, view) :]
-        self.offset += len(payload)
 
     def commit(self) -> Path:
         os.fsync(self._fd)
@@ -129,6 +144,7 @@ class DiskDeltaTransport(Transport):
         self._changed = self._numel = 0
         self._write_s = 0.0
         self._metrics: dict[str, float] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def connect(self) -> None:
         if self.directory.is_symlink():
@@ -165,15 +181,23 @@ class DiskDeltaTransport(Transport):
             return
         t0 = time.perf_counter()
         try:
-            for name, tensor in bucket:
-                new = bits(tensor).copy()  # a CPU tensor's bits alias the trainer's storage
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="disk-delta")
+            kinds = [file.kind for file in self.files]
+            for name, _ in bucket:
+                if "delta" in kinds and name not in self.prev:
+                    raise DiskDeltaError(f"weight {name!r} was not in version {self.prev_version}")
+            # The bits are read here, on the caller's stream (a pool thread's stream would not wait for the kernels
+            # that produced a device tensor); a CPU tensor's bits alias the trainer's storage and are copied on the
+            # pool.
+            jobs = [
+                self._pool.submit(self._encode, name, bits(tensor), tensor.device.type != "cpu", kinds)
+                for name, tensor in bucket
+            ]
+            for (name, tensor), job in zip(bucket, jobs, strict=True):
+                new, result, encoded = job.result()  # in bucket order: the data file's layout is deterministic
                 dtype = str(tensor.dtype).removeprefix("torch.")
-                result = crc32(new)
-                for file in self.files:
-                    old = self.prev.get(name) if file.kind == "delta" else None
-                    if file.kind == "delta" and old is None:
-                        raise DiskDeltaError(f"weight {name!r} was not in version {self.prev_version}")
-                    encoding, payload, changed = encode(old, new)
+                for file, (encoding, payload, changed) in zip(self.files, encoded, strict=True):
                     file.add(name, dtype, list(tensor.shape), encoding, payload, result, changed)
                     if file.kind == "delta":
                         self._changed += changed
@@ -183,6 +207,15 @@ class DiskDeltaTransport(Transport):
         except Exception as exc:
             self._fail(self.files[0].version, exc)
         self._write_s += time.perf_counter() - t0
+
+    def _encode(
+        self, name: str, new: np.ndarray, private: bool, kinds: list[str]
+    ) -> tuple[np.ndarray, int, list[tuple[str, Payload, int]]]:
+        """A tensor's bits (`private`: already a copy of their own), their CRC and its payload per file being
+        written (on a pool thread)."""
+        if not private:
+            new = new.copy()
+        return new, crc32(new), [encode(self.prev[name] if kind == "delta" else None, new) for kind in kinds]
 
     def finish(self, version: int) -> None:
         t0 = time.perf_counter()
@@ -224,6 +257,9 @@ class DiskDeltaTransport(Transport):
         return dict(self._metrics)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for file in self.files:
             file.abort()
         self.files = []

@@ -331,3 +331,44 @@ def test_a_quickstart_run_over_disk_delta_clears_a_killed_writers_leftovers_and_
     assert share[0] == 1.0 and ((0 <= share[1:]) & (share[1:] < 1)).all()
     assert (metrics["sync/delta_bytes"][1:] < metrics["sync/bytes"][1:]).all()
     assert (metrics["sync/engine_apply_s"] > 0).all() and (metrics["sync/delta_write_s"] > 0).all()
+
+
+def test_encodings_follow_the_changed_share_and_a_snapshot_is_checked_whether_raw_or_compressed(
+    tmp_path: Path,
+) -> None:
+    import zlib
+
+    from hpcrl.sync.disk_delta import VersionFile
+    from hpcrl.weightwire.delta import INDEX_SHARE, bits, crc32, encode, read_manifest, read_payloads
+
+    gen = torch.Generator().manual_seed(0)
+    old = (torch.randn(4099, 64, generator=gen) * 0.02).to(torch.bfloat16)
+    params = {"w": torch.zeros_like(old)}
+    for share, want in ((INDEX_SHARE / 4, "index"), (INDEX_SHARE * 4, "xor")):
+        step = (torch.rand(old.shape, generator=gen) < share).to(torch.int16)
+        new = (old.view(torch.int16) + step).view(torch.bfloat16)
+        encoding, _, changed = encode(bits(old), bits(new))
+        assert (encoding, changed) == (want, int(step.sum()))
+    assert encode(None, bits(old))[0] == "raw"
+
+    # A raw snapshot (what the transport writes) and a zlib one (what earlier writers wrote) load bit for bit.
+    for version, encoding in ((1, "raw"), (2, "full")):
+        file = VersionFile(tmp_path, "snapshot", version, None)
+        payload = bits(old).tobytes() if encoding == "raw" else zlib.compress(bits(old).tobytes())
+        file.add("w", "bfloat16", list(old.shape), encoding, payload, crc32(bits(old)), old.numel())
+        file.commit()
+        params["w"].zero_()
+        DeltaLoader().load(params, tmp_path / f"snapshot-0000000{version}.json")
+        assert torch.equal(params["w"].view(torch.int16), old.view(torch.int16)), encoding
+
+    # One flipped bit in a raw snapshot: refused before anything is written.
+    data = tmp_path / "snapshot-00000001.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data.write_bytes(bytes(raw))
+    params["w"].zero_()
+    with pytest.raises(DeltaFormatError, match="fails its checksum"):
+        DeltaLoader().load(params, tmp_path / "snapshot-00000001.json")
+    assert not params["w"].view(torch.int16).any()
+    with pytest.raises(DeltaFormatError, match="fails its checksum"):
+        read_payloads(tmp_path / "snapshot-00000001.json", read_manifest(tmp_path / "snapshot-00000001.json"))

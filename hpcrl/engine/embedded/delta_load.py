@@ -9,13 +9,18 @@ Plan for a request naming version t:
 Before a version is written into the model every payload's checksum is checked (a corrupt delta is never applied,
 not even in part), and the engine's version is forgotten while it writes: if a tensor's result then fails its
 checksum, or anything breaks midway, the next request rebuilds from a snapshot instead of patching an unknown
-state. Everything here runs on the scheduler thread, between forward passes (the engine is paused for a push).
+state. Everything here runs on the scheduler thread, between forward passes (the engine is paused for a push);
+the CPU work (decoding patches ahead of the one being written, the results' checksums) runs on a few pool threads
+meanwhile, zlib and numpy releasing the GIL. An "xor" patch is applied with the `xor` strategy over the whole
+tensor; an "index" one writes the changed elements' new bits at their indices (the same bits, in O(changed)).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +29,15 @@ import torch
 from hpcrl.engine.embedded import apply
 from hpcrl.weightwire.delta import (
     DeltaFormatError,
+    IndexPatch,
     Manifest,
+    TensorEntry,
+    XorPatch,
     bits,
     bits_dtype,
     crc32,
     decode_full,
-    decode_xor,
+    decode_patch,
     manifest_name,
     parse_manifest_name,
     published,
@@ -105,21 +113,51 @@ class DeltaLoader:
                 replace.apply(params, [(entry.name, tensor)])
         else:
             xor = apply.strategy("xor")
-            for entry in manifest.tensors:
-                if entry.encoding == "same":
-                    continue
-                param = params[entry.name]
-                flat = param.detach().view(bits_dtype(param.dtype)).view(-1)
-                patch = decode_xor(entry, payloads[entry.name], flat)
-                xor.apply(params, [(entry.name, patch.view(param.dtype).view(param.shape))])
-                if crc32(bits(param)) != entry.result_crc32:
-                    raise DeltaFormatError(
-                        f"{path}: {entry.name!r} differs from the trainer's after the patch (this engine's "
-                        f"version {manifest.base_version} was not the trainer's); the next update rebuilds from a "
-                        "snapshot"
-                    )
+            entries = [e for e in manifest.tensors if e.encoding != "same"]
+            with ThreadPoolExecutor(THREADS, thread_name_prefix="delta-load") as pool:
+                checks: list[tuple[TensorEntry, Future[int]]] = []
+                for entry, patch in _ahead(pool, entries, payloads, params):
+                    param = params[entry.name]
+                    if isinstance(patch, tuple):  # the changed elements' new bits, written where they go
+                        flat = param.detach().view(bits_dtype(param.dtype)).view(-1)
+                        index, values = (torch.from_numpy(a).to(param.device) for a in patch)
+                        with torch.no_grad():
+                            flat.index_copy_(0, index, values)
+                    else:
+                        xor_bits = torch.from_numpy(patch).view(param.dtype).view(param.shape)
+                        xor.apply(params, [(entry.name, xor_bits)])
+                    # The bits are read here, on the scheduler's stream; only their CRC runs on the pool.
+                    checks.append((entry, pool.submit(crc32, bits(param))))
+                for entry, check in checks:
+                    if check.result() != entry.result_crc32:
+                        raise DeltaFormatError(
+                            f"{path}: {entry.name!r} differs from the trainer's after the patch (this engine's "
+                            f"version {manifest.base_version} was not the trainer's); the next update rebuilds "
+                            "from a snapshot"
+                        )
         self.applied = manifest.version
         return manifest.data_bytes
+
+
+THREADS = min(8, os.cpu_count() or 1)
+
+
+def _ahead(
+    pool: ThreadPoolExecutor,
+    entries: list[TensorEntry],
+    payloads: Mapping[str, memoryview],
+    params: Mapping[str, torch.Tensor],
+) -> Iterator[tuple[TensorEntry, XorPatch | IndexPatch]]:
+    """Each entry with its decoded patch, in order, decoding up to THREADS entries ahead (so that at most that many
+    patches are in memory at once)."""
+    pending: list[tuple[TensorEntry, Future[XorPatch | IndexPatch]]] = []
+    for entry in entries:
+        pending.append((entry, pool.submit(decode_patch, entry, payloads[entry.name], params[entry.name].dtype)))
+        if len(pending) > THREADS:
+            done, job = pending.pop(0)
+            yield done, job.result()
+    for done, job in pending:
+        yield done, job.result()
 
 
 def _check_names(params: Mapping[str, torch.Tensor], manifest: Manifest, path: Path) -> None:
