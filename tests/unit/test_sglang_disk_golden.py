@@ -6,11 +6,9 @@ has SGLang load it with `/update_weights_from_disk`, replayed against what SGLan
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +26,7 @@ from hpcrl.sync.errors import WeightSyncError
 from hpcrl.sync.transport import TransportContext
 from hpcrl.weightwire.buckets import buckets
 from tests.unit.test_disk_delta import Trainer
-from tests.unit.test_sglang_golden import RECORDED_DIR, _Replay
+from tests.unit.test_sglang_golden import RECORDED_DIR, _Replay, recorded_case, serving
 
 DISK_DIR = RECORDED_DIR / "disk"
 RECORD_HINT = (
@@ -38,16 +36,7 @@ RECORD_HINT = (
 
 
 def load_case(name: str) -> dict[str, Any]:
-    path = DISK_DIR / f"{name}.json"
-    assert path.is_file(), f"{path} is missing; {RECORD_HINT}"
-    case = json.loads(path.read_text())
-    assert case["format"] == 1 and case["case"] == name and case["engine"] == "sglang"
-    assert case["recorded"] is True, (
-        f"{path} is not a recording yet (written by hand from SGLang 0.5.16's source); {RECORD_HINT}"
-    )
-    assert str(case["version"]).startswith("0.5.16"), f"{path} was recorded with SGLang {case['version']}"
-    assert not case["problems"], f"{path}: the recorder reported {case['problems']}; re-record"
-    return case
+    return recorded_case("disk", name, RECORD_HINT)
 
 
 def exchange(case: dict[str, Any], label: str) -> dict[str, Any]:
@@ -62,11 +51,8 @@ def logprobs(case: dict[str, Any], label: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def replay() -> Iterator[_Replay]:
-    server = _Replay()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ tests at another recording (e.g. of a newer SGLang, made with tools/gpu/record_s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -193,13 +194,34 @@ class _ReplayHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-@pytest.fixture(scope="module")
-def replay() -> Iterator[_Replay]:
+@contextlib.contextmanager
+def serving() -> Iterator[_Replay]:
+    """A replay server answering on loopback until the block ends (the other recordings' tests use it too)."""
     server = _Replay()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def recorded_case(topic: str, name: str, hint: str) -> dict[str, Any]:
+    """One case of tests/golden/sglang-0.5.16/<topic>/, checked to be a clean recording of SGLang 0.5.16."""
+    path = RECORDED_DIR / topic / f"{name}.json"
+    assert path.is_file(), f"{path} is missing; {hint}"
+    case = json.loads(path.read_text())
+    assert case["format"] == 1 and case["case"] == name and case["engine"] == "sglang"
+    assert case["recorded"] is True, f"{path} is not a recording of SGLang yet; {hint}"
+    assert str(case["version"]).startswith("0.5.16"), f"{path} was recorded with SGLang {case['version']}"
+    assert not case["problems"], f"{path}: the recorder reported {case['problems']}; re-record"
+    return case
+
+
+@pytest.fixture(scope="module")
+def replay() -> Iterator[_Replay]:
+    with serving() as server:
+        yield server
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ that entry, so every response token gets a float."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from hpcrl.engine.protocol.answers import GenerateResult, input_token_logprobs, 
 from hpcrl.engine.protocol.requests import GenerateRequest
 from hpcrl.rollout.teacher import Teacher
 from hpcrl.samples.sample import Example, Group, Sample
-from tests.unit.test_sglang_golden import _Replay
+from tests.unit.test_sglang_golden import _Replay, recorded_case, serving
 from tests.unit.test_sglang_golden import load_case as load_main_case
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "sglang-0.5.16" / "distill"
@@ -35,14 +34,7 @@ RECORD_HINT = (
 
 
 def load_case(name: str) -> dict[str, Any]:
-    path = GOLDEN / f"{name}.json"
-    assert path.is_file(), f"{path} is missing; {RECORD_HINT}"
-    case = json.loads(path.read_text())
-    assert case["format"] == 1 and case["case"] == name and case["engine"] == "sglang"
-    assert case["recorded"] is True, f"{path} is not a recording of SGLang yet; {RECORD_HINT}"
-    assert str(case["version"]).startswith("0.5.16"), f"{path} was recorded with SGLang {case['version']}"
-    assert not case["problems"], f"{path}: the recorder reported {case['problems']}; re-record"
-    return case
+    return recorded_case("distill", name, RECORD_HINT)
 
 
 def teacher_exchange(case: dict[str, Any]) -> dict[str, Any]:
@@ -52,11 +44,8 @@ def teacher_exchange(case: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def replay() -> Iterator[_Replay]:
-    server = _Replay()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving() as server:
+        yield server
 
 
 def _url(replay: _Replay) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from hpcrl.engine.errors import EngineRequestError
-from tests.unit.test_sglang_golden import _Replay
+from tests.unit.test_sglang_golden import _Replay, recorded_case, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA_DIR = ROOT / "tests" / "golden" / "sglang-0.5.16" / "lora"
@@ -48,21 +47,13 @@ SGLangAdapters = _load_client().SGLangAdapters
 
 
 def load_case(name: str) -> dict[str, Any]:
-    path = LORA_DIR / f"{name}.json"
-    assert path.is_file(), f"{path.relative_to(ROOT)} is missing; {HINT}"
-    case = json.loads(path.read_text())
-    assert case.get("recorded") is True, f"{path.relative_to(ROOT)} is not a recording of SGLang yet; {HINT}"
-    assert not case["problems"], f"{path.relative_to(ROOT)} was recorded with problems {case['problems']}; {HINT}"
-    return case
+    return recorded_case("lora", name, HINT)
 
 
 @pytest.fixture(scope="module")
 def replay() -> Iterator[_Replay]:
-    server = _Replay()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving() as server:
+        yield server
 
 
 def _adapters(replay: _Replay, case: dict[str, Any]) -> Any:
