@@ -21,13 +21,8 @@ from tests.unit.fsdp_ranks import config, fixed_batch, pushed
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("no_tf32"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32() -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def test_fsdp2_on_cuda_takes_ddps_steps(tiny_model_dir: Path) -> None:

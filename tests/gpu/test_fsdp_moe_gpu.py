@@ -23,13 +23,8 @@ from tests.unit.test_fsdp_moe import SPEC
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("no_tf32"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32() -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def test_fsdp2_trains_moe_on_cuda_as_ddp(tmp_path: Path) -> None:
