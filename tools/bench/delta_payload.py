@@ -90,11 +90,9 @@ def two_versions(
     return before, after
 
 
-def measure(shape_name: str, lr: float, steps: int, directory: Path) -> dict[str, float]:
-    shapes = parameter_shapes(SHAPES[shape_name])
-    t0 = time.perf_counter()
-    v1, v2 = two_versions(shapes, lr, steps, seed=0)
-    train_s = time.perf_counter() - t0
+def delta_transport(directory: Path) -> tuple[DiskDeltaTransport, int]:
+    """The real disk-delta transport writing into `directory`, connected, with no engine to tell (the caller applies
+    the versions itself); and its bucket size in bytes."""
     cfg = SyncConfig(transport="disk_delta", delta_dir=str(directory), snapshot_every=1000)
     ctx = TransportContext(
         cfg=cfg, engines=[], device=torch.device("cpu"), pool=ThreadPoolExecutor(1), each=lambda fn, what: [],
@@ -102,7 +100,15 @@ def measure(shape_name: str, lr: float, steps: int, directory: Path) -> dict[str
     )  # fmt: skip
     transport = DiskDeltaTransport(ctx)
     transport.connect()
-    bucket_bytes = int(cfg.bucket_mb * 2**20)
+    return transport, int(cfg.bucket_mb * 2**20)
+
+
+def measure(shape_name: str, lr: float, steps: int, directory: Path) -> dict[str, float]:
+    shapes = parameter_shapes(SHAPES[shape_name])
+    t0 = time.perf_counter()
+    v1, v2 = two_versions(shapes, lr, steps, seed=0)
+    train_s = time.perf_counter() - t0
+    transport, bucket_bytes = delta_transport(directory)
     for version, named in ((1, v1), (2, v2)):
         transport.begin(version)
         for bucket in buckets(named, bucket_bytes):

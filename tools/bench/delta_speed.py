@@ -26,7 +26,6 @@ import sys
 import tarfile
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,22 +55,16 @@ def make_versions(layers: int, share: float, seed: int) -> tuple[list[tuple[str,
     return v1, v2
 
 
-def _fsynced(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def baselines(named: list[tuple[str, torch.Tensor]], directory: Path) -> dict[str, float]:
     from safetensors.torch import load_file, save_file
+
+    from hpcrl.store.direct_io import fsync_path
 
     tensors = dict(named)
     out: dict[str, float] = {}
     t0 = time.perf_counter()
     torch.save(tensors, directory / "w.pt")
-    _fsynced(directory / "w.pt")
+    fsync_path(directory / "w.pt")
     out["torch_save_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sum(t.sum().item() for t in torch.load(directory / "w.pt").values())
@@ -79,7 +72,7 @@ def baselines(named: list[tuple[str, torch.Tensor]], directory: Path) -> dict[st
     (directory / "w.pt").unlink()
     t0 = time.perf_counter()
     save_file(tensors, str(directory / "w.safetensors"))
-    _fsynced(directory / "w.safetensors")
+    fsync_path(directory / "w.safetensors")
     out["safetensors_save_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sum(t.sum().item() for t in load_file(str(directory / "w.safetensors")).values())  # read it all (mmap)
@@ -90,10 +83,12 @@ def baselines(named: list[tuple[str, torch.Tensor]], directory: Path) -> dict[st
 
 def measure(layers: int, share: float, directory: Path, with_baselines: bool) -> dict[str, float]:
     from hpcrl.engine.embedded.delta_load import DeltaLoader
-    from hpcrl.sync.config import SyncConfig
-    from hpcrl.sync.disk_delta import DiskDeltaTransport
-    from hpcrl.sync.transport import TransportContext
     from hpcrl.weightwire.buckets import buckets
+
+    # isort: split
+    # After hpcrl, whose package (under --before the revision's, first on PYTHONPATH) is then the one delta_payload's
+    # transport imports from, although delta_payload puts this checkout on the path.
+    from delta_payload import delta_transport
 
     v1, v2 = make_versions(layers, share, seed=0)
     out: dict[str, float] = {
@@ -102,16 +97,10 @@ def measure(layers: int, share: float, directory: Path, with_baselines: bool) ->
     }
     if with_baselines:
         out.update(baselines(v1, directory))
-    cfg = SyncConfig(transport="disk_delta", delta_dir=str(directory), snapshot_every=1000)
-    ctx = TransportContext(
-        cfg=cfg, engines=[], device=torch.device("cpu"), pool=ThreadPoolExecutor(1), each=lambda fn, what: [],
-        engine_kind="embedded", engine_tp_size=1,
-    )  # fmt: skip
-    transport = DiskDeltaTransport(ctx)
-    transport.connect()
+    transport, bucket_bytes = delta_transport(directory)
     for version, named, key in ((1, v1, "snapshot"), (2, v2, "delta")):
         transport.begin(version)
-        for bucket in buckets(named, int(cfg.bucket_mb * 2**20)):
+        for bucket in buckets(named, bucket_bytes):
             transport.send(bucket)
         transport.finish(version)
         metrics = transport.metrics()
