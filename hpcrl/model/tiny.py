@@ -120,11 +120,8 @@ def qwen3_config(dims: Any, *, vocab_size: int, eos_id: int, pad_id: int) -> Any
 
 
 def qwen3_moe_config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int, pad_id: int) -> Any:
-    """A transformers Qwen3MoeConfig (untied embeddings, every layer sparse) for `spec`.
-
-    Untied as every published Qwen3-MoE checkpoint is: SGLang 0.5.16's Qwen3MoeForCausalLM never ties its head to the
-    embeddings, so a tied checkpoint (which stores no lm_head.weight) is served with an unloaded head, whose logits
-    are all equal (every log-prob -ln(vocab), tokens drawn uniformly) while the routes stay right."""
+    """A transformers Qwen3MoeConfig (untied embeddings, every layer sparse) for `spec`: untied as every published
+    Qwen3-MoE checkpoint is, and as SGLang needs (engine/sglang.py, check_sglang_loads_head, says why)."""
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
