@@ -288,7 +288,9 @@ def section_quickstart(workdir: Path, out: Path, steps: int) -> dict[str, Any]:
     def one(name: str, args: list[str]) -> None:
         run_dir = workdir / f"quickstart-lora-{name}"
         t0 = time.monotonic()
-        rc = hpcrl_run([*args, "--run-dir", str(run_dir)], out / f"quickstart_lora_{name}.log", 330)
+        rc = hpcrl_run(
+            [*args, "--run-dir", str(run_dir)], out / f"quickstart_lora_{name}.log", float("inf")
+        )  # up to --budget-s
         results[name] = {"rc": rc, "seconds": time.monotonic() - t0, **run_metrics(run_dir)}
 
     threads = [threading.Thread(target=one, args=item) for item in variants.items()]

@@ -8,6 +8,8 @@
 # fsdp:   tools/gpu/fsdp_mfu.py: the Qwen3-4B shape (DDP against FSDP2, with and without activation checkpointing,
 #         defaults against every lever), then the Qwen3-8B shape that DDP cannot hold, with FSDP2 + offload
 # lora, moe, delta, opd: tools/gpu/{lora,moe,delta,opd}_gpu.py --out $OUT/<section> $LORA_ARGS (MOE_ARGS, ...)
+# moeprof: tools/gpu/moe_decode_profile.py after moe (on the model moe_gpu.py built)
+# pytest: pytest tests/gpu $PYTEST_ARGS (default: all of tests/gpu), bounded by SECTION_S
 # RECORD_S and SECTION_S (default 400 each) bound the recorders and those scripts; RECORD_TOPICS picks recorders.
 # Sections run at once where they can share the GPU (the recorders' servers are tiny); fsdp's timings are the
 # GPU's share left by the others, which the report states. Everything lands in $OUT/results.tgz and $OUT/summary.log.
@@ -38,10 +40,21 @@ for section in lora moe delta opd; do
     args_var=${section^^}_ARGS  # e.g. LORA_ARGS="--sections push,sglang"
     ( timeout ${SECTION_S:-400} python3 tools/gpu/${section}_gpu.py --out "$WORK/$section" ${!args_var:-} \
         > "$WORK/$section.log" 2>&1
-      echo "$section exit $?" >> "$WORK/$section.log" ) &
+      echo "$section exit $?" >> "$WORK/$section.log"
+      if [[ $section == moe && $SECTIONS == *moeprof* ]]; then
+        timeout 200 python3 tools/gpu/moe_decode_profile.py --out "$WORK/moeprof" > "$WORK/moeprof.log" 2>&1
+        echo "moeprof exit $?" >> "$WORK/moeprof.log"
+      fi ) &
     pids+=($!)
   fi
 done
+if [[ $SECTIONS == *pytest* ]]; then
+  # addopts name pytest-timeout, which the GPU machine lacks; the section's timeout bounds the run instead.
+  ( timeout ${SECTION_S:-400} python3 -m pytest -q -o addopts="" -ra -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu} \
+      > "$WORK/pytest.log" 2>&1
+    echo "pytest exit $?" >> "$WORK/pytest.log" ) &
+  pids+=($!)
+fi
 if [[ $SECTIONS == *fsdp* ]]; then
   timeout 200 python3 tools/gpu/fsdp_mfu.py --shape qwen3-4b --steps 4 --timeout-s 120 \
     --variants ddp+defaults fsdp2+ac fsdp2+ac+head+compile+mb8 2>&1 | tee "$WORK/fsdp_4b.txt"
