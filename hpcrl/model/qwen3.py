@@ -19,9 +19,13 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hpcrl.model.moe import MoeArgs, Routing, SparseMoeBlock
 from hpcrl.model.rope import RopeScaling, inv_freq, parse_rope_scaling
+
+_CACHED_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+"""SDPA kernels for attention over the K/V cache on CUDA: any but cuDNN's (see Attention.forward_cached)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,7 +374,14 @@ class Attention(nn.Module):
         _bits(k_rows)[rows, :, pos] = _bits(to_cache_dtype(k, k_rows.dtype)).transpose(1, 2)
         _bits(v_rows)[rows, :, pos] = _bits(to_cache_dtype(v, v_rows.dtype)).transpose(1, 2)
         keys, values = k_rows[:, :, :attn_len].to(q.dtype), v_rows[:, :, :attn_len].to(q.dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
+        if q.is_cuda:
+            # Every decode step attends to one more cached position, a key shape cuDNN's attention has not seen:
+            # it builds a new execution plan each time, 13 ms of host time per layer and step on an H100
+            # (benchmarks/moe-decode_h100_2026-12-06.md). The memory-efficient kernel takes the mask with no plan.
+            with sdpa_kernel(_CACHED_ATTENTION_BACKENDS):
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     @property

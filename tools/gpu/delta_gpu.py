@@ -21,9 +21,10 @@ Version 0 (the launch weights) is pushed first: it writes the first snapshot. Pe
 full bf16 payload), changed share, write seconds, the engine's apply seconds and the push's whole pause (pause
 to continue, `sync/seconds`). Checks: after the last delta push (before its tensor push) the embedded engine
 holds the trainer's bf16 weights bitwise (several tensors read back whole); the SGLang agent's copy (the
-safetensors file it had SGLang load) equals them bitwise (every tensor); SGLang's greedy log-probs after the delta
-load equal those after the tensor push of the same weights, and /get_weights_by_name (when 0.5.16 answers it for
-Qwen3) equals the trainer's values.
+safetensors file it had SGLang load) equals them bitwise (every tensor); SGLang's parameters read back with
+/get_weights_by_name (the first rows of PROBED) equal the trainer's after the delta load and after the tensor push;
+SGLang's greedy log-probs after the delta load (asked twice) equal those after the tensor push of the same weights
+(and, recorded, after the same directory is loaded from disk again).
 Writes delta_gpu.json and the servers' logs to --out; prints a results table; exits 1 when a check fails.
 `--cpu-smoke` runs the embedded half on a CPU with a small shape (28 layers of width 64; about 2 minutes on 2
 busy cores), which is how the script is checked without a GPU.
@@ -50,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from hpcrl.engine.client import EngineClient  # noqa: E402
 from hpcrl.sync.config import SyncConfig  # noqa: E402
+from hpcrl.sync.delta_agent import UPDATE_WEIGHTS_FROM_DISK  # noqa: E402
 from hpcrl.sync.push import WeightSync  # noqa: E402
 
 SGLANG_ARGS = (
@@ -90,6 +92,25 @@ def greedy_logprobs(url: str) -> list[float]:
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}, "return_logprob": True}
     reply = httpx.post(url + "/generate", json=body, timeout=120, trust_env=False).json()
     return [float(t[0]) for t in reply["meta_info"]["output_token_logprobs"]]
+
+
+PROBED = ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.27.mlp.down_proj.weight")
+"""SGLang parameters that /get_weights_by_name reads back for Qwen3 (q/k/v and gate/up are fused under other
+names there); their first rows, against the trainer's."""
+
+
+def sglang_weights_match(client: EngineClient, named: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Per probed name: True when SGLang's first 4 rows equal the trainer's bitwise, else the answer's error."""
+    out: dict[str, Any] = {}
+    for name in PROBED:
+        try:
+            got = torch.tensor(client.get_weights_by_name(name, truncate_size=4), dtype=torch.float64)
+        except Exception as exc:  # noqa: BLE001 - recorded as the answer
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        want = named[name][: got.shape[0]].float().cpu().double()
+        out[name] = bool(got.shape == want.shape and torch.equal(got, want))
+    return out
 
 
 def push_row(kind: str, lr: float, version: int, metrics: dict[str, float], full_bytes: int) -> dict[str, Any]:
@@ -239,24 +260,26 @@ def main() -> int:  # noqa: PLR0915 - one linear script, read top to bottom
                 results["checks"]["sglang agent copy bitwise"] = copy_same
                 if not copy_same:
                     failures.append("the SGLang agent's copy differs from the trainer's weights")
-                after_delta = greedy_logprobs(s_url)
-                try:  # 0.5.16 implements it for some model classes only
-                    probe: Any = s_client.get_weights_by_name("model.norm.weight", truncate_size=10**6)
-                except Exception as exc:  # noqa: BLE001 - recorded as the answer
-                    probe = f"{type(exc).__name__}: {exc}"
-                results["checks"]["sglang get_weights_by_name answer"] = str(probe)[:200]
-                if isinstance(probe, list) and probe and probe[0] is not None:
-                    got = torch.tensor(probe, dtype=torch.float64).flatten()
-                    same = bool(torch.equal(got, dict(named)["model.norm.weight"].float().flatten().cpu().double()))
-                    results["checks"]["sglang model.norm.weight via get_weights_by_name"] = same
-                    if not same:
-                        failures.append("SGLang's model.norm.weight differs from the trainer's after the delta load")
+                after_delta = [greedy_logprobs(s_url), greedy_logprobs(s_url)]  # twice: is one request repeatable?
+                probes = sglang_weights_match(s_client, dict(named))
+                results["checks"]["sglang weights after the delta load (first rows bitwise)"] = probes
+                if any(v is False for v in probes.values()):
+                    failures.append(f"SGLang's weights differ from the trainer's after the delta load: {probes}")
             results["rows"].append(push_row("sglang tensor", lr, version, s_tensor.push(named, version), full_bytes))
             if last:
                 after_tensor = greedy_logprobs(s_url)
-                same = after_delta == after_tensor
+                probes = sglang_weights_match(s_client, dict(named))
+                results["checks"]["sglang weights after the tensor push (first rows bitwise)"] = probes
+                if any(v is False for v in probes.values()):
+                    failures.append(f"SGLang's weights differ from the trainer's after the tensor push: {probes}")
+                # The same directory loaded again from disk: the disk path's numerics against the tensor path's.
+                again = {"model_path": str(agent_dir / f"v{version:08d}"), "load_format": "safetensors"}
+                s_client.call(UPDATE_WEIGHTS_FROM_DISK, {**again, "flush_cache": True})
+                after_disk_again = greedy_logprobs(s_url)
+                same = after_delta[0] == after_tensor
                 results["checks"]["sglang greedy logprobs delta == tensor push"] = same
-                results["checks"]["sglang logprobs"] = {"after_delta": after_delta, "after_tensor": after_tensor}
+                results["checks"]["sglang logprobs"] = {"after_delta": after_delta, "after_tensor": after_tensor,
+                                                        "after_disk_again": after_disk_again}  # fmt: skip
                 if not same:
                     failures.append("SGLang generates differently after the delta load than after the tensor push")
             print(f"version {version} (lr {lr:g}) pushed 4 ways", flush=True)
