@@ -187,7 +187,7 @@ class ContainerConfig:
     `--container-image` (Slurm's pyxis plugin with enroot)."""
     binds: tuple[str, ...] = ()
     """More host paths to see in the container, `SRC[:DST[:ro]]` (apptainer --bind, pyxis --container-mounts).
-    The run dir and the directory the script runs in are always bound."""
+    The run dir, the directory the script runs in and sync.delta_dir are bound without being listed."""
 
     def __post_init__(self) -> None:
         if not self.image.strip() or _CONTROL_RE.search(self.image):

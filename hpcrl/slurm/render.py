@@ -24,15 +24,12 @@ from pathlib import Path
 
 from hpcrl.config import ConfigError, dump_yaml
 from hpcrl.run_config import RunConfig
-from hpcrl.slurm.config import ContainerConfig, SlurmGroupConfig, normalize_sbatch_options
+from hpcrl.slurm.config import SlurmGroupConfig, normalize_sbatch_options
 from hpcrl.slurm.env import HET_GROUP_VAR
+from hpcrl.slurm.step_env import delta_weights_dir, environment_lines, import_check_lines, step_launch
 
 SbatchValue = str | int | bool
 """An `#SBATCH` option value; True renders a flag without a value."""
-
-# Exported in every step, always: NVLink multicast (NVLS) is not to be used on the project's GPU machines,
-# so NCCL, torch symmetric memory and NVSHMEM must not try it.
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 ENGINES_STOP_WAIT_S = 30
 # srun of Slurm 22.05's mpi/pmix plugin can hang after a failed het step has ended (pthread_join in
@@ -256,33 +253,6 @@ def job_log_dir(cfg: RunConfig, base_dir: str) -> str | None:
     return os.path.normpath(Path(base_dir) / Path(cfg.slurm.log_dir).expanduser())
 
 
-def check_container(cfg: RunConfig, base_dir: str) -> None:
-    """ConfigError when slurm.container names an image file that is not there (a registry reference is not
-    checked here: the nodes pull it)."""
-    container = cfg.slurm.container
-    if container is None or not container.is_file:
-        return
-    image = Path(base_dir) / Path(container.image).expanduser()
-    if not image.is_file():
-        make = (
-            "enroot import -o IMAGE.sqsh docker://REGISTRY#IMAGE"
-            if container.runtime == "pyxis"
-            else f"{container.runtime} build IMAGE.sif docker://IMAGE"
-        )
-        raise ConfigError(
-            f"slurm.container.image {container.image!r} does not exist ({image} is no file): build or pull it "
-            f"first ({make}), fix the path, or name a registry image ("
-            + ("nvcr.io#nvidia/pytorch:25.01-py3" if container.runtime == "pyxis" else "docker://...")
-            + ")"
-        )
-
-
-def _container_image(container: ContainerConfig, base_dir: str | None) -> str:
-    if container.is_file and base_dir is not None:
-        return os.path.normpath(Path(base_dir) / Path(container.image).expanduser())
-    return container.image
-
-
 # --------------------------------------------------------------------------------------------------
 # The batch shell
 
@@ -303,47 +273,27 @@ def batch_body(
     lookup at run time). role_command: a shell command that replaces `python -m hpcrl.cli role` (tests).
     base_dir: where a relative container image path starts (None: the current directory).
     """
-    slurm, q = cfg.slurm, shlex.quote
+    slurm = cfg.slurm
     mpi = cfg.sync.transport == "mpi"
     if _CONTROL_RE.search(run_dir):
         # sbatch drops a het script's empty lines and rejects \r\n: such a path would not survive.
         raise ConfigError(f"run dir {run_dir!r} contains control characters (a newline?); choose a plain path")
     base_dir = base_dir or os.getcwd()
-    check_container(cfg, base_dir)
     container = slurm.container
+    gpus = bool(slurm.trainer.gpus_per_node or (not slurm.colocate and slurm.engines.gpus_per_node))
     lines = ["# ---- hpcrl: environment of every step"]
-    lines += [f"RUN_DIR={q(run_dir)}"]
-    if slurm.modules:
-        lines += _module_lines(slurm.modules)
-    if slurm.setup:
-        lines += ["# slurm.setup (shell code from the config), before the Python environment", *slurm.setup]
-    if container is None:
-        lines += _python_lines(python if python is not None else slurm.python)
-    else:
-        lines += _container_lines(cfg, container, _container_image(container, base_dir))
-    lines += [f"export {name}={q(value)}" for name, value in (NVLS_OFF | dict(slurm.env)).items()]
+    lines += environment_lines(
+        cfg, run_dir, base_dir=base_dir, python=python, gpus=gpus, weights_dir=delta_weights_dir(cfg, base_dir)
+    )
     lines += [
         'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/engines" || { echo "hpcrl: cannot create $RUN_DIR" >&2; exit 1; }',
     ]
     if config_text is not None:
         lines += _config_heredoc(config_text)
-    # pyxis starts the container per srun step; apptainer wraps the command of the step.
-    in_container = '"${hpcrl_container[@]}" ' if container is not None and container.runtime != "pyxis" else ""
-    pyxis = ' "${hpcrl_pyxis[@]}"' if container is not None and container.runtime == "pyxis" else ""
+    launch = step_launch(container)
+    in_container, pyxis = launch.command_prefix, launch.srun_args
     if role_command is None:
-        if container is None:
-            lines += [
-                "# Fail here, readably, when the nodes' Python cannot import hpcrl (not in every rank's log).",
-                '"$HPCRL_PYTHON" -c "import hpcrl" || { echo "hpcrl: $HPCRL_PYTHON cannot import hpcrl; activate the '
-                'venv before sbatch or set slurm.python" >&2; exit 1; }',
-            ]
-        elif in_container:
-            lines += [
-                "# Fail here, readably, when the image's Python cannot import hpcrl (not in every rank's log).",
-                f'{in_container}"$HPCRL_PYTHON" -c "import hpcrl" || {{ echo "hpcrl: $HPCRL_PYTHON in the image '
-                'cannot import hpcrl; install hpcrl in the image, or set slurm.python to its interpreter" >&2; '
-                "exit 1; }",
-            ]
+        lines += import_check_lines(container)
         role = f'{in_container}"$HPCRL_PYTHON" -m hpcrl.cli role'
         if mpi:
             lines += [
@@ -475,60 +425,6 @@ def batch_body(
         'if [ -n "$hpcrl_signal" ]; then exit 0; fi',
     ]
     return lines
-
-
-def _module_lines(modules: Sequence[str]) -> list[str]:
-    names = " ".join(shlex.quote(m) for m in modules)
-    return [
-        "# slurm.modules, before the Python environment (a venv made with a module's Python needs it loaded).",
-        "# A non-login batch shell may lack the `module` function: source the usual init scripts first.",
-        "if ! type module >/dev/null 2>&1; then",
-        "  for hpcrl_init in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh /usr/share/lmod/lmod/init/bash; do",
-        '    if [ -r "$hpcrl_init" ]; then . "$hpcrl_init"; break; fi',
-        "  done",
-        "fi",
-        'type module >/dev/null 2>&1 || { echo "hpcrl: slurm.modules is set but this shell has no module command; '
-        "source your site's module init in slurm.setup, or load the modules before sbatch\" >&2; exit 1; }",
-        f'module load {names} || {{ echo "hpcrl: module load {names} failed (see above)" >&2; exit 1; }}',
-    ]
-
-
-def _container_lines(cfg: RunConfig, container: ContainerConfig, image: str) -> list[str]:
-    q = shlex.quote
-    python = cfg.slurm.python or "python3"
-    lines = [f"# slurm.container: every step runs in {_CONTROL_RE.sub(' ', image)} ({container.runtime}); hpcrl "
-             "comes from the image", f"HPCRL_PYTHON={q(python)}"]  # fmt: skip
-    if container.runtime == "pyxis":
-        # The run dir is mounted where the host has it, so that every path in the config means the same inside.
-        mounts = ",".join(['"$RUN_DIR:$RUN_DIR"', *(q(bind) for bind in container.binds)])
-        return lines + [
-            f'hpcrl_pyxis=(--container-image={q(image)} --container-mounts={mounts} --container-workdir="$PWD")'
-        ]
-    slurm = cfg.slurm
-    gpus = slurm.trainer.gpus_per_node or (not slurm.colocate and slurm.engines.gpus_per_node)
-    binds = " ".join(['--bind "$RUN_DIR"', *(f"--bind {q(bind)}" for bind in container.binds)])
-    return lines + [
-        f'command -v {container.runtime} >/dev/null || {{ echo "hpcrl: slurm.container.runtime={container.runtime} '
-        f'but this node has no {container.runtime} command (add its module to slurm.modules)" >&2; exit 1; }}',
-        # --nv: the host's NVIDIA driver inside; the working directory is Apptainer's default mount.
-        f"hpcrl_container=({container.runtime} exec{' --nv' if gpus else ''} {binds} {q(image)})",
-    ]
-
-
-def _python_lines(python: str) -> list[str]:
-    q = shlex.quote
-    if python.endswith("/activate"):
-        return [f"source {q(python)} || exit 1", "HPCRL_PYTHON=python"]
-    if python:
-        # The venv's bin on PATH too, for anything the roles start by name.
-        return [f"HPCRL_PYTHON={q(python)}", 'PATH="$(dirname "$HPCRL_PYTHON"):$PATH"']
-    return [
-        "# slurm.python is empty: the venv active at submission (sbatch exports the environment), else ./.venv",
-        'if [ -n "${VIRTUAL_ENV:-}" ]; then HPCRL_PYTHON="$VIRTUAL_ENV/bin/python"',
-        "elif [ -x .venv/bin/python ]; then HPCRL_PYTHON=.venv/bin/python",
-        "else HPCRL_PYTHON=python3; fi",
-        'PATH="$(dirname "$HPCRL_PYTHON"):$PATH"',
-    ]
 
 
 def _config_heredoc(config_text: str) -> list[str]:

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from hpcrl.cli import main
-from hpcrl.config import ConfigError, from_dict, load_yaml
+from hpcrl.config import ConfigError, dump_yaml, from_dict, load_yaml
 from hpcrl.run_config import RunConfig, load_run_config
 from hpcrl.slurm.cli import render_sbatch, sbatch_command_line
 from hpcrl.slurm.config import SlurmConfig
+from hpcrl.slurm.join_script import render_join_script
 from hpcrl.slurm.render import _config_heredoc, check_placement, directive_value, render_script
 from tests.support import (
     GOLDEN,
@@ -317,10 +318,106 @@ def test_pyxis_container_goes_to_every_srun(tmp_path: Path) -> None:
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     assert (
         "hpcrl_pyxis=(--container-image='nvcr.io#org/hpcrl:0.1' "
-        '--container-mounts="$RUN_DIR:$RUN_DIR",/data --container-workdir="$PWD")'
+        '--container-mounts="$PWD:$PWD","$RUN_DIR:$RUN_DIR",/data --container-workdir="$PWD")'
     ) in text
     steps = [line for line in text.splitlines() if line.startswith("OMP_NUM_THREADS=")]
     assert len(steps) == 2 and all(' srun "${hpcrl_pyxis[@]}" --het-group=' in s for s in steps)
+
+
+# Stand-ins for srun and the container runtimes: each logs what it was asked and runs the step's command on this
+# machine, so that a rendered script runs here as far as its steps.
+_FAKE_SRUN = """#!/bin/bash
+for a in "$@"; do case $a in --*) echo "srun $a" >> "$HPCRL_FAKE_LOG"; shift;; *) break;; esac; done
+exec "$@"
+"""
+_FAKE_APPTAINER = """#!/bin/bash
+echo "apptainer $1" >> "$HPCRL_FAKE_LOG"; shift
+while :; do
+  case $1 in --nv) echo "apptainer --nv" >> "$HPCRL_FAKE_LOG"; shift;;
+    --bind) echo "apptainer --bind $2" >> "$HPCRL_FAKE_LOG"; shift 2;;
+    *) echo "apptainer image $1" >> "$HPCRL_FAKE_LOG"; shift; break;; esac
+done
+exec "$@"
+"""
+_FAKE_PYTHON = """#!/bin/bash
+echo "python $* (in $PWD)" >> "$HPCRL_FAKE_LOG"
+"""
+
+
+def _container_run(tmp_path: Path, runtime: str) -> tuple[dict[str, Any], Path]:
+    """A started disk_delta run in a container, its weights in a directory of their own (sync.delta_dir)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", _FAKE_SRUN), ("apptainer", _FAKE_APPTAINER), ("python", _FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    image = "img/hpcrl.sif" if runtime == "apptainer" else "nvcr.io#org/hpcrl:0.1"
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "hpcrl.sif").write_bytes(b"SIF")
+    overrides = {
+        "engine.device": "cuda", "train.device": "cuda", "engine.num_engines": 2, "slurm.engines.gpus_per_node": 2,
+        "slurm.trainer.gpus_per_task": 1, "slurm.python": str(bin_dir / "python"),
+        "sync.transport": "disk_delta", "sync.delta_dir": "shared fs/weights",
+        "slurm.container": {"runtime": runtime, "image": image, "binds": ["/data:/data:ro"]},
+    }  # fmt: skip
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(make_config(overrides)))
+    return overrides, run_dir
+
+
+@pytest.mark.parametrize("runtime", ["apptainer", "pyxis"])
+def test_a_join_job_runs_its_engine_in_the_runs_image_with_the_runs_mounts(tmp_path: Path, runtime: str) -> None:
+    overrides, run_dir = _container_run(tmp_path, runtime)
+    run_script = render_script(make_config(overrides), "runs/t", base_dir=str(tmp_path))
+    join_script = render_join_script(Path("runs/t"), [], base_dir=str(tmp_path))
+    assert subprocess.run(["bash", "-n"], input=join_script, text=True).returncode == 0
+    # The join job enters the image exactly as the run's steps do: same image, same mounts.
+    setup = "hpcrl_container=(" if runtime == "apptainer" else "hpcrl_pyxis=("
+    (line,) = [x for x in join_script.splitlines() if x.startswith(setup)]
+    assert line in run_script.splitlines()
+    # Run here, with srun and the runtime standing in: `hpcrl engine join` (whose children are the engine and its
+    # disk-delta agent) runs in the image and sees the run dir, the job's directory and the weight directory.
+    log = tmp_path / "fake.log"
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HPCRL_FAKE_LOG": str(log), "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", "-c", join_script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    weights = tmp_path / "shared fs" / "weights"
+    assert weights.is_dir()  # created on the host: a mount's source must exist before the container starts
+    steps = log.read_text().splitlines()
+    assert steps[-1] == f"python -m hpcrl.cli engine join {run_dir} (in {tmp_path})"
+    if runtime == "apptainer":
+        check = steps.index("python -c import hpcrl (in " + str(tmp_path) + ")")  # the in-image import check
+        wrapped = ["apptainer exec", "apptainer --nv", f"apptainer --bind {run_dir}", f"apptainer --bind {weights}",
+                   "apptainer --bind /data:/data:ro", f"apptainer image {tmp_path / 'img' / 'hpcrl.sif'}"]  # fmt: skip
+        srun = ["srun --ntasks-per-node=1", "srun --cpus-per-task=1"]
+        assert steps[:check] == wrapped and steps[check + 1 : -1] == [*srun, *wrapped]
+    else:
+        mounts = f"{tmp_path}:{tmp_path},{run_dir}:{run_dir},{weights}:{weights},/data:/data:ro"
+        assert steps[:-1] == [
+            "srun --container-image=nvcr.io#org/hpcrl:0.1", f"srun --container-mounts={mounts}",
+            f"srun --container-workdir={tmp_path}", "srun --ntasks-per-node=1", "srun --cpus-per-task=1",
+        ]  # fmt: skip
+
+
+def test_a_join_job_refuses_a_missing_image_file_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _container_run(tmp_path, "apptainer")
+    (tmp_path / "img" / "hpcrl.sif").unlink()
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", "--engines-only", "--join", "runs/t", "-o", "join.sbatch"]) == 2
+    err = capsys.readouterr().err
+    assert "slurm.container.image 'img/hpcrl.sif' does not exist" in err and "apptainer build IMAGE.sif" in err
+    assert not (tmp_path / "join.sbatch").exists()
+
+
+def test_a_weight_directory_a_container_mount_cannot_carry_is_refused() -> None:
+    cfg = make_config(
+        {"sync.transport": "disk_delta", "sync.delta_dir": "/scratch/a:b", "slurm.container": {"image": "docker://x"}}
+    )
+    with pytest.raises(ConfigError, match=r"sync.delta_dir '/scratch/a:b' has a ',' or ':'.*without them"):
+        render_script(cfg, "runs/t", base_dir="/b")
 
 
 @pytest.mark.parametrize(
