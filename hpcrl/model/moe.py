@@ -120,15 +120,27 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Experts(nn.ModuleList):
-    """One sparse layer's experts (`mlp.experts.E.*`, a module list, so the parameter names stay the checkpoints'),
-    called as one module: FSDP2 shards them as a unit of their own (`train.parallelism: fsdp2`), gathered only
-    while they run."""
+class Experts(nn.Module):
+    """One sparse layer's experts (children named 0..E-1, so the parameter names stay the checkpoints'
+    `mlp.experts.E.*`), called as one module: FSDP2 shards them as a unit of their own (`train.parallelism:
+    fsdp2`), gathered only while they run. Not an nn.ModuleList: torch before 2.13 refuses to fully_shard any
+    ModuleList, also one with a forward of its own."""
 
     def __init__(self, hidden_size: int, moe: MoeArgs) -> None:
-        super().__init__(Expert(hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts))
+        super().__init__()
+        for e in range(moe.num_experts):
+            self.add_module(str(e), Expert(hidden_size, moe.moe_intermediate_size))
         self.num_experts = moe.num_experts
         self._stack_cache: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+
+    def __getitem__(self, e: int) -> Expert:
+        return cast(Expert, self._modules[str(e)])
+
+    def __iter__(self) -> Iterator[Expert]:
+        return (cast(Expert, m) for m in self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def forward(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each expert over the tokens routed to it: grouped GEMMs for bf16 on CUDA (`grouped_experts`), else the
@@ -156,7 +168,7 @@ class Experts(nn.ModuleList):
         """The experts' weights as grouped-GEMM operands: gate and up [E, hidden, 2I], down [E, I, hidden]. Stacked
         on every forward where autograd records (the gradients flow to each expert's parameters); kept between
         forwards under inference mode (the engine's decode) until a parameter is replaced or written in place."""
-        experts = cast(list[Expert], list(self))
+        experts = list(self)
         inference = torch.is_inference_mode_enabled()
         key = tuple(
             (p.data_ptr(), p._version)
