@@ -5,7 +5,8 @@ Per training step (colocated engines with `engine.offload_during_train`):
   publish(v):      1. resume `weights` (their contents are stale: SGLang's read as zeros until written)
                    2. restart dead engines (bounded), re-form the weight group over the live ones
                    3. push every weight (WeightSync, sync/push.py), in this order on every engine:
-                      a. pause_generation(mode)         every engine, before any weight moves
+                      a. pause_generation(mode)         every engine, before any weight moves; SGLang then
+                                                        flush_cache (its prefix cache holds the old weights' K/V)
                       b. transport.begin(v)             once (sync/transport.py: the transport's hooks)
                       c. transport.send(bucket)         per bucket (<= sync.bucket_mb), in order
                       d. transport.finish(v)            once; every engine now holds the new weights

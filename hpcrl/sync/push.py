@@ -43,6 +43,7 @@ class WeightSync:
             self.transport_name = "tensor" if colocated and device.type == "cuda" else "distributed"
         self.engines = list(engines)
         self.device = device
+        self.engine_kind = engine_kind
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="hpcrl-sync")
         # Same-host handover speaks each engine's own format: hpcrl's JSON (the embedded engine never
         # unpickles) or SGLang's pickled flattened bucket (a stock server exits on anything else).
@@ -83,6 +84,7 @@ class WeightSync:
         """Every weight in `named` to every engine as weight version `version`, which the engines then report."""
         t0 = time.perf_counter()
         self._each(lambda e: e.pause_generation(self.cfg.pause_mode), what="pause_generation")
+        flushed = self._flush_prefix_caches()
         t_paused = time.perf_counter()
         total = 0
         num_buckets = 0
@@ -109,7 +111,24 @@ class WeightSync:
             "sync/bytes": float(total),
             "sync/num_buckets": float(num_buckets),
         } | self.transport.metrics()
+        if flushed is not None:
+            self.last_metrics["sync/prefix_cache_flushed"] = flushed
         return self.last_metrics
+
+    def _flush_prefix_caches(self) -> float | None:
+        """Empty SGLang's prefix (radix) cache before the weights change; the share of engines that did.
+
+        SGLang keeps the K/V of finished requests across a weight update unless asked to drop it, and a later
+        prompt that shares a prefix with one of them (the chat template, a group's prompt, the next epoch's) is
+        then served from K/V the old weights computed. SGLang flushes only when no request runs or waits: in
+        async mode the requests `retract` moved back to the queue block it, and an engine left unflushed is
+        counted, not failed (its sampled log-probs are still those it sampled with). `in_place` keeps the paused
+        requests' K/V by design and is not flushed. The embedded engine keeps no prefix cache (None: nothing
+        to count)."""
+        if self.engine_kind != "sglang" or self.cfg.pause_mode == "in_place":
+            return None
+        done = self._each(lambda e: e.flush_cache(), what="flush_cache")
+        return sum(done) / len(done) if done else None
 
     def close(self) -> None:
         self.transport.close()

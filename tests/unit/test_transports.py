@@ -4,7 +4,10 @@ below both ends (the engine imports nothing of sync/, sync/ nothing of trainer/)
 from __future__ import annotations
 
 import ast
+import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,80 @@ def test_the_wire_format_sits_below_the_engine_and_sync(package: str, forbidden:
         for module, names in _hpcrl_imports(package).items()
     }
     assert not {m: names for m, names in bad.items() if names}, f"hpcrl/{package} imports {forbidden}"
+
+
+class NotSent(Recording):
+    """Recording, with nothing handed to the engine (a stand-in server has no weights to take)."""
+
+    def send(self, bucket: Bucket) -> None:
+        CALLS.append(("send", [name for name, _ in bucket]))
+
+
+class _StandInSGLang(BaseHTTPRequestHandler):
+    """The control endpoints of a push as stock SGLang answers them; /flush_cache as SGLang does while requests
+    wait (400) when `busy` is set."""
+
+    busy = False
+    version = "0"
+
+    def _reply(self, status: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._reply(200, {"weight_version": self.version})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        CALLS.append(("http", self.path))
+        if self.path == "/flush_cache" and self.busy:
+            self._reply(400, {"message": "Cache not flushed because there are pending requests."})
+            return
+        if self.path == "/update_weight_version":
+            type(self).version = str(body["new_version"])
+        self._reply(200, {"success": True, "message": "ok"})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pause_mode, busy", [("retract", False), ("retract", True), ("in_place", False)])
+def test_a_push_into_sglang_empties_its_prefix_cache_before_the_weights_change(
+    monkeypatch: pytest.MonkeyPatch, pause_mode: str, busy: bool
+) -> None:
+    # SGLang keeps finished requests' K/V across a weight update unless flushed: measured on a real 0.5.16
+    # server, a prompt asked again after a tensor push was served from the old prefix.
+    monkeypatch.setitem(transport.TRANSPORTS, "not-sent", f"{__name__}:NotSent")
+    monkeypatch.setattr(_StandInSGLang, "busy", busy)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandInSGLang)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    sync = WeightSync(SyncConfig(transport="not-sent", pause_mode=pause_mode), [EngineClient(url)],  # type: ignore[arg-type]
+                      device=torch.device("cpu"), engine_kind="sglang")  # fmt: skip
+    CALLS.clear()
+    try:
+        metrics = sync.push([("w", torch.zeros(4))], 7)
+    finally:
+        sync.close()
+        server.shutdown()
+        server.server_close()
+    order = [c[1] if c[0] == "http" else c[0] for c in CALLS]
+    if pause_mode == "in_place":  # the paused requests keep their K/V by design: SGLang would refuse the flush
+        assert order == [
+            "/pause_generation",
+            "begin",
+            "send",
+            "finish",
+            "/update_weight_version",
+            "/continue_generation",
+        ]
+        assert "sync/prefix_cache_flushed" not in metrics
+        return
+    assert order == ["/pause_generation", "/flush_cache", "begin", "send", "finish", "/update_weight_version",
+                     "/continue_generation"]  # fmt: skip
+    # Requests that retract put back in the queue block the flush: counted, and the push still lands.
+    assert metrics["sync/prefix_cache_flushed"] == (0.0 if busy else 1.0)  # and push() checked version 7 landed
