@@ -242,18 +242,22 @@ class SparseMoeBlock(nn.Module):
         return chosen, weights
 
     def _forced(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
-        if replay.shape[:2] != (b, t) or replay.shape[3] != self.moe.top_k or replay.dim() != 4:
-            raise ValueError(
-                f"routes of shape {tuple(replay.shape)} do not fit this forward: expected [{b}, {t}, layers, "
-                f"{self.moe.top_k}] (tokens x decoder layers x top-k)"
-            )
-        forced = replay[:, :, self.layer].reshape(b * t, self.moe.top_k).to(device=self.gate.weight.device)
-        over = forced >= self.moe.num_experts
-        if bool(over.any()):
-            raise ValueError(
-                f"routes name expert {int(forced.max())}, but layer {self.layer} has {self.moe.num_experts} experts"
-            )
-        return forced.long()
+        return forced_routes(replay, self.layer, b, t, self.moe, self.gate.weight.device)
+
+
+def forced_routes(replay: torch.Tensor, layer: int, b: int, t: int, moe: MoeArgs, device: torch.device) -> torch.Tensor:
+    """Decoder layer `layer`'s rows of the routes to replay [B, T, layers, k], as [B*T, k] expert ids (long) on
+    `device`; -1 where a token has no route. A shape or an expert id that does not fit the model is an error."""
+    if replay.shape[:2] != (b, t) or replay.shape[3] != moe.top_k or replay.dim() != 4:
+        raise ValueError(
+            f"routes of shape {tuple(replay.shape)} do not fit this forward: expected [{b}, {t}, layers, "
+            f"{moe.top_k}] (tokens x decoder layers x top-k)"
+        )
+    forced = replay[:, :, layer].reshape(b * t, moe.top_k).to(device=device)
+    over = forced >= moe.num_experts
+    if bool(over.any()):
+        raise ValueError(f"routes name expert {int(forced.max())}, but layer {layer} has {moe.num_experts} experts")
+    return forced.long()
 
 
 def grouped_mm_on(device: torch.device) -> bool:

@@ -408,7 +408,9 @@ def config_differences(recorded: Mapping[str, Any], cfg: Any) -> list[str]:
 def _comparable(cfg: Any) -> Any:
     train = cfg.train
     if train.backend == "megatron":
-        train = dataclasses.replace(train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1)
+        train = dataclasses.replace(
+            train, num_ranks=1, tensor_parallel_size=1, pipeline_parallel_size=1, expert_parallel_size=1
+        )
     else:  # its checkpoints hold whole tensors under either parallelism (FSDP2 gathers them)
         train = dataclasses.replace(
             train, num_ranks=1, parallelism="ddp", fsdp=type(train.fsdp)(), activation_checkpointing="none"

@@ -17,6 +17,9 @@ BACKEND_LIMITS: dict[str, dict[str, str]] = {
         "tensor_parallel_size": "the torch backend splits no layer: it replicates (ddp) or shards (fsdp2) the model",
         "pipeline_parallel_size": "the torch backend splits no layer: it replicates (ddp) or shards (fsdp2) the model",
         "megatron_optimizer": "it picks the megatron backend's optimizer",
+        "expert_parallel_size": (
+            "the torch backend splits no layer: every rank holds all experts (ddp) or a shard of each (fsdp2)"
+        ),
     },
     "megatron": {
         "parallelism": (
@@ -141,6 +144,11 @@ class TrainConfig:
     pipeline_parallel_size: int = 1
     """Megatron only: pipeline stages, each a contiguous run of layers; divides the layer count.
     num_ranks / (tensor_parallel_size x pipeline_parallel_size) is the data-parallel size."""
+    expert_parallel_size: int = 1
+    """Megatron only, mixture-of-experts models: ranks that split each MoE layer's experts (each holds
+    num_experts / expert_parallel_size of them; tokens go to their experts' rank and back). It must divide the
+    model's num_experts and the data-parallel size: Megatron places each expert-parallel group inside the
+    data-parallel ranks, which each train their own rows. A dense model refuses it (docs/moe.md)."""
     megatron_optimizer: Literal["auto", "distributed", "local"] = "auto"
     """Megatron only: `distributed` is Megatron's DDP + distributed optimizer (fp32 master weights, Adam
     state sharded over data-parallel ranks; CUDA only); `local` is torch AdamW on each rank's shards with
@@ -252,7 +260,7 @@ class TrainConfig:
     engine.batch_invariant: true on the same kind of device and dtype (CPU or CUDA, float32 or bfloat16;
     docs/numerics.md)."""
     routing_replay: Literal["off", "observe", "rollout"] = "rollout"
-    """Mixture-of-experts models (torch backend): `rollout` forces, per token and layer, the experts the engine
+    """Mixture-of-experts models (both backends): `rollout` forces, per token and layer, the experts the engine
     routed it to while sampling (rollout routing replay; the gate weights still come from the trainer's router, so
     it keeps its gradient); `observe` asks the engines for those routes and reports moe/route_agreement without
     forcing them; `off` asks for none and lets the trainer's router choose. Metrics: moe/route_agreement (measured
@@ -318,12 +326,20 @@ class TrainConfig:
             raise ValueError(f"max_nan_steps must be >= 1, got {self.max_nan_steps}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
         self._check_backend_limits()
         check_fsdp(self)
         if self.num_ranks % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(
                 f"num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel_size x pipeline_parallel_size "
                 f"({self.tensor_parallel_size} x {self.pipeline_parallel_size})"
+            )
+        if self.data_parallel_size % self.expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size ({self.expert_parallel_size}) must divide the data-parallel size, num_ranks / "
+                f"(tensor_parallel_size x pipeline_parallel_size) ({self.data_parallel_size}): Megatron places each "
+                "expert-parallel group inside the data-parallel ranks; change num_ranks or expert_parallel_size"
             )
         if self.megatron_optimizer == "distributed" and not self.device.startswith("cuda"):
             raise ValueError(

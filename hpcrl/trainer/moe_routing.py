@@ -1,32 +1,41 @@
-"""The torch trainer's side of a mixture-of-experts model: rollout routing replay, the load-balancing loss, and the
-routing metrics of a step (moe/route_agreement, moe/expert_load_cv, moe/aux_loss)."""
+"""The trainer's side of a mixture-of-experts model: rollout routing replay, the load-balancing loss, and the
+routing metrics of a step (moe/route_agreement, moe/expert_load_cv, moe/aux_loss). Both backends use it: the torch
+backend's model fills its `Routing` in its sparse blocks, the megatron backend's in its routers' top-k
+(hpcrl/trainer/megatron/moe.py)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from hpcrl.model import moe
-from hpcrl.model.qwen3 import CausalLM
 from hpcrl.trainer.batch import TrainBatch
 
 log = logging.getLogger(__name__)
 
 
+class Routed(Protocol):
+    """A model whose forward fills `routing` (hpcrl's CausalLM, or the megatron backend's GPTModel)."""
+
+    routing: moe.Routing
+
+
 class MoeRouting:
     """Set before each forward (the routes to force), read after it (the auxiliary loss and the statistics)."""
 
-    def __init__(self, model: CausalLM, replay: str) -> None:
-        self.args = model.args.moe
+    def __init__(self, model: Routed, args: moe.MoeArgs | None, replay: str) -> None:
+        self.args = args
         self.replay = replay != "off" and self.args is not None
         if self.args is None and replay != "off":
             log.info("train.routing_replay: %s does nothing for this dense model (it has no experts to route)", replay)
-        model.routing.force = replay == "rollout"
         self.coef = self.args.router_aux_loss_coef if self.args is not None else 0.0
-        model.routing.record_logits = self.coef > 0
+        if self.args is not None:  # a dense model may have no routing at all (the megatron backend's)
+            model.routing.force = replay == "rollout"
+            model.routing.record_logits = self.coef > 0
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
 
@@ -34,7 +43,7 @@ class MoeRouting:
     def active(self) -> bool:
         return self.args is not None
 
-    def before(self, model: CausalLM, mb: TrainBatch) -> None:
+    def before(self, model: Routed, mb: TrainBatch) -> None:
         """Give the next forward of `model` the rollout's routes (when the batch carries them): forced under
         `rollout`, compared only under `observe`."""
         if self.args is None:
@@ -48,7 +57,7 @@ class MoeRouting:
             )
         model.routing.replay = routes
 
-    def after(self, model: CausalLM, mb: TrainBatch) -> Tensor | None:
+    def after(self, model: Routed, mb: TrainBatch) -> Tensor | None:
         """The latest training forward's router_aux_loss_coef x load-balancing loss (None without experts or
         coefficient), its statistics recorded for `metrics`."""
         if self.args is None:

@@ -165,7 +165,7 @@ class TorchTrainer:
             print(f"{plan.line(cfg.parallelism)}; {settings_line(cfg)}; {micro_batch}", flush=True)
         self.model: CausalLM = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model.train()
-        self.moe = MoeRouting(self.model, cfg.routing_replay)
+        self.moe = MoeRouting(self.model, self.model.args.moe, cfg.routing_replay)
         if cfg.logprobs == "invariant":
             reason = invariant.supported_reason(self.device, cfg.dtype) or invariant.unsupported_model(self.model.args)
             if reason is not None:

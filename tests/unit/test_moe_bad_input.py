@@ -27,7 +27,7 @@ def test_routes_of_another_shape_are_refused_naming_both(tmp_path: Path) -> None
     spec = TinyModelSpec(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
                          head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
     model = load_model(init_tiny_model(tmp_path / "moe", spec))
-    routing = MoeRouting(model, "rollout")
+    routing = MoeRouting(model, model.args.moe, "rollout")
     # Routes of a 3-layer top-4 model (another checkpoint's engine) for this 2-layer top-2 one.
     batch = TrainBatch.from_sequences(PROMPTS, RESPONSES, routed_experts=_routes(3, 4))
     with pytest.raises(ValueError, match=r"shape \(2, 5, 3, 4\), but this model has 2 layers and top-2 routing: "
@@ -46,7 +46,7 @@ def test_replay_asked_of_a_dense_model_is_a_no_op_that_says_so(
     model = load_model(tiny_model_dir)
     batch = TrainBatch.from_sequences(PROMPTS, RESPONSES)
     with caplog.at_level(logging.INFO, logger="hpcrl.trainer.moe_routing"):
-        routing = MoeRouting(model, "rollout")
+        routing = MoeRouting(model, model.args.moe, "rollout")
     # ... and the trainer logs that the setting does nothing, and forces nothing.
     assert "train.routing_replay: rollout does nothing for this dense model" in caplog.text
     assert not routing.active
@@ -54,16 +54,3 @@ def test_replay_asked_of_a_dense_model_is_a_no_op_that_says_so(
     with torch.no_grad():
         model(batch.input_ids)
     assert routing.after(model, batch) is None
-
-
-def test_the_megatron_backend_refuses_an_moe_model_naming_the_torch_backend(tmp_path: Path) -> None:
-    pytest.importorskip("megatron.core")
-    from hpcrl.trainer.config import TrainConfig
-    from hpcrl.trainer.megatron.backend import MegatronTrainer
-
-    spec = TinyModelSpec(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
-                         head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
-    model_dir = init_tiny_model(tmp_path / "moe", spec)
-    with pytest.raises(ValueError, match=r"mixture-of-experts model \(qwen3_moe\), which the Megatron backend does "
-                       r"not train yet; use train.backend: torch"):  # fmt: skip
-        MegatronTrainer(TrainConfig(backend="megatron"), model_dir)

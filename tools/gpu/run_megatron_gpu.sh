@@ -7,6 +7,8 @@
 # mfu. (STEPS=mfu) the MFU levers (fused head, compiled layers, micro-batch 8) on megatron vs the torch backend
 # 3. the GRPO loop with the Megatron trainer, then the torch trainer (colocated engine): step time and the
 #    train/rollout log-prob gap
+# moe. (STEPS=moe) a reduced Qwen3-30B-A3B (4 layers, 128 experts, top-8) trained by the Megatron backend with
+#    expert parallelism 1 in bf16: step seconds and the log-prob gap with and without routing replay
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/hpcrl-gpu-out}
@@ -17,7 +19,7 @@ STEPS=${STEPS:-"tests forward bench loop"}
 python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)" 2>&1 | tee "$OUT/megatron.log"
 if [[ $STEPS == *tests* ]]; then
   echo "=== CPU tests of the backend under this megatron-core" | tee -a "$OUT/megatron.log"
-  OMP_NUM_THREADS=2 timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_megatron.py -k "not killed" --tb=short 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/megatron.log"
+  OMP_NUM_THREADS=2 timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_megatron.py tests/unit/test_megatron_moe.py -k "not killed" --tb=short 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/megatron.log"
 fi
 if [[ $STEPS == *forward* ]]; then
   echo "=== forward equality" | tee -a "$OUT/megatron.log"
@@ -43,4 +45,9 @@ if [[ $STEPS == *loop* ]]; then
     timeout 200 python3 tools/bench/step_time.py --shape qwen3-0.6b --device cuda --dtype bfloat16 --colocate \
       --backend $backend --steps 8 --threads 4 --no-baseline 2>&1 | grep -E "abs_diff|^\| [a-z]" | tee -a "$OUT/megatron.log"
   done
+fi
+if [[ $STEPS == *moe* ]]; then
+  echo "=== Qwen3-MoE on the Megatron backend, EP=1, bf16" | tee -a "$OUT/megatron.log"
+  timeout 540 python3 tools/gpu/megatron_moe_gpu.py --out "$OUT/megatron_moe" --steps 4 2>&1 \
+    | grep -v Warning | tail -12 | tee -a "$OUT/megatron.log"
 fi

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,10 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import TrainConfig
 from hpcrl.trainer.megatron.layout import Shard, check_parallel_sizes, hf_names, to_hf, to_megatron
 from hpcrl.trainer.megatron.model import build_gpt_model, compile_layers, init_parallel_state
+from hpcrl.trainer.megatron.moe import gloo_expert_collectives
 from hpcrl.trainer.megatron.optimizer import MOMENTS, DistributedOptimizer, LocalOptimizer
 from hpcrl.trainer.megatron.pipeline import Pipeline
+from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.step import TrainStep
 from hpcrl.trainer.step_stats import NanGuard
 
@@ -55,15 +57,16 @@ class MegatronTrainer:
         self.model_dir = Path(model_dir)
         self.rank, self.world_size = rank, world_size
         self.args = ModelArgs.from_dir(model_dir)
-        if self.args.moe is not None:
-            raise ValueError(
-                f"{model_dir} is a mixture-of-experts model (qwen3_moe), which the Megatron backend does not train "
-                "yet; use train.backend: torch"
-            )
-        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-        check_parallel_sizes(self.args, tp, pp)
+        tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size
+        check_parallel_sizes(self.args, tp, pp, ep)
         if world_size % (tp * pp):
             raise ValueError(f"train.num_ranks ({world_size}) must be a multiple of TP x PP ({tp} x {pp})")
+        if (world_size // (tp * pp)) % ep:
+            raise ValueError(
+                f"train.expert_parallel_size ({ep}) must divide the data-parallel size num_ranks / (TP x PP) "
+                f"({world_size // (tp * pp)}): Megatron places each expert-parallel group inside the data-parallel "
+                "ranks"
+            )
         torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -72,14 +75,18 @@ class MegatronTrainer:
         if not dist.is_initialized():  # one rank: Megatron still wants its process groups
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=dist.HashStore(),
                                     rank=0, world_size=1)  # fmt: skip
-        init_parallel_state(tp, pp)
+        init_parallel_state(tp, pp, ep)
+        if ep > 1 and self.device.type == "cpu":
+            gloo_expert_collectives()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.ep_group = ps.get_expert_model_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.shard = Shard(
             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, num_layers=self.args.num_layers,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep, num_layers=self.args.num_layers,
         )  # fmt: skip
         self.dtype = parse_dtype(cfg.dtype)
         hf = dict(iter_safetensors(self.model_dir))
@@ -92,6 +99,8 @@ class MegatronTrainer:
         self.ref_model: torch.nn.Module | None = None
         if cfg.kl_coef > 0:
             self.ref_model = self._build(hf).eval().requires_grad_(False)
+            if self.args.moe is not None:  # routes as the policy's forwards do (MoeRouting sets those)
+                cast(Any, self.ref_model).routing.force = cfg.routing_replay == "rollout"
         kind = cfg.megatron_optimizer
         if kind == "auto":
             kind = "distributed" if self.device.type == "cuda" else "local"
@@ -103,14 +112,15 @@ class MegatronTrainer:
         self._sft_optimizer: Optimizer | None = None
         self._last_mode = "grpo"
         self.nan_guard = NanGuard(cfg.max_nan_steps)
+        self.moe = MoeRouting(cast(Any, self.model), self.args.moe, cfg.routing_replay)
         self.pipeline = Pipeline(cfg, self.args, self.shard, model=self.model, ref_model=self.ref_model,
-                                 dtype=self.dtype, device=self.device)  # fmt: skip
+                                 dtype=self.dtype, device=self.device, moe=self.moe)  # fmt: skip
         self.step = TrainStep(self.pipeline, cfg, self.nan_guard)
 
     def _build(self, hf: dict[str, Tensor]) -> torch.nn.Module:
         model = build_gpt_model(
             self.args, tp_size=self.shard.tp_size, pp_size=self.shard.pp_size, pp_rank=self.shard.pp_rank,
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype, device=self.device, ep_size=self.shard.ep_size,
         )  # fmt: skip
         self._load_params(model, to_megatron(lambda n: hf[n], self.args, self.shard))
         return model
@@ -140,7 +150,7 @@ class MegatronTrainer:
 
     # ----- steps (the algorithm: hpcrl/trainer/step.py, the mechanics: pipeline.py) -----
     def train_grpo(self, batch: TrainBatch) -> dict[str, float]:
-        return self.step.grpo(batch, self._optimizer_for("grpo"))
+        return self.step.grpo(batch, self._optimizer_for("grpo")) | self.moe.metrics()
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         return self.step.sft(batch, self._optimizer_for("sft"))
@@ -179,9 +189,20 @@ class MegatronTrainer:
         dist.all_gather(out, t.contiguous(), group=self.tp_group)
         return out
 
+    def _ep_gather(self, t: Tensor) -> list[Tensor]:
+        """One local expert's tensor from every EP rank, in EP rank order (each holds other experts)."""
+        if self.shard.ep_size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.shard.ep_size)]
+        dist.all_gather(out, t.contiguous(), group=self.ep_group)
+        return out
+
     def _collect(self, lookup: Callable[[str], Tensor]) -> list[tuple[str, Tensor]]:
         # A later stage gathers its TP shards before it sends them to rank 0.
-        self._stage_cache = list(to_hf(lambda n: self._tp_gather(lookup(n).detach()), self.args, self.shard))
+        self._stage_cache = list(to_hf(
+            lambda n: self._tp_gather(lookup(n).detach()), self.args, self.shard,
+            ep_shards=lambda n: self._ep_gather(lookup(n).detach()),
+        ))  # fmt: skip
         if self.shard.pp_size == 1:
             return self._stage_cache if self.rank == 0 else []
         out = list(self._hf_tensors_from_cache())

@@ -6,6 +6,11 @@ column-parallel weights (qkv, fc1, embedding, output layer) along dim 0 and row-
 (linear_proj, fc2) along dim 1, and pads the vocabulary to a multiple of the TP size. Pipeline stage
 s owns a contiguous run of layers, numbered from 0 inside the stage.
 
+A mixture-of-experts layer (Qwen3-MoE) keeps its router as `mlp.router.weight` [E, h] (HF `mlp.gate.weight`) and
+its experts as `mlp.experts.local_experts.i` with the same fused fc1 ([gate; up]) and fc2 as a dense MLP. Expert
+parallelism gives EP rank r the experts r * E/EP ... (r + 1) * E/EP - 1, numbered from 0 on the rank; the router
+and everything else is whole on every rank.
+
 This module is pure tensor code (no megatron import) so the conversion is testable anywhere, and the
 same functions convert the Adam moments, which have the shapes of the weights they belong to.
 """
@@ -29,6 +34,8 @@ class Shard:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
     num_layers: int
 
     @property
@@ -45,8 +52,27 @@ class Shard:
         return range(self.pp_rank * per, (self.pp_rank + 1) * per)
 
 
-def check_parallel_sizes(args: ModelArgs, tp_size: int, pp_size: int) -> None:
+def check_parallel_sizes(args: ModelArgs, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
     """Raise a clear error when the model cannot be split this way."""
+    if args.moe is None and ep_size > 1:
+        raise ValueError(
+            f"expert_parallel_size: {ep_size} needs a mixture-of-experts model, but this one is dense (no experts to "
+            "split); set train.expert_parallel_size: 1"
+        )
+    if args.moe is not None:
+        if args.moe.num_experts % ep_size:
+            raise ValueError(
+                f"expert_parallel_size ({ep_size}) must divide the model's num_experts ({args.moe.num_experts}): each "
+                "expert-parallel rank holds an equal share of every layer's experts"
+            )
+        if tp_size > 1 or pp_size > 1:
+            # TP would need Megatron's sequence parallelism and expert-TP shards of the experts; PP would split the
+            # load-balancing loss, which Qwen3-MoE computes over all layers at once (hpcrl.model.moe.aux_loss).
+            raise ValueError(
+                f"the megatron backend trains a mixture-of-experts model with tensor_parallel_size 1 and "
+                f"pipeline_parallel_size 1 (got {tp_size} and {pp_size}): split it with expert_parallel_size and "
+                "data parallelism instead"
+            )
     problems = []
     if args.num_heads % tp_size:
         problems.append(f"num_attention_heads ({args.num_heads}) is not a multiple of tensor_parallel_size")
@@ -67,6 +93,11 @@ _TP_SPLIT_SUFFIXES = (
     "word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_proj.weight",
     "linear_fc1.weight", "linear_fc2.weight", "output_layer.weight",
 )  # fmt: skip
+
+
+def is_expert(megatron_name: str) -> bool:
+    """Whether this parameter is one of an EP rank's own experts (else all EP ranks hold the same tensor)."""
+    return ".mlp.experts.local_experts." in megatron_name
 
 
 def is_tp_split(megatron_name: str) -> bool:
@@ -119,8 +150,25 @@ def hf_layer_names(args: ModelArgs, i: int) -> list[str]:
     if args.qk_norm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
-    names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if _sparse(args, i):
+        assert args.moe is not None
+        names.append(p + "mlp.gate.weight")
+        for e in range(args.moe.num_experts):
+            names += [p + f"mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
+    else:
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return names
+
+
+def _sparse(args: ModelArgs, layer: int) -> bool:
+    return args.moe is not None and args.moe.sparse_layers[layer]
+
+
+def _local_experts(args: ModelArgs, shard: Shard) -> range:
+    """The global ids of the experts this EP rank holds (its local expert i is the range's i-th)."""
+    assert args.moe is not None
+    per = args.moe.num_experts // shard.ep_size
+    return range(shard.ep_rank * per, (shard.ep_rank + 1) * per)
 
 
 def hf_names(args: ModelArgs, layers: range | None = None, *, first: bool = True, last: bool = True) -> list[str]:
@@ -155,6 +203,13 @@ def to_megatron(hf: Callable[[str], Tensor], args: ModelArgs, shard: Shard) -> d
             out[m + "self_attention.k_layernorm.weight"] = hf(a + "k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = _chunk(hf(a + "o_proj.weight"), shard, 1)
         out[m + "pre_mlp_layernorm.weight"] = hf(p + "post_attention_layernorm.weight")
+        if _sparse(args, i):
+            out[m + "mlp.router.weight"] = hf(p + "mlp.gate.weight")
+            for local_e, e in enumerate(_local_experts(args, shard)):
+                x, ex = f"{m}mlp.experts.local_experts.{local_e}.", f"{p}mlp.experts.{e}."
+                out[x + "linear_fc1.weight"] = torch.cat([hf(ex + "gate_proj.weight"), hf(ex + "up_proj.weight")])
+                out[x + "linear_fc2.weight"] = hf(ex + "down_proj.weight")
+            continue
         gate, up = _chunk(hf(p + "mlp.gate_proj.weight"), shard, 0), _chunk(hf(p + "mlp.up_proj.weight"), shard, 0)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
         out[m + "mlp.linear_fc2.weight"] = _chunk(hf(p + "mlp.down_proj.weight"), shard, 1)
@@ -167,10 +222,15 @@ def to_megatron(hf: Callable[[str], Tensor], args: ModelArgs, shard: Shard) -> d
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def to_hf(tp_shards: Callable[[str], list[Tensor]], args: ModelArgs, shard: Shard) -> Iterator[tuple[str, Tensor]]:
+def to_hf(
+    tp_shards: Callable[[str], list[Tensor]], args: ModelArgs, shard: Shard,
+    ep_shards: Callable[[str], list[Tensor]] | None = None,
+) -> Iterator[tuple[str, Tensor]]:  # fmt: skip
     """HF (name, tensor) of this stage from the Megatron tensors of all its TP ranks, in `hf_names` order.
 
-    `tp_shards(megatron_name)` returns that parameter from every TP rank of the stage, in rank order.
+    `tp_shards(megatron_name)` returns that parameter from every TP rank of the stage, in rank order;
+    `ep_shards(megatron_name)` a local expert's parameter from every EP rank, in rank order (needed when
+    shard.ep_size > 1).
     """
     vocab = args.vocab_size
 
@@ -200,6 +260,10 @@ def to_hf(tp_shards: Callable[[str], list[Tensor]], args: ModelArgs, shard: Shar
             yield a + "k_norm.weight", replicated(m + "self_attention.k_layernorm.weight")
         yield a + "o_proj.weight", whole(m + "self_attention.linear_proj.weight", 1)
         yield p + "post_attention_layernorm.weight", replicated(m + "pre_mlp_layernorm.weight")
+        if _sparse(args, i):
+            yield p + "mlp.gate.weight", replicated(m + "mlp.router.weight")
+            yield from _experts_to_hf(ep_shards or (lambda n: [replicated(n)]), args, shard, p, m)
+            continue
         fc1 = [s.chunk(2, dim=0) for s in tp_shards(m + "mlp.linear_fc1.weight")]
         yield p + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1])
         yield p + "mlp.up_proj.weight", torch.cat([u for _, u in fc1])
@@ -208,3 +272,23 @@ def to_hf(tp_shards: Callable[[str], list[Tensor]], args: ModelArgs, shard: Shar
         yield "model.norm.weight", replicated("decoder.final_layernorm.weight")
         if not args.tie_word_embeddings:
             yield "lm_head.weight", whole("output_layer.weight", 0)[:vocab]
+
+
+def _experts_to_hf(
+    ep_shards: Callable[[str], list[Tensor]], args: ModelArgs, shard: Shard, p: str, m: str
+) -> Iterator[tuple[str, Tensor]]:
+    """One sparse layer's experts in HF names, global expert order, gathered over the EP ranks."""
+    assert args.moe is not None
+    per = args.moe.num_experts // shard.ep_size
+    experts: dict[int, tuple[Tensor, Tensor]] = {}
+    for local_e in range(per):  # one gather per local expert and weight, every EP rank in the same order
+        x = f"{m}mlp.experts.local_experts.{local_e}."
+        fc1s, fc2s = ep_shards(x + "linear_fc1.weight"), ep_shards(x + "linear_fc2.weight")
+        for r in range(shard.ep_size):
+            experts[r * per + local_e] = fc1s[r], fc2s[r]
+    for e in range(args.moe.num_experts):
+        fc1, fc2 = experts[e]
+        gate, up = fc1.chunk(2, dim=0)
+        yield f"{p}mlp.experts.{e}.gate_proj.weight", gate
+        yield f"{p}mlp.experts.{e}.up_proj.weight", up
+        yield f"{p}mlp.experts.{e}.down_proj.weight", fc2

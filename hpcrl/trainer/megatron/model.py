@@ -38,13 +38,15 @@ def _megatron() -> Any:
     return mc
 
 
-def init_parallel_state(tp_size: int, pp_size: int) -> None:
+def init_parallel_state(tp_size: int, pp_size: int, ep_size: int = 1) -> None:
     """Megatron's process groups over the default torch.distributed group (which must exist)."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, expert_model_parallel_size=ep_size
+    )
 
 
 def _sdpa_attention_class() -> type:
@@ -82,8 +84,12 @@ def _sdpa_attention_class() -> type:
     return SDPAttention
 
 
-def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, dtype: torch.dtype, cpu: bool) -> Any:
+def transformer_config(
+    args: ModelArgs, *, tp_size: int, pp_size: int, dtype: torch.dtype, cpu: bool, ep_size: int = 1
+) -> Any:
     from megatron.core.transformer import TransformerConfig
+
+    from hpcrl.trainer.megatron.moe import moe_config
 
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -113,6 +119,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, dtype: to
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **(moe_config(args.moe, ep_size=ep_size) if args.moe is not None else {}),
     )
 
 
@@ -152,9 +159,17 @@ def _hidden_gpt_model_class() -> type:
 
 
 def build_gpt_model(
-    args: ModelArgs, *, tp_size: int, pp_size: int, pp_rank: int, dtype: torch.dtype, device: torch.device
+    args: ModelArgs,
+    *,
+    tp_size: int,
+    pp_size: int,
+    pp_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    ep_size: int = 1,
 ) -> torch.nn.Module:
-    """This rank's GPTModel (its pipeline stage, its TP shards), with uninitialized weights."""
+    """This rank's GPTModel (its pipeline stage, its TP shards, its EP rank's experts), with uninitialized weights.
+    A mixture-of-experts model's GPTModel has a `routing` (hpcrl.model.moe.Routing) its forwards fill."""
     if args.rope_scaling is not None or args.min_window is not None:
         what = "RoPE scaling" if args.rope_scaling is not None else "sliding-window attention"
         raise ValueError(
@@ -164,13 +179,21 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     cpu = device.type == "cpu"
-    config = transformer_config(args, tp_size=tp_size, pp_size=pp_size, dtype=dtype, cpu=cpu)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+    config = transformer_config(args, tp_size=tp_size, pp_size=pp_size, dtype=dtype, cpu=cpu, ep_size=ep_size)
+    experts = args.moe.num_experts if args.moe is not None else None
+    # SequentialMLP experts (moe_grouped_gemm off): plain torch, on a CPU too (grouped GEMMs need TE or grouped_gemm).
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=args.qk_norm, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     with _no_embedding_sync() if cpu else contextlib.nullcontext():
         model = _gpt_model(_hidden_gpt_model_class(), config, spec, args, tp_size, pp_size, pp_rank)
     if cpu:
         _rope_on_cpu(model.rotary_pos_emb)
+    if args.moe is not None:
+        from hpcrl.trainer.megatron.moe import attach_routing
+
+        attach_routing(model, args.moe)
     return model.to(device)
 
 

@@ -1,8 +1,9 @@
 """The Megatron trainer's two optimizers, behind one interface.
 
-- `LocalOptimizer`: torch AdamW over this rank's shards; gradients are all-reduced over DP by hand,
-  q/k-norm gradients summed over TP, tied-embedding gradients over the first and last stages. Runs on
-  CPU (gloo) and GPU. Every DP replica keeps the full Adam state of its shards.
+- `LocalOptimizer`: torch AdamW over this rank's shards; gradients are all-reduced over DP by hand (an
+  expert's over the ranks that hold that expert, Megatron's expert-data-parallel group), q/k-norm gradients
+  summed over TP, tied-embedding gradients over the first and last stages. Runs on CPU (gloo) and GPU. Every
+  DP replica keeps the full Adam state of its shards.
 - `DistributedOptimizer`: Megatron's DDP (gradients in one fp32 buffer, reduce-scattered over DP)
   and distributed optimizer (fp32 master weights and Adam state split over DP, ZeRO-1), with
   Megatron's own `finalize_model_grads` for the TP/PP reductions. CUDA only: both allocate their
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hpcrl.trainer.config import TrainConfig
-from hpcrl.trainer.megatron.layout import Shard, is_tp_split
+from hpcrl.trainer.megatron.layout import Shard, is_expert, is_tp_split
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -41,6 +42,9 @@ class LocalOptimizer:
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.experts = {p for name, p in model.named_parameters() if is_expert(name)}
         self.torch_opt = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
@@ -55,7 +59,11 @@ class LocalOptimizer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.dp_size > 1:
             for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
+                # An expert lives on the ranks of its expert-data-parallel group only; its gradient from the other
+                # EP ranks' tokens came back through the token dispatcher's backward already.
+                group = self.expert_dp_group if p in self.experts else self.dp_group
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
         if self.shard.tp_size > 1:
             # q/k norms are shared by all heads but each TP rank sees only its own heads' gradient.
             for name, p in self.model.named_parameters():
@@ -69,18 +77,23 @@ class LocalOptimizer:
         """Global grad norm over all shards (TP-split weights summed over TP, replicated ones once); clips."""
         split = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         duplicate = self.shared_embedding if self.shard.pp_size > 1 and not self.shard.first_stage else None
         for name, p in self.model.named_parameters():
             if p.grad is None or p is duplicate:
                 continue
             sq = p.grad.detach().double().pow(2).sum()
-            if is_tp_split(name):
+            if p in self.experts:
+                experts += sq
+            elif is_tp_split(name):
                 split += sq
             else:
                 replicated += sq
         if self.shard.tp_size > 1:
             dist.all_reduce(split, group=self.tp_group)
-        total = split + replicated
+        if self.shard.ep_size > 1:  # each EP rank holds other experts
+            dist.all_reduce(experts, group=self.ep_group)
+        total = split + replicated + experts
         if self.shard.pp_size > 1:
             dist.all_reduce(total, group=self.pp_group)
         norm = float(total.sqrt().item())

@@ -6,14 +6,16 @@ CUDA. The last stage scores log-probs vocab-parallel: each TP rank holds a slice
 the log-softmax normalizer, the target's logit and the entropy are all-reduced across TP. With
 train.logprob_chunk_tokens it stops at the final norm and the LM head and log-softmax run fused over token chunks
 (`vocab_parallel_hidden_logprobs`), so the logits never exist in full. Gradients are summed over data-parallel
-replicas (Megatron's DDP is told `calculate_per_token_loss`; the local optimizer all-reduces a sum).
+replicas (Megatron's DDP is told `calculate_per_token_loss`; the local optimizer all-reduces a sum). A
+mixture-of-experts model adds its load-balancing loss and routes by the rollout's routes (hpcrl.trainer.moe_routing);
+under expert parallelism each forward is padded to its expert-parallel group's shape (moe.ExpertBatch).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,8 @@ from hpcrl.trainer.megatron.logprobs import (
     vocab_parallel_support_logprobs,
 )
 from hpcrl.trainer.megatron.model import output_weight
+from hpcrl.trainer.megatron.moe import ExpertBatch
+from hpcrl.trainer.moe_routing import MoeRouting
 from hpcrl.trainer.step import MicroLoss
 
 
@@ -39,11 +43,13 @@ class Pipeline:
 
     def __init__(
         self, cfg: TrainConfig, args: ModelArgs, shard: Shard, *, model: Any, ref_model: torch.nn.Module | None,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, moe: MoeRouting | None = None,
     ) -> None:  # fmt: skip
         from megatron.core import parallel_state as ps
 
         self.cfg, self.args, self.shard = cfg, args, shard
+        self.moe = moe
+        self.expert_batch = ExpertBatch(ps.get_expert_model_parallel_group(), shard.ep_size)
         self.model, self.ref_model = model, ref_model
         self.dtype, self.device = dtype, device
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -68,8 +74,15 @@ class Pipeline:
         norm's output [s, b, h] with `hidden_only`)."""
         if hidden_in is not None:
             model.set_input_tensor(hidden_in)
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions, None, hidden_only=hidden_only)
+        routing = getattr(model, "routing", None)
+        padded, (b, t), replay = self.expert_batch.pad(ids, routing)
+        positions = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)
+        out = model(padded, positions, None, hidden_only=hidden_only)
+        if padded.shape == ids.shape:
+            return out
+        assert routing is not None
+        ExpertBatch.trim(routing, (b, t), (padded.shape[0], padded.shape[1]), replay)
+        return out[:t, :b] if hidden_only else out[:b, :t]
 
     def _fused_head(self, supports: tuple[Tensor, Tensor] | None) -> bool:
         """Whether the last stage hands the fused head its hidden states: train.logprob_chunk_tokens is set and
@@ -112,6 +125,8 @@ class Pipeline:
         model = self.ref_model if reference else self.model
         assert model is not None, "reference log-probs need train.kl_coef > 0"
         supports = mb.padded_supports()
+        if self.moe is not None:
+            self.moe.before(cast(Any, model), mb)
         with torch.no_grad():
             out = self._stage_forward(model, mb, keep_graph=False, hidden_only=self._fused_head(supports))[1]
             if not self.shard.last_stage:
@@ -146,10 +161,17 @@ class Pipeline:
         for i, mb in enumerate(mbs):
             t0 = time.perf_counter()
             supports = mb.padded_supports()
+            if self.moe is not None:
+                self.moe.before(self.model, mb)
             hidden_in, out = self._stage_forward(self.model, mb, keep_graph=True,
                                                  hidden_only=self._fused_head(supports))  # fmt: skip
             if self.shard.last_stage:
                 out = loss(i, *self._logprobs(self.model, out, mb.input_ids, supports))
+                aux = self.moe.after(self.model, mb) if self.moe is not None else None
+                if aux is not None:  # an MoE model is one stage (layout.check_parallel_sizes)
+                    # The load-balancing term once per optimizer step, the replicas' mean as the torch backend's
+                    # DDP averages it (gradients here are summed over DP).
+                    out = out + aux / (len(mbs) * self.dp_size)
             forward_s += time.perf_counter() - t0
             pending.append((hidden_in, out))
         for hidden_in, out in reversed(pending):
