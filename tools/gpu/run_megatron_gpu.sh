@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 OUT=${OUT:-/tmp/hpcrl-gpu-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
-export PYTHONPATH=/tmp/site:.
+export PYTHONPATH=/tmp/site:$PWD  # absolute: tests start subprocesses in other directories
 STEPS=${STEPS:-"tests forward bench loop"}
 python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)" 2>&1 | tee "$OUT/megatron.log"
 if [[ $STEPS == *tests* ]]; then
@@ -48,6 +48,6 @@ if [[ $STEPS == *loop* ]]; then
 fi
 if [[ $STEPS == *moe* ]]; then
   echo "=== Qwen3-MoE on the Megatron backend, EP=1, bf16" | tee -a "$OUT/megatron.log"
-  timeout 540 python3 tools/gpu/megatron_moe_gpu.py --out "$OUT/megatron_moe" --steps 4 2>&1 \
+  timeout 540 python3 tools/gpu/megatron_moe_gpu.py --out "$OUT/megatron_moe" --steps 4 --layers ${MOE_LAYERS:-4} 2>&1 \
     | grep -v Warning | tail -12 | tee -a "$OUT/megatron.log"
 fi
