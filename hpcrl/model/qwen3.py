@@ -377,7 +377,8 @@ class Attention(nn.Module):
         if q.is_cuda:
             # Every decode step attends to one more cached position, a key shape cuDNN's attention has not seen:
             # it builds a new execution plan each time, 13 ms of host time per layer and step on an H100
-            # (benchmarks/moe-decode_h100_2026-12-06.md). The memory-efficient kernel takes the mask with no plan.
+            # (benchmarks/moe_h100_2026-12-06.md). Without cuDNN torch runs its math path here (two batched
+            # matmuls), which builds nothing.
             with sdpa_kernel(_CACHED_ATTENTION_BACKENDS):
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
         else:
