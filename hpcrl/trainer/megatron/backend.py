@@ -182,26 +182,20 @@ class MegatronTrainer:
         return None
 
     # ----- weights and state, in Hugging Face layout -----
-    def _tp_gather(self, t: Tensor) -> list[Tensor]:
-        if self.shard.tp_size == 1:
+    @staticmethod
+    def _gather(t: Tensor, size: int, group: Any) -> list[Tensor]:
+        """`t` from every rank of `group` (`size` ranks), in rank order: TP shards, or EP ranks' local experts."""
+        if size == 1:
             return [t]
-        out = [torch.empty_like(t) for _ in range(self.shard.tp_size)]
-        dist.all_gather(out, t.contiguous(), group=self.tp_group)
-        return out
-
-    def _ep_gather(self, t: Tensor) -> list[Tensor]:
-        """One local expert's tensor from every EP rank, in EP rank order (each holds other experts)."""
-        if self.shard.ep_size == 1:
-            return [t]
-        out = [torch.empty_like(t) for _ in range(self.shard.ep_size)]
-        dist.all_gather(out, t.contiguous(), group=self.ep_group)
+        out = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(out, t.contiguous(), group=group)
         return out
 
     def _collect(self, lookup: Callable[[str], Tensor]) -> list[tuple[str, Tensor]]:
         # A later stage gathers its TP shards before it sends them to rank 0.
         self._stage_cache = list(to_hf(
-            lambda n: self._tp_gather(lookup(n).detach()), self.args, self.shard,
-            ep_shards=lambda n: self._ep_gather(lookup(n).detach()),
+            lambda n: self._gather(lookup(n).detach(), self.shard.tp_size, self.tp_group), self.args, self.shard,
+            ep_shards=lambda n: self._gather(lookup(n).detach(), self.shard.ep_size, self.ep_group),
         ))  # fmt: skip
         if self.shard.pp_size == 1:
             return self._stage_cache if self.rank == 0 else []
